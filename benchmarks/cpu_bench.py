@@ -1,0 +1,256 @@
+"""CPU benchmark: relax_kvcache vs TVM's native C++ cache with TVM's CPU kernels, side by side.
+
+Both caches get the same inputs in one process. Reported per shape:
+
+* decode: time of one layer's ``attention_with_fused_qkv`` in a decode step (split + RoPE +
+  append + attention), KV bytes read per second, ratio ours/native, and the fraction of the
+  machine's measured read bandwidth (roofline = KV bytes / bandwidth);
+* prefill: time of one layer's attention call for fresh prompts (causal) and for a chunk on
+  top of a cached context, TFLOP/s (4 * heads * head_dim per visible query-key pair) against
+  the measured fp32 matrix rate;
+* host: ``begin_forward`` + metadata sync (``get_query_positions``) + ``end_forward`` for
+  1..256 decode sequences.
+
+Usage: ``python benchmarks/cpu_bench.py [--quick]``. Shapes: fp32, 32 query / 8 KV heads,
+head_dim 128, page 16 (Llama-3-8B attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable, List, Tuple
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tvm  # noqa: E402
+from tvm.runtime import ShapeTuple  # noqa: E402
+from tvm.script import tirx as T  # noqa: E402
+
+import relax_kvcache as rk  # noqa: E402
+from tvm_native import create_native_cache, native_builtin  # noqa: E402
+
+HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, "float32"
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+def measure_read_bandwidth(num_bytes: int = 1 << 29) -> float:
+    """Bytes/s of a parallel, vectorised TIR reduction over a large float32 buffer."""
+    n = num_bytes // 4
+    chunks = 256
+
+    @T.prim_func(s_tir=True)
+    def read_all(var_a: T.handle, var_out: T.handle):
+        a = T.match_buffer(var_a, (chunks, n // chunks // 8, 8), "float32")
+        out = T.match_buffer(var_out, (chunks, 8), "float32")
+        for c in T.parallel(chunks):
+            with T.sblock("sum"):
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((8,), "float32")
+                for x in T.vectorized(8):
+                    acc[x] = T.float32(0)
+                for i in T.serial(n // chunks // 8):
+                    for x in T.vectorized(8):
+                        acc[x] = acc[x] + a[c, i, x]
+                for x in T.vectorized(8):
+                    out[c, x] = acc[x]
+
+    lib = tvm.compile(tvm.IRModule({"read_all": read_all}), target=rk.runtime.default_target(tvm.cpu()))
+    a = tvm.runtime.tensor(np.ones((chunks, n // chunks // 8, 8), np.float32))
+    out = tvm.runtime.empty((chunks, 8), "float32")
+    f = lib["read_all"]
+    f(a, out)
+    return num_bytes / min(_timeit(lambda: f(a, out), 5))
+
+
+def measure_matmul_rate(size: int = 2048) -> float:
+    """FLOP/s of a float32 matrix multiply (numpy's BLAS, all threads)."""
+    x = np.random.default_rng(0).standard_normal((size, size)).astype(np.float32)
+    x @ x
+    return 2 * size ** 3 / min(_timeit(lambda: x @ x, 3))
+
+
+def _timeit(fn: Callable[[], object], repeat: int) -> List[float]:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# ----------------------------------------------------------------------------- drivers
+
+class Driver:
+    """Drives one cache through the vm.builtin conventions (TVM's own builtins for native)."""
+
+    def __init__(self, name: str, cache, native: bool) -> None:
+        self.name, self.cache = name, cache
+        get = native_builtin if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
+        self.add = get("kv_state_add_sequence")
+        self.begin = get("kv_state_begin_forward")
+        self.end = get("kv_state_end_forward")
+        self.popn = get("kv_state_popn")
+        self.attn = get("attention_kv_cache_attention_with_fused_qkv")
+        self.query_positions = get("attention_kv_cache_get_query_positions")
+
+    def step(self, seq_ids, lengths, qkvs, outs, sm_scale) -> List[float]:
+        """One forward step; returns the seconds of each layer's attention call."""
+        self.begin(self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
+        times = []
+        for layer, (qkv, out) in enumerate(zip(qkvs, outs)):
+            start = time.perf_counter()
+            self.attn(self.cache, layer, sm_scale, qkv, out)
+            times.append(time.perf_counter() - start)
+        self.end(self.cache)
+        return times
+
+
+def make_pair(num_layers: int, max_tokens: int, chunk: int, max_seqs: int, heads=(HQ, HKV, D)) -> List[Driver]:
+    hq, hkv, d = heads
+    config = rk.KVCacheConfig(num_layers=num_layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                              page_size=PAGE, max_num_seqs=max_seqs, max_total_seq_len=max_tokens,
+                              prefill_chunk_size=chunk, rope_mode=rk.RopeMode.NORMAL, dtype=DTYPE)
+    return [Driver("ours", rk.PagedAttentionKVCache(config), native=False),
+            Driver("native", create_native_cache(config), native=True)]
+
+
+def random_qkv(rng, num_layers: int, n: int, heads=(HQ, HKV, D)):
+    hq, hkv, d = heads
+    qkvs = [tvm.runtime.tensor(rng.standard_normal((n, hq + 2 * hkv, d)).astype(DTYPE)) for _ in range(num_layers)]
+    outs = [tvm.runtime.empty((n, hq, d), DTYPE) for _ in range(num_layers)]
+    return qkvs, outs
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+def bench_decode(batch: int, context: int, steps: int, rng) -> dict:
+    layers = 2
+    drivers = make_pair(layers, batch * (context + steps + PAGE) + 64, context, batch)
+    sm_scale = D ** -0.5
+    for drv in drivers:
+        for s in range(batch):
+            drv.add(drv.cache, s)
+            qkvs, outs = random_qkv(rng, layers, context)
+            drv.step([s], [context], qkvs, outs, sm_scale)
+    result = {}
+    bytes_per_layer = batch * context * HKV * D * 2 * 4
+    for drv in drivers:
+        times = []
+        for _ in range(steps):
+            qkvs, outs = random_qkv(rng, layers, batch)
+            times += drv.step(list(range(batch)), [1] * batch, qkvs, outs, sm_scale)
+        result[drv.name] = statistics.median(times)
+    result["bytes"] = bytes_per_layer
+    return result
+
+
+def bench_prefill(batch: int, length: int, cached: int, rng) -> dict:
+    layers = 1
+    drivers = make_pair(layers, batch * (cached + length) + 64, max(batch * length, cached), batch)
+    sm_scale = D ** -0.5
+    pairs = batch * (length * cached + length * (length + 1) // 2)
+    result = {"flops": 4 * HQ * D * pairs}
+    for drv in drivers:
+        for s in range(batch):
+            drv.add(drv.cache, s)
+            if cached:
+                qkvs, outs = random_qkv(rng, layers, cached)
+                drv.step([s], [cached], qkvs, outs, sm_scale)
+        qkvs, outs = random_qkv(rng, layers, batch * length)
+        result[drv.name] = drv.step(list(range(batch)), [length] * batch, qkvs, outs, sm_scale)[0]
+    return result
+
+
+def bench_host(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, float, float]]:
+    """Median seconds of begin_forward + metadata sync + end_forward for decode batches."""
+    heads = (4, 1, 16)
+    max_seqs = max(batch_sizes)
+    drivers = make_pair(1, max_seqs * 160 + 64, 2048, max_seqs, heads)
+    rows = []
+    for drv in drivers:
+        for s in range(max_seqs):
+            drv.add(drv.cache, s)
+        for first in range(0, max_seqs, 16):
+            ids = list(range(first, min(first + 16, max_seqs)))
+            drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100] * len(ids)))
+            drv.end(drv.cache)
+    results = {}
+    for drv in drivers:
+        for n in batch_sizes:
+            ids = ShapeTuple(list(range(n)))
+            ones = ShapeTuple([1] * n)
+            times = []
+            for _ in range(repeat):
+                start = time.perf_counter()
+                drv.begin(drv.cache, ids, ones)
+                drv.query_positions(drv.cache)
+                drv.end(drv.cache)
+                times.append(time.perf_counter() - start)
+                for s in range(n):
+                    drv.popn(drv.cache, s, 1)
+            results[(drv.name, n)] = statistics.median(times)
+    for n in batch_sizes:
+        rows.append((n, results[("ours", n)], results[("native", n)]))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (the issue's 8 x 512 decode only)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"relax_kvcache CPU benchmark, TVM {tvm.__version__}, TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}, "
+          f"target {rk.runtime.default_target(tvm.cpu())}", flush=True)
+    bandwidth = measure_read_bandwidth()
+    matmul = measure_matmul_rate()
+    print(f"measured ceilings: read bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {matmul / 1e9:.0f} GFLOP/s",
+          flush=True)
+
+    decode_shapes = [(8, 512)] if args.quick else [(1, 1024), (8, 512), (16, 1024)]
+    decode_rows = []
+    for batch, context in decode_shapes:
+        print(f"decode {batch} x {context} ...", flush=True)
+        r = bench_decode(batch, context, steps=5, rng=rng)
+        decode_rows.append((batch, context, r))
+    prefill_shapes = [] if args.quick else [(1, 512, 0), (4, 128, 0), (1, 256, 512)]
+    prefill_rows = []
+    for batch, length, cached in prefill_shapes:
+        print(f"prefill {batch} x {length} (+{cached} cached) ...", flush=True)
+        prefill_rows.append((batch, length, cached, bench_prefill(batch, length, cached, rng)))
+    print("host begin_forward ...", flush=True)
+    host_rows = bench_host((1, 8, 32, 64, 128, 256) if not args.quick else (1, 32, 256), repeat=20)
+
+    print()
+    print(f"Decode, one layer of attention_with_fused_qkv (fp32, {HQ}/{HKV} heads, head_dim {D}, page {PAGE})")
+    print(f"{'batch x ctx':>12} {'ours ms':>9} {'native ms':>10} {'ours GB/s':>10} {'native GB/s':>12} "
+          f"{'speedup':>8} {'ours % of BW':>13}")
+    for batch, context, r in decode_rows:
+        gbs_ours, gbs_native = r["bytes"] / r["ours"] / 1e9, r["bytes"] / r["native"] / 1e9
+        print(f"{batch:>5} x {context:<5} {r['ours'] * 1e3:9.2f} {r['native'] * 1e3:10.2f} {gbs_ours:10.2f} "
+              f"{gbs_native:12.2f} {r['native'] / r['ours']:7.1f}x {100 * gbs_ours * 1e9 / bandwidth:12.0f}%")
+    if prefill_rows:
+        print()
+        print("Prefill, one layer of attention_with_fused_qkv (causal)")
+        print(f"{'batch x len (+cached)':>22} {'ours ms':>9} {'native ms':>10} {'ours GFLOP/s':>13} "
+              f"{'native GFLOP/s':>15} {'speedup':>8} {'ours % of matmul':>17}")
+        for batch, length, cached, r in prefill_rows:
+            f_ours, f_native = r["flops"] / r["ours"] / 1e9, r["flops"] / r["native"] / 1e9
+            print(f"{batch:>5} x {length:<5} (+{cached:<4})   {r['ours'] * 1e3:9.2f} {r['native'] * 1e3:10.2f} "
+                  f"{f_ours:13.1f} {f_native:15.2f} {r['native'] / r['ours']:7.1f}x "
+                  f"{100 * f_ours * 1e9 / matmul:16.1f}%")
+    print()
+    print("Host: begin_forward + metadata sync + end_forward, decode batch (us)")
+    print(f"{'sequences':>10} {'ours us':>9} {'native us':>10} {'ours/native':>12}")
+    for n, ours, native in host_rows:
+        print(f"{n:>10} {ours * 1e6:9.1f} {native * 1e6:10.1f} {ours / native:11.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""relax_kvcache: a paged KV cache for Apache TVM Relax, Python logic over our own TIR kernels.
+
+Importing the package registers ``relax_kvcache.paged_attention_kv_cache_create`` and makes
+TVM's ``vm.builtin.kv_state_*`` / ``vm.builtin.attention_kv_cache_*`` functions accept a
+:class:`PagedAttentionKVCache` (they keep serving TVM's native caches).
+"""
+
+from .runtime import configure_cpu_threads
+
+configure_cpu_threads()
+
+from . import ffi_registry  # noqa: E402
+from .build import KERNEL_ROLES, build_kernels  # noqa: E402
+from .cache import PagedAttentionKVCache  # noqa: E402
+from .config import AttnKind, KVCacheConfig, RopeMode  # noqa: E402
+from .errors import (  # noqa: E402
+    CacheFullError,
+    ConfigError,
+    ForwardError,
+    KVCacheError,
+    SequenceError,
+)
+from .ffi_registry import paged_attention_kv_cache_create  # noqa: E402
+from .kernel_set import KernelSet  # noqa: E402
+
+__version__ = "0.1.0"
+
+ffi_registry.register()
+
+__all__ = [
+    "AttnKind",
+    "CacheFullError",
+    "ConfigError",
+    "ForwardError",
+    "KERNEL_ROLES",
+    "KVCacheConfig",
+    "KVCacheError",
+    "KernelSet",
+    "PagedAttentionKVCache",
+    "RopeMode",
+    "SequenceError",
+    "build_kernels",
+    "paged_attention_kv_cache_create",
+]

@@ -1,0 +1,461 @@
+"""``PagedAttentionKVCache``: sequences, pages and the forward protocol over our TIR kernels.
+
+The cache owns one page tensor per layer, the paging state (:mod:`.paging`) and the current
+step's metadata (:mod:`.metadata`). ``begin_forward`` plans a step once on the host;
+attention calls then only launch kernels (split/RoPE, append, ragged and paged attention,
+merge) with the step's prebuilt device views. Every public method validates its arguments
+before changing anything, so an exception leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tvm
+
+from . import metadata as md
+from .aux_buffer import AuxBuffer
+from .build import build_kernels
+from .config import AttnKind, KVCacheConfig, RopeMode
+from .errors import ForwardError, KVCacheError, SequenceError
+from .kernel_set import KernelSet
+from .paging import PageCopy, PagingState
+from .runtime import default_target
+from .tensors import check_tensor, view
+
+
+@dataclasses.dataclass(frozen=True)
+class _DepthViews:
+    """Device views of one depth's metadata (see :class:`metadata.DepthMetadata`)."""
+
+    qo_indptr: tvm.runtime.Tensor
+    page_indptr: tvm.runtime.Tensor
+    page_indices: tvm.runtime.Tensor
+    length_info: tvm.runtime.Tensor
+    k_rope_pos_offset: tvm.runtime.Tensor
+    use_decode_kernel: bool
+    has_pages: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _DeviceStep:
+    """Device views a step's kernels read, created once per step (first attention call)."""
+
+    append_indptr: tvm.runtime.Tensor
+    k_ragged_rope_pos_offset: tvm.runtime.Tensor
+    q_rope_position: tvm.runtime.Tensor
+    append_position: tvm.runtime.Tensor
+    depths: Tuple[_DepthViews, ...]
+    paged_depths: Tuple[_DepthViews, ...]  # the depths that have pages, root first
+    q: tvm.runtime.Tensor  # (n, Hq, D) scratch: split/RoPE output
+    k: tvm.runtime.Tensor  # (n, Hkv, D)
+    v: tvm.runtime.Tensor  # (n, Hkv, D)
+    tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv) per-depth partial output
+    tmp_lse: tvm.runtime.Tensor  # (n, Hq)
+    merged_lse: tvm.runtime.Tensor  # (n, Hq) lse of attention_with_fused_qkv's output
+
+
+class PagedAttentionKVCache:
+    """A paged KV cache with prefix sharing, for TVM Relax LLM inference.
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+        Shapes and policy of the cache.
+    device : tvm.runtime.Device, optional
+        Where pages live and kernels run (default ``tvm.cpu()``).
+    target : tvm.target.Target, optional
+        Compilation target of the kernels (default: the device's, see
+        :func:`relax_kvcache.runtime.default_target`).
+    kernels : KernelSet, optional
+        Use these kernels instead of building ours (e.g. TVM's, through
+        ``relax_kvcache.paged_attention_kv_cache_create``).
+    progress : callable, optional
+        Receives one-line messages while kernels are built or loaded.
+
+    Notes
+    -----
+    Protocol per step: ``begin_forward(seq_ids, append_lengths)``, then per layer one of
+    ``attention_with_fused_qkv`` (or ``self_attention`` / ``cross_attention`` /
+    ``merge_attn_output_inplace``), then ``end_forward()``. Sequence structure (remove, fork,
+    popn) may only change between steps.
+    """
+
+    def __init__(self, config: KVCacheConfig, device: Optional[tvm.runtime.Device] = None, *,
+                 target: Optional[tvm.target.Target] = None, kernels: Optional[KernelSet] = None,
+                 progress=None, layer_offset: int = 0) -> None:
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+        device = tvm.cpu() if device is None else device
+        if AttnKind.MLA in config.attn_kinds or AttnKind.MHA_SLIDING in config.attn_kinds:
+            raise NotImplementedError(
+                f"attn_kinds {sorted(set(k.name for k in config.attn_kinds))}: only MHA layers are "
+                "supported so far (MHA_SLIDING and MLA are planned)")
+        if kernels is None:
+            target = default_target(device) if target is None else target
+            kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
+        self.config = config
+        self.device = device
+        self.layer_offset = layer_offset
+        self._kernels = kernels
+        self._paging = PagingState(config.num_total_pages, config.page_size)
+        self._pages = [
+            tvm.runtime.empty((config.num_total_pages, 2, config.num_kv_heads, config.page_size,
+                               config.head_dim), config.dtype, device)
+            for _ in range(config.num_layers)
+        ]
+        chunk, hq, hkv = config.prefill_chunk_size, config.num_qo_heads, config.num_kv_heads
+        self._scratch_q = tvm.runtime.empty((chunk, hq, config.head_dim), config.dtype, device)
+        self._scratch_k = tvm.runtime.empty((chunk, hkv, config.head_dim), config.dtype, device)
+        self._scratch_v = tvm.runtime.empty((chunk, hkv, config.v_head_dim), config.dtype, device)
+        self._scratch_o = tvm.runtime.empty((chunk, hq, config.v_head_dim), config.dtype, device)
+        self._scratch_lse = tvm.runtime.empty((chunk, hq), "float32", device)
+        self._scratch_merged_lse = tvm.runtime.empty((chunk, hq), "float32", device)
+        self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
+                              + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
+        rope = config.effective_rope_mode
+        self._rotary_mode = int(rope == RopeMode.INLINE)
+        self._split_applies_rope = int(rope == RopeMode.NORMAL)
+        self._step: Optional[md.StepMetadata] = None
+        self._device_step: Optional[_DeviceStep] = None
+
+    # ------------------------------------------------------------------ sequences
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Add an empty sequence ``seq_id`` (must be new)."""
+        self._paging.add_sequence(_as_int("seq_id", seq_id))
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Remove a sequence, freeing the pages no other sequence shares."""
+        self._require_no_step("remove_sequence")
+        self._paging.remove_sequence(_as_int("seq_id", seq_id))
+
+    def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
+        """Create ``child_seq_id`` sharing the first ``fork_pos`` tokens of the parent (-1: all)."""
+        self._require_no_step("fork_sequence")
+        copies = self._paging.fork_sequence(_as_int("parent_seq_id", parent_seq_id),
+                                            _as_int("child_seq_id", child_seq_id),
+                                            _as_int("fork_pos", fork_pos))
+        self._copy_pages(copies)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` tokens of a sequence."""
+        self._require_no_step("popn")
+        copies = self._paging.popn(_as_int("seq_id", seq_id), _as_int("n", n))
+        self._copy_pages(copies)
+
+    def clear(self) -> None:
+        """Remove every sequence and end any active step."""
+        self._paging.clear()
+        self._step = None
+        self._device_step = None
+
+    def empty(self) -> bool:
+        """True when no sequence exists and every page and block is free."""
+        return self._paging.empty()
+
+    def get_num_available_pages(self) -> int:
+        return self._paging.num_free_pages
+
+    def get_total_sequence_length(self) -> int:
+        return self._paging.total_sequence_length()
+
+    def get_sequence_length(self, seq_id: int) -> int:
+        return self._paging.sequence_length(_as_int("seq_id", seq_id))
+
+    def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        for copy in copies:
+            for pages in self._pages:
+                self._kernels.copy_single_page(pages, copy.src_page, copy.dst_page, copy.length)
+
+    # ------------------------------------------------------------------ forward protocol
+
+    def begin_forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                      token_tree_parent_ptr: Optional[Sequence[int]] = None) -> None:
+        """Start a step that appends ``append_lengths[i]`` tokens to ``seq_ids[i]``.
+
+        Reserves pages for the new tokens and plans the step's attention (block depths, decode
+        or prefill kernels); the metadata reaches the device before the first attention call.
+        """
+        if self._step is not None:
+            raise ForwardError("begin_forward called while a step is active; call end_forward first")
+        seq_ids = _as_int_list("seq_ids", seq_ids)
+        append_lengths = _as_int_list("append_lengths", append_lengths)
+        if len(seq_ids) != len(append_lengths):
+            raise ForwardError(f"seq_ids has {len(seq_ids)} entries but append_lengths has "
+                               f"{len(append_lengths)}; expected equal lengths")
+        if not seq_ids:
+            raise ForwardError("begin_forward needs at least one sequence, got an empty batch")
+        if token_tree_parent_ptr is not None:
+            raise NotImplementedError("token-tree (speculative) forward is not supported yet: "
+                                      "pass token_tree_parent_ptr=None")
+        for seq_id, n in zip(seq_ids, append_lengths):
+            if n < 1:
+                raise ForwardError(f"append length {n} of sequence {seq_id} must be at least 1")
+        total = sum(append_lengths)
+        if total > self.config.prefill_chunk_size:
+            raise ForwardError(f"the step appends {total} tokens, more than prefill_chunk_size="
+                               f"{self.config.prefill_chunk_size}")
+        self._step = self._plan_step(seq_ids, append_lengths)
+        self._device_step = None
+
+    def _plan_step(self, seq_ids: List[int], append_lengths: List[int]) -> md.StepMetadata:
+        paging, sliding = self._paging, self.config.support_sliding_window
+        structure = md.BatchStructure.collect(paging, seq_ids, append_lengths)
+        last_lengths = [paging.block(paging.sequence(s).last_block).seq_length for s in seq_ids]
+        append_before_attn = not sliding and structure.use_decode_kernel[-1]
+        if append_before_attn:
+            paging.reserve_append(seq_ids, append_lengths)
+            depths = md.build_depths(paging, structure, sliding_window=sliding)
+        else:
+            depths = md.build_depths(paging, structure, sliding_window=sliding)
+            paging.reserve_append(seq_ids, append_lengths)
+        q_rope_position, append_position = md.build_token_maps(paging, structure, last_lengths)
+        return md.StepMetadata(
+            seq_ids=tuple(seq_ids),
+            append_lengths=tuple(append_lengths),
+            append_indptr=md._indptr(append_lengths),
+            k_ragged_rope_pos_offset=np.asarray(structure.seq_lengths_before, dtype=np.int32),
+            q_rope_position=q_rope_position,
+            append_position=append_position,
+            depths=depths,
+            append_before_attn=append_before_attn,
+        )
+
+    def end_forward(self) -> None:
+        """End the current step (no-op when none is active)."""
+        self._step = None
+        self._device_step = None
+
+    def _active_step(self, what: str) -> _DeviceStep:
+        if self._step is None:
+            raise ForwardError(f"{what} called without an active step; call begin_forward first")
+        if self._device_step is None:
+            self._device_step = self._upload(self._step)
+        return self._device_step
+
+    def _upload(self, step: md.StepMetadata) -> _DeviceStep:
+        arrays = [step.append_indptr, step.k_ragged_rope_pos_offset, step.q_rope_position,
+                  step.append_position]
+        for depth in step.depths:
+            arrays += [depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info,
+                       depth.k_rope_pos_offset]
+        views = self._aux.upload(arrays)
+        depths = tuple(
+            _DepthViews(*views[4 + 5 * d: 9 + 5 * d], use_decode_kernel=depth.use_decode_kernel,
+                        has_pages=depth.has_pages)
+            for d, depth in enumerate(step.depths))
+        n, cfg = step.total_tokens, self.config
+        return _DeviceStep(
+            append_indptr=views[0], k_ragged_rope_pos_offset=views[1], q_rope_position=views[2],
+            append_position=views[3], depths=depths,
+            paged_depths=tuple(d for d in depths if d.has_pages),
+            q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim)),
+            k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim)),
+            v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim)),
+            tmp_o=view(self._scratch_o, (n, cfg.num_qo_heads, cfg.v_head_dim)),
+            tmp_lse=view(self._scratch_lse, (n, cfg.num_qo_heads)),
+            merged_lse=view(self._scratch_merged_lse, (n, cfg.num_qo_heads)),
+        )
+
+    # ------------------------------------------------------------------ attention
+
+    def attention_with_fused_qkv(self, layer_id: int, qkv: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
+                                 sm_scale: float) -> None:
+        """Attention of the step's tokens over their sequences, from fused QKV; appends K/V.
+
+        Parameters
+        ----------
+        layer_id : int
+            Layer index.
+        qkv : Tensor, shape (m, num_qo_heads + 2 * num_kv_heads, head_dim), m >= step tokens
+            Fused projections; only the first ``n`` (step tokens) rows are read.
+        o : Tensor, shape (m, num_qo_heads, head_dim)
+            Output; the first ``n`` rows are written.
+        sm_scale : float
+            Softmax scale (usually ``head_dim ** -0.5``).
+        """
+        cfg = self.config
+        layer = self._local_layer(layer_id)
+        step = self._active_step("attention_with_fused_qkv")
+        n = self._step.total_tokens
+        shape = check_tensor("qkv", qkv, shape=(None, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
+                             dtype=cfg.dtype, device=self.device)
+        check_tensor("o", o, shape=(shape[0], cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype,
+                     device=self.device)
+        if shape[0] < n:
+            raise ForwardError(f"qkv has {shape[0]} rows, fewer than the {n} tokens of the step")
+        if shape[0] != n:
+            qkv = view(qkv, (n,) + shape[1:])
+            o = view(o, (n, cfg.num_qo_heads, cfg.head_dim))
+        sm_scale = _as_float("sm_scale", sm_scale)
+        k = self._kernels
+        k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_applies_rope)
+        pages = self._pages[layer]
+        if self._step.append_before_attn:
+            k.transpose_append(pages, step.k, step.v, step.append_position)
+            self._paged_attention(step, pages, step.q, o, step.merged_lse, sm_scale, first=True)
+        else:
+            self._ragged_attention(step, step.q, step.k, step.v, o, step.merged_lse, sm_scale)
+            self._paged_attention(step, pages, step.q, o, step.merged_lse, sm_scale, first=False)
+            k.transpose_append(pages, step.k, step.v, step.append_position)
+
+    def self_attention(self, layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
+                       v: tvm.runtime.Tensor, o: tvm.runtime.Tensor, lse: tvm.runtime.Tensor,
+                       sm_scale: float) -> None:
+        """Causal attention of the step's tokens over the step's own K/V only (nothing cached).
+
+        ``q (n, Hq, D)``, ``k (n, Hkv, D)``, ``v (n, Hkv, Dv)``, outputs ``o (n, Hq, Dv)`` and
+        base-2 ``lse (n, Hq)`` (float32), where n is the number of tokens of the step.
+        """
+        cfg = self.config
+        self._local_layer(layer_id)
+        step = self._active_step("self_attention")
+        n = self._step.total_tokens
+        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("k", k, shape=(n, cfg.num_kv_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
+        self._ragged_attention(step, q, k, v, o, lse, _as_float("sm_scale", sm_scale))
+
+    def cross_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
+                        lse: tvm.runtime.Tensor, sm_scale: float) -> None:
+        """Attention of the step's queries over the cached KV of their sequences.
+
+        ``q (n, Hq, D)``, outputs ``o (n, Hq, Dv)`` and base-2 ``lse (n, Hq)`` (float32).
+        Rows with nothing cached get ``o = 0, lse = -inf``.
+        """
+        cfg = self.config
+        layer = self._local_layer(layer_id)
+        step = self._active_step("cross_attention")
+        n = self._step.total_tokens
+        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
+        self._paged_attention(step, self._pages[layer], q, o, lse, _as_float("sm_scale", sm_scale),
+                              first=True, write_empty=True)
+
+    def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
+                                  o_cross_attn: tvm.runtime.Tensor, lse_cross_attn: tvm.runtime.Tensor
+                                  ) -> Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
+        """Merge two attention states into ``(o_self_attn, lse_self_attn)``; returns them."""
+        cfg = self.config
+        shape = check_tensor("o_self_attn", o_self_attn, shape=(None, cfg.num_qo_heads, cfg.v_head_dim),
+                             dtype=cfg.dtype, device=self.device)
+        check_tensor("lse_self_attn", lse_self_attn, shape=shape[:2], dtype="float32", device=self.device)
+        check_tensor("o_cross_attn", o_cross_attn, shape=shape, dtype=cfg.dtype, device=self.device)
+        check_tensor("lse_cross_attn", lse_cross_attn, shape=shape[:2], dtype="float32", device=self.device)
+        self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
+        return o_self_attn, lse_self_attn
+
+    def _ragged_attention(self, step: _DeviceStep, q, k, v, o, lse, sm_scale: float) -> None:
+        cfg = self.config
+        self._kernels.attention_prefill_ragged(
+            q, step.append_indptr, k, v, step.append_indptr, step.q_rope_position,
+            step.k_ragged_rope_pos_offset, o, lse, 1, self._rotary_mode, cfg.rope_scale,
+            cfg.rope_theta, sm_scale)
+
+    def _paged_attention(self, step: _DeviceStep, pages, q, o, lse, sm_scale: float, *, first: bool,
+                         write_empty: bool = False) -> None:
+        """Attend q to the cached pages depth by depth, merging into (o, lse).
+
+        ``first``: the first depth writes (o, lse) directly; otherwise every depth is merged into
+        them. ``write_empty``: when no depth has pages, run depth 0 anyway so that (o, lse)
+        become the empty state (o = 0, lse = -inf).
+        """
+        depths = step.paged_depths or (step.depths[:1] if write_empty else ())
+        for depth in depths:
+            out, out_lse = (o, lse) if first else (step.tmp_o, step.tmp_lse)
+            self._run_depth(step, depth, pages, q, out, out_lse, sm_scale)
+            if not first:
+                self._kernels.merge_inplace(o, lse, step.tmp_o, step.tmp_lse)
+            first = False
+
+    def _run_depth(self, step: _DeviceStep, depth: _DepthViews, pages, q, o, lse, sm_scale: float) -> None:
+        cfg, k = self.config, self._kernels
+        sliding = cfg.support_sliding_window
+        if depth.use_decode_kernel:
+            f = k.attention_decode_sliding_window if sliding else k.attention_decode
+            f(q, pages, depth.page_indptr, depth.page_indices, depth.length_info,
+              depth.k_rope_pos_offset, step.q_rope_position, o, lse, self._rotary_mode,
+              cfg.rope_scale, cfg.rope_theta, sm_scale)
+        else:
+            f = k.attention_prefill_sliding_window if sliding else k.attention_prefill
+            f(q, depth.qo_indptr, pages, depth.page_indptr, depth.page_indices, depth.length_info,
+              depth.k_rope_pos_offset, step.q_rope_position, o, lse, 0, self._rotary_mode,
+              cfg.rope_scale, cfg.rope_theta, sm_scale)
+
+    def get_query_positions(self) -> tvm.runtime.Tensor:
+        """RoPE positions ``int32 (n,)`` of the step's tokens, on the device."""
+        return self._active_step("get_query_positions").q_rope_position
+
+    # ------------------------------------------------------------------ debugging
+
+    def debug_get_kv(self, seq_id: int, start_pos: int, end_pos: int, k_data: tvm.runtime.Tensor,
+                     v_data: tvm.runtime.Tensor) -> None:
+        """Copy positions ``[start_pos, end_pos)`` of a sequence's K/V of every layer.
+
+        ``k_data`` / ``v_data``: ``(num_layers, end_pos - start_pos, num_kv_heads, head_dim)``.
+        K is stored after RoPE in NORMAL mode and before it otherwise.
+        """
+        if self._kernels.debug_get_kv is None:
+            raise KVCacheError("debug_get_kv needs the debug_get_kv kernel, which this cache was created without")
+        seq_id, start_pos, end_pos = (_as_int("seq_id", seq_id), _as_int("start_pos", start_pos),
+                                      _as_int("end_pos", end_pos))
+        length = self._paging.sequence_length(seq_id)
+        if not 0 <= start_pos < end_pos <= length:
+            raise KVCacheError(f"debug_get_kv range [{start_pos}, {end_pos}) is invalid for sequence "
+                               f"{seq_id} of length {length}; expected 0 <= start < end <= length")
+        cfg = self.config
+        shape = (cfg.num_layers, end_pos - start_pos, cfg.num_kv_heads, cfg.head_dim)
+        check_tensor("k_data", k_data, shape=shape, dtype=cfg.dtype, device=self.device)
+        check_tensor("v_data", v_data, shape=shape, dtype=cfg.dtype, device=self.device)
+        positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self.device)
+        for layer, pages in enumerate(self._pages):
+            self._kernels.debug_get_kv(pages, positions, k_data, v_data, layer)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _local_layer(self, layer_id: int) -> int:
+        layer = _as_int("layer_id", layer_id) - self.layer_offset
+        if not 0 <= layer < self.config.num_layers:
+            raise ForwardError(f"layer_id {layer_id} is out of range [{self.layer_offset}, "
+                               f"{self.layer_offset + self.config.num_layers})")
+        return layer
+
+    def _require_no_step(self, what: str) -> None:
+        if self._step is not None:
+            raise ForwardError(f"{what} is not allowed while a forward step is active; call end_forward first")
+
+    def __repr__(self) -> str:
+        cfg = self.config
+        return (f"PagedAttentionKVCache(layers={cfg.num_layers}, heads={cfg.num_qo_heads}/{cfg.num_kv_heads}, "
+                f"head_dim={cfg.head_dim}, dtype={cfg.dtype}, pages={self.get_num_available_pages()}/"
+                f"{cfg.num_total_pages} free, device={self.device})")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise SequenceError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise SequenceError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _as_int_list(name: str, values: Any) -> List[int]:
+    try:
+        items = list(values)
+    except TypeError:
+        raise ForwardError(f"{name} must be a sequence of integers, got {values!r}") from None
+    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ForwardError(f"{name} must be a number, got {value!r}")
+    return float(value)

@@ -1,0 +1,215 @@
+"""``relax-kvcache demo``: a small serving workload on the local CPU, checked against numpy.
+
+A scheduler-like loop drives a GQA model shape through the cache: several requests with chunked
+prefill mixed into decode steps, a request forked mid-page into a second continuation (parallel
+sampling), a speculative extension rolled back with ``popn``, and requests finishing while
+others run. Every attention output of every layer is compared with the float64 reference
+(:class:`relax_kvcache.reference.ReferenceCache`), and at the end the stored K/V of every
+sequence is read back with ``debug_get_kv``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Tuple
+
+import numpy as np
+import tvm
+
+from .cache import PagedAttentionKVCache
+from .config import KVCacheConfig, RopeMode
+from .reference import ReferenceCache
+
+_TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
+
+
+@dataclasses.dataclass
+class _Request:
+    seq_id: int
+    prompt_len: int
+    max_new_tokens: int
+    prefilled: int = 0
+    generated: int = 0
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+    @property
+    def done(self) -> bool:
+        return not self.in_prefill and self.generated >= self.max_new_tokens
+
+
+@dataclasses.dataclass
+class DemoResult:
+    steps: int
+    tokens: int
+    cache_seconds: float
+    max_error: float
+    tolerance: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.cache_seconds if self.cache_seconds > 0 else float("inf")
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+
+class _Driver:
+    """Runs steps on the cache and the reference side by side, tracking the worst error."""
+
+    def __init__(self, cache: PagedAttentionKVCache, seed: int, log: Callable[[str], None]) -> None:
+        cfg = cache.config
+        self.cache, self.cfg, self.log = cache, cfg, log
+        self.ref = ReferenceCache(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  int(cfg.effective_rope_mode), cfg.rope_theta, cfg.rope_scale)
+        self.rng = np.random.default_rng(seed)
+        self.sm_scale = cfg.head_dim ** -0.5
+        self.max_error = 0.0
+        self.tokens = 0
+        self.steps = 0
+        self.cache_seconds = 0.0
+
+    def add(self, seq_id: int) -> None:
+        self.cache.add_sequence(seq_id)
+        self.ref.add(seq_id)
+
+    def fork(self, parent: int, child: int, pos: int) -> None:
+        self.cache.fork_sequence(parent, child, pos)
+        self.ref.fork(parent, child, pos)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self.cache.popn(seq_id, n)
+        self.ref.popn(seq_id, n)
+
+    def remove(self, seq_id: int) -> None:
+        self.cache.remove_sequence(seq_id)
+        self.ref.remove(seq_id)
+
+    def step(self, batch: List[Tuple[int, int]], label: str) -> None:
+        cfg = self.cfg
+        n = sum(length for _, length in batch)
+        width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
+        np_dtype = _np_dtype(cfg.dtype)
+        qkv_dev = [tvm.runtime.tensor(self.rng.standard_normal((n, width, cfg.head_dim)).astype(np_dtype),
+                                      self.cache.device) for _ in range(cfg.num_layers)]
+        outs = [tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.head_dim), np.nan).astype(np_dtype),
+                                   self.cache.device) for _ in range(cfg.num_layers)]
+        start = time.perf_counter()
+        self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch])
+        for layer in range(cfg.num_layers):
+            self.cache.attention_with_fused_qkv(layer, qkv_dev[layer], outs[layer], self.sm_scale)
+        self.cache.end_forward()
+        self.cache_seconds += time.perf_counter() - start
+        expected = self.ref.step(batch, [q.numpy().astype(np.float64) for q in qkv_dev], self.sm_scale)
+        error = max(float(np.abs(o.numpy().astype(np.float64) - e).max()) for o, e in zip(outs, expected))
+        self.max_error = max(self.max_error, error)
+        self.tokens += n
+        self.steps += 1
+        self.log(f"  step {self.steps:3d} {label:<44s} {n:4d} tokens  max|err| {error:.1e}")
+
+    def verify_contents(self) -> None:
+        cfg = self.cfg
+        for seq_id in list(self.ref.k):
+            length = self.ref.length(seq_id)
+            if length == 0:
+                continue
+            shape = (cfg.num_layers, length, cfg.num_kv_heads, cfg.head_dim)
+            k = tvm.runtime.empty(shape, cfg.dtype, self.cache.device)
+            v = tvm.runtime.empty(shape, cfg.dtype, self.cache.device)
+            self.cache.debug_get_kv(seq_id, 0, length, k, v)
+            k_ref, v_ref = self.ref.stored_kv(seq_id)
+            error = max(float(np.abs(k.numpy().astype(np.float64) - k_ref).max()),
+                        float(np.abs(v.numpy().astype(np.float64) - v_ref).max()))
+            self.max_error = max(self.max_error, error)
+        self.log(f"      read back K/V of {len(self.ref.k)} sequences with debug_get_kv")
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def _schedule(requests: Dict[int, _Request], chunk_budget: int) -> Tuple[List[Tuple[int, int]], str]:
+    """Decode rows for running requests, then prefill chunks within the token budget."""
+    batch, parts = [], []
+    budget = chunk_budget
+    for req in requests.values():
+        if not req.in_prefill and not req.done:
+            batch.append((req.seq_id, 1))
+            budget -= 1
+    if batch:
+        parts.append(f"decode x{len(batch)}")
+    for req in requests.values():
+        if req.in_prefill and budget > 0:
+            take = min(budget, req.prompt_len - req.prefilled)
+            batch.append((req.seq_id, take))
+            parts.append(f"prefill {req.seq_id}[{req.prefilled}:{req.prefilled + take}]")
+            budget -= take
+    return batch, ", ".join(parts)
+
+
+def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo workload and return its summary (see module docstring)."""
+    config = KVCacheConfig(num_layers=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                           max_num_seqs=8, max_total_seq_len=2048, prefill_chunk_size=64,
+                           rope_mode=RopeMode.NORMAL, rope_theta=1e4, dtype=dtype)
+    log(f"[1/4] kernels for the local CPU ({dtype}, GQA {config.num_qo_heads}/{config.num_kv_heads} heads, "
+        f"head_dim {config.head_dim}, {config.num_layers} layers)")
+    start = time.perf_counter()
+    cache = PagedAttentionKVCache(config, tvm.cpu(), progress=lambda msg: log("      " + msg))
+    log(f"      ready in {time.perf_counter() - start:.1f} s: {cache}")
+    driver = _Driver(cache, seed, log)
+    requests: Dict[int, _Request] = {}
+
+    def admit(seq_id: int, prompt: int, new_tokens: int) -> None:
+        driver.add(seq_id)
+        requests[seq_id] = _Request(seq_id, prompt, new_tokens)
+
+    def run_steps(count: int) -> None:
+        for _ in range(count):
+            batch, label = _schedule(requests, config.prefill_chunk_size)
+            if not batch:
+                return
+            driver.step(batch, label)
+            for seq_id, length in batch:
+                req = requests[seq_id]
+                if req.in_prefill:
+                    req.prefilled += length
+                else:
+                    req.generated += 1
+            for seq_id in [s for s, r in requests.items() if r.done]:
+                driver.remove(seq_id)
+                del requests[seq_id]
+                log(f"      request {seq_id} finished; {cache.get_num_available_pages()} pages free")
+
+    log("[2/4] chunked prefill of 3 requests mixed with decode")
+    admit(0, prompt=70, new_tokens=24)
+    admit(1, prompt=25, new_tokens=12)
+    admit(2, prompt=40, new_tokens=30)
+    run_steps(6)
+    log("[3/4] fork mid-page (parallel sampling), speculative extension rolled back with popn, late arrival")
+    parent = requests[1]
+    fork_pos = parent.prompt_len + parent.generated - 3  # inside a page
+    driver.fork(1, 10, fork_pos)
+    requests[10] = _Request(10, prompt_len=fork_pos, max_new_tokens=10, prefilled=fork_pos)
+    log(f"      forked request 1 at position {fork_pos} (page offset {fork_pos % config.page_size}) into request 10")
+    driver.step([(2, 5)], "speculative extension of request 2 by 5")
+    driver.popn(2, 4)
+    log("      rolled back 4 rejected tokens of request 2 with popn")
+    driver.verify_contents()
+    admit(3, prompt=100, new_tokens=8)
+    run_steps(8)
+    driver.verify_contents()
+    log("[4/4] run every request to completion")
+    run_steps(1000)
+    if not cache.empty():
+        raise RuntimeError("the cache is not empty after every request finished")
+    log(f"      all requests finished; cache empty, {cache.get_num_available_pages()} pages free")
+    return DemoResult(steps=driver.steps, tokens=driver.tokens, cache_seconds=driver.cache_seconds,
+                      max_error=driver.max_error, tolerance=_TOLERANCE[dtype])

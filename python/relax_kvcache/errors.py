@@ -1,0 +1,25 @@
+"""Exceptions raised by relax_kvcache.
+
+Every error is raised before any state is changed (check-then-mutate), so a caller that catches
+one finds the cache exactly as it was.
+"""
+
+
+class KVCacheError(ValueError):
+    """Base class: a request the cache cannot serve; the cache state is unchanged."""
+
+
+class ConfigError(KVCacheError):
+    """An inconsistent or invalid cache configuration."""
+
+
+class SequenceError(KVCacheError):
+    """Unknown or duplicate sequence id, or an operation invalid for the sequence's state."""
+
+
+class CacheFullError(KVCacheError):
+    """Not enough free pages for the request."""
+
+
+class ForwardError(KVCacheError):
+    """Misuse of the forward protocol or tensors of the wrong shape, dtype or device."""

@@ -1,0 +1,17 @@
+"""Global packed functions: ``relax_kvcache.*`` and the ``vm.builtin.*`` dispatch."""
+
+import tvm_ffi
+
+from .builtins import BUILTINS, original, register_builtins
+from .create import paged_attention_kv_cache_create
+
+CREATE_FUNCTION = "relax_kvcache.paged_attention_kv_cache_create"
+
+
+def register() -> None:
+    """Register ``relax_kvcache.paged_attention_kv_cache_create`` and the builtin dispatchers."""
+    tvm_ffi.register_global_func(CREATE_FUNCTION, paged_attention_kv_cache_create, override=True)
+    register_builtins()
+
+
+__all__ = ["BUILTINS", "CREATE_FUNCTION", "original", "paged_attention_kv_cache_create", "register"]

@@ -1,0 +1,97 @@
+"""TVM's ``vm.builtin.kv_state_*`` / ``vm.builtin.attention_kv_cache_*`` functions, made to serve
+our cache too.
+
+Each builtin is replaced by a dispatcher: a :class:`PagedAttentionKVCache` first argument goes to
+our method (argument order converted from TVM's builtin convention), anything else to TVM's
+original function, which is kept under ``relax_kvcache.original.<name>`` in the global registry.
+Relax programs compiled against TVM's ``nn.llm`` KV cache interface therefore run on our cache
+unchanged, and TVM's native caches keep working in the same process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict
+
+import tvm_ffi
+
+from ..cache import PagedAttentionKVCache
+
+ORIGINAL_PREFIX = "relax_kvcache.original."
+
+
+def _begin_forward(cache: PagedAttentionKVCache, seq_ids, append_lengths, token_tree_parent_ptr=None):
+    cache.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
+
+
+def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
+    return list(cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross))
+
+
+def _unsupported(feature: str) -> Callable[..., Any]:
+    def run(cache: PagedAttentionKVCache, *args: Any) -> Any:
+        raise NotImplementedError(f"{feature} is not supported by relax_kvcache's PagedAttentionKVCache yet")
+    return run
+
+
+#: builtin name -> how our cache serves it (TVM's argument order after the cache).
+BUILTINS: Dict[str, Callable[..., Any]] = {
+    "vm.builtin.kv_state_clear": lambda c: c.clear(),
+    "vm.builtin.kv_state_add_sequence": lambda c, seq_id: c.add_sequence(seq_id),
+    "vm.builtin.kv_state_remove_sequence": lambda c, seq_id: c.remove_sequence(seq_id),
+    "vm.builtin.kv_state_fork_sequence": lambda c, parent, child, pos: c.fork_sequence(parent, child, pos),
+    "vm.builtin.kv_state_popn": lambda c, seq_id, n: c.popn(seq_id, n),
+    "vm.builtin.kv_state_begin_forward": _begin_forward,
+    "vm.builtin.kv_state_end_forward": lambda c: c.end_forward(),
+    "vm.builtin.attention_kv_cache_empty": lambda c: c.empty(),
+    "vm.builtin.attention_kv_cache_get_num_available_pages": lambda c: c.get_num_available_pages(),
+    "vm.builtin.attention_kv_cache_get_total_sequence_length": lambda c: c.get_total_sequence_length(),
+    "vm.builtin.attention_kv_cache_get_sequence_length": lambda c, seq_id: c.get_sequence_length(seq_id),
+    "vm.builtin.attention_kv_cache_get_query_positions": lambda c: c.get_query_positions(),
+    "vm.builtin.attention_kv_cache_debug_get_kv": lambda c, s, b, e, k, v: c.debug_get_kv(s, b, e, k, v),
+    "vm.builtin.attention_kv_cache_attention_with_fused_qkv":
+        lambda c, layer, scale, qkv, o: c.attention_with_fused_qkv(layer, qkv, o, scale),
+    "vm.builtin.attention_kv_cache_self_attention":
+        lambda c, layer, scale, q, k, v, o, lse: c.self_attention(layer, q, k, v, o, lse, scale),
+    "vm.builtin.attention_kv_cache_cross_attention":
+        lambda c, layer, scale, q, o, lse: c.cross_attention(layer, q, o, lse, scale),
+    "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
+    "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq": _unsupported("enable_sliding_window_for_seq"),
+    "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes":
+        _unsupported("commit_accepted_token_tree_nodes"),
+    "vm.builtin.attention_kv_cache_attention_with_shared_kv": _unsupported("attention_with_shared_kv"),
+    "vm.builtin.attention_kv_cache_append_mla_kv": _unsupported("append_mla_kv (MLA)"),
+    "vm.builtin.attention_kv_cache_debug_get_kv_mla": _unsupported("debug_get_kv_mla (MLA)"),
+    "vm.builtin.attention_kv_cache_get_checkpoint_metadata": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_get_layout_hash": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_export_page_group": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_prepare_import": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_import_page_group": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_finish_import": _unsupported("checkpoint export/import"),
+    "vm.builtin.kv_cache_disagg_prepare_recv": _unsupported("KV transfer (disaggregation)"),
+    "vm.builtin.kv_cache_disagg_mark_send": _unsupported("KV transfer (disaggregation)"),
+}
+
+
+def original(name: str) -> Callable[..., Any]:
+    """TVM's own implementation of builtin ``name`` (before relax_kvcache replaced it)."""
+    return tvm_ffi.get_global_func(ORIGINAL_PREFIX + name)
+
+
+def _dispatcher(ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
+    def dispatch(cache: Any, *args: Any) -> Any:
+        if isinstance(cache, PagedAttentionKVCache):
+            return ours(cache, *args)
+        return theirs(cache, *args)
+    return dispatch
+
+
+def register_builtins() -> None:
+    """Replace every builtin in :data:`BUILTINS` by a dispatcher (idempotent)."""
+    for name, ours in BUILTINS.items():
+        theirs = tvm_ffi.get_global_func(ORIGINAL_PREFIX + name, allow_missing=True)
+        if theirs is None:
+            theirs = tvm_ffi.get_global_func(name, allow_missing=True)
+            if theirs is None:
+                continue  # not provided by this TVM build
+            tvm_ffi.register_global_func(ORIGINAL_PREFIX + name, theirs)
+        tvm_ffi.register_global_func(name, _dispatcher(ours, theirs), override=True)

@@ -1,0 +1,74 @@
+"""``relax_kvcache.paged_attention_kv_cache_create``: TVM's creation convention, our cache.
+
+Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create`` (TVM 0.27):
+
+====  ==========================================================================================
+ 0    cache_config: (reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size,
+      support_sliding_window[, layer_sliding_window_size])
+ 1    layer_indptr: (layer_begin, layer_end) of this group
+ 2-5  num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim
+ 6    attn_kinds (per layer, AttnKind values)
+ 7    enable_kv_transfer (must be False)
+ 8-10 rope_mode, rope_scale, rope_theta
+ 11   rope_ext_factors (must be None)
+ 12   a tensor whose dtype and device are the cache's
+13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
+      decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
+      prefill, merge functions, split_rotary, copy_single_page, debug_get_kv, compact_copy
+====  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tvm
+
+from ..cache import PagedAttentionKVCache
+from ..config import KVCacheConfig
+from ..errors import ConfigError
+from ..kernel_set import KernelSet
+
+
+def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
+    """Create a :class:`PagedAttentionKVCache` from TVM's positional creation arguments."""
+    if len(args) not in (28, 29):
+        raise ConfigError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
+    cache_config = [int(x) for x in args[0]]
+    if len(cache_config) not in (5, 6):
+        raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, prefill_chunk_size, "
+                          f"page_size, support_sliding_window[, layer_sliding_window_size]), got {cache_config}")
+    layer_indptr = [int(x) for x in args[1]]
+    if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
+        raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
+    if bool(args[7]):
+        raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
+    if args[11] is not None:
+        raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
+    init = args[12]
+    if not isinstance(init, tvm.runtime.Tensor):
+        raise ConfigError(f"argument 12 must be a tensor giving the cache dtype and device, got {type(init).__name__}")
+    begin, end = layer_indptr
+    attn_kinds = [int(x) for x in args[6]]
+    if len(attn_kinds) < end:
+        raise ConfigError(f"attn_kinds has {len(attn_kinds)} entries, fewer than layer_end={end}")
+    config = KVCacheConfig(
+        num_layers=end - begin,
+        num_qo_heads=int(args[2]),
+        num_kv_heads=int(args[3]),
+        head_dim=int(args[4]),
+        v_head_dim=int(args[5]),
+        page_size=cache_config[3],
+        max_num_seqs=cache_config[0],
+        max_total_seq_len=cache_config[1],
+        prefill_chunk_size=cache_config[2],
+        rope_mode=int(args[8]),
+        rope_scale=float(args[9]),
+        rope_theta=float(args[10]),
+        dtype=str(init.dtype),
+        support_sliding_window=bool(cache_config[4]),
+        attn_kinds=attn_kinds[begin:end],
+        layer_sliding_window_size=cache_config[5] if len(cache_config) == 6 else 1024,
+    )
+    return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
+                                 layer_offset=begin)

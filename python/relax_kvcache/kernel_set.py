@@ -1,0 +1,106 @@
+"""The packed functions a cache calls, by role: ours (built) or any with TVM's conventions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import tvm
+
+from .errors import ConfigError
+
+Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSet:
+    """Kernels by role; argument conventions are TVM's (DESIGN.md, "Kernel ABI").
+
+    ``merge_general`` is the merge used by ``merge_attn_output_inplace`` (TVM's second merge
+    function, which it keeps for MLA's other head dim); it defaults to ``merge_inplace``.
+    Optional roles are None when the cache was created without them.
+    """
+
+    transpose_append: Optional[Function]
+    split_rotary: Function
+    copy_single_page: Function
+    compact_copy: Optional[Function]
+    debug_get_kv: Optional[Function]
+    merge_inplace: Function
+    merge_general: Function
+    attention_prefill_ragged: Optional[Function]
+    attention_prefill: Optional[Function]
+    attention_decode: Optional[Function]
+    attention_prefill_sliding_window: Optional[Function] = None
+    attention_decode_sliding_window: Optional[Function] = None
+
+    @classmethod
+    def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
+        """Our kernel set from :func:`relax_kvcache.build_kernels`."""
+        def get(role: str) -> Optional[Function]:
+            return mod.get_function(role, query_imports=True) if mod.implements_function(role, query_imports=True) else None
+
+        merge = get("merge_inplace")
+        return cls(
+            transpose_append=get("transpose_append"),
+            split_rotary=get("split_rotary"),
+            copy_single_page=get("copy_single_page"),
+            compact_copy=get("compact_copy"),
+            debug_get_kv=get("debug_get_kv"),
+            merge_inplace=merge,
+            merge_general=merge,
+            attention_prefill_ragged=get("attention_prefill_ragged"),
+            attention_prefill=get("attention_prefill"),
+            attention_decode=get("attention_decode"),
+            attention_prefill_sliding_window=get("attention_prefill_sliding_window"),
+            attention_decode_sliding_window=get("attention_decode_sliding_window"),
+        )
+
+    @classmethod
+    def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
+        """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``."""
+        merges = list(args[23]) if args[23] is not None else []
+        if not merges:
+            raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is empty; "
+                              "at least one merge_inplace function is required")
+        return cls(
+            transpose_append=_optional_function(args[13], 13),
+            split_rotary=_function(args[24], 24),
+            copy_single_page=_function(args[25], 25),
+            compact_copy=_optional_function(args[27], 27),
+            debug_get_kv=_optional_function(args[26], 26),
+            merge_inplace=merges[0],
+            merge_general=merges[1] if len(merges) > 1 else merges[0],
+            attention_prefill_ragged=_attention(args[15], 15),
+            attention_prefill=_attention(args[16], 16),
+            attention_decode=_attention(args[17], 17),
+            attention_prefill_sliding_window=_attention(args[18], 18),
+            attention_decode_sliding_window=_attention(args[19], 19),
+        )
+
+
+def _function(value: Any, index: int) -> Function:
+    if not callable(value):
+        raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a packed function, "
+                          f"got {type(value).__name__}")
+    return value
+
+
+def _optional_function(value: Any, index: int) -> Optional[Function]:
+    return None if value is None else _function(value, index)
+
+
+def _attention(value: Any, index: int) -> Optional[Function]:
+    """An attention backend entry: ``[]`` (absent) or ``["tirx", f]`` (also the older ``"tir"``)."""
+    entry = list(value) if value is not None else []
+    if not entry:
+        return None
+    backend = str(entry[0])
+    if backend in ("tirx", "tir") and len(entry) == 2:
+        return _function(entry[1], index)
+    if backend == "flashinfer":
+        raise NotImplementedError(
+            f"paged_attention_kv_cache_create: argument {index} uses the FlashInfer backend, which "
+            "relax_kvcache does not support; pass TIR kernels ([\"tirx\", f])")
+    raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be [] or [\"tirx\", f], "
+                      f"got {entry!r}")

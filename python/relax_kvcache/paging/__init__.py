@@ -1,0 +1,12 @@
+"""Pure-Python paging layer of the paged KV cache: pages, the block tree and sequences.
+
+Reproduces the bookkeeping of TVM's C++ paged KV cache (page ids included) without touching
+KV data and without importing TVM.
+"""
+
+from .block_pool import Block, BlockPool
+from .page_pool import PagePool
+from .sequences import Sequence
+from .state import PageCopy, PagingState
+
+__all__ = ["Block", "BlockPool", "PageCopy", "PagePool", "PagingState", "Sequence"]

@@ -1,0 +1,35 @@
+"""The per-sequence record of the paged KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(slots=True)
+class Sequence:
+    """A live sequence: a path in the block tree ending at ``last_block`` (TVM's ``Sequence``).
+
+    Owned and mutated by `PagingState`; callers get it for reading only.
+
+    Parameters
+    ----------
+    seq_id : int
+        The caller's id of the sequence.
+    last_block : int
+        Index of the sequence's last block; ancestors are reached through ``Block.parent``.
+    seq_length : int
+        Total number of tokens: the sum of the lengths of the blocks on the path.
+    sliding_window_size : int
+        Sliding window size, or -1 when sliding window is not enabled.
+    last_block_attn_sink_size : int
+        Attention-sink size of the last block (sliding window).
+    accepted_indices_committed : bool
+        Whether the accepted token-tree nodes of the last forward step are committed.
+    """
+
+    seq_id: int
+    last_block: int
+    seq_length: int = 0
+    sliding_window_size: int = -1
+    last_block_attn_sink_size: int = 0
+    accepted_indices_committed: bool = True

@@ -1,0 +1,163 @@
+"""Independent numpy float64 reference of the math the kernels compute.
+
+Used by the tests and by ``relax-kvcache demo`` to check every attention output. Nothing here
+shares code with the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+LN2 = np.log(2.0)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np.ndarray:
+    """Rotate-half RoPE of ``x (n, heads, d)`` at ``positions (n,)`` (float64 result)."""
+    x = np.asarray(x, dtype=np.float64)
+    d = x.shape[-1]
+    half = d // 2
+    inv_freq = scale / theta ** (np.arange(half, dtype=np.float64) * 2 / d)
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos = np.cos(angle)[:, None, :]
+    sin = np.sin(angle)[:, None, :]
+    x0, x1 = x[..., :half], x[..., half:]
+    return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    sm_scale: float,
+    *,
+    causal: bool,
+    mask: Optional[np.ndarray] = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention of one sequence: ``q (n, Hq, d)``, ``k/v (m, Hkv, d)``, GQA by head groups.
+
+    With ``causal`` query i sees keys ``j <= m - n + i``. ``mask (n, m)`` (True = visible) is
+    combined with it. Returns ``o (n, Hq, dv)`` and the base-2 log-sum-exp ``lse (n, Hq)``;
+    rows with no visible key give ``o = 0, lse = -inf``.
+    """
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    n, hq, _ = q.shape
+    m, hkv, dv = v.shape
+    group = hq // hkv
+    visible = np.ones((n, m), dtype=bool)
+    if causal:
+        visible &= np.arange(m)[None, :] <= (m - n + np.arange(n))[:, None]
+    if mask is not None:
+        visible &= mask
+    kh = np.repeat(k, group, axis=1)  # (m, Hq, d)
+    vh = np.repeat(v, group, axis=1)
+    scores = np.einsum("nhd,mhd->hnm", q, kh) * sm_scale
+    scores = np.where(visible[None], scores, -np.inf)
+    mx = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    safe = np.where(np.isfinite(mx), mx, 0.0)
+    p = np.exp(scores - safe)
+    denom = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("hnm,mhd->nhd", p / np.where(denom > 0, denom, 1.0), vh)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(denom[..., 0]) + safe[..., 0]) / LN2
+    lse = np.where(denom[..., 0] > 0, lse, -np.inf).T
+    return out, lse
+
+
+def merge_states(o1, lse1, o2, lse2) -> tuple[np.ndarray, np.ndarray]:
+    """Merge two attention states over disjoint key sets (base-2 LSE)."""
+    o1, o2 = np.asarray(o1, np.float64), np.asarray(o2, np.float64)
+    lse1, lse2 = np.asarray(lse1, np.float64), np.asarray(lse2, np.float64)
+    mx = np.maximum(lse1, lse2)
+    safe = np.where(np.isfinite(mx), mx, 0.0)
+    w1, w2 = np.exp2(lse1 - safe), np.exp2(lse2 - safe)
+    total = w1 + w2
+    denom = np.where(total > 0, total, 1.0)
+    o = (o1 * w1[..., None] + o2 * w2[..., None]) / denom[..., None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(total > 0, np.log2(denom) + safe, -np.inf)
+    return o, lse
+
+
+class ReferenceCache:
+    """Numpy float64 model of what a KV cache holds and what its attention returns.
+
+    Keeps each sequence's K (before RoPE) and V per layer; handles add / fork / popn /
+    remove and computes the expected output of ``attention_with_fused_qkv`` for a step.
+
+    Parameters
+    ----------
+    num_layers, num_qo_heads, num_kv_heads, head_dim : int
+        Model shape.
+    rope_mode : int
+        0 none, 1 normal (stored K is rotated), 2 inline (stored K is not rotated).
+    rope_theta, rope_scale : float
+        RoPE parameters.
+    """
+
+    def __init__(self, num_layers: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 rope_mode: int, rope_theta: float = 1e4, rope_scale: float = 1.0) -> None:
+        self.num_layers, self.num_qo_heads = num_layers, num_qo_heads
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.rope_mode, self.rope_theta, self.rope_scale = rope_mode, rope_theta, rope_scale
+        self.k: dict = {}
+        self.v: dict = {}
+
+    def add(self, seq_id: int) -> None:
+        shape = (self.num_layers, 0, self.num_kv_heads, self.head_dim)
+        self.k[seq_id], self.v[seq_id] = np.zeros(shape), np.zeros(shape)
+
+    def remove(self, seq_id: int) -> None:
+        del self.k[seq_id], self.v[seq_id]
+
+    def fork(self, parent: int, child: int, pos: int = -1) -> None:
+        end = self.length(parent) if pos == -1 else pos
+        self.k[child], self.v[child] = self.k[parent][:, :end], self.v[parent][:, :end]
+
+    def popn(self, seq_id: int, n: int) -> None:
+        keep = self.length(seq_id) - n
+        self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, :keep], self.v[seq_id][:, :keep]
+
+    def length(self, seq_id: int) -> int:
+        return self.k[seq_id].shape[1]
+
+    def step(self, batch, qkv_layers, sm_scale: float) -> list:
+        """Append the batch's K/V and return the expected outputs, one ``(n, Hq, D)`` per layer.
+
+        ``batch`` is a list of ``(seq_id, append_length)``; ``qkv_layers[l]`` is the fused
+        ``(n, Hq + 2 Hkv, D)`` input of layer l (rows in batch order).
+        """
+        hq, hkv = self.num_qo_heads, self.num_kv_heads
+        starts = {}
+        offset = 0
+        for seq_id, n in batch:
+            starts[seq_id] = self.length(seq_id)
+            new = np.stack([np.asarray(qkv, np.float64)[offset:offset + n] for qkv in qkv_layers])
+            self.k[seq_id] = np.concatenate([self.k[seq_id], new[:, :, hq:hq + hkv]], axis=1)
+            self.v[seq_id] = np.concatenate([self.v[seq_id], new[:, :, hq + hkv:]], axis=1)
+            offset += n
+        outputs = []
+        for layer, qkv in enumerate(qkv_layers):
+            qkv = np.asarray(qkv, np.float64)
+            out = np.zeros((qkv.shape[0], hq, self.head_dim))
+            offset = 0
+            for seq_id, n in batch:
+                q, k = qkv[offset:offset + n, :hq], self.k[seq_id][layer]
+                if self.rope_mode != 0:
+                    q = rope(q, np.arange(starts[seq_id], starts[seq_id] + n), self.rope_theta, self.rope_scale)
+                    k = rope(k, np.arange(k.shape[0]), self.rope_theta, self.rope_scale)
+                out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale, causal=True)
+                offset += n
+            outputs.append(out)
+        return outputs
+
+    def stored_kv(self, seq_id: int) -> tuple:
+        """``(k, v)`` of shape ``(num_layers, length, Hkv, D)`` as the cache stores them."""
+        k = self.k[seq_id]
+        if self.rope_mode == 1:
+            positions = np.arange(k.shape[1])
+            k = np.stack([rope(k[l], positions, self.rope_theta, self.rope_scale) for l in range(k.shape[0])])
+        return k, self.v[seq_id]

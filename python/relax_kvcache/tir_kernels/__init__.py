@@ -1,0 +1,26 @@
+"""Our TIR kernels: TVMScript factories keyed by typed specs, scheduled per target."""
+
+from .attention import make_paged_decode, make_paged_prefill, make_ragged_prefill
+from .merge import make_merge_inplace
+from .page_ops import make_compact_copy, make_copy_single_page, make_debug_get_kv, make_transpose_append
+from .rope import make_split_rotary
+from .schedule import CpuSchedule, schedule_for
+from .spec import AttentionSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
+
+__all__ = [
+    "AttentionSpec",
+    "CpuSchedule",
+    "MergeSpec",
+    "PageLayoutSpec",
+    "RopeSplitSpec",
+    "make_compact_copy",
+    "make_copy_single_page",
+    "make_debug_get_kv",
+    "make_merge_inplace",
+    "make_paged_decode",
+    "make_paged_prefill",
+    "make_ragged_prefill",
+    "make_split_rotary",
+    "make_transpose_append",
+    "schedule_for",
+]

@@ -1,0 +1,340 @@
+"""Attention kernels: paged decode, paged prefill and ragged prefill.
+
+One algorithm serves all three: a work item owns one sequence and one KV head; it takes the
+queries of that head group in tiles (``q_tile`` tokens x group_size heads = rows), walks the KV
+in chunks (a page for paged KV, ``kv_chunk`` tokens for ragged KV), and folds each chunk into an
+online-softmax state (running max ``m``, sum ``l`` and accumulator ``acc``, all float32).
+The kernels differ only in where rows and chunks come from; the steps are the shared macros
+of :mod:`.macros`.
+
+Calling conventions are TVM's (see DESIGN.md, "Kernel ABI"):
+
+* paged prefill: ``q, qo_indptr, pages, page_indptr, page_indices, length_info,
+  k_rope_pos_offset, q_rope_position, o, lse, causal, rotary_mode, rope_scale, rope_theta,
+  sm_scale``
+* paged decode: ``q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+  q_rope_position, o, lse, rotary_mode, rope_scale, rope_theta, sm_scale``
+* ragged prefill: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, o, lse,
+  causal, rotary_mode, rope_scale, rope_theta, sm_scale``
+
+``rotary_mode == 1`` applies RoPE inline: query token ``i`` at ``q_rope_position[i]``, KV
+row ``j`` of sequence ``b`` at ``k_rope_pos_offset[b] + j``. With ``causal == 1`` query
+token ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sees keys
+``j <= kv_len - q_len + i``.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .macros import (
+    LOG2E,
+    causal_mask_chunk,
+    init_state,
+    rope_inv_freq,
+    rope_row_inplace,
+    score_chunk,
+    softmax_update,
+    store_row,
+)
+from .schedule import CpuSchedule
+from .spec import AttentionSpec
+
+
+def _ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def _paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):
+    """Number of KV rows of sequence b in its page list (TVM's ``length_info`` layouts)."""
+    if not sliding_window:
+        rows = (npages - 1) * page_size + length_info[b]
+    else:
+        # last_page_len - window offset + sink size
+        rows = (npages - 1) * page_size + length_info[0, b] - length_info[1, b] + length_info[2, b]
+    return T.if_then_else(npages > 0, rows, 0)
+
+
+def _paged_offset(j, length_info, b, sliding_window: bool):
+    """Offset of logical KV row j inside the sequence's page list."""
+    if not sliding_window:
+        return j
+    return T.if_then_else(j < length_info[2, b], j, j - length_info[2, b] + length_info[1, b])
+
+
+def _length_info_buffer(var, batch, elem_offset, sliding_window: bool):
+    shape = (3, batch) if sliding_window else (batch,)
+    return T.match_buffer(var, shape, "int32", elem_offset=elem_offset)
+
+
+def _causal_chunks(causal, first_row_limit, nq, kv_len, chunk: int):
+    """Chunks a tile must visit: all of them, or (causal) those up to its last visible column."""
+    all_chunks = _ceildiv(kv_len, chunk)
+    visible = T.max(first_row_limit + nq, 0)
+    return T.if_then_else(causal > 0, T.min(all_chunks, _ceildiv(visible, chunk)), all_chunks)
+
+
+def make_paged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+    """Paged prefill: tiles of queries of each sequence against its paged KV."""
+    return _make_paged(spec, sched, decode=False)
+
+
+def make_paged_decode(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+    """Paged decode: one query token per sequence against its paged KV."""
+    return _make_paged(spec, sched, decode=True)
+
+
+def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tirx.PrimFunc:
+    Hq, Hkv, G = spec.num_qo_heads, spec.num_kv_heads, spec.group_size
+    D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
+    if spec.v_head_dim != D:
+        raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
+    lanes = sched.lanes_for(D)
+    TQ = 1 if decode else sched.q_tile
+    R = TQ * G
+    half = D // 2
+
+    @T.macro
+    def load_page_chunk(kc, vc, pages, page_indices, pbeg, h, c0, nt, length_info, b,
+                        rotary_mode, k_pos0, inv_freq):
+        for t in T.serial(nt):
+            off: T.let[T.int32] = _paged_offset(c0 + t, length_info, b, sliding)
+            page: T.let[T.int32] = page_indices[pbeg + off // ps]
+            slot: T.let[T.int32] = off % ps
+            for d in T.vectorized(D):
+                kc[t, d] = T.Cast("float32", pages[page, 0, h, slot, d])
+                vc[t, d] = T.Cast("float32", pages[page, 1, h, slot, d])
+            if rotary_mode == 1:
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+
+    @T.macro
+    def load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, qk_scale):
+        for i in T.serial(nq):
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    qs[i * G + g, d] = T.Cast("float32", q[tok0 + i, h * G + g, d])
+                if rotary_mode == 1:
+                    rope_row_inplace(qs, i * G + g, q_rope_position[tok0 + i], inv_freq, half)
+                for d in T.vectorized(D):
+                    qs[i * G + g, d] = qs[i * G + g, d] * qk_scale
+
+    @T.macro
+    def attend_tile(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset, q_rope_position,
+                    b, h, tok0, nq, first_row_limit, causal, pbeg, kv_len, rotary_mode,
+                    sm_scale, inv_freq, qs, kc, vc, s, acc, m, l, part, red):
+        init_state(m, l, acc, nq * G, D)
+        load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
+        for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, ps)):
+            nt: T.let[T.int32] = T.min(ps, kv_len - c * ps)
+            load_page_chunk(kc, vc, pages, page_indices, pbeg, h, c * ps, nt, length_info, b,
+                            rotary_mode, k_rope_pos_offset[b], inv_freq)
+            score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+            if causal > 0:
+                causal_mask_chunk(s, nq * G, nt, G, c * ps, first_row_limit)
+            softmax_update(s, m, l, acc, vc, nq * G, nt, D, lanes, part, red)
+        for r in T.serial(nq * G):
+            store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
+                      acc, m, l, r, D, dtype)
+
+    @T.macro
+    def work_buffers_and_run(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset,
+                             q_rope_position, b, h, qbeg, q_len, causal, pbeg, npages,
+                             rotary_mode, rope_scale, rope_theta, sm_scale):
+        qs = T.sblock_alloc_buffer((R, D), "float32")
+        acc = T.sblock_alloc_buffer((R, D), "float32")
+        kc = T.sblock_alloc_buffer((ps, D), "float32")
+        vc = T.sblock_alloc_buffer((ps, D), "float32")
+        s = T.sblock_alloc_buffer((R, ps), "float32")
+        m = T.sblock_alloc_buffer((R,), "float32")
+        l = T.sblock_alloc_buffer((R,), "float32")
+        part = T.sblock_alloc_buffer((lanes,), "float32")
+        red = T.sblock_alloc_buffer((1,), "float32")
+        inv_freq = T.sblock_alloc_buffer((half,), "float32")
+        kv_len: T.let[T.int32] = _paged_kv_len(npages, ps, length_info, b, sliding)
+        if rotary_mode == 1:
+            rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
+        for tile in T.serial(_ceildiv(q_len, TQ)):
+            nq: T.let[T.int32] = T.min(TQ, q_len - tile * TQ)
+            attend_tile(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset,
+                        q_rope_position, b, h, qbeg + tile * TQ, nq,
+                        kv_len - q_len + tile * TQ, causal, pbeg, kv_len, rotary_mode,
+                        sm_scale, inv_freq, qs, kc, vc, s, acc, m, l, part, red)
+
+    if decode:
+
+        @T.prim_func(s_tir=True)
+        def paged_decode(var_q: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+                         var_page_indices: T.handle, var_length_info: T.handle,
+                         var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle,
+                         var_o: T.handle, var_lse: T.handle, rotary_mode: T.int32,
+                         rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+            T.func_attr({"tirx.noalias": True})
+            B = T.int32()
+            P = T.int64()
+            nnz = T.int32()
+            off_indptr = T.int32()
+            off_indices = T.int32()
+            off_len = T.int32()
+            off_krope = T.int32()
+            off_qrope = T.int32()
+            q = T.match_buffer(var_q, (B, Hq, D), dtype)
+            pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
+            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
+            length_info = _length_info_buffer(var_length_info, B, off_len, sliding)
+            k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (B,), "int32", elem_offset=off_krope)
+            q_rope_position = T.match_buffer(var_q_rope_position, (B,), "int32", elem_offset=off_qrope)
+            o = T.match_buffer(var_o, (B, Hq, D), dtype)
+            lse = T.match_buffer(var_lse, (B, Hq), "float32")
+            for bh in T.parallel(B * Hkv):
+                with T.sblock("work"):
+                    T.reads()
+                    T.writes()
+                    work_buffers_and_run(q, o, lse, pages, page_indices, length_info,
+                                         k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv,
+                                         bh // Hkv, 1, 0, page_indptr[bh // Hkv],
+                                         page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv],
+                                         rotary_mode, rope_scale, rope_theta, sm_scale)
+
+        return paged_decode
+
+    @T.prim_func(s_tir=True)
+    def paged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle,
+                      var_page_indptr: T.handle, var_page_indices: T.handle,
+                      var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+                      var_q_rope_position: T.handle, var_o: T.handle, var_lse: T.handle,
+                      causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
+                      rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        P = T.int64()
+        nnz = T.int32()
+        off_qo = T.int32()
+        off_indptr = T.int32()
+        off_indices = T.int32()
+        off_len = T.int32()
+        off_krope = T.int32()
+        off_qrope = T.int32()
+        q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
+        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
+        length_info = _length_info_buffer(var_length_info, B, off_len, sliding)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (B,), "int32", elem_offset=off_krope)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
+        o = T.match_buffer(var_o, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        for bh in T.parallel(B * Hkv):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                work_buffers_and_run(q, o, lse, pages, page_indices, length_info,
+                                     k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv,
+                                     qo_indptr[bh // Hkv],
+                                     qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal,
+                                     page_indptr[bh // Hkv],
+                                     page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv],
+                                     rotary_mode, rope_scale, rope_theta, sm_scale)
+
+    return paged_prefill
+
+
+def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+    """Ragged prefill: queries of each sequence against that sequence's new (contiguous) K/V."""
+    Hq, Hkv, G = spec.num_qo_heads, spec.num_kv_heads, spec.group_size
+    D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
+    lanes = sched.lanes_for(D)
+    v_lanes = sched.lanes_for(DV)
+    TQ, CK = sched.q_tile, sched.kv_chunk
+    R = TQ * G
+    half = D // 2
+
+    @T.macro
+    def load_kv_chunk(kc, vc, k, v, kbeg, h, c0, nt, rotary_mode, k_pos0, inv_freq):
+        for t in T.serial(nt):
+            for d in T.vectorized(D):
+                kc[t, d] = T.Cast("float32", k[kbeg + c0 + t, h, d])
+            for d in T.vectorized(DV):
+                vc[t, d] = T.Cast("float32", v[kbeg + c0 + t, h, d])
+            if rotary_mode == 1:
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+
+    @T.macro
+    def load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, qk_scale):
+        for i in T.serial(nq):
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    qs[i * G + g, d] = T.Cast("float32", q[tok0 + i, h * G + g, d])
+                if rotary_mode == 1:
+                    rope_row_inplace(qs, i * G + g, q_rope_position[tok0 + i], inv_freq, half)
+                for d in T.vectorized(D):
+                    qs[i * G + g, d] = qs[i * G + g, d] * qk_scale
+
+    @T.prim_func(s_tir=True)
+    def ragged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
+                       var_kv_indptr: T.handle, var_q_rope_position: T.handle,
+                       var_k_rope_pos_offset: T.handle, var_o: T.handle, var_lse: T.handle,
+                       causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
+                       rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        total_kv = T.int32()
+        off_qo = T.int32()
+        off_kv = T.int32()
+        off_qrope = T.int32()
+        off_krope = T.int32()
+        q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
+        k = T.match_buffer(var_k, (total_kv, Hkv, D), dtype)
+        v = T.match_buffer(var_v, (total_kv, Hkv, DV), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (B + 1,), "int32", elem_offset=off_kv)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (B,), "int32", elem_offset=off_krope)
+        o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
+        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        for bh in T.parallel(B * Hkv):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                qs = T.sblock_alloc_buffer((R, D), "float32")
+                acc = T.sblock_alloc_buffer((R, DV), "float32")
+                kc = T.sblock_alloc_buffer((CK, D), "float32")
+                vc = T.sblock_alloc_buffer((CK, DV), "float32")
+                s = T.sblock_alloc_buffer((R, CK), "float32")
+                m = T.sblock_alloc_buffer((R,), "float32")
+                l = T.sblock_alloc_buffer((R,), "float32")
+                part = T.sblock_alloc_buffer((T.max(lanes, v_lanes),), "float32")
+                red = T.sblock_alloc_buffer((1,), "float32")
+                inv_freq = T.sblock_alloc_buffer((half,), "float32")
+                b: T.let[T.int32] = bh // Hkv
+                h: T.let[T.int32] = bh % Hkv
+                qbeg: T.let[T.int32] = qo_indptr[b]
+                q_len: T.let[T.int32] = qo_indptr[b + 1] - qbeg
+                kbeg: T.let[T.int32] = kv_indptr[b]
+                kv_len: T.let[T.int32] = kv_indptr[b + 1] - kbeg
+                if rotary_mode == 1:
+                    rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
+                for tile in T.serial(_ceildiv(q_len, TQ)):
+                    nq: T.let[T.int32] = T.min(TQ, q_len - tile * TQ)
+                    tok0: T.let[T.int32] = qbeg + tile * TQ
+                    first_row_limit: T.let[T.int32] = kv_len - q_len + tile * TQ
+                    init_state(m, l, acc, nq * G, DV)
+                    load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq,
+                                sm_scale * LOG2E)
+                    for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, CK)):
+                        nt: T.let[T.int32] = T.min(CK, kv_len - c * CK)
+                        load_kv_chunk(kc, vc, k, v, kbeg, h, c * CK, nt, rotary_mode,
+                                      k_rope_pos_offset[b], inv_freq)
+                        score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                        if causal > 0:
+                            causal_mask_chunk(s, nq * G, nt, G, c * CK, first_row_limit)
+                        softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+                    for r in T.serial(nq * G):
+                        store_row(o, lse, (tok0 + r // G, h * G + r % G),
+                                  (tok0 + r // G, h * G + r % G), acc, m, l, r, DV, dtype)
+
+    return ragged_prefill

@@ -1,0 +1,91 @@
+"""Typed kernel specs: every kernel factory is keyed by one of these frozen dataclasses.
+
+A spec holds exactly what changes the generated code (head counts, head dims, page size, dtype,
+variant flags). Runtime values (sequence lengths, RoPE theta for the attention kernels, sm_scale)
+are kernel arguments, not spec fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import SUPPORTED_DTYPES
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PageLayoutSpec:
+    """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``.
+
+    Keys transpose_append, copy_single_page, compact_copy and debug_get_kv.
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        for name in ("num_kv_heads", "head_dim", "page_size"):
+            _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeSplitSpec:
+    """Split fused ``qkv (n, Hq + 2 Hkv, D)`` into q, k, v and apply normal RoPE to q and k.
+
+    RoPE theta and scale are compiled in, as in TVM's ``split_rotary`` convention.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    rope_theta: float
+    rope_scale: float
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MergeSpec:
+    """Merge two attention states ``(o (n, H, D), lse (n, H))`` in place by log-sum-exp."""
+
+    num_heads: int
+    head_dim: int
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """Attention of ``Hq`` query heads over ``Hkv`` KV heads (GQA group ``Hq // Hkv``).
+
+    ``sliding_window`` selects the ``length_info`` layout of the paged kernels: ``[B]``
+    (last page length) when False, ``[3, B]`` (last page length, window offset, sink size)
+    when True. Ragged kernels ignore ``page_size`` and ``sliding_window``.
+    """
+
+    num_qo_heads: int
+    num_kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    dtype: str
+    page_size: int = 16
+    sliding_window: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check(self.num_qo_heads % self.num_kv_heads == 0,
+               f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _check(self.qk_head_dim % 2 == 0, f"qk_head_dim must be even, got {self.qk_head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
