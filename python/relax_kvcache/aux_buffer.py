@@ -12,6 +12,8 @@ from typing import List, Sequence
 import numpy as np
 import tvm
 
+from .tensors import view
+
 _INT32_BYTES = 4
 
 
@@ -34,6 +36,7 @@ class AuxBuffer:
     def _allocate(self, capacity: int) -> None:
         self._capacity = capacity
         self._device_buffer = tvm.runtime.empty((capacity,), "int32", self._device)
+        self._dtype = self._device_buffer.dtype
         if self._on_cpu:
             self._host = np.from_dlpack(self._device_buffer)
         else:
@@ -48,10 +51,9 @@ class AuxBuffer:
         views = []
         offset = 0
         for array, size in zip(arrays, sizes):
-            self._host[offset:offset + size] = array.reshape(-1)
-            views.append(self._device_buffer._create_view(array.shape, "int32", offset * _INT32_BYTES))
+            self._host[offset:offset + size] = array.ravel()
+            views.append(view(self._device_buffer, array.shape, offset * _INT32_BYTES, self._dtype))
             offset += size
         if not self._on_cpu and total:
-            staging = self._device_buffer._create_view((total,), "int32", 0)
-            staging.copyfrom(self._host[:total])
+            view(self._device_buffer, (total,), 0, self._dtype).copyfrom(self._host[:total])
         return views

@@ -114,6 +114,7 @@ class PagedAttentionKVCache:
         self._scratch_o = tvm.runtime.empty((chunk, hq, config.v_head_dim), config.dtype, device)
         self._scratch_lse = tvm.runtime.empty((chunk, hq), "float32", device)
         self._scratch_merged_lse = tvm.runtime.empty((chunk, hq), "float32", device)
+        self._dtype, self._float32 = self._scratch_q.dtype, self._scratch_lse.dtype
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
         rope = config.effective_rope_mode
@@ -205,7 +206,6 @@ class PagedAttentionKVCache:
     def _plan_step(self, seq_ids: List[int], append_lengths: List[int]) -> md.StepMetadata:
         paging, sliding = self._paging, self.config.support_sliding_window
         structure = md.BatchStructure.collect(paging, seq_ids, append_lengths)
-        last_lengths = [paging.block(paging.sequence(s).last_block).seq_length for s in seq_ids]
         append_before_attn = not sliding and structure.use_decode_kernel[-1]
         if append_before_attn:
             paging.reserve_append(seq_ids, append_lengths)
@@ -213,7 +213,7 @@ class PagedAttentionKVCache:
         else:
             depths = md.build_depths(paging, structure, sliding_window=sliding)
             paging.reserve_append(seq_ids, append_lengths)
-        q_rope_position, append_position = md.build_token_maps(paging, structure, last_lengths)
+        q_rope_position, append_position = md.build_token_maps(paging, structure)
         return md.StepMetadata(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
@@ -248,17 +248,17 @@ class PagedAttentionKVCache:
             _DepthViews(*views[4 + 5 * d: 9 + 5 * d], use_decode_kernel=depth.use_decode_kernel,
                         has_pages=depth.has_pages)
             for d, depth in enumerate(step.depths))
-        n, cfg = step.total_tokens, self.config
+        n, cfg, dt, f32 = step.total_tokens, self.config, self._dtype, self._float32
         return _DeviceStep(
             append_indptr=views[0], k_ragged_rope_pos_offset=views[1], q_rope_position=views[2],
             append_position=views[3], depths=depths,
             paged_depths=tuple(d for d in depths if d.has_pages),
-            q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim)),
-            k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim)),
-            v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim)),
-            tmp_o=view(self._scratch_o, (n, cfg.num_qo_heads, cfg.v_head_dim)),
-            tmp_lse=view(self._scratch_lse, (n, cfg.num_qo_heads)),
-            merged_lse=view(self._scratch_merged_lse, (n, cfg.num_qo_heads)),
+            q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim), 0, dt),
+            k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim), 0, dt),
+            v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim), 0, dt),
+            tmp_o=view(self._scratch_o, (n, cfg.num_qo_heads, cfg.v_head_dim), 0, dt),
+            tmp_lse=view(self._scratch_lse, (n, cfg.num_qo_heads), 0, f32),
+            merged_lse=view(self._scratch_merged_lse, (n, cfg.num_qo_heads), 0, f32),
         )
 
     # ------------------------------------------------------------------ attention
@@ -289,8 +289,8 @@ class PagedAttentionKVCache:
         if shape[0] < n:
             raise ForwardError(f"qkv has {shape[0]} rows, fewer than the {n} tokens of the step")
         if shape[0] != n:
-            qkv = view(qkv, (n,) + shape[1:])
-            o = view(o, (n, cfg.num_qo_heads, cfg.head_dim))
+            qkv = view(qkv, (n,) + shape[1:], 0, self._dtype)
+            o = view(o, (n, cfg.num_qo_heads, cfg.head_dim), 0, self._dtype)
         sm_scale = _as_float("sm_scale", sm_scale)
         k = self._kernels
         k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_applies_rope)
@@ -452,6 +452,8 @@ def _as_int_list(name: str, values: Any) -> List[int]:
         items = list(values)
     except TypeError:
         raise ForwardError(f"{name} must be a sequence of integers, got {values!r}") from None
+    if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
+        return items
     return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
 
 

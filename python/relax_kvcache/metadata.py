@@ -14,11 +14,12 @@ n = tokens appended in the step, c = chunks at a depth).
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence, Tuple
+import itertools
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .paging import PagingState
+from .paging import Block, PagingState
 
 #: Deepest block level attended separately; deeper blocks are concatenated into the last level.
 MAX_BLOCK_DEPTH = 2
@@ -102,110 +103,112 @@ class StepMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class BatchStructure:
-    """Block layout of a batch before its tokens are reserved (read-only snapshot).
+    """Block layout of a batch before its tokens are reserved (a read-only snapshot).
 
-    ``chunks[d]`` lists ``(block_id or -1, query tokens)`` per chunk at depth d; at the deepest
+    ``chunks[d]`` lists ``(block or None, query tokens)`` per chunk at depth d; at the deepest
     level there is one chunk per sequence and ``trailing[i]`` holds sequence i's blocks below it.
+    ``last_blocks[i]`` is sequence i's last block (the live object, grown by the reservation).
     """
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
     seq_lengths_before: Tuple[int, ...]
-    chunks: Tuple[Tuple[Tuple[int, int], ...], ...]
-    trailing: Tuple[Tuple[int, ...], ...]
+    last_block_lengths_before: Tuple[int, ...]
+    last_blocks: Tuple[Block, ...]
+    chunks: Tuple[Tuple[Tuple[Optional[Block], int], ...], ...]
+    trailing: Tuple[Tuple[Block, ...], ...]
     use_decode_kernel: Tuple[bool, ...]
 
     @classmethod
     def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> "BatchStructure":
-        traces = [paging.block_trace(s) for s in seq_ids]
-        heads = [t[:MAX_BLOCK_DEPTH] for t in traces]
-        trailing = tuple(tuple(t[MAX_BLOCK_DEPTH:]) for t in traces)
-        num_depths = max(len(h) for h in heads)
+        traces = [paging.trace_blocks(s) for s in seq_ids]
+        num_depths = min(max(len(t) for t in traces), MAX_BLOCK_DEPTH)
         is_decode = all(n == 1 for n in append_lengths)
         chunks, use_decode = [], []
         for d in range(num_depths):
-            block_ids = [h[d] if d < len(h) else -1 for h in heads]
-            depth_chunks, decode = _chunk_depth(paging, block_ids, append_lengths, is_decode,
+            blocks = [t[d] if d < len(t) else None for t in traces]
+            depth_chunks, decode = _chunk_depth(blocks, append_lengths, is_decode,
                                                 coalesce=d != MAX_BLOCK_DEPTH - 1)
             chunks.append(depth_chunks)
             use_decode.append(decode)
+        last_blocks = tuple(t[-1] for t in traces)
         return cls(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
             seq_lengths_before=tuple(paging.sequence_length(s) for s in seq_ids),
+            last_block_lengths_before=tuple(b.seq_length for b in last_blocks),
+            last_blocks=last_blocks,
             chunks=tuple(chunks),
-            trailing=trailing,
+            trailing=tuple(tuple(t[MAX_BLOCK_DEPTH:]) for t in traces),
             use_decode_kernel=tuple(use_decode),
         )
 
 
-def _chunk_depth(paging: PagingState, block_ids: List[int], append_lengths: Sequence[int],
-                 is_decode: bool, *, coalesce: bool) -> Tuple[Tuple[Tuple[int, int], ...], bool]:
+def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], is_decode: bool, *,
+                 coalesce: bool) -> Tuple[Tuple[Tuple[Optional[Block], int], ...], bool]:
     """Chunks of one depth and whether it uses the decode kernel (TVM's ``GetChunkedBlockIds``).
 
     Adjacent sequences on the same block can be coalesced into one prefill chunk. A decode batch
     keeps one chunk per sequence (decode kernel) unless coalescing saves at least
     ``COALESCE_RATIO_THRESHOLD`` times the page reads.
     """
-    def num_pages(block_id: int) -> int:
-        return len(paging.block(block_id).page_ids) if block_id != -1 else 0
-
-    uncoalesced = tuple(zip(block_ids, append_lengths))
-    coalesced: List[Tuple[int, int]] = []
-    for block_id, length in uncoalesced:
-        if coalesced and coalesced[-1][0] == block_id:
-            coalesced[-1] = (block_id, coalesced[-1][1] + length)
+    uncoalesced = tuple(zip(blocks, append_lengths))
+    coalesced: List[Tuple[Optional[Block], int]] = []
+    for block, length in uncoalesced:
+        if coalesced and coalesced[-1][0] is block:
+            coalesced[-1] = (block, coalesced[-1][1] + length)
         else:
-            coalesced.append((block_id, length))
-    pages_uncoalesced = sum(num_pages(b) for b in block_ids)
-    pages_coalesced = sum(num_pages(b) for b, _ in coalesced)
+            coalesced.append((block, length))
+    pages_uncoalesced = sum(len(b.page_ids) for b in blocks if b is not None)
+    pages_coalesced = sum(len(b.page_ids) for b, _ in coalesced if b is not None)
     ratio = pages_uncoalesced / pages_coalesced if pages_coalesced > 0 else 0.0
     use_decode = is_decode and ratio < COALESCE_RATIO_THRESHOLD
     return (uncoalesced if use_decode or not coalesce else tuple(coalesced)), use_decode
 
 
-def _last_page_len(seq_length: int, sink_length: int, window_offset: int, page_size: int) -> int:
-    if seq_length == 0:
-        return 0
-    return (seq_length - sink_length + window_offset - 1) % page_size + 1
+_EMPTY_BLOCK = Block(index=-1)
 
 
 def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_window: bool) -> Tuple[DepthMetadata, ...]:
-    """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop)."""
+    """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop).
+
+    Each chunk reads the pages of its block, or at the deepest level of its block followed by
+    the sequence's trailing blocks; its last page length, window offset and sink size come from
+    the last block of that chain, its RoPE offset from the first block's start position.
+    (Scalar Python per chunk and one array per output: cheaper than numpy on small batches.)
+    """
     page_size = paging.page_size
     depths = []
     for d, chunks in enumerate(structure.chunks):
-        deepest = d == MAX_BLOCK_DEPTH - 1
-        lengths = [n for _, n in chunks]
-        page_lists: List[Sequence[int]] = []
-        info = np.zeros((3, len(chunks)), dtype=np.int32)  # last_page_len, window offset, sink
-        k_rope = np.zeros(len(chunks), dtype=np.int32)
-        for i, (block_id, _) in enumerate(chunks):
-            if block_id == -1:
-                page_lists.append(())
-                continue
-            block = paging.block(block_id)
-            chain = [block] + ([paging.block(b) for b in structure.trailing[i]] if deepest else [])
-            last = chain[-1]
-            page_lists.append(block.page_ids if len(chain) == 1 else [p for blk in chain for p in blk.page_ids])
-            info[0, i] = _last_page_len(sum(blk.seq_length for blk in chain), last.sink_length,
-                                        last.sliding_window_offset, page_size)
-            info[1, i] = last.sliding_window_offset
-            info[2, i] = last.sink_length
-            k_rope[i] = block.start_pos
+        heads = [b if b is not None else _EMPTY_BLOCK for b, _ in chunks]
+        if d == MAX_BLOCK_DEPTH - 1 and any(structure.trailing):
+            chains = [[h, *trail] for h, trail in zip(heads, structure.trailing)]
+            page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
+            lengths = [sum(blk.seq_length for blk in chain) for chain in chains]
+            lasts = [chain[-1] for chain in chains]
+        else:
+            page_lists = [h.page_ids for h in heads]
+            lengths = [h.seq_length for h in heads]
+            lasts = heads
+        last_page_len = [(n - b.sink_length + b.sliding_window_offset - 1) % page_size + 1 if n > 0 else 0
+                         for n, b in zip(lengths, lasts)]
+        if sliding_window:
+            length_info = np.array([last_page_len, [b.sliding_window_offset for b in lasts],
+                                    [b.sink_length for b in lasts]], dtype=np.int32)
+        else:
+            length_info = np.array(last_page_len, dtype=np.int32)
         depths.append(DepthMetadata(
-            qo_indptr=_indptr(lengths),
+            qo_indptr=_indptr([n for _, n in chunks]),
             page_indptr=_indptr([len(p) for p in page_lists]),
-            page_indices=_concat(page_lists),
-            length_info=info if sliding_window else info[0].copy(),
-            k_rope_pos_offset=k_rope,
+            page_indices=np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int32),
+            length_info=length_info,
+            k_rope_pos_offset=np.array([h.start_pos for h in heads], dtype=np.int32),
             use_decode_kernel=structure.use_decode_kernel[d],
         ))
     return tuple(depths)
 
 
-def build_token_maps(paging: PagingState, structure: BatchStructure,
-                     last_block_lengths_before: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
     """RoPE positions and pool positions of the step's new tokens, after their reservation.
 
     Returns ``(q_rope_position [n], append_position [n])``. A token whose slot is pinned by an
@@ -214,11 +217,9 @@ def build_token_maps(paging: PagingState, structure: BatchStructure,
     page_size = paging.page_size
     q_pos: List[int] = []
     a_pos: List[int] = []
-    for i, seq_id in enumerate(structure.seq_ids):
-        n = structure.append_lengths[i]
-        before = structure.seq_lengths_before[i]
+    for before, n, block, block_before in zip(structure.seq_lengths_before, structure.append_lengths,
+                                              structure.last_blocks, structure.last_block_lengths_before):
         q_pos.extend(range(before, before + n))
-        block = paging.block(paging.sequence(seq_id).last_block)
         if block.sink_length == 0 and n <= page_size:
             # Common case (no attention sink): slots follow the window offset contiguously.
             pages = block.page_ids
@@ -226,11 +227,11 @@ def build_token_maps(paging: PagingState, structure: BatchStructure,
                              block.seq_length + block.sliding_window_offset):
                 a_pos.append(pages[off // page_size] * page_size + off % page_size)
         else:
-            a_pos.extend(_sink_aware_positions(block, n, last_block_lengths_before[i], page_size).tolist())
+            a_pos.extend(_sink_aware_positions(block, n, block_before, page_size).tolist())
     return np.array(q_pos, dtype=np.int32), np.array(a_pos, dtype=np.int32)
 
 
-def _sink_aware_positions(block, n: int, last_block_length_before: int, page_size: int) -> np.ndarray:
+def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, page_size: int) -> np.ndarray:
     """Pool positions of the last n tokens of a block, honouring its attention sink."""
     pos = np.arange(n, dtype=np.int64)
     in_block = block.seq_length - n + pos
@@ -245,14 +246,5 @@ def _sink_aware_positions(block, n: int, last_block_length_before: int, page_siz
 
 
 def _indptr(lengths: Sequence[int]) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=out[1:])
-    return out
-
-
-def _concat(parts: Sequence[Sequence[int]]) -> np.ndarray:
-    if not parts:
-        return np.zeros(0, dtype=np.int32)
-    if all(isinstance(p, np.ndarray) for p in parts):
-        return np.concatenate(parts).astype(np.int32, copy=False)
-    return np.fromiter((x for p in parts for x in p), dtype=np.int32)
+    """int32 ``[0, l0, l0 + l1, ...]``."""
+    return np.array(list(itertools.accumulate(lengths, initial=0)), dtype=np.int32)

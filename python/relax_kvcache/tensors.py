@@ -12,9 +12,14 @@ from .errors import ForwardError
 _create_view = _ffi_api.TVMTensorCreateView
 
 
-def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 0) -> tvm.runtime.Tensor:
-    """A view of ``tensor`` with ``shape`` at ``byte_offset`` (same dtype), ~1 us."""
-    return _create_view(tensor, shape, tensor.dtype, byte_offset)
+def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 0,
+         dtype: Any = None) -> tvm.runtime.Tensor:
+    """A view of ``tensor`` with ``shape`` at ``byte_offset``, ~1 us.
+
+    ``dtype`` defaults to the tensor's; pass a cached dtype object on hot paths (reading
+    ``tensor.dtype`` builds a new one each time).
+    """
+    return _create_view(tensor, shape, tensor.dtype if dtype is None else dtype, byte_offset)
 
 
 def check_tensor(

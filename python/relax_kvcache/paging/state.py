@@ -130,6 +130,18 @@ class PagingState:
         """Return the block indices of sequence ``seq_id``, root first (TVM's ``GetBlockTrace``)."""
         return self._trace(self._seq(seq_id).last_block)
 
+    def trace_blocks(self, seq_id: int) -> list[Block]:
+        """Return the blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
+        blocks = self._blocks
+        trace = []
+        idx = self._seq(seq_id).last_block
+        while idx != -1:
+            block = blocks[idx]
+            trace.append(block)
+            idx = block.parent
+        trace.reverse()
+        return trace
+
     def empty(self) -> bool:
         """Return True if no sequence, block or page is in use (TVM's ``Empty``)."""
         return (

@@ -26,11 +26,12 @@ def make_split_rotary(spec: RopeSplitSpec, sched: CpuSchedule) -> tirx.PrimFunc:
 
     @T.macro
     def rotate_head(dst, row, head, src, src_head, cos_v, sin_v):
+        # Casts stay inline: a let-bound cast of a bfloat16 load is mis-legalised by TVM 0.27.
         for d in T.vectorized(half):
-            x0: T.let[T.float32] = T.Cast("float32", src[row, src_head, d])
-            x1: T.let[T.float32] = T.Cast("float32", src[row, src_head, d + half])
-            dst[row, head, d] = T.Cast(dtype, x0 * cos_v[d] - x1 * sin_v[d])
-            dst[row, head, d + half] = T.Cast(dtype, x1 * cos_v[d] + x0 * sin_v[d])
+            dst[row, head, d] = T.Cast(dtype, T.Cast("float32", src[row, src_head, d]) * cos_v[d]
+                                       - T.Cast("float32", src[row, src_head, d + half]) * sin_v[d])
+            dst[row, head, d + half] = T.Cast(dtype, T.Cast("float32", src[row, src_head, d + half]) * cos_v[d]
+                                              + T.Cast("float32", src[row, src_head, d]) * sin_v[d])
 
     @T.prim_func(s_tir=True)
     def split_rotary(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,

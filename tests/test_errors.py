@@ -1,0 +1,244 @@
+"""Bad input: a clear exception naming the bad value, and the cache exactly as it was."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+
+import relax_kvcache as rk
+
+CFG = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8, max_num_seqs=8,
+                       max_total_seq_len=200, prefill_chunk_size=64, rope_mode=rk.RopeMode.NORMAL, dtype="float32")
+
+
+@pytest.fixture()
+def cache():
+    """A cache with sequences 0 (length 21) and 1 (forked from 0 at 13, then extended by 4)."""
+    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    rng = np.random.default_rng(0)
+    c.add_sequence(0)
+    _step(c, rng, [0], [21])
+    c.fork_sequence(0, 1, 13)
+    _step(c, rng, [1], [4])
+    return c
+
+
+def _step(cache, rng, seq_ids, lengths):
+    n = sum(lengths)
+    cache.begin_forward(seq_ids, lengths)
+    for layer in range(CFG.num_layers):
+        qkv = tvm.runtime.tensor(rng.standard_normal((n, 8, 32)).astype("float32"))
+        cache.attention_with_fused_qkv(layer, qkv, tvm.runtime.empty((n, 4, 32), "float32"), 0.2)
+    cache.end_forward()
+
+
+def _snapshot(cache):
+    contents = {}
+    for seq in cache._paging.seq_ids():
+        length = cache.get_sequence_length(seq)
+        if length:
+            k = tvm.runtime.empty((2, length, 2, 32), "float32")
+            v = tvm.runtime.empty((2, length, 2, 32), "float32")
+            cache.debug_get_kv(seq, 0, length, k, v)
+            contents[seq] = (k.numpy(), v.numpy())
+    return cache._paging.debug_snapshot(), cache._step is not None, contents
+
+
+def _assert_same(before, after):
+    assert before[0] == after[0], "paging state changed"
+    assert before[1] == after[1], "forward-step state changed"
+    assert before[2].keys() == after[2].keys()
+    for seq in before[2]:
+        for a, b in zip(before[2][seq], after[2][seq]):
+            np.testing.assert_array_equal(a, b)
+
+
+def _t(shape, dtype="float32"):
+    return tvm.runtime.tensor(np.random.default_rng(1).standard_normal(shape).astype(dtype))
+
+
+SEQUENCE_ERRORS = {
+    "add duplicate": (lambda c: c.add_sequence(0), rk.SequenceError, "0"),
+    "remove unknown": (lambda c: c.remove_sequence(5), rk.SequenceError, "5"),
+    "fork unknown parent": (lambda c: c.fork_sequence(9, 2), rk.SequenceError, "9"),
+    "fork existing child": (lambda c: c.fork_sequence(0, 1), rk.SequenceError, "1"),
+    "fork position below -1": (lambda c: c.fork_sequence(0, 2, -2), rk.SequenceError, "-2"),
+    "fork position beyond length": (lambda c: c.fork_sequence(0, 2, 22), rk.SequenceError, "22"),
+    "popn unknown": (lambda c: c.popn(7, 1), rk.SequenceError, "7"),
+    "popn negative": (lambda c: c.popn(0, -1), rk.SequenceError, "-1"),
+    "popn beyond length": (lambda c: c.popn(1, 18), rk.SequenceError, "18"),
+    "float sequence id": (lambda c: c.add_sequence(2.5), rk.KVCacheError, "2.5"),
+    "string sequence id": (lambda c: c.remove_sequence("0"), rk.KVCacheError, "'0'"),
+    "None fork position": (lambda c: c.fork_sequence(0, 2, None), rk.KVCacheError, "None"),
+    "get length of unknown": (lambda c: c.get_sequence_length(4), rk.SequenceError, "4"),
+}
+
+FORWARD_ERRORS = {
+    "begin unknown id": (lambda c: c.begin_forward([0, 3], [1, 1]), rk.SequenceError, "3"),
+    "begin duplicate ids": (lambda c: c.begin_forward([0, 0], [1, 1]), rk.SequenceError, "0"),
+    "begin length zero": (lambda c: c.begin_forward([0, 1], [1, 0]), rk.ForwardError, "0"),
+    "begin negative length": (lambda c: c.begin_forward([0], [-3]), rk.ForwardError, "-3"),
+    "begin mismatched lists": (lambda c: c.begin_forward([0, 1], [1]), rk.ForwardError, "2"),
+    "begin empty batch": (lambda c: c.begin_forward([], []), rk.ForwardError, "empty"),
+    "begin longer than chunk": (lambda c: c.begin_forward([0, 1], [40, 25]), rk.ForwardError, "65"),
+    "begin non-int length": (lambda c: c.begin_forward([0], [1.5]), rk.KVCacheError, "1.5"),
+    "cache full": (lambda c: c.begin_forward([0, 1], [60, 2]) if False else c.begin_forward([0], [64]),
+                   None, None),  # placeholder replaced below
+    "attention without begin": (lambda c: c.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), 0.1),
+                                rk.ForwardError, "begin_forward"),
+    "query positions without begin": (lambda c: c.get_query_positions(), rk.ForwardError, "begin_forward"),
+    "self attention without begin": (lambda c: c.self_attention(0, _t((1, 4, 32)), _t((1, 2, 32)), _t((1, 2, 32)),
+                                                                _t((1, 4, 32)), _t((1, 4)), 0.1),
+                                     rk.ForwardError, "begin_forward"),
+    "debug_get_kv range": (lambda c: c.debug_get_kv(0, 5, 30, _t((2, 25, 2, 32)), _t((2, 25, 2, 32))),
+                           rk.KVCacheError, "30"),
+    "debug_get_kv empty range": (lambda c: c.debug_get_kv(0, 5, 5, _t((2, 0, 2, 32)), _t((2, 0, 2, 32))),
+                                 rk.KVCacheError, "[5, 5)"),
+    "debug_get_kv wrong shape": (lambda c: c.debug_get_kv(0, 0, 4, _t((2, 4, 2, 16)), _t((2, 4, 2, 32))),
+                                 rk.ForwardError, "k_data"),
+    "debug_get_kv wrong dtype": (lambda c: c.debug_get_kv(0, 0, 4, _t((2, 4, 2, 32), "float16"), _t((2, 4, 2, 32))),
+                                 rk.ForwardError, "float16"),
+}
+del FORWARD_ERRORS["cache full"]
+
+
+def _check_error(cache, action, exc_type, fragment):
+    before = _snapshot(cache)
+    with pytest.raises(exc_type) as info:
+        action(cache)
+    assert fragment in str(info.value), f"message {str(info.value)!r} does not name {fragment!r}"
+    _assert_same(before, _snapshot(cache))
+
+
+@pytest.mark.parametrize("name", list(SEQUENCE_ERRORS))
+def test_sequence_errors_leave_state_unchanged(cache, name):
+    _check_error(cache, *SEQUENCE_ERRORS[name])
+
+
+@pytest.mark.parametrize("name", list(FORWARD_ERRORS))
+def test_forward_errors_leave_state_unchanged(cache, name):
+    _check_error(cache, *FORWARD_ERRORS[name])
+
+
+def _in_step(cache, action):
+    """Run ``action`` inside an active step of sequences 0 and 1 (one token each)."""
+    cache.begin_forward([0, 1], [1, 1])
+    return action(cache)
+
+
+STEP_ERRORS = {
+    "qkv wrong head count": (lambda c: c.attention_with_fused_qkv(0, _t((2, 9, 32)), _t((2, 4, 32)), 0.1), "(*, 8, 32)"),
+    "qkv wrong head_dim": (lambda c: c.attention_with_fused_qkv(0, _t((2, 8, 16)), _t((2, 4, 32)), 0.1), "16"),
+    "qkv wrong dtype": (lambda c: c.attention_with_fused_qkv(0, _t((2, 8, 32), "float16"), _t((2, 4, 32)), 0.1),
+                        "float16"),
+    "qkv wrong rank": (lambda c: c.attention_with_fused_qkv(0, _t((2, 256)), _t((2, 4, 32)), 0.1), "(2, 256)"),
+    "qkv too few rows": (lambda c: c.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), 0.1), "1 rows"),
+    "qkv not a tensor": (lambda c: c.attention_with_fused_qkv(0, np.zeros((2, 8, 32), "float32"), _t((2, 4, 32)), 0.1),
+                         "ndarray"),
+    "o rows differ from qkv": (lambda c: c.attention_with_fused_qkv(0, _t((3, 8, 32)), _t((2, 4, 32)), 0.1), "(2, 4, 32)"),
+    "layer out of range": (lambda c: c.attention_with_fused_qkv(2, _t((2, 8, 32)), _t((2, 4, 32)), 0.1), "layer_id 2"),
+    "negative layer": (lambda c: c.attention_with_fused_qkv(-1, _t((2, 8, 32)), _t((2, 4, 32)), 0.1), "layer_id -1"),
+    "sm_scale not a number": (lambda c: c.attention_with_fused_qkv(0, _t((2, 8, 32)), _t((2, 4, 32)), "x"), "'x'"),
+    "self attention wrong k": (lambda c: c.self_attention(0, _t((2, 4, 32)), _t((2, 4, 32)), _t((2, 2, 32)),
+                                                          _t((2, 4, 32)), _t((2, 4)), 0.1), "k has shape"),
+    "cross attention lse dtype": (lambda c: c.cross_attention(0, _t((2, 4, 32)), _t((2, 4, 32)), _t((2, 4), "float16"),
+                                                              0.1), "lse has dtype"),
+    "begin while active": (lambda c: c.begin_forward([0], [1]), "active"),
+    "remove while active": (lambda c: c.remove_sequence(0), "active"),
+    "fork while active": (lambda c: c.fork_sequence(0, 5), "active"),
+    "popn while active": (lambda c: c.popn(0, 1), "active"),
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_ERRORS))
+def test_errors_inside_a_step_leave_state_unchanged(cache, name):
+    action, fragment = STEP_ERRORS[name]
+    cache.begin_forward([0, 1], [1, 1])
+    paging_before = cache._paging.debug_snapshot()
+    pages_before = [p.numpy() for p in cache._pages]
+    with pytest.raises(rk.KVCacheError) as info:
+        action(cache)
+    assert fragment in str(info.value), f"message {str(info.value)!r} does not name {fragment!r}"
+    assert cache._paging.debug_snapshot() == paging_before
+    for a, p in zip(pages_before, cache._pages):
+        np.testing.assert_array_equal(a, p.numpy())
+    # The step is still usable after the error.
+    rng = np.random.default_rng(5)
+    for layer in range(CFG.num_layers):
+        o = tvm.runtime.tensor(np.full((2, 4, 32), np.nan, "float32"))
+        cache.attention_with_fused_qkv(layer, _t((2, 8, 32)), o, 0.1)
+        assert np.isfinite(o.numpy()).all()
+    cache.end_forward()
+
+
+def test_cache_full_changes_nothing(cache):
+    rng = np.random.default_rng(2)
+    while cache.get_num_available_pages() * CFG.page_size > CFG.prefill_chunk_size:
+        _step(cache, rng, [0], [CFG.prefill_chunk_size])
+    needed = CFG.prefill_chunk_size
+    before = _snapshot(cache)
+    with pytest.raises(rk.CacheFullError) as info:
+        cache.begin_forward([1, 0], [needed // 2, needed // 2])
+    assert "page" in str(info.value)
+    _assert_same(before, _snapshot(cache))
+
+
+def test_cache_full_in_fork_changes_nothing():
+    cache = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    rng = np.random.default_rng(3)
+    cache.add_sequence(0)
+    while cache.get_num_available_pages() > 0:
+        take = min(CFG.prefill_chunk_size, cache.get_num_available_pages() * CFG.page_size)
+        _step(cache, rng, [0], [take])
+    before = _snapshot(cache)
+    with pytest.raises(rk.CacheFullError):
+        cache.fork_sequence(0, 1, 5)  # mid-page: needs one page for the partial copy
+    _assert_same(before, _snapshot(cache))
+    cache.fork_sequence(0, 2, 8)  # page-aligned: shares pages, needs none
+    assert cache.get_sequence_length(2) == 8
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(num_qo_heads=6, num_kv_heads=4), "multiple"),
+    (dict(head_dim=33), "even"),
+    (dict(head_dim=512), "256"),
+    (dict(dtype="int8"), "int8"),
+    (dict(page_size=0), "page_size"),
+    (dict(num_layers=-1), "num_layers"),
+    (dict(rope_mode=5), "rope_mode"),
+    (dict(rope_theta=0.0), "rope_theta"),
+    (dict(attn_kinds=[0]), "attn_kinds"),
+    (dict(attn_kinds=[0, 7]), "attn_kinds"),
+    (dict(v_head_dim=16), "v_head_dim"),
+    (dict(max_total_seq_len=True), "max_total_seq_len"),
+])
+def test_config_validation(kwargs, fragment):
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32)
+    base.update(kwargs)
+    with pytest.raises(rk.ConfigError) as info:
+        rk.KVCacheConfig(**base)
+    assert fragment in str(info.value)
+
+
+def test_config_is_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        rk.KVCacheConfig(2, 4, 2, 32)  # noqa
+    cfg = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32, support_sliding_window=True)
+    assert cfg.effective_rope_mode == rk.RopeMode.INLINE
+    assert cfg.num_total_pages == math.ceil(4096 / 16) + 1 + 2 * 32
+    with pytest.raises(Exception):
+        cfg.head_dim = 64  # type: ignore[misc]
+
+
+def test_unsupported_features_say_so():
+    cache = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    cache.add_sequence(0)
+    with pytest.raises(NotImplementedError, match="token-tree"):
+        cache.begin_forward([0], [2], token_tree_parent_ptr=[-1, 0])
+    assert cache._step is None and cache.get_sequence_length(0) == 0
+    with pytest.raises(NotImplementedError, match="MHA"):
+        rk.PagedAttentionKVCache(rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32,
+                                                  attn_kinds=[rk.AttnKind.MLA]), tvm.cpu())
