@@ -1,0 +1,652 @@
+"""Unit tests of the TIR kernels (``relax_kvcache.tir_kernels``) as built by ``build_kernels``.
+
+Every kernel is called through the compiled module with random inputs and compared against
+numpy (float64 math on the inputs as rounded to the kernel dtype; ``relax_kvcache.reference``
+for RoPE, attention and state merging, plain numpy indexing for the page operations).
+Outputs are poisoned with NaN before a kernel runs so that a row the kernel forgets to write
+fails the test, and in-place kernels are checked bit for bit on everything they must not touch.
+Index arrays are passed both as whole tensors and as views with a byte offset (the kernels
+declare an ``elem_offset``); the padding in front of a view holds wrong-but-valid values, so a
+kernel that ignores the offset reads the wrong indices and fails.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from relax_kvcache import reference as ref
+from relax_kvcache.config import KVCacheConfig
+
+DEV = tvm.cpu()
+
+CONFIGS = {
+    # float32 GQA, with the sliding-window kernels.
+    "f32_gqa": KVCacheConfig(num_layers=3, num_qo_heads=8, num_kv_heads=2, head_dim=64,
+                             page_size=16, dtype="float32", rope_theta=5e5, rope_scale=0.5,
+                             support_sliding_window=True),
+    # float16 MHA, wide heads.
+    "f16_mha": KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=4, head_dim=128,
+                             page_size=16, dtype="float16", rope_theta=1e6, rope_scale=0.25),
+    # bfloat16 MQA, small pages, with the sliding-window kernels.
+    "bf16_mqa": KVCacheConfig(num_layers=4, num_qo_heads=4, num_kv_heads=1, head_dim=32,
+                              page_size=8, dtype="bfloat16", rope_theta=2e4, rope_scale=2.0,
+                              support_sliding_window=True),
+}
+CFG_NAMES = list(CONFIGS)
+SW_NAMES = [n for n, c in CONFIGS.items() if c.support_sliding_window]
+
+NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+#: Tolerance of outputs stored in the kernel dtype (unit-variance inputs).
+O_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 5e-2}
+#: Tolerance of float32 lse outputs: absolute + relative to |lse|. Without RoPE the kernels
+#: agree with float64 to ~1e-5; inline RoPE at positions in the thousands computes angles in
+#: float32 (absolute angle error ~1e-4 rad), which costs up to ~1e-3 in lse.
+LSE_ATOL, LSE_ATOL_ROPE, LSE_RTOL = 1e-4, 2e-3, 1e-5
+#: Byte-offset views are made with this many int32 elements of padding in front.
+VIEW_PAD = 3
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def tensor(x: np.ndarray) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(np.ascontiguousarray(x), DEV)
+
+
+def randn(rng, shape, dtype: str) -> np.ndarray:
+    """Unit-normal values, rounded to ``dtype`` (never exact zeros in practice)."""
+    return rng.standard_normal(shape).astype(NP_DTYPE[dtype])
+
+
+def nan_like(shape, dtype) -> np.ndarray:
+    return np.full(shape, np.nan, dtype=NP_DTYPE.get(dtype, dtype))
+
+
+def f64(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_bitwise_equal(got: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """Exact equality of the stored bits (NaN-safe, distinguishes -0.0 from 0.0)."""
+    assert got.shape == expected.shape, (what, got.shape, expected.shape)
+    g = np.ascontiguousarray(got).view(np.uint8).reshape(got.shape + (-1,))
+    e = np.ascontiguousarray(expected).view(np.uint8).reshape(got.shape + (-1,))
+    bad = (g != e).any(axis=-1)
+    if bad.any():
+        raise AssertionError(f"{what}: {int(bad.sum())} elements differ, first at "
+                             f"{np.argwhere(bad)[0].tolist()}: got {got[bad][:4]}, expected {expected[bad][:4]}")
+
+
+def assert_close(got, expected, tol: float, what: str) -> None:
+    got, expected = f64(got), f64(expected)
+    assert got.shape == expected.shape, (what, got.shape, expected.shape)
+    assert not np.isnan(got).any(), f"{what}: NaN in output (not written?) at {np.argwhere(np.isnan(got))[:5].tolist()}"
+    if got.size == 0:
+        return
+    err = np.abs(got - expected)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err.max() <= tol, (f"{what}: max abs err {err.max():.3e} > {tol:.1e} at {list(worst)}: "
+                              f"got {got[worst]!r}, expected {expected[worst]!r}")
+
+
+def assert_lse_close(got, expected, what: str, atol: float = LSE_ATOL) -> None:
+    got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+    assert not np.isnan(got).any(), f"{what}: NaN in lse (not written?) at {np.argwhere(np.isnan(got))[:5].tolist()}"
+    assert not np.isposinf(got).any(), f"{what}: +inf in lse"
+    mism = np.isneginf(got) != np.isneginf(expected)
+    assert not mism.any(), (f"{what}: -inf pattern differs at {np.argwhere(mism)[:5].tolist()}: "
+                            f"got {got[mism][:5]}, expected {expected[mism][:5]}")
+    fin = np.isfinite(expected)
+    if fin.any():
+        err = np.abs(got[fin] - expected[fin])
+        tol = atol + LSE_RTOL * np.abs(expected[fin])
+        assert (err <= tol).all(), f"{what}: lse max err {err.max():.3e}"
+
+
+class Indices:
+    """Makes int32 index tensors, as byte-offset views when ``pad > 0``.
+
+    The padding in front of a view holds ``pad_value`` (a valid but wrong index), so a kernel
+    that ignores the view's offset reads wrong entries. Parents are kept alive here.
+    """
+
+    def __init__(self, pad: int, pad_value: int = 0):
+        self.pad, self.pad_value, self.keep = pad, pad_value, []
+
+    def __call__(self, a) -> tvm.runtime.Tensor:
+        a = np.ascontiguousarray(np.asarray(a, dtype=np.int32))
+        if self.pad == 0:
+            return tensor(a)
+        flat = np.concatenate([np.full(self.pad, self.pad_value, np.int32), a.ravel(),
+                               np.full(2, self.pad_value, np.int32)])
+        parent = tensor(flat)
+        self.keep.append(parent)
+        view = parent._create_view(a.shape, "int32", self.pad * 4)
+        assert np.array_equal(view.numpy(), a)
+        return view
+
+
+def pool_pages(rng, config: KVCacheConfig, num_pages: int) -> np.ndarray:
+    shape = (num_pages, 2, config.num_kv_heads, config.page_size, config.head_dim)
+    return randn(rng, shape, config.dtype)
+
+
+@pytest.fixture(params=CFG_NAMES)
+def cfg_name(request):
+    return request.param
+
+
+def kernels(kernel_build, name):
+    return kernel_build(CONFIGS[name])
+
+
+# ----------------------------------------------------------------------------- module
+
+
+@pytest.mark.parametrize("name", CFG_NAMES)
+def test_module_has_all_roles(kernel_build, name):
+    mod = kernels(kernel_build, name)
+    roles = ["transpose_append", "split_rotary", "copy_single_page", "compact_copy", "debug_get_kv",
+             "merge_inplace", "attention_prefill_ragged", "attention_prefill", "attention_decode"]
+    sw = ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
+    for role in roles:
+        assert mod.implements_function(role), role
+    for role in sw:
+        assert mod.implements_function(role) == CONFIGS[name].support_sliding_window, role
+
+
+# ----------------------------------------------------------------------------- page ops
+
+
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_transpose_append(kernel_build, cfg_name, pad):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("append", cfg_name, pad))
+    ps, P, n = cfg.page_size, 13, 41
+    pages = pool_pages(rng, cfg, P)
+    k = randn(rng, (n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    v = randn(rng, (n, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    # Distinct pool positions in random pages and slots (incl. the last slot of the last page).
+    pos = rng.choice(P * ps, size=n, replace=False).astype(np.int32)
+    pos[3] = P * ps - 1
+    pos[rng.choice(n, size=7, replace=False)] = -1
+    assert (pos == -1).sum() >= 6 and (pos >= 0).sum() > 30
+
+    expected = pages.copy()
+    for i, p in enumerate(pos):
+        if p >= 0:
+            expected[p // ps, 0, :, p % ps, :] = k[i]
+            expected[p // ps, 1, :, p % ps, :] = v[i]
+    assert not np.array_equal(expected, pages)
+
+    t_pages = tensor(pages)
+    ix = Indices(pad, pad_value=0)
+    mod["transpose_append"](t_pages, tensor(k), tensor(v), ix(pos))
+    assert_bitwise_equal(t_pages.numpy(), expected, "pages")
+
+
+@pytest.mark.parametrize("frac", ["zero", "one", "partial", "almost", "full"])
+def test_copy_single_page(kernel_build, cfg_name, frac):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    ps = cfg.page_size
+    length = {"zero": 0, "one": 1, "partial": ps // 2 + 1, "almost": ps - 1, "full": ps}[frac]
+    rng = np.random.default_rng(seed_of("copy_page", cfg_name, frac))
+    P = 9
+    pages = pool_pages(rng, cfg, P)
+    src, tgt = (int(x) for x in rng.choice(P, size=2, replace=False))
+    expected = pages.copy()
+    expected[tgt, :, :, :length, :] = pages[src, :, :, :length, :]
+
+    t_pages = tensor(pages)
+    mod["copy_single_page"](t_pages, src, tgt, length)
+    assert_bitwise_equal(t_pages.numpy(), expected, f"pages (src={src}, tgt={tgt}, len={length})")
+
+
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_compact_copy(kernel_build, cfg_name, pad):
+    """Per sequence: kept rows move down to close gaps (ascending, dst <= src), in order."""
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("compact", cfg_name, pad))
+    ps, B, pages_per_seq = cfg.page_size, 5, 3
+    P = B * pages_per_seq + 4
+    pages = pool_pages(rng, cfg, P)
+    owned = rng.permutation(P)[: B * pages_per_seq].reshape(B, pages_per_seq)
+
+    src_all, dst_all, counts = [], [], []
+    for b in range(B):
+        length = int(rng.integers(ps + 1, pages_per_seq * ps + 1))
+        pool_pos = owned[b][np.arange(length) // ps] * ps + np.arange(length) % ps
+        if b == 2:  # a sequence with nothing to copy
+            m, start = 0, 0
+        else:
+            start = int(rng.integers(0, length // 2))
+            m = int(rng.integers(1, length - start + 1))
+        src_logical = np.sort(rng.choice(np.arange(start, length), size=m, replace=False))
+        dst_logical = start + np.arange(m)
+        assert (dst_logical <= src_logical).all()
+        src_all.append(pool_pos[src_logical])
+        dst_all.append(pool_pos[dst_logical])
+        counts.append(m)
+    # Make sure the data actually moves somewhere and overlapping ranges occur.
+    assert sum(int((s != d).sum()) for s, d in zip(src_all, dst_all)) > 5
+    indptr = np.cumsum([0] + counts).astype(np.int32)
+    src_dst = np.stack([np.concatenate(src_all), np.concatenate(dst_all)]).astype(np.int32)
+
+    expected = pages.copy()
+    for s, d in zip(src_dst[0], src_dst[1]):  # sequential semantics
+        expected[d // ps, :, :, d % ps, :] = expected[s // ps, :, :, s % ps, :]
+    assert not np.array_equal(expected, pages)
+
+    t_pages = tensor(pages)
+    ix = Indices(pad, pad_value=0)
+    mod["compact_copy"](t_pages, ix(indptr), ix(src_dst), B)
+    assert_bitwise_equal(t_pages.numpy(), expected, "pages")
+
+
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_debug_get_kv(kernel_build, cfg_name, pad):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("debug_get_kv", cfg_name, pad))
+    ps, P, n, L = cfg.page_size, 11, 37, cfg.num_layers
+    layer = L // 2 if L > 2 else 1
+    pages = pool_pages(rng, cfg, P)
+    pos = rng.integers(0, P * ps, size=n).astype(np.int32)
+    pos[0], pos[-1] = P * ps - 1, 1
+    shape = (L, n, cfg.num_kv_heads, cfg.head_dim)
+    t_k, t_v = tensor(nan_like(shape, cfg.dtype)), tensor(nan_like(shape, cfg.dtype))
+
+    ix = Indices(pad, pad_value=0)
+    mod["debug_get_kv"](tensor(pages), ix(pos), t_k, t_v, layer)
+    got_k, got_v = t_k.numpy(), t_v.numpy()
+    assert_bitwise_equal(got_k[layer], pages[pos // ps, 0, :, pos % ps, :], f"k_out[{layer}]")
+    assert_bitwise_equal(got_v[layer], pages[pos // ps, 1, :, pos % ps, :], f"v_out[{layer}]")
+    others = [i for i in range(L) if i != layer]
+    assert np.isnan(f64(got_k[others])).all() and np.isnan(f64(got_v[others])).all(), \
+        "debug_get_kv wrote outside layer_id"
+
+
+# ----------------------------------------------------------------------------- split_rotary
+
+
+@pytest.mark.parametrize("apply_rope", [0, 1])
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_split_rotary(kernel_build, cfg_name, apply_rope, pad):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("split_rotary", cfg_name, apply_rope, pad))
+    Hq, Hkv, D, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, 29
+    qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
+    pos = rng.integers(0, 4096, size=n).astype(np.int32)
+    pos[0], pos[1] = 0, 4095
+    t_q = tensor(nan_like((n, Hq, D), cfg.dtype))
+    t_k = tensor(nan_like((n, Hkv, D), cfg.dtype))
+    t_v = tensor(nan_like((n, Hkv, D), cfg.dtype))
+
+    ix = Indices(pad, pad_value=1)
+    mod["split_rotary"](tensor(qkv), ix(pos), t_q, t_k, t_v, apply_rope)
+    q_in, k_in, v_in = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+    assert_bitwise_equal(t_v.numpy(), v_in, "v")
+    if apply_rope == 0:
+        assert_bitwise_equal(t_q.numpy(), q_in, "q")
+        assert_bitwise_equal(t_k.numpy(), k_in, "k")
+    else:
+        tol = O_TOL[cfg.dtype]
+        exp_q = ref.rope(f64(q_in), pos, cfg.rope_theta, cfg.rope_scale)
+        exp_k = ref.rope(f64(k_in), pos, cfg.rope_theta, cfg.rope_scale)
+        assert_close(t_q.numpy(), exp_q, tol, "q")
+        assert_close(t_k.numpy(), exp_k, tol, "k")
+        # The rotation is not a no-op at these positions (guards against a test that cannot fail).
+        assert np.abs(exp_q - f64(q_in)).max() > 10 * tol
+
+
+def test_split_rotary_position_zero_is_identity(kernel_build, cfg_name):
+    """At position 0 RoPE is the identity: q and k come out bit-identical to the input."""
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("rope0", cfg_name))
+    n, Hq, Hkv, D = 5, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
+    t_q, t_k, t_v = (tensor(nan_like((n, h, D), cfg.dtype)) for h in (Hq, Hkv, Hkv))
+    mod["split_rotary"](tensor(qkv), tensor(np.zeros(n, np.int32)), t_q, t_k, t_v, 1)
+    assert_bitwise_equal(t_q.numpy(), qkv[:, :Hq], "q")
+    assert_bitwise_equal(t_k.numpy(), qkv[:, Hq:Hq + Hkv], "k")
+    assert_bitwise_equal(t_v.numpy(), qkv[:, Hq + Hkv:], "v")
+
+
+# ----------------------------------------------------------------------------- merge_inplace
+
+
+def test_merge_inplace(kernel_build, cfg_name):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("merge", cfg_name))
+    n, H, D = 40, cfg.num_qo_heads, cfg.v_head_dim
+    o1, o2 = randn(rng, (n, H, D), cfg.dtype), randn(rng, (n, H, D), cfg.dtype)
+    lse1 = rng.uniform(-12, 12, (n, H)).astype(np.float32)
+    lse2 = rng.uniform(-12, 12, (n, H)).astype(np.float32)
+    ninf = np.float32(-np.inf)
+    lse1[0], lse2[1] = ninf, ninf               # one side empty
+    lse1[2], lse2[2] = ninf, ninf               # both empty
+    lse1[3, ::2], lse2[3, 1::2] = ninf, ninf    # mixed per head
+    lse1[4], lse2[4] = 150.0, 149.0             # 2**lse overflows float32: needs max subtraction
+    lse1[5], lse2[5] = -160.0, -161.5           # 2**lse underflows float32
+    lse1[6], lse2[6] = 3.0, -90.0               # one side negligible
+    lse1[7], lse2[7] = 1.25, 1.25               # equal weights
+
+    exp_o, exp_lse = ref.merge_states(f64(o1), lse1, f64(o2), lse2)
+    t_o, t_lse = tensor(o1), tensor(lse1)
+    t_o2, t_lse2 = tensor(o2), tensor(lse2)
+    mod["merge_inplace"](t_o, t_lse, t_o2, t_lse2)
+    got_o, got_lse = t_o.numpy(), t_lse.numpy()
+    assert_close(got_o, exp_o, O_TOL[cfg.dtype], "o")
+    assert_lse_close(got_lse, exp_lse, "lse")
+    # Row 2 (both empty) stays empty with o = 0.
+    assert np.isneginf(got_lse[2]).all() and (f64(got_o[2]) == 0).all()
+    # The other state is input only.
+    assert_bitwise_equal(t_o2.numpy(), o2, "o_other")
+    assert_bitwise_equal(t_lse2.numpy(), lse2, "lse_other")
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def reference_attention(q, K, V, *, causal, rotary, q_pos, k_pos0, theta, scale, sm_scale):
+    """Reference of one sequence (float64): RoPE (if rotary) then attention."""
+    q, K, V = f64(q), f64(K), f64(V)
+    if rotary:
+        q = ref.rope(q, q_pos, theta, scale)
+        K = ref.rope(K, k_pos0 + np.arange(len(K)), theta, scale)
+    return ref.attention(q, K, V, sm_scale, causal=bool(causal))
+
+
+def check_attention_outputs(got_o, got_lse, exp_o, exp_lse, dtype, what, rotary=0):
+    assert_close(got_o, exp_o, O_TOL[dtype], f"{what}: o")
+    assert_lse_close(got_lse, exp_lse, f"{what}: lse", LSE_ATOL_ROPE if rotary else LSE_ATOL)
+    empty = np.isneginf(exp_lse)
+    if empty.any():
+        assert (f64(got_o)[empty] == 0).all(), f"{what}: o of rows with no visible key is not 0"
+
+
+class PagedBatch:
+    """Random paged KV of a batch: non-contiguous random page ids, partial last pages.
+
+    ``layout`` per sequence is ``(num_pages, last_page_len, window_offset, sink)``; KV row j of
+    a sequence lives at offset ``j if j < sink else j - sink + window_offset`` in its page list.
+    Without a sliding window, window_offset = sink = 0.
+    """
+
+    def __init__(self, rng, cfg: KVCacheConfig, layouts, sliding: bool, spare_pages: int = 6):
+        ps = cfg.page_size
+        total_pages = sum(l[0] for l in layouts)
+        self.num_pages = total_pages + spare_pages
+        self.pages = pool_pages(rng, cfg, self.num_pages)
+        perm = rng.permutation(self.num_pages)
+        self.page_lists, pos = [], 0
+        for npg, *_ in layouts:
+            self.page_lists.append(perm[pos:pos + npg].astype(np.int32))
+            pos += npg
+        self.page_indptr = np.cumsum([0] + [l[0] for l in layouts]).astype(np.int32)
+        self.page_indices = (np.concatenate(self.page_lists) if total_pages else np.zeros(0)).astype(np.int32)
+        last = np.array([l[1] for l in layouts], np.int32)
+        if sliding:
+            self.length_info = np.stack([last, [l[2] for l in layouts], [l[3] for l in layouts]]).astype(np.int32)
+        else:
+            assert all(l[2] == 0 and l[3] == 0 for l in layouts)
+            self.length_info = last
+        self.kv_lens = []
+        self.offsets = []
+        for npg, lastlen, off, sink in layouts:
+            if npg == 0:
+                rows = 0
+            else:
+                assert 1 <= lastlen <= ps and 0 <= sink <= off <= (npg - 1) * ps + lastlen
+                rows = (npg - 1) * ps + lastlen - off + sink
+            j = np.arange(rows)
+            self.offsets.append(np.where(j < sink, j, j - sink + off))
+            self.kv_lens.append(rows)
+        self.ps = ps
+
+    def kv(self, b):
+        pl, off = self.page_lists[b], self.offsets[b]
+        pid, slot = pl[off // self.ps], off % self.ps
+        return self.pages[pid, 0, :, slot, :], self.pages[pid, 1, :, slot, :]
+
+
+def plain_layout(kv_len: int, ps: int):
+    npg = -(-kv_len // ps)
+    return (npg, kv_len - (npg - 1) * ps if npg else 0, 0, 0)
+
+
+def sliding_layouts(rng, ps: int, n_random: int):
+    """Window layouts: hand-picked edge cases plus random ones."""
+    layouts = [
+        (0, 0, 0, 0),                     # empty sequence
+        (3, 5, 0, 0),                     # no eviction, no sink
+        (4, ps, ps // 2, 0),              # window starts mid first page
+        (5, 3, ps + 2, 4),                # sink of 4, window starts in the second page
+        (2, 1, 3, 3),                     # sink followed directly by the window
+        (3, ps - 1, 2 * ps + ps - 1, 2),  # window offset at the end: only the sink is left
+        (2, 4, ps + 4, 0),                # every row evicted: 0 rows despite 2 pages
+        (1, ps, ps, ps),                  # the whole (single) page is sink
+    ]
+    for _ in range(n_random):
+        npg = int(rng.integers(1, 7))
+        last = int(rng.integers(1, ps + 1))
+        total = (npg - 1) * ps + last
+        sink = int(rng.integers(0, min(total, 2 * ps) + 1))
+        off = int(rng.integers(sink, min(total, sink + 2 * ps) + 1))
+        layouts.append((npg, last, off, sink))
+    return layouts
+
+
+def rope_args(rng):
+    return float(rng.choice([1e4, 5e5])) * float(rng.uniform(0.8, 1.2)), float(rng.uniform(0.4, 2.0))
+
+
+SM_SCALES = {"mild": 1.3, "sharp": 6.0}  # times 1/sqrt(head_dim)
+
+
+def prefill_shapes(rng, ps: int, causal: int):
+    """(q_len, kv_len) pairs; with causal kv_len >= q_len as in the cache."""
+    shapes = [(0, 2 * ps + 3), (1, ps), (ps + 3, 5 * ps + 1), (2, 2), (19, 19), (0, 0),
+              (9, 9 + 3 * ps - 1), (1, 1)]
+    if not causal:
+        shapes += [(5, 0), (12, 3)]
+    for _ in range(3):
+        kv = int(rng.integers(1, 9 * ps))
+        shapes.append((int(rng.integers(0, min(kv, 24) + 1)), kv))
+    rng.shuffle(shapes)
+    return shapes
+
+
+#: (causal, rotary_mode, sm_scale kind). A sharp softmax (large scores) checks the online-softmax
+#: rescaling; it is not combined with inline RoPE, whose float32 angles (see LSE_ATOL_ROPE) would
+#: be amplified by the large scale beyond the output tolerance.
+ATTN_CASES = [(c, r, "mild") for c in (0, 1) for r in (0, 1)] + [(c, 0, "sharp") for c in (0, 1)]
+DECODE_CASES = [(0, "mild"), (1, "mild"), (0, "sharp")]
+
+
+@pytest.mark.parametrize("causal,rotary,sm", ATTN_CASES)
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_attention_prefill_ragged(kernel_build, cfg_name, causal, rotary, sm, pad):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("ragged", cfg_name, causal, rotary, sm, pad))
+    Hq, Hkv, D = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = prefill_shapes(rng, 16, causal)  # 16 = the ragged kernel's kv chunk
+    shapes += [(3, 33), (1, 64)] if causal else [(40, 7)]
+    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    qo_indptr = np.cumsum([0] + q_lens).astype(np.int32)
+    kv_indptr = np.cumsum([0] + kv_lens).astype(np.int32)
+    nq, nkv, B = int(qo_indptr[-1]), int(kv_indptr[-1]), len(shapes)
+    q = randn(rng, (nq, Hq, D), cfg.dtype)
+    k = randn(rng, (nkv, Hkv, D), cfg.dtype)
+    v = randn(rng, (nkv, Hkv, D), cfg.dtype)
+    q_pos = rng.integers(0, 3000, nq).astype(np.int32)
+    k_pos0 = rng.integers(0, 3000, B).astype(np.int32)
+    theta, scale = rope_args(rng)
+    sm_scale = SM_SCALES[sm] / math.sqrt(D)
+
+    t_o, t_lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like((nq, Hq), np.float32))
+    ix = Indices(pad, pad_value=0)
+    mod["attention_prefill_ragged"](tensor(q), ix(qo_indptr), tensor(k), tensor(v), ix(kv_indptr),
+                                    ix(q_pos), ix(k_pos0), t_o, t_lse, causal, rotary,
+                                    scale, theta, sm_scale)
+    got_o, got_lse = t_o.numpy(), t_lse.numpy()
+    for b in range(B):
+        qs, ks = slice(qo_indptr[b], qo_indptr[b + 1]), slice(kv_indptr[b], kv_indptr[b + 1])
+        exp_o, exp_lse = reference_attention(q[qs], k[ks], v[ks], causal=causal, rotary=rotary,
+                                             q_pos=q_pos[qs], k_pos0=k_pos0[b], theta=theta,
+                                             scale=scale, sm_scale=sm_scale)
+        check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype,
+                                f"seq {b} (q_len={q_lens[b]}, kv_len={kv_lens[b]})", rotary)
+
+
+def _paged_variant_params():
+    return [(n, False) for n in CFG_NAMES] + [(n, True) for n in SW_NAMES]
+
+
+def _paged_batch(rng, cfg, sliding, causal):
+    """Layouts and per-sequence q_len for a paged prefill batch."""
+    ps = cfg.page_size
+    if sliding:
+        layouts = sliding_layouts(rng, ps, 4)
+        q_lens = []
+        for npg, last, off, sink in layouts:
+            rows = (npg - 1) * ps + last - off + sink if npg else 0
+            hi = min(rows, 20) if causal else 20
+            q_lens.append(int(rng.integers(0, hi + 1)))
+        q_lens[1] = 0  # always a sequence without queries
+        return layouts, q_lens
+    shapes = prefill_shapes(rng, ps, causal)
+    return [plain_layout(kv, ps) for _, kv in shapes], [q for q, _ in shapes]
+
+
+@pytest.mark.parametrize("name,sliding", _paged_variant_params())
+@pytest.mark.parametrize("causal,rotary,sm", ATTN_CASES)
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_attention_prefill_paged(kernel_build, name, sliding, causal, rotary, sm, pad):
+    cfg = CONFIGS[name]
+    mod = kernels(kernel_build, name)
+    rng = np.random.default_rng(seed_of("paged_prefill", name, sliding, causal, rotary, sm, pad))
+    Hq, D = cfg.num_qo_heads, cfg.head_dim
+    layouts, q_lens = _paged_batch(rng, cfg, sliding, causal)
+    batch = PagedBatch(rng, cfg, layouts, sliding)
+    B = len(layouts)
+    qo_indptr = np.cumsum([0] + q_lens).astype(np.int32)
+    nq = int(qo_indptr[-1])
+    q = randn(rng, (nq, Hq, D), cfg.dtype)
+    q_pos = rng.integers(0, 3000, nq).astype(np.int32)
+    k_pos0 = rng.integers(0, 3000, B).astype(np.int32)
+    theta, scale = rope_args(rng)
+    sm_scale = SM_SCALES[sm] / math.sqrt(D)
+
+    t_o, t_lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like((nq, Hq), np.float32))
+    ix = Indices(pad, pad_value=0)
+    role = "attention_prefill_sliding_window" if sliding else "attention_prefill"
+    mod[role](tensor(q), ix(qo_indptr), tensor(batch.pages), ix(batch.page_indptr),
+              ix(batch.page_indices), ix(batch.length_info), ix(k_pos0), ix(q_pos), t_o, t_lse,
+              causal, rotary, scale, theta, sm_scale)
+    got_o, got_lse = t_o.numpy(), t_lse.numpy()
+    for b in range(B):
+        qs = slice(qo_indptr[b], qo_indptr[b + 1])
+        K, V = batch.kv(b)
+        exp_o, exp_lse = reference_attention(q[qs], K, V, causal=causal, rotary=rotary,
+                                             q_pos=q_pos[qs], k_pos0=k_pos0[b], theta=theta,
+                                             scale=scale, sm_scale=sm_scale)
+        check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype,
+                                f"seq {b} (q_len={q_lens[b]}, layout={layouts[b]})", rotary)
+
+
+@pytest.mark.parametrize("name,sliding", _paged_variant_params())
+@pytest.mark.parametrize("rotary,sm", DECODE_CASES)
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_attention_decode(kernel_build, name, sliding, rotary, sm, pad):
+    cfg = CONFIGS[name]
+    mod = kernels(kernel_build, name)
+    rng = np.random.default_rng(seed_of("decode", name, sliding, rotary, sm, pad))
+    Hq, D, ps = cfg.num_qo_heads, cfg.head_dim, cfg.page_size
+    if sliding:
+        layouts = sliding_layouts(rng, ps, 5)
+    else:
+        kv_lens = [0, 1, ps, ps + 1, 7 * ps + 3, 2 * ps - 1] + [int(x) for x in rng.integers(1, 10 * ps, 4)]
+        layouts = [plain_layout(kv, ps) for kv in kv_lens]
+    order = rng.permutation(len(layouts))
+    layouts = [layouts[i] for i in order]
+    batch = PagedBatch(rng, cfg, layouts, sliding)
+    B = len(layouts)
+    q = randn(rng, (B, Hq, D), cfg.dtype)
+    q_pos = rng.integers(0, 3000, B).astype(np.int32)
+    k_pos0 = rng.integers(0, 3000, B).astype(np.int32)
+    theta, scale = rope_args(rng)
+    sm_scale = SM_SCALES[sm] / math.sqrt(D)
+
+    t_o, t_lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like((B, Hq), np.float32))
+    ix = Indices(pad, pad_value=0)
+    role = "attention_decode_sliding_window" if sliding else "attention_decode"
+    mod[role](tensor(q), tensor(batch.pages), ix(batch.page_indptr), ix(batch.page_indices),
+              ix(batch.length_info), ix(k_pos0), ix(q_pos), t_o, t_lse, rotary, scale, theta,
+              sm_scale)
+    got_o, got_lse = t_o.numpy(), t_lse.numpy()
+    for b in range(B):
+        K, V = batch.kv(b)
+        exp_o, exp_lse = reference_attention(q[b:b + 1], K, V, causal=False, rotary=rotary,
+                                             q_pos=q_pos[b:b + 1], k_pos0=k_pos0[b], theta=theta,
+                                             scale=scale, sm_scale=sm_scale)
+        check_attention_outputs(got_o[b:b + 1], got_lse[b:b + 1], exp_o, exp_lse, cfg.dtype,
+                                f"seq {b} (layout={layouts[b]})", rotary)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_attention_causal_more_queries_than_keys(kernel_build, kind):
+    """Documented semantics beyond what the cache uses: with causal, q_len > kv_len leaves the
+    first q_len - kv_len queries without visible keys (o = 0, lse = -inf)."""
+    name = "f32_gqa"
+    cfg = CONFIGS[name]
+    mod = kernels(kernel_build, name)
+    rng = np.random.default_rng(seed_of("causal_q_gt_kv", kind))
+    Hq, Hkv, D, ps = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.page_size
+    shapes = [(12, 3), (20, 0), (5, 5), (30, 17)]
+    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    qo_indptr = np.cumsum([0] + q_lens).astype(np.int32)
+    nq, B = int(qo_indptr[-1]), len(shapes)
+    q = randn(rng, (nq, Hq, D), cfg.dtype)
+    q_pos = rng.integers(0, 100, nq).astype(np.int32)
+    k_pos0 = rng.integers(0, 100, B).astype(np.int32)
+    sm_scale = 1.3 / math.sqrt(D)
+    t_o, t_lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like((nq, Hq), np.float32))
+    if kind == "ragged":
+        kv_indptr = np.cumsum([0] + kv_lens).astype(np.int32)
+        k = randn(rng, (int(kv_indptr[-1]), Hkv, D), cfg.dtype)
+        v = randn(rng, (int(kv_indptr[-1]), Hkv, D), cfg.dtype)
+        mod["attention_prefill_ragged"](tensor(q), tensor(qo_indptr), tensor(k), tensor(v),
+                                        tensor(kv_indptr), tensor(q_pos), tensor(k_pos0), t_o,
+                                        t_lse, 1, 0, 1.0, 1e4, sm_scale)
+        kvs = [(k[kv_indptr[b]:kv_indptr[b + 1]], v[kv_indptr[b]:kv_indptr[b + 1]]) for b in range(B)]
+    else:
+        batch = PagedBatch(rng, cfg, [plain_layout(kv, ps) for kv in kv_lens], False)
+        mod["attention_prefill"](tensor(q), tensor(qo_indptr), tensor(batch.pages),
+                                 tensor(batch.page_indptr), tensor(batch.page_indices),
+                                 tensor(batch.length_info), tensor(k_pos0), tensor(q_pos), t_o,
+                                 t_lse, 1, 0, 1.0, 1e4, sm_scale)
+        kvs = [batch.kv(b) for b in range(B)]
+    got_o, got_lse = t_o.numpy(), t_lse.numpy()
+    for b in range(B):
+        qs = slice(qo_indptr[b], qo_indptr[b + 1])
+        exp_o, exp_lse = ref.attention(f64(q[qs]), f64(kvs[b][0]), f64(kvs[b][1]), sm_scale, causal=True)
+        check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype,
+                                f"seq {b} (q_len={q_lens[b]}, kv_len={kv_lens[b]})")
