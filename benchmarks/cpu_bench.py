@@ -24,7 +24,8 @@ import sys
 import time
 from typing import Callable, List, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# TVM's native cache + TVM's CPU kernels (the baseline) come from the test-suite helper.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
@@ -32,7 +33,8 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 from tvm.script import tirx as T  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
-from tvm_native import create_native_cache, native_builtin  # noqa: E402
+from relax_kvcache.ffi_registry import original  # noqa: E402
+from tvm_baseline import Shape, create_native  # noqa: E402
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, "float32"
 
@@ -92,7 +94,8 @@ class Driver:
 
     def __init__(self, name: str, cache, native: bool) -> None:
         self.name, self.cache = name, cache
-        get = native_builtin if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
+        # TVM's own builtins for its cache (no Python dispatch in the way), the dispatchers for ours.
+        get = (lambda n: original("vm.builtin." + n)) if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
         self.add = get("kv_state_add_sequence")
         self.begin = get("kv_state_begin_forward")
         self.end = get("kv_state_end_forward")
@@ -114,11 +117,11 @@ class Driver:
 
 def make_pair(num_layers: int, max_tokens: int, chunk: int, max_seqs: int, heads=(HQ, HKV, D)) -> List[Driver]:
     hq, hkv, d = heads
-    config = rk.KVCacheConfig(num_layers=num_layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
-                              page_size=PAGE, max_num_seqs=max_seqs, max_total_seq_len=max_tokens,
-                              prefill_chunk_size=chunk, rope_mode=rk.RopeMode.NORMAL, dtype=DTYPE)
-    return [Driver("ours", rk.PagedAttentionKVCache(config), native=False),
-            Driver("native", create_native_cache(config), native=True)]
+    shape = Shape(num_layers=num_layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE,
+                  max_num_seqs=max_seqs, max_total_seq_len=max_tokens, prefill_chunk_size=chunk,
+                  rope_mode=int(rk.RopeMode.NORMAL), dtype=DTYPE)
+    return [Driver("ours", rk.PagedAttentionKVCache(shape.our_config()), native=False),
+            Driver("native", create_native(shape), native=True)]
 
 
 def random_qkv(rng, num_layers: int, n: int, heads=(HQ, HKV, D)):

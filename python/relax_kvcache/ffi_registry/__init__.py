@@ -2,6 +2,8 @@
 
 import tvm_ffi
 
+from .. import errors
+
 from .builtins import BUILTINS, original, register_builtins
 from .create import paged_attention_kv_cache_create
 
@@ -9,7 +11,11 @@ CREATE_FUNCTION = "relax_kvcache.paged_attention_kv_cache_create"
 
 
 def register() -> None:
-    """Register ``relax_kvcache.paged_attention_kv_cache_create`` and the builtin dispatchers."""
+    """Register ``relax_kvcache.paged_attention_kv_cache_create``, the builtin dispatchers and our
+    exception classes (so errors keep their Python type when raised through ``vm.builtin.*``)."""
+    for error in (errors.KVCacheError, errors.ConfigError, errors.SequenceError, errors.CacheFullError,
+                  errors.ForwardError, NotImplementedError):
+        tvm_ffi.register_error(error)
     tvm_ffi.register_global_func(CREATE_FUNCTION, paged_attention_kv_cache_create, override=True)
     register_builtins()
 

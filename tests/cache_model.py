@@ -1,0 +1,145 @@
+"""A numpy model of a paged KV cache's observable behaviour, for the differential tests.
+
+Written independently of ``relax_kvcache.reference``: it keeps every sequence's K/V as the
+cache should store them (K rotated in RoPE NORMAL mode, raw otherwise), the fork ancestry of each
+sequence (to aim forks / pops into shared prefixes) and computes expected attention outputs in
+float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np.ndarray:
+    """Rotate-half RoPE (TVM's convention: angle = pos * scale / theta^(2i/d)) of x (n, h, d)."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    inv_freq = scale / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    ang = np.concatenate([ang, ang], axis=-1)[:, None, :]
+    rotated = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)
+    return x * np.cos(ang) + rotated * np.sin(ang)
+
+
+def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """q (n, Hq, d) over k/v (m, Hkv, d), GQA by contiguous groups.
+
+    ``causal_offset``: query i sees keys j <= causal_offset + i (None: all keys).
+    Returns o (n, Hq, d) and the base-2 LSE (n, Hq); no visible key: o = 0, lse = -inf.
+    """
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    n, hq, _ = q.shape
+    m, hkv, _ = k.shape
+    g = hq // hkv
+    s = np.einsum("nhd,mhd->hnm", q, np.repeat(k, g, axis=1)) * sm_scale
+    if causal_offset is not None:
+        vis = np.arange(m)[None, :] <= causal_offset + np.arange(n)[:, None]
+        s = np.where(vis[None], s, -np.inf)
+    mx = s.max(axis=-1, keepdims=True, initial=-np.inf)
+    mx_safe = np.where(np.isfinite(mx), mx, 0.0)
+    p = np.exp(s - mx_safe)
+    den = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("hnm,mhd->nhd", p / np.where(den > 0, den, 1.0), np.repeat(v, g, axis=1))
+    with np.errstate(divide="ignore"):
+        lse = np.where(den[..., 0] > 0, (np.log(np.where(den[..., 0] > 0, den[..., 0], 1.0))
+                                        + mx_safe[..., 0]) / np.log(2.0), -np.inf)
+    return o, lse.T
+
+
+@dataclasses.dataclass
+class SeqModel:
+    k: np.ndarray  # (L, len, Hkv, D) as stored
+    v: np.ndarray
+    shared: int = 0  # length of the prefix inherited by fork (possibly shared with others)
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+
+class CacheModel:
+    """Expected contents and attention outputs of a cache."""
+
+    def __init__(self, num_layers, num_qo_heads, num_kv_heads, head_dim, rope_mode, rope_theta,
+                 rope_scale) -> None:
+        self.L, self.hq, self.hkv, self.d = num_layers, num_qo_heads, num_kv_heads, head_dim
+        self.rope_mode, self.theta, self.scale = rope_mode, rope_theta, rope_scale
+        self.seqs: Dict[int, SeqModel] = {}
+
+    # -- structure
+    def add(self, seq_id: int) -> None:
+        z = np.zeros((self.L, 0, self.hkv, self.d))
+        self.seqs[seq_id] = SeqModel(z, z.copy())
+
+    def remove(self, seq_id: int) -> None:
+        del self.seqs[seq_id]
+
+    def fork(self, parent: int, child: int, pos: int) -> None:
+        p = self.seqs[parent]
+        end = p.length if pos == -1 else pos
+        self.seqs[child] = SeqModel(p.k[:, :end].copy(), p.v[:, :end].copy(), shared=end)
+
+    def popn(self, seq_id: int, n: int) -> None:
+        s = self.seqs[seq_id]
+        keep = s.length - n
+        s.k, s.v = s.k[:, :keep], s.v[:, :keep]
+        s.shared = min(s.shared, keep)
+
+    def clear(self) -> None:
+        self.seqs.clear()
+
+    def length(self, seq_id: int) -> int:
+        return self.seqs[seq_id].length
+
+    def total_length(self) -> int:
+        return sum(s.length for s in self.seqs.values())
+
+    # -- forward
+    def step(self, batch: Sequence[Tuple[int, int]], qkv_layers: List[np.ndarray], sm_scale: float
+             ) -> List[np.ndarray]:
+        """Append the batch's K/V; expected ``attention_with_fused_qkv`` output per layer."""
+        hq, hkv = self.hq, self.hkv
+        starts, off = [], 0
+        for seq_id, n in batch:
+            s = self.seqs[seq_id]
+            starts.append(s.length)
+            new = np.stack([q[off:off + n] for q in qkv_layers]).astype(np.float64)
+            k_new = new[:, :, hq:hq + hkv]
+            if self.rope_mode == 1:
+                pos = np.arange(s.length, s.length + n)
+                k_new = np.stack([rope(k_new[l], pos, self.theta, self.scale) for l in range(self.L)])
+            s.k = np.concatenate([s.k, k_new], axis=1)
+            s.v = np.concatenate([s.v, new[:, :, hq + hkv:]], axis=1)
+            off += n
+        outs = []
+        for layer, qkv in enumerate(qkv_layers):
+            out = np.zeros((qkv.shape[0], hq, self.d))
+            off = 0
+            for (seq_id, n), start in zip(batch, starts):
+                q, k = self.query(qkv[off:off + n], start), self.seqs[seq_id].k[layer]
+                if self.rope_mode == 2:
+                    k = rope(k, np.arange(k.shape[0]), self.theta, self.scale)
+                out[off:off + n] = attend(q, k, self.seqs[seq_id].v[layer], sm_scale,
+                                          causal_offset=start)[0]
+                off += n
+            outs.append(out)
+        return outs
+
+    def query(self, qkv_rows: np.ndarray, start: int) -> np.ndarray:
+        q = np.asarray(qkv_rows[:, : self.hq], np.float64)
+        if self.rope_mode != 0:
+            q = rope(q, np.arange(start, start + q.shape[0]), self.theta, self.scale)
+        return q
+
+    def cached_kv_for_attention(self, seq_id: int, layer: int, end: Optional[int] = None):
+        """K (rotated the way attention sees it) and V of the first ``end`` tokens."""
+        s = self.seqs[seq_id]
+        end = s.length if end is None else end
+        k = s.k[layer, :end]
+        if self.rope_mode == 2:
+            k = rope(k, np.arange(end), self.theta, self.scale)
+        return k, s.v[layer, :end]

@@ -1,0 +1,937 @@
+"""Differential tests: our cache vs TVM's native C++ paged KV cache, through ``vm.builtin``.
+
+Both caches get exactly the same inputs through TVM's global functions
+(``vm.builtin.kv_state_*`` / ``vm.builtin.attention_kv_cache_*``, which dispatch on the cache
+object once ``relax_kvcache`` is imported). TVM's native cache runs TVM's own CPU TIR kernels
+(built from ``tvm.relax.frontend.nn.llm.kv_cache``, test-only); it is the baseline. Caches under
+test:
+
+* ``ours``: ``rk.PagedAttentionKVCache`` with our kernels (the product);
+* ``ours_tvmk``: our cache logic created through ``relax_kvcache.paged_attention_kv_cache_create``
+  with TVM's kernels, which isolates the cache logic from the kernels;
+* ``ours_packed``: the same creation function fed our kernels in TVM's argument format.
+
+After every operation the counters (free pages -- exactly TVM's --, total length, ``empty``)
+are compared, after every step/fork/popn/remove the ``debug_get_kv`` contents of every live
+sequence, and every attention output; everything is also checked against an independent numpy
+model (``cache_model.py``). Tolerance: max abs error < 2e-3 (float32).
+
+Invalid operations (``ERROR_CASES``) must be rejected by TVM's cache and by ours; ours must raise
+a ``KVCacheError`` (a ``ValueError``) and keep its state exactly, after which the next valid
+step still matches TVM (replayed from the operation log, since TVM is not transactional).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import pytest
+import tvm
+
+import relax_kvcache as rk
+
+import tvm_baseline as tb
+from cache_model import CacheModel, attend, rope
+
+pytestmark = pytest.mark.tvm_native
+
+TOL = 2e-3
+DTYPE = "float32"
+
+# (rope_mode, support_sliding_window): TVM switches NORMAL to INLINE with sliding windows, so
+# that combination is covered separately (test_sliding_window_normal_rope_becomes_inline).
+CONFIGS = [(0, False), (1, False), (2, False), (0, True), (2, True)]
+CONFIG_IDS = ["none", "normal", "inline", "none-sw", "inline-sw"]
+
+
+def make_shape(rope_mode: int, sliding: bool, **kw) -> tb.Shape:
+    return tb.Shape(rope_mode=rope_mode, support_sliding_window=sliding, **kw)
+
+
+FACTORIES: Dict[str, Callable[[tb.Shape], object]] = {
+    "tvm": tb.create_native,
+    "ours": tb.create_ours_direct,
+    "ours_tvmk": lambda s: tb.create_ours_packed(s, tvm_kernel_set=True),
+    "ours_packed": tb.create_ours_packed,
+}
+
+
+# ============================================================================ harness
+
+
+@dataclasses.dataclass
+class Op:
+    """One logged operation; ``qkv`` holds the step inputs so a cache can be replayed."""
+
+    kind: str
+    args: tuple
+    qkv: Optional[List[np.ndarray]] = None
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.args}"
+
+
+class Diff:
+    """Drives the same operations on several caches and a numpy model, comparing everything."""
+
+    def __init__(self, shape: tb.Shape, names: Sequence[str] = ("tvm", "ours", "ours_tvmk"),
+                 seed: int = 0) -> None:
+        self.shape = shape
+        self.B = tb.Builtins()
+        self.caches = {name: FACTORIES[name](shape) for name in names}
+        assert "tvm" in self.caches
+        self.model = CacheModel(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads,
+                                shape.head_dim, shape.effective_rope_mode, shape.rope_theta,
+                                shape.rope_scale)
+        self.rng = np.random.default_rng(seed)
+        self.sm_scale = 1.0 / math.sqrt(shape.head_dim)
+        self.log: List[Op] = []
+        self.max_err: Dict[str, float] = collections.defaultdict(float)
+        self.check_counters()
+
+    # ------------------------------------------------------------------ reporting
+
+    def where(self) -> str:
+        tail = self.log[-12:]
+        start = len(self.log) - len(tail)
+        ops = "; ".join(f"#{start + i} {op}" for i, op in enumerate(tail))
+        return f"[{self.shape}] after {len(self.log)} ops (last: {ops})"
+
+    def close(self, what: str, name: str, got: np.ndarray, expected: np.ndarray,
+              tol: float = TOL) -> None:
+        assert got.shape == expected.shape, f"{what}: {name} shape {got.shape} != {expected.shape}"
+        err = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
+        if not err < tol:  # also catches NaN
+            bad = np.argwhere(~(np.abs(got - expected) < tol))[:5].tolist()
+            raise AssertionError(f"{what}: {name} max abs error {err:.3g} >= {tol} at {bad}; "
+                                 f"{self.where()}")
+        self.max_err[name] = max(self.max_err[name], err)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_counters(self) -> None:
+        B, tvm_c = self.B, self.caches["tvm"]
+        expected = (int(B.num_available_pages(tvm_c)), int(B.total_sequence_length(tvm_c)),
+                    bool(B.empty(tvm_c)))
+        assert expected[1] == self.model.total_length(), f"TVM total length vs model; {self.where()}"
+        for name, c in self.caches.items():
+            got = (int(B.num_available_pages(c)), int(B.total_sequence_length(c)), bool(B.empty(c)))
+            assert got == expected, (f"(free pages, total length, empty): {name} {got} != tvm "
+                                     f"{expected}; {self.where()}")
+
+    def read_kv(self, cache, seq_id: int, start: int = 0, end: Optional[int] = None):
+        end = self.model.length(seq_id) if end is None else end
+        s = self.shape
+        shp = (s.num_layers, end - start, s.num_kv_heads, s.head_dim)
+        k, v = tvm.runtime.empty(shp, DTYPE), tvm.runtime.empty(shp, DTYPE)
+        self.B.debug_get_kv(cache, seq_id, start, end, k, v)
+        return k.numpy(), v.numpy()
+
+    def check_kv(self) -> None:
+        for seq_id, seq in self.model.seqs.items():
+            if seq.length == 0:
+                continue
+            base = self.read_kv(self.caches["tvm"], seq_id)
+            self.close(f"debug_get_kv K of seq {seq_id}", "tvm~model", base[0], seq.k)
+            self.close(f"debug_get_kv V of seq {seq_id}", "tvm~model", base[1], seq.v)
+            for name, c in self.caches.items():
+                if name == "tvm":
+                    continue
+                got = self.read_kv(c, seq_id)
+                self.close(f"debug_get_kv K of seq {seq_id}", name, got[0], base[0])
+                self.close(f"debug_get_kv V of seq {seq_id}", name, got[1], base[1])
+                # a partial window starting mid-page
+                if seq.length > 3:
+                    lo, hi = seq.length // 3, seq.length - 1
+                    part = self.read_kv(c, seq_id, lo, hi)
+                    self.close(f"debug_get_kv[{lo}:{hi}] K of seq {seq_id}", name, part[0], base[0][:, lo:hi])
+                    self.close(f"debug_get_kv[{lo}:{hi}] V of seq {seq_id}", name, part[1], base[1][:, lo:hi])
+
+    def check_all(self) -> None:
+        self.check_counters()
+        self.check_kv()
+
+    # ------------------------------------------------------------------ operations
+
+    def _each(self, fn: str, *args) -> None:
+        for c in self.caches.values():
+            getattr(self.B, fn)(c, *args)
+
+    def add(self, seq_id: int) -> None:
+        self.log.append(Op("add", (seq_id,)))
+        self._each("add", seq_id)
+        self.model.add(seq_id)
+        self.check_counters()
+
+    def remove(self, seq_id: int) -> None:
+        self.log.append(Op("remove", (seq_id,)))
+        self._each("remove", seq_id)
+        self.model.remove(seq_id)
+        self.check_all()
+
+    def fork(self, parent: int, child: int, pos: int) -> None:
+        self.log.append(Op("fork", (parent, child, pos)))
+        self._each("fork", parent, child, pos)
+        self.model.fork(parent, child, pos)
+        self.check_all()
+
+    def popn(self, seq_id: int, n: int) -> None:
+        self.log.append(Op("popn", (seq_id, n)))
+        self._each("popn", seq_id, n)
+        self.model.popn(seq_id, n)
+        self.check_all()
+
+    def clear(self) -> None:
+        self.log.append(Op("clear", ()))
+        self._each("clear")
+        self.model.clear()
+        self.check_counters()
+
+    def random_qkv(self, n: int) -> List[np.ndarray]:
+        s = self.shape
+        return [self.rng.standard_normal((n, s.num_qo_heads + 2 * s.num_kv_heads, s.head_dim))
+                .astype(DTYPE) for _ in range(s.num_layers)]
+
+    def expected_positions(self, batch) -> np.ndarray:
+        return np.concatenate([np.arange(self.model.length(s), self.model.length(s) + n)
+                               for s, n in batch]).astype(np.int32)
+
+    def step(self, batch: Sequence[Tuple[int, int]], qkv: Optional[List[np.ndarray]] = None,
+             caches: Optional[Dict[str, object]] = None) -> None:
+        """A forward step on every cache; compares outputs, query positions and the cache."""
+        batch = [(int(s), int(n)) for s, n in batch]
+        n = sum(length for _, length in batch)
+        qkv = self.random_qkv(n) if qkv is None else qkv
+        self.log.append(Op("step", tuple(batch), qkv))
+        caches = self.caches if caches is None else caches
+        ids, lengths = [s for s, _ in batch], [length for _, length in batch]
+        positions = self.expected_positions(batch)
+        for c in caches.values():
+            self.B.begin(c, ids, lengths)
+        # begin_forward reserves the pages and counts the appended tokens already
+        counters = {name: (int(self.B.num_available_pages(c)), int(self.B.total_sequence_length(c)))
+                    for name, c in caches.items()}
+        assert len(set(counters.values())) == 1, f"counters after begin_forward {counters}; {self.where()}"
+        for name, c in caches.items():
+            got = self.B.query_positions(c).numpy()
+            assert got.tolist() == positions.tolist(), (
+                f"get_query_positions: {name} {got.tolist()} != {positions.tolist()}; {self.where()}")
+        outs = {name: [] for name in caches}
+        for layer in range(self.shape.num_layers):
+            for name, c in caches.items():
+                o = tvm.runtime.tensor(np.full((n, self.shape.num_qo_heads, self.shape.head_dim),
+                                               np.nan, DTYPE))
+                self.B.attention(c, layer, self.sm_scale, tvm.runtime.tensor(qkv[layer]), o)
+                outs[name].append(o.numpy())
+        for c in caches.values():
+            self.B.end(c)
+        expected = self.model.step(batch, qkv, self.sm_scale)
+        for layer in range(self.shape.num_layers):
+            self.close(f"attention output layer {layer} batch {batch}", "tvm~model",
+                       outs["tvm"][layer], expected[layer])
+            for name in caches:
+                if name != "tvm":
+                    self.close(f"attention output layer {layer} batch {batch}", name,
+                               outs[name][layer], outs["tvm"][layer])
+        self.check_all()
+
+    def replay(self, name: str) -> None:
+        """Replace cache ``name`` by a fresh one and replay the log onto it (no checks)."""
+        c = FACTORIES[name](self.shape)
+        B = self.B
+        for op in self.log:
+            if op.kind == "step":
+                ids = [s for s, _ in op.args]
+                B.begin(c, ids, [n for _, n in op.args])
+                for layer in range(self.shape.num_layers):
+                    o = tvm.runtime.empty(
+                        (op.qkv[layer].shape[0], self.shape.num_qo_heads, self.shape.head_dim), DTYPE)
+                    B.attention(c, layer, self.sm_scale, tvm.runtime.tensor(op.qkv[layer]), o)
+                B.end(c)
+            else:
+                getattr(B, op.kind)(c, *op.args)
+        self.caches[name] = c
+
+
+# ============================================================================ random workloads
+
+FORK_KINDS = ("minus1", "zero", "page_aligned", "mid_page", "in_shared_prefix", "at_end")
+POP_KINDS = ("zero", "last_block", "across_blocks", "into_shared_prefix", "all")
+
+
+class Workload:
+    """Seeded generator of valid random operations, run through a :class:`Diff`."""
+
+    def __init__(self, diff: Diff, seed: int, *, max_live: Optional[int] = None) -> None:
+        self.d = diff
+        self.r = np.random.default_rng(1000 + seed)
+        self.next_id = 0
+        self.max_live = max_live or diff.shape.max_num_seqs
+        self.stats: collections.Counter = collections.Counter()
+        self.last_child: Optional[int] = None
+
+    @property
+    def live(self) -> List[int]:
+        return sorted(self.d.model.seqs)
+
+    def free_pages(self) -> int:
+        return int(self.d.B.num_available_pages(self.d.caches["tvm"]))
+
+    def new_id(self) -> int:
+        # ids are not contiguous and not small, on purpose
+        self.next_id += 1
+        return self.next_id * 7 + int(self.r.integers(0, 7)) if self.r.random() < 0.3 else self.next_id * 7
+
+    # -------------------------------------------------------------- ops
+    def op_add(self) -> None:
+        seq_id = self.new_id()
+        self.d.add(seq_id)
+        self.stats["add"] += 1
+
+    def op_remove(self) -> None:
+        self.d.remove(int(self.r.choice(self.live)))
+        self.stats["remove"] += 1
+
+    def fork_pos(self, parent: int, kind: str) -> Optional[int]:
+        m = self.d.model.seqs[parent]
+        length, ps = m.length, self.d.shape.page_size
+        if kind == "minus1":
+            return -1
+        if kind == "zero":
+            return 0
+        if kind == "at_end":
+            return length
+        if kind == "page_aligned":
+            return ps * int(self.r.integers(1, length // ps + 1)) if length >= ps else None
+        if kind == "mid_page":
+            cands = [p for p in range(1, length) if p % ps]
+            return int(self.r.choice(cands)) if cands else None
+        if kind == "in_shared_prefix":
+            return int(self.r.integers(1, m.shared)) if m.shared > 1 else None
+        raise AssertionError(kind)
+
+    def op_fork(self) -> None:
+        live = [s for s in self.live if self.d.model.length(s) > 0]
+        if not live:
+            return self.op_add()
+        # bias towards the latest child, to grow fork chains deeper than 2 levels
+        if self.last_child in live and self.r.random() < 0.5:
+            parent = self.last_child
+        else:
+            parent = int(self.r.choice(live))
+        for kind in self.least_used("fork", FORK_KINDS):
+            pos = self.fork_pos(parent, kind)
+            if pos is not None:
+                break
+        need = 2  # a partial page copy and, at a page-aligned end, a new block: at most one page
+        if self.free_pages() < need:
+            return self.op_remove()
+        child = self.new_id()
+        self.d.fork(parent, child, pos)
+        self.last_child = child
+        self.stats[f"fork:{kind}"] += 1
+
+    def least_used(self, prefix: str, kinds: Sequence[str]) -> List[str]:
+        """Kinds ordered by how often they ran (random tie-break): steers towards coverage."""
+        return sorted(kinds, key=lambda k: (self.stats[f"{prefix}:{k}"], self.r.random()))
+
+    def pop_length(self, seq_id: int, kind: str) -> Optional[int]:
+        m = self.d.model.seqs[seq_id]
+        length, ps, own = m.length, self.d.shape.page_size, m.length - m.shared
+        if kind == "zero":
+            return 0
+        if kind == "all":
+            return length
+        if kind == "last_block":
+            top = min(own, length % ps or ps)
+            return int(self.r.integers(1, top + 1)) if top >= 1 else None
+        if kind == "across_blocks":
+            return int(self.r.integers(ps + 1, length + 1)) if length > ps + 1 else None
+        if kind == "into_shared_prefix":
+            return int(self.r.integers(own + 1, length)) if m.shared > 0 and length > own + 1 else None
+        raise AssertionError(kind)
+
+    def op_popn(self) -> None:
+        live = [s for s in self.live if self.d.model.length(s) > 0]
+        if not live:
+            return self.op_add()
+        if self.free_pages() < 2:
+            return self.op_remove()
+        for kind in self.least_used("pop", POP_KINDS):
+            cands = [s for s in live if self.pop_length(s, kind) is not None]
+            if cands:
+                seq_id = int(self.r.choice(cands))
+                self.d.popn(seq_id, self.pop_length(seq_id, kind))
+                self.stats[f"pop:{kind}"] += 1
+                return
+
+    def op_step(self) -> None:
+        live = self.live
+        if not live:
+            return self.op_add()
+        k = int(self.r.integers(1, min(len(live), 8) + 1))
+        ids = [int(s) for s in self.r.choice(live, size=k, replace=False)]
+        all_decode = self.r.random() < 0.3
+        budget = self.d.shape.prefill_chunk_size
+        batch = []
+        pages = self.free_pages()
+        for s in ids:
+            if all_decode or self.r.random() < 0.5:
+                n = 1
+            else:
+                n = int(self.r.integers(2, 70)) if self.r.random() < 0.8 else int(self.r.integers(70, 160))
+            n = min(n, max(1, budget - (len(ids) - len(batch) - 1)))
+            need = n // self.d.shape.page_size + 2
+            if need > pages:
+                n, need = 1, 1
+                if pages < 1:
+                    break
+            pages -= need
+            budget -= n
+            batch.append((s, n))
+        if not batch:
+            return self.op_remove()
+        self.d.step(batch)
+        kind = "decode" if all(n == 1 for _, n in batch) else (
+            "prefill" if all(n > 1 for _, n in batch) else "mixed")
+        self.stats[f"step:{kind}"] += 1
+
+    def op_clear(self) -> None:
+        self.d.clear()
+        self.parents.clear()
+        self.stats["clear"] += 1
+
+    # -------------------------------------------------------------- driver
+    def run(self, num_ops: int) -> collections.Counter:
+        self.parents: Dict[int, Tuple[int, int]] = {}
+        ops = [("add", 0.12), ("fork", 0.2), ("popn", 0.13), ("remove", 0.07), ("step", 0.47),
+               ("clear", 0.01)]
+        names, weights = zip(*ops)
+        weights = np.asarray(weights) / sum(weights)
+        for _ in range(num_ops):
+            live = self.live
+            name = str(self.r.choice(names, p=weights))
+            if len(live) < 2 and name in ("remove", "clear"):
+                name = "add"
+            if name in ("add", "fork") and len(live) >= self.max_live:
+                name = "remove"
+            if self.free_pages() < 6 and name in ("step", "fork", "add"):
+                name = "remove" if live else "add"
+            before = set(live)
+            getattr(self, f"op_{name}")()
+            # track fork chains: child depth = parent depth + 1
+            if self.d.log[-1].kind == "fork":
+                parent, child, _ = self.d.log[-1].args
+                self.parents[child] = (parent, self.parents.get(parent, (None, 0))[1] + 1)
+                self.stats["max_fork_chain"] = max(self.stats["max_fork_chain"],
+                                                   self.parents[child][1])
+            for gone in before - set(self.live):
+                self.parents.pop(gone, None)
+        return self.stats
+
+
+def run_workload(rope_mode: int, sliding: bool, seed: int, num_ops: int, **shape_kw) -> Diff:
+    d = Diff(make_shape(rope_mode, sliding, **shape_kw), seed=seed)
+    w = Workload(d, seed)
+    stats = w.run(num_ops)
+    d.stats = stats
+    return d
+
+
+@pytest.mark.parametrize("rope_mode,sliding", CONFIGS, ids=CONFIG_IDS)
+def test_random_workload(rope_mode, sliding):
+    d = run_workload(rope_mode, sliding, seed=0, num_ops=110)
+    stats = d.stats
+    # the generator must have exercised every kind of operation the test is about
+    missing = [k for k in [f"fork:{k}" for k in FORK_KINDS] + [f"pop:{k}" for k in POP_KINDS]
+               + ["step:decode", "step:mixed", "step:prefill", "remove"] if stats[k] == 0]
+    assert not missing, f"workload did not exercise {missing}: {dict(stats)}"
+    assert stats["max_fork_chain"] >= 3, dict(stats)
+    assert d.max_err["ours_tvmk"] < 1e-5, dict(d.max_err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("rope_mode,sliding", CONFIGS, ids=CONFIG_IDS)
+def test_random_workload_more_seeds(rope_mode, sliding, seed):
+    run_workload(rope_mode, sliding, seed=seed, num_ops=110)
+
+
+@pytest.mark.slow
+def test_random_workload_rope_params_and_small_pool():
+    """Non-default RoPE theta/scale, small page pool (pressure, page reuse), clears."""
+    d = run_workload(1, False, seed=7, num_ops=150, rope_theta=5e5, rope_scale=0.5,
+                     max_total_seq_len=512)
+    assert d.stats["clear"] + d.stats["remove"] > 0
+
+
+def test_sliding_window_normal_rope_becomes_inline():
+    """With sliding-window support TVM runs NORMAL RoPE as INLINE; ours must do the same."""
+    d = Diff(make_shape(1, True))
+    assert d.model.rope_mode == 2
+    for s in (0, 1):
+        d.add(s)
+    d.step([(0, 20), (1, 33)])
+    d.fork(1, 2, 17)
+    d.step([(0, 1), (1, 1), (2, 1)])
+    d.step([(2, 9), (0, 1)])
+
+
+# ============================================================================ scripted scenarios
+
+
+@pytest.mark.parametrize("rope_mode,sliding", CONFIGS, ids=CONFIG_IDS)
+def test_fork_chain_and_pops(rope_mode, sliding):
+    """A fork chain 6 levels deep with forks at every kind of position, decode on the leaves,
+    pops into shared prefixes of several depths, removal of inner ancestors."""
+    d = Diff(make_shape(rope_mode, sliding))
+    d.add(0)
+    d.step([(0, 40)])
+    d.fork(0, 1, -1)  # at the end, mid-page (40)
+    d.step([(1, 24)])  # 64: page-aligned
+    d.fork(1, 2, 64)  # at the end, page-aligned: TVM adds an empty block to the parent
+    d.step([(2, 5), (1, 1)])
+    d.fork(2, 3, 50)  # inside the shared prefix (0..64 shared), mid-page
+    d.fork(3, 4, 32)  # inside a shared prefix, page-aligned
+    d.fork(4, 5, 0)  # empty child
+    d.step([(3, 17), (4, 3), (5, 2), (0, 1)])
+    d.fork(3, 6, 20)
+    d.step([(6, 1), (3, 1), (2, 1), (1, 1), (4, 1), (0, 1)])  # all decode, 6 levels
+    d.step([(6, 30), (2, 1), (5, 1)])
+    d.popn(6, 5)  # within the last block
+    d.popn(3, 30)  # across blocks into the shared prefix
+    d.popn(2, 2)
+    d.step([(3, 1), (6, 1), (2, 1)])
+    d.popn(0, 30)  # the root pops into the prefix all its descendants share
+    d.step([(0, 4), (1, 1)])
+    d.remove(1)  # an inner ancestor: its blocks stay alive for descendants
+    d.remove(3)
+    d.step([(6, 2), (2, 1), (4, 1)])
+    d.popn(2, 40)  # into a prefix that was shared with the removed ancestors
+    d.step([(2, 1), (6, 1)])
+    d.popn(6, d.model.length(6))  # pop everything
+    d.step([(6, 3)])
+    for s in list(d.model.seqs):
+        d.remove(s)
+    assert d.B.empty(d.caches["ours"])
+
+
+@pytest.mark.parametrize("rope_mode,sliding", [(0, False), (2, True)], ids=["none", "inline-sw"])
+def test_edge_cases(rope_mode, sliding):
+    """Forks of empty sequences, pops to block boundaries, int64 ids, a full 16-sequence batch."""
+    d = Diff(make_shape(rope_mode, sliding))
+    big = 2**40 + 3
+    d.add(big)
+    d.fork(big, 1, -1)  # fork of an empty sequence
+    d.fork(big, 2, 0)
+    d.step([(big, 32), (1, 1), (2, 16)])
+    d.fork(big, 3, 32)  # page-aligned end: TVM gives the parent a new empty block
+    d.fork(big, 4, -1)
+    d.step([(3, 10), (big, 1)])
+    d.popn(3, 10)  # exactly back to the fork point: the child's own block becomes empty
+    d.popn(3, 5)  # then into the shared prefix
+    d.step([(3, 1), (4, 1)])
+    d.fork(4, 5, 16)
+    d.popn(4, 17)  # 4 has 33 tokens, all shared at fork time except the last
+    d.remove(big)  # parent of everything
+    d.step([(4, 2), (5, 1), (1, 1), (2, 1), (3, 1)])
+    for s in range(6, 17):
+        d.add(s)
+    live = sorted(d.model.seqs)
+    assert len(live) == 16
+    d.step([(s, 1) for s in live])  # a full batch of decode rows, some on empty sequences
+    d.step([(s, 1 + (i % 3) * 4) for i, s in enumerate(live)])  # a full mixed batch
+
+
+def test_layer_offset():
+    """A cache for layers [1, 3) of a 3-layer model (layer_indptr = (1, 3)): global layer ids."""
+    shape = make_shape(2, False)
+    B = tb.Builtins()
+    outs = {}
+    for name, create, kernels in (("tvm", tb.CREATE_NATIVE, tb.tvm_kernels(shape)),
+                                  ("ours", tb.CREATE_OURS, tb.our_kernels(shape))):
+        args = tb.create_args(shape, kernels, merge_functions=2)
+        args[1], args[6] = tvm.runtime.ShapeTuple([1, 3]), tvm.runtime.ShapeTuple([0, 0, 0])
+        c = tvm.get_global_func(create)(*args)
+        rng = np.random.default_rng(0)
+        B.add(c, 0)
+        res = []
+        for lengths in ([20], [1], [5]):
+            B.begin(c, [0], lengths)
+            for layer in (1, 2):
+                qkv = rng.standard_normal((lengths[0], 12, 64)).astype(DTYPE)
+                o = tvm.runtime.empty((lengths[0], 8, 64), DTYPE)
+                B.attention(c, layer, 0.125, tvm.runtime.tensor(qkv), o)
+                res.append(o.numpy())
+            for bad in (0, 3):
+                with pytest.raises(Exception):
+                    B.attention(c, bad, 0.125, tvm.runtime.tensor(qkv), o)
+            B.end(c)
+        k, v = tvm.runtime.empty((2, 26, 2, 64), DTYPE), tvm.runtime.empty((2, 26, 2, 64), DTYPE)
+        B.debug_get_kv(c, 0, 0, 26, k, v)
+        outs[name] = res + [k.numpy(), v.numpy()]
+    for got, expected in zip(outs["ours"], outs["tvm"]):
+        np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
+
+
+def test_padded_qkv_rows():
+    """qkv / o with more rows than the step's tokens: only the first n are read and written."""
+    d = Diff(make_shape(2, False), names=("tvm", "ours"))
+    d.add(0)
+    d.step([(0, 20)])
+    n, extra = 3, 4
+    qkv = d.random_qkv(n + extra)
+    outs = []
+    for c in d.caches.values():
+        d.B.begin(c, [0], [n])
+        o = tvm.runtime.tensor(np.full((n + extra, 8, 64), 7.0, DTYPE))
+        d.B.attention(c, 0, d.sm_scale, tvm.runtime.tensor(qkv[0]), o)
+        d.B.end(c)
+        outs.append(o.numpy())
+    d.close("padded output", "ours", outs[1][:n], outs[0][:n])
+    assert np.all(outs[1][n:] == 7.0) and np.all(outs[0][n:] == 7.0)
+
+
+def test_ours_packed_create_matches_tvm():
+    """``relax_kvcache.paged_attention_kv_cache_create`` with our kernels in TVM's format."""
+    d = Diff(make_shape(2, False), names=("tvm", "ours_packed"))
+    Workload(d, seed=5).run(40)
+
+
+# ============================================================================ self / cross / merge
+
+
+@pytest.mark.parametrize("rope_mode,sliding", CONFIGS, ids=CONFIG_IDS)
+def test_self_cross_merge(rope_mode, sliding):
+    """self_attention + cross_attention + merge_attn_output_inplace vs numpy (and TVM).
+
+    Prefill-type steps only: then the paged metadata covers the cached prefix only (with an
+    all-decode batch TVM appends before attention, so cross attention would see unwritten slots).
+    """
+    shape = make_shape(rope_mode, sliding)
+    d = Diff(shape, names=("tvm", "ours"))
+    d.add(0)
+    d.add(1)
+    d.step([(0, 45), (1, 16)])
+    d.fork(0, 2, 30)  # shared prefix -> two depths for seq 2
+    d.step([(2, 3), (0, 1)])
+    d.add(3)  # nothing cached: cross attention must give the empty state
+    batch = [(0, 1), (2, 7), (3, 5), (1, 1)]
+    hq, hkv, hd = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    n = sum(length for _, length in batch)
+    ids, lengths = [s for s, _ in batch], [length for _, length in batch]
+    starts = [d.model.length(s) for s in ids]
+    for c in d.caches.values():
+        d.B.begin(c, ids, lengths)
+    inline = shape.effective_rope_mode == 2
+    for layer in range(shape.num_layers):
+        q = d.rng.standard_normal((n, hq, hd)).astype(DTYPE)
+        k = d.rng.standard_normal((n, hkv, hd)).astype(DTYPE)
+        v = d.rng.standard_normal((n, hkv, hd)).astype(DTYPE)
+        # numpy expectations per sequence
+        exp_self_o, exp_self_lse = np.zeros((n, hq, hd)), np.zeros((n, hq))
+        exp_cross_o, exp_cross_lse = np.zeros((n, hq, hd)), np.full((n, hq), -np.inf)
+        off = 0
+        for (s, length), start in zip(batch, starts):
+            sl = slice(off, off + length)
+            qs, ks = q[sl].astype(np.float64), k[sl].astype(np.float64)
+            if inline:
+                pos = np.arange(start, start + length)
+                qs, ks = rope(qs, pos, shape.rope_theta, shape.rope_scale), rope(ks, pos, shape.rope_theta, shape.rope_scale)
+            exp_self_o[sl], exp_self_lse[sl] = attend(qs, ks, v[sl], d.sm_scale, causal_offset=0)
+            if start:
+                kc, vc = d.model.cached_kv_for_attention(s, layer, start)
+                exp_cross_o[sl], exp_cross_lse[sl] = attend(qs, kc, vc, d.sm_scale, causal_offset=None)
+            off += length
+        outs = {}
+        for name, c in d.caches.items():
+            o_s, lse_s = tvm.runtime.empty((n, hq, hd), DTYPE), tvm.runtime.empty((n, hq), "float32")
+            o_c, lse_c = tvm.runtime.empty((n, hq, hd), DTYPE), tvm.runtime.empty((n, hq), "float32")
+            tq, tk, tv = (tvm.runtime.tensor(a) for a in (q, k, v))
+            d.B.self_attention(c, layer, d.sm_scale, tq, tk, tv, o_s, lse_s)
+            d.B.cross_attention(c, layer, d.sm_scale, tq, o_c, lse_c)
+            pre = (o_s.numpy(), lse_s.numpy(), o_c.numpy(), lse_c.numpy())
+            ret = d.B.merge(c, o_s, lse_s, o_c, lse_c)
+            assert len(ret) == 2
+            outs[name] = pre + (o_s.numpy(), lse_s.numpy(), ret[0].numpy(), ret[1].numpy())
+        has_prefix = np.repeat([start > 0 for start in starts], lengths)
+        exp_o, exp_lse = exp_self_o.copy(), exp_self_lse.copy()
+        for i in np.nonzero(has_prefix)[0]:  # merge of the two disjoint key sets
+            m = np.maximum(exp_self_lse[i], exp_cross_lse[i])
+            w1, w2 = np.exp2(exp_self_lse[i] - m), np.exp2(exp_cross_lse[i] - m)
+            exp_o[i] = (exp_self_o[i] * w1[:, None] + exp_cross_o[i] * w2[:, None]) / (w1 + w2)[:, None]
+            exp_lse[i] = np.log2(w1 + w2) + m
+        for name, (so, slse, co, clse, mo, mlse, ro, rlse) in outs.items():
+            what = f"layer {layer} {name}"
+            d.close(f"self_attention o {what}", name, so, exp_self_o)
+            d.close(f"self_attention lse {what}", name, slse, exp_self_lse)
+            d.close(f"cross_attention o {what}", name, co[has_prefix], exp_cross_o[has_prefix])
+            d.close(f"cross_attention lse {what}", name, clse[has_prefix], exp_cross_lse[has_prefix])
+            d.close(f"merged o {what}", name, mo, exp_o)
+            d.close(f"merged lse {what}", name, mlse, exp_lse)
+            np.testing.assert_array_equal(ro, mo)
+            np.testing.assert_array_equal(rlse, mlse)
+        # documented: rows with nothing cached get the empty state (o = 0, lse = -inf)
+        so, slse, co, clse = outs["ours"][:4]
+        assert np.all(co[~has_prefix] == 0) and np.all(np.isneginf(clse[~has_prefix]))
+        d.close(f"merged o ours vs tvm, layer {layer}", "ours", outs["ours"][4], outs["tvm"][4])
+    positions = [d.B.query_positions(c).numpy().tolist() for c in d.caches.values()]
+    assert positions[0] == positions[1] == np.concatenate(
+        [np.arange(st, st + ln) for st, ln in zip(starts, lengths)]).tolist()
+    for c in d.caches.values():
+        d.B.end(c)
+
+
+# ============================================================================ errors
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCase:
+    name: str
+    action: Callable  # action(diff, cache, direct: bool) performs the invalid operation
+    prep: Optional[Callable] = None  # valid operations run on every cache first
+    in_step: bool = False  # the invalid call happens inside a (valid) step
+
+
+SEQ_BIG = 99  # an id that is never live
+
+
+def fill_pages(d: Diff, leave_free: int) -> None:
+    """Add sequence 7 and grow it until exactly ``leave_free`` pages are free."""
+    d.add(7)
+    ps = d.shape.page_size
+    while True:
+        free = int(d.B.num_available_pages(d.caches["tvm"]))
+        if free <= leave_free:
+            break
+        tokens = min((free - leave_free) * ps, d.shape.prefill_chunk_size)
+        if d.model.length(7) % ps:
+            tokens = min(tokens, ps - d.model.length(7) % ps)  # finish the partial page first
+        d.step([(7, tokens)])
+    assert int(d.B.num_available_pages(d.caches["tvm"])) == leave_free
+
+
+def kv_tensors(d: Diff, length: int, **kw):
+    s = d.shape
+    shp = (kw.get("layers", s.num_layers), length, kw.get("heads", s.num_kv_heads), kw.get("dim", s.head_dim))
+    return tvm.runtime.empty(shp, kw.get("dtype", DTYPE)), tvm.runtime.empty(shp, kw.get("dtype", DTYPE))
+
+
+def _call(d: Diff, cache, direct: bool, builtin: str, method: str, *args):
+    """Call the builtin (any cache) or, for ours with ``direct``, the Python method."""
+    if direct:
+        return getattr(cache, method)(*args)
+    return getattr(d.B, builtin)(cache, *args)
+
+
+def _debug_get_kv(d, c, direct, seq, lo, hi, **kw):
+    k, v = kv_tensors(d, max(hi - lo, 1), **kw)
+    if direct:
+        return c.debug_get_kv(seq, lo, hi, k, v)
+    return d.B.debug_get_kv(c, seq, lo, hi, k, v)
+
+
+def _begin(d, c, direct, ids, lengths):
+    if direct:
+        return c.begin_forward(ids, lengths)
+    return d.B.begin(c, ids, lengths)
+
+
+def _attention(d, c, direct, layer, rows=None, heads=None, dim=None, dtype=DTYPE, o_heads=None):
+    s = d.shape
+    n = d.cur_tokens if rows is None else rows
+    heads = s.num_qo_heads + 2 * s.num_kv_heads if heads is None else heads
+    dim = s.head_dim if dim is None else dim
+    qkv = tvm.runtime.tensor(np.ones((n, heads, dim), dtype))
+    o = tvm.runtime.empty((n, s.num_qo_heads if o_heads is None else o_heads, dim), dtype)
+    if direct:
+        return c.attention_with_fused_qkv(layer, qkv, o, d.sm_scale)
+    return d.B.attention(c, layer, d.sm_scale, qkv, o)
+
+
+def _len(d, s):
+    return d.model.length(s)
+
+
+ERROR_CASES = [
+    # unknown sequence ids
+    ErrorCase("remove_unknown", lambda d, c, x: _call(d, c, x, "remove", "remove_sequence", SEQ_BIG)),
+    ErrorCase("popn_unknown", lambda d, c, x: _call(d, c, x, "popn", "popn", SEQ_BIG, 1)),
+    ErrorCase("fork_unknown_parent", lambda d, c, x: _call(d, c, x, "fork", "fork_sequence", SEQ_BIG, 50, -1)),
+    ErrorCase("begin_forward_unknown", lambda d, c, x: _begin(d, c, x, [0, SEQ_BIG], [1, 1])),
+    ErrorCase("debug_get_kv_unknown", lambda d, c, x: _debug_get_kv(d, c, x, SEQ_BIG, 0, 1)),
+    # duplicates
+    ErrorCase("add_duplicate", lambda d, c, x: _call(d, c, x, "add", "add_sequence", 1)),
+    ErrorCase("fork_child_exists", lambda d, c, x: _call(d, c, x, "fork", "fork_sequence", 0, 1, -1)),
+    # fork / popn ranges
+    ErrorCase("fork_pos_below_minus1", lambda d, c, x: _call(d, c, x, "fork", "fork_sequence", 0, 50, -2)),
+    ErrorCase("fork_pos_beyond_length", lambda d, c, x: _call(d, c, x, "fork", "fork_sequence", 0, 50, _len(d, 0) + 1)),
+    ErrorCase("popn_beyond_length", lambda d, c, x: _call(d, c, x, "popn", "popn", 0, _len(d, 0) + 1)),
+    ErrorCase("popn_negative", lambda d, c, x: _call(d, c, x, "popn", "popn", 0, -1)),
+    ErrorCase("debug_get_kv_end_beyond_length", lambda d, c, x: _debug_get_kv(d, c, x, 0, 0, _len(d, 0) + 1)),
+    ErrorCase("debug_get_kv_empty_range", lambda d, c, x: _debug_get_kv(d, c, x, 0, 3, 3)),
+    ErrorCase("debug_get_kv_wrong_tensor_shape",
+              lambda d, c, x: _debug_get_kv(d, c, x, 0, 0, 4, heads=d.shape.num_kv_heads + 1)),
+    # begin_forward
+    ErrorCase("begin_forward_append_zero", lambda d, c, x: _begin(d, c, x, [0, 1], [3, 0])),
+    ErrorCase("begin_forward_mismatched_lists", lambda d, c, x: _begin(d, c, x, [0, 1], [3])),
+    ErrorCase("begin_forward_cache_full", lambda d, c, x: _begin(d, c, x, [0, 1], [40, 40]),
+              prep=lambda d: fill_pages(d, 2)),
+    ErrorCase("begin_forward_decode_cache_full", lambda d, c, x: _begin(d, c, x, [7, 0], [1, 1]),
+              prep=lambda d: fill_pages(d, 0)),
+    # structure changes that need a free page when none is left
+    ErrorCase("fork_mid_page_cache_full",
+              lambda d, c, x: _call(d, c, x, "fork", "fork_sequence", 0, 50, 20),
+              prep=lambda d: fill_pages(d, 0)),
+    ErrorCase("popn_into_shared_prefix_cache_full",
+              lambda d, c, x: _call(d, c, x, "popn", "popn", 4, 5),
+              prep=lambda d: (d.fork(0, 4, 32), fill_pages(d, 0))),
+    # inside a step
+    ErrorCase("qkv_wrong_head_count", lambda d, c, x: _attention(d, c, x, 0, heads=d.shape.num_qo_heads + 1), in_step=True),
+    ErrorCase("qkv_wrong_head_dim", lambda d, c, x: _attention(d, c, x, 0, dim=d.shape.head_dim // 2), in_step=True),
+    ErrorCase("qkv_wrong_dtype", lambda d, c, x: _attention(d, c, x, 0, dtype="float16"), in_step=True),
+    ErrorCase("qkv_too_few_rows", lambda d, c, x: _attention(d, c, x, 0, rows=d.cur_tokens - 1), in_step=True),
+    ErrorCase("output_wrong_head_count", lambda d, c, x: _attention(d, c, x, 0, o_heads=d.shape.num_qo_heads - 1), in_step=True),
+    ErrorCase("layer_id_too_large", lambda d, c, x: _attention(d, c, x, d.shape.num_layers), in_step=True),
+    ErrorCase("layer_id_negative", lambda d, c, x: _attention(d, c, x, -1), in_step=True),
+]
+
+ERROR_SHAPE = dict(max_total_seq_len=256, prefill_chunk_size=128, max_num_seqs=8)
+
+
+def error_prestate(d: Diff) -> None:
+    """seq 0: 38 tokens, seq 1: 21, seq 2: forked from 0 at 20 (+5), seq 3: forked from 2 at its end."""
+    for s in (0, 1, 2):
+        if s != 2:
+            d.add(s)
+    d.step([(0, 37), (1, 20)])
+    d.fork(0, 2, 20)
+    d.step([(0, 1), (1, 1), (2, 5)])
+    d.fork(2, 3, -1)
+
+
+def snapshot(cache, d: Diff) -> dict:
+    """Everything observable about our cache, bit-exact (plus the paging state if exposed)."""
+    snap = {
+        "free_pages": cache.get_num_available_pages(),
+        "total_length": cache.get_total_sequence_length(),
+        "empty": cache.empty(),
+        "lengths": {s: cache.get_sequence_length(s) for s in d.model.seqs},
+        "active_step": getattr(cache, "_step", None) is not None,
+    }
+    for s, length in snap["lengths"].items():
+        if length:
+            k, v = d.read_kv(cache, s, 0, length)
+            snap[f"kv{s}"] = (k.view(np.uint32).tobytes(), v.view(np.uint32).tobytes())
+    paging = getattr(cache, "_paging", None)
+    if paging is not None and hasattr(paging, "debug_snapshot"):
+        snap["paging"] = paging.debug_snapshot()
+    return snap
+
+
+def assert_same_snapshot(before: dict, after: dict, what: str) -> None:
+    for key in before:
+        assert before[key] == after[key], f"{what}: our cache changed ({key}) although the call failed"
+
+
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c.name for c in ERROR_CASES])
+def test_invalid_operation(case: ErrorCase):
+    d = Diff(make_shape(1, False, **ERROR_SHAPE), names=("tvm", "ours"))
+    error_prestate(d)
+    if case.prep is not None:
+        case.prep(d)
+    ours, native = d.caches["ours"], d.caches["tvm"]
+    step_batch = [(0, 2), (3, 1)]
+    if case.in_step:
+        d.cur_tokens = sum(n for _, n in step_batch)
+        for c in (native, ours):
+            d.B.begin(c, [s for s, _ in step_batch], [n for _, n in step_batch])
+    before = snapshot(ours, d)
+
+    with pytest.raises(Exception):  # tvm.error.TVMError / InternalError in practice
+        case.action(d, native, False)
+    # ours, through the vm.builtin dispatcher: must fail too, and not as "not implemented"
+    with pytest.raises(Exception) as info:
+        case.action(d, ours, False)
+    assert not isinstance(info.value, NotImplementedError), info.value
+    assert_same_snapshot(before, snapshot(ours, d), f"{case.name} (builtin)")
+    # ours, called directly: the documented exception type
+    with pytest.raises(rk.KVCacheError) as info:
+        case.action(d, ours, True)
+    assert isinstance(info.value, ValueError)
+    assert_same_snapshot(before, snapshot(ours, d), f"{case.name} (direct)")
+
+    # the next valid operations still match TVM
+    if case.in_step:
+        # finish the interrupted step with valid inputs on both caches (TVM checks before acting)
+        qkv = d.random_qkv(d.cur_tokens)
+        expected = d.model.step(step_batch, qkv, d.sm_scale)
+        for layer in range(d.shape.num_layers):
+            outs = []
+            for c in (native, ours):
+                o = tvm.runtime.empty((d.cur_tokens, d.shape.num_qo_heads, d.shape.head_dim), DTYPE)
+                d.B.attention(c, layer, d.sm_scale, tvm.runtime.tensor(qkv[layer]), o)
+                outs.append(o.numpy())
+            d.close("output after error", "tvm~model", outs[0], expected[layer])
+            d.close("output after error", "ours", outs[1], outs[0])
+        for c in (native, ours):
+            d.B.end(c)
+        d.log.append(Op("step", tuple(step_batch), qkv))
+        d.check_all()
+    else:
+        d.replay("tvm")  # TVM's cache may be half-updated after its error: rebuild it
+        d.check_all()
+        if 7 in d.model.seqs:
+            d.remove(7)
+    d.step([(0, 1), (1, 17), (2, 1), (3, 4)])
+    d.fork(3, 5, -1)
+    d.popn(0, 3)
+    d.step([(5, 1), (0, 2)])
+
+
+# Calls where our cache is documented to be stricter than TVM's (TVM accepts them or fails later).
+STRICTER_CASES = {
+    "begin_forward_empty_batch": (False, lambda d, c: c.begin_forward([], [])),
+    "begin_forward_duplicate_ids": (False, lambda d, c: c.begin_forward([0, 0], [1, 1])),
+    "begin_forward_over_prefill_chunk": (False, lambda d, c: c.begin_forward([0], [d.shape.prefill_chunk_size + 1])),
+    "begin_forward_while_step_active": (True, lambda d, c: c.begin_forward([1], [1])),
+    "remove_while_step_active": (True, lambda d, c: c.remove_sequence(1)),
+    "fork_while_step_active": (True, lambda d, c: c.fork_sequence(1, 50, -1)),
+    "popn_while_step_active": (True, lambda d, c: c.popn(1, 1)),
+    "attention_without_step": (False, lambda d, c: c.attention_with_fused_qkv(
+        0, tvm.runtime.empty((1, 12, 64), DTYPE), tvm.runtime.empty((1, 8, 64), DTYPE), 0.125)),
+}
+
+
+@pytest.mark.parametrize("name", list(STRICTER_CASES))
+def test_stricter_than_tvm(name):
+    """Ours rejects these (state unchanged) and continues to match TVM afterwards."""
+    in_step, action = STRICTER_CASES[name]
+    d = Diff(make_shape(1, False, **ERROR_SHAPE), names=("tvm", "ours"))
+    error_prestate(d)
+    ours = d.caches["ours"]
+    if in_step:
+        ours.begin_forward([0], [2])
+    before = snapshot(ours, d)
+    with pytest.raises(rk.KVCacheError):
+        action(d, ours)
+    assert_same_snapshot(before, snapshot(ours, d), name)
+    if in_step:
+        ours.end_forward()
+        # the begun step reserved 2 tokens for seq 0 without writing them: drop them again
+        ours.popn(0, 2)
+    d.step([(0, 1), (1, 17), (3, 4)])
+
+
+def test_builtin_errors_keep_their_type():
+    """Through ``vm.builtin.*`` our errors should still be ``KVCacheError`` / ``ValueError``."""
+    d = Diff(make_shape(0, False, **ERROR_SHAPE), names=("tvm", "ours"))
+    d.add(0)
+    with pytest.raises(rk.SequenceError):
+        d.B.remove(d.caches["ours"], SEQ_BIG)
+    with pytest.raises(NotImplementedError):
+        tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(d.caches["ours"], 0, 8, 2)
