@@ -220,7 +220,7 @@ def main() -> None:
     decode_rows = []
     for batch, context in decode_shapes:
         print(f"decode {batch} x {context} ...", flush=True)
-        r = bench_decode(batch, context, steps=5, rng=rng)
+        r = bench_decode(batch, context, steps=12, rng=rng)
         decode_rows.append((batch, context, r))
     prefill_shapes = [] if args.quick else [(1, 512, 0), (4, 128, 0), (1, 256, 512)]
     prefill_rows = []

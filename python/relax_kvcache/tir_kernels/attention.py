@@ -32,6 +32,7 @@ from .macros import (
     LOG2E,
     causal_mask_chunk,
     init_state,
+    load_q_tile,
     rope_inv_freq,
     rope_row_inplace,
     score_chunk,
@@ -85,81 +86,82 @@ def make_paged_decode(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
     return _make_paged(spec, sched, decode=True)
 
 
+def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, load_chunk):
+    """The work item shared by all attention kernels: one sequence, one KV head.
+
+    Takes the sequence's queries of that head group in tiles of ``q_tile`` tokens, walks its
+    ``kv_len`` KV rows in chunks of ``chunk`` rows loaded by ``load_chunk(kc, vc, kv_src, h, c0,
+    nt, rotary_mode, k_pos0, inv_freq)`` (``kv_src`` is a kernel-specific tuple of buffers and
+    values), and writes every row's normalised output and base-2 LSE.
+    """
+    G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
+    lanes, v_lanes = sched.lanes_for(D), sched.lanes_for(DV)
+    rows, half = q_tile * G, D // 2
+
+    @T.macro
+    def attend_sequence(q, o, lse, q_rope_position, kv_src, h, qbeg, q_len, kv_len, k_pos0, causal,
+                        rotary_mode, rope_scale, rope_theta, sm_scale):
+        qs = T.sblock_alloc_buffer((rows, D), "float32")
+        acc = T.sblock_alloc_buffer((rows, DV), "float32")
+        kc = T.sblock_alloc_buffer((chunk, D), "float32")
+        vc = T.sblock_alloc_buffer((chunk, DV), "float32")
+        s = T.sblock_alloc_buffer((rows, chunk), "float32")
+        m = T.sblock_alloc_buffer((rows,), "float32")
+        l = T.sblock_alloc_buffer((rows,), "float32")
+        part = T.sblock_alloc_buffer((max(lanes, v_lanes),), "float32")
+        red = T.sblock_alloc_buffer((1,), "float32")
+        inv_freq = T.sblock_alloc_buffer((half,), "float32")
+        if rotary_mode == 1:
+            rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
+        for tile in T.serial(_ceildiv(q_len, q_tile)):
+            nq: T.let[T.int32] = T.min(q_tile, q_len - tile * q_tile)
+            tok0: T.let[T.int32] = qbeg + tile * q_tile
+            first_row_limit: T.let[T.int32] = kv_len - q_len + tile * q_tile
+            init_state(m, l, acc, nq * G, DV)
+            load_q_tile(qs, q, tok0, nq, h, G, D, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
+            for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
+                nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
+                load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
+                score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                if causal > 0:
+                    causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
+                softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+            for r in T.serial(nq * G):
+                store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
+                          acc, m, l, r, DV, dtype)
+
+    return attend_sequence
+
+
 def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tirx.PrimFunc:
-    Hq, Hkv, G = spec.num_qo_heads, spec.num_kv_heads, spec.group_size
+    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     if spec.v_head_dim != D:
         raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
-    lanes = sched.lanes_for(D)
-    TQ = 1 if decode else sched.q_tile
-    R = TQ * G
-    half = D // 2
 
     @T.macro
-    def load_page_chunk(kc, vc, pages, page_indices, pbeg, h, c0, nt, length_info, b,
-                        rotary_mode, k_pos0, inv_freq):
+    def load_page_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
+        """kv_src = (pages, page_indices, first page of the sequence, length_info, sequence)."""
         for t in T.serial(nt):
-            off: T.let[T.int32] = _paged_offset(c0 + t, length_info, b, sliding)
-            page: T.let[T.int32] = page_indices[pbeg + off // ps]
-            slot: T.let[T.int32] = off % ps
+            off: T.let[T.int32] = _paged_offset(c0 + t, kv_src[3], kv_src[4], sliding)
+            page: T.let[T.int32] = kv_src[1][kv_src[2] + off // ps]
             for d in T.vectorized(D):
-                kc[t, d] = T.Cast("float32", pages[page, 0, h, slot, d])
-                vc[t, d] = T.Cast("float32", pages[page, 1, h, slot, d])
+                kc[t, d] = T.Cast("float32", kv_src[0][page, 0, h, off % ps, d])
+                vc[t, d] = T.Cast("float32", kv_src[0][page, 1, h, off % ps, d])
             if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
+
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile, chunk=ps,
+                                            load_chunk=load_page_chunk)
 
     @T.macro
-    def load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, qk_scale):
-        for i in T.serial(nq):
-            for g in T.serial(G):
-                for d in T.vectorized(D):
-                    qs[i * G + g, d] = T.Cast("float32", q[tok0 + i, h * G + g, d])
-                if rotary_mode == 1:
-                    rope_row_inplace(qs, i * G + g, q_rope_position[tok0 + i], inv_freq, half)
-                for d in T.vectorized(D):
-                    qs[i * G + g, d] = qs[i * G + g, d] * qk_scale
-
-    @T.macro
-    def attend_tile(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset, q_rope_position,
-                    b, h, tok0, nq, first_row_limit, causal, pbeg, kv_len, rotary_mode,
-                    sm_scale, inv_freq, qs, kc, vc, s, acc, m, l, part, red):
-        init_state(m, l, acc, nq * G, D)
-        load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
-        for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, ps)):
-            nt: T.let[T.int32] = T.min(ps, kv_len - c * ps)
-            load_page_chunk(kc, vc, pages, page_indices, pbeg, h, c * ps, nt, length_info, b,
-                            rotary_mode, k_rope_pos_offset[b], inv_freq)
-            score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
-            if causal > 0:
-                causal_mask_chunk(s, nq * G, nt, G, c * ps, first_row_limit)
-            softmax_update(s, m, l, acc, vc, nq * G, nt, D, lanes, part, red)
-        for r in T.serial(nq * G):
-            store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
-                      acc, m, l, r, D, dtype)
-
-    @T.macro
-    def work_buffers_and_run(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset,
-                             q_rope_position, b, h, qbeg, q_len, causal, pbeg, npages,
-                             rotary_mode, rope_scale, rope_theta, sm_scale):
-        qs = T.sblock_alloc_buffer((R, D), "float32")
-        acc = T.sblock_alloc_buffer((R, D), "float32")
-        kc = T.sblock_alloc_buffer((ps, D), "float32")
-        vc = T.sblock_alloc_buffer((ps, D), "float32")
-        s = T.sblock_alloc_buffer((R, ps), "float32")
-        m = T.sblock_alloc_buffer((R,), "float32")
-        l = T.sblock_alloc_buffer((R,), "float32")
-        part = T.sblock_alloc_buffer((lanes,), "float32")
-        red = T.sblock_alloc_buffer((1,), "float32")
-        inv_freq = T.sblock_alloc_buffer((half,), "float32")
-        kv_len: T.let[T.int32] = _paged_kv_len(npages, ps, length_info, b, sliding)
-        if rotary_mode == 1:
-            rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
-        for tile in T.serial(_ceildiv(q_len, TQ)):
-            nq: T.let[T.int32] = T.min(TQ, q_len - tile * TQ)
-            attend_tile(q, o, lse, pages, page_indices, length_info, k_rope_pos_offset,
-                        q_rope_position, b, h, qbeg + tile * TQ, nq,
-                        kv_len - q_len + tile * TQ, causal, pbeg, kv_len, rotary_mode,
-                        sm_scale, inv_freq, qs, kc, vc, s, acc, m, l, part, red)
+    def attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                     q_rope_position, b, h, qbeg, q_len, causal, rotary_mode, rope_scale, rope_theta,
+                     sm_scale):
+        kv_len: T.let[T.int32] = _paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding)
+        attend_sequence(q, o, lse, q_rope_position, (pages, page_indices, page_indptr[b], length_info, b),
+                        h, qbeg, q_len, kv_len, k_rope_pos_offset[b], causal, rotary_mode, rope_scale,
+                        rope_theta, sm_scale)
 
     if decode:
 
@@ -191,11 +193,9 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
                 with T.sblock("work"):
                     T.reads()
                     T.writes()
-                    work_buffers_and_run(q, o, lse, pages, page_indices, length_info,
-                                         k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv,
-                                         bh // Hkv, 1, 0, page_indptr[bh // Hkv],
-                                         page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv],
-                                         rotary_mode, rope_scale, rope_theta, sm_scale)
+                    attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info,
+                                 k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv, bh // Hkv, 1,
+                                 0, rotary_mode, rope_scale, rope_theta, sm_scale)
 
         return paged_decode
 
@@ -231,47 +231,32 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
             with T.sblock("work"):
                 T.reads()
                 T.writes()
-                work_buffers_and_run(q, o, lse, pages, page_indices, length_info,
-                                     k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv,
-                                     qo_indptr[bh // Hkv],
-                                     qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal,
-                                     page_indptr[bh // Hkv],
-                                     page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv],
-                                     rotary_mode, rope_scale, rope_theta, sm_scale)
+                attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                             q_rope_position, bh // Hkv, bh % Hkv, qo_indptr[bh // Hkv],
+                             qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal, rotary_mode,
+                             rope_scale, rope_theta, sm_scale)
 
     return paged_prefill
 
 
 def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
     """Ragged prefill: queries of each sequence against that sequence's new (contiguous) K/V."""
-    Hq, Hkv, G = spec.num_qo_heads, spec.num_kv_heads, spec.group_size
+    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
-    lanes = sched.lanes_for(D)
-    v_lanes = sched.lanes_for(DV)
-    TQ, CK = sched.q_tile, sched.kv_chunk
-    R = TQ * G
-    half = D // 2
 
     @T.macro
-    def load_kv_chunk(kc, vc, k, v, kbeg, h, c0, nt, rotary_mode, k_pos0, inv_freq):
+    def load_kv_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
+        """kv_src = (k, v, first KV row of the sequence)."""
         for t in T.serial(nt):
             for d in T.vectorized(D):
-                kc[t, d] = T.Cast("float32", k[kbeg + c0 + t, h, d])
+                kc[t, d] = T.Cast("float32", kv_src[0][kv_src[2] + c0 + t, h, d])
             for d in T.vectorized(DV):
-                vc[t, d] = T.Cast("float32", v[kbeg + c0 + t, h, d])
+                vc[t, d] = T.Cast("float32", kv_src[1][kv_src[2] + c0 + t, h, d])
             if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
 
-    @T.macro
-    def load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq, qk_scale):
-        for i in T.serial(nq):
-            for g in T.serial(G):
-                for d in T.vectorized(D):
-                    qs[i * G + g, d] = T.Cast("float32", q[tok0 + i, h * G + g, d])
-                if rotary_mode == 1:
-                    rope_row_inplace(qs, i * G + g, q_rope_position[tok0 + i], inv_freq, half)
-                for d in T.vectorized(D):
-                    qs[i * G + g, d] = qs[i * G + g, d] * qk_scale
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+                                            load_chunk=load_kv_chunk)
 
     @T.prim_func(s_tir=True)
     def ragged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -300,41 +285,10 @@ def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFun
             with T.sblock("work"):
                 T.reads()
                 T.writes()
-                qs = T.sblock_alloc_buffer((R, D), "float32")
-                acc = T.sblock_alloc_buffer((R, DV), "float32")
-                kc = T.sblock_alloc_buffer((CK, D), "float32")
-                vc = T.sblock_alloc_buffer((CK, DV), "float32")
-                s = T.sblock_alloc_buffer((R, CK), "float32")
-                m = T.sblock_alloc_buffer((R,), "float32")
-                l = T.sblock_alloc_buffer((R,), "float32")
-                part = T.sblock_alloc_buffer((T.max(lanes, v_lanes),), "float32")
-                red = T.sblock_alloc_buffer((1,), "float32")
-                inv_freq = T.sblock_alloc_buffer((half,), "float32")
-                b: T.let[T.int32] = bh // Hkv
-                h: T.let[T.int32] = bh % Hkv
-                qbeg: T.let[T.int32] = qo_indptr[b]
-                q_len: T.let[T.int32] = qo_indptr[b + 1] - qbeg
-                kbeg: T.let[T.int32] = kv_indptr[b]
-                kv_len: T.let[T.int32] = kv_indptr[b + 1] - kbeg
-                if rotary_mode == 1:
-                    rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
-                for tile in T.serial(_ceildiv(q_len, TQ)):
-                    nq: T.let[T.int32] = T.min(TQ, q_len - tile * TQ)
-                    tok0: T.let[T.int32] = qbeg + tile * TQ
-                    first_row_limit: T.let[T.int32] = kv_len - q_len + tile * TQ
-                    init_state(m, l, acc, nq * G, DV)
-                    load_q_tile(qs, q, tok0, nq, h, rotary_mode, q_rope_position, inv_freq,
-                                sm_scale * LOG2E)
-                    for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, CK)):
-                        nt: T.let[T.int32] = T.min(CK, kv_len - c * CK)
-                        load_kv_chunk(kc, vc, k, v, kbeg, h, c * CK, nt, rotary_mode,
-                                      k_rope_pos_offset[b], inv_freq)
-                        score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
-                        if causal > 0:
-                            causal_mask_chunk(s, nq * G, nt, G, c * CK, first_row_limit)
-                        softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
-                    for r in T.serial(nq * G):
-                        store_row(o, lse, (tok0 + r // G, h * G + r % G),
-                                  (tok0 + r // G, h * G + r % G), acc, m, l, r, DV, dtype)
+                attend_sequence(q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
+                                qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                                kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv],
+                                k_rope_pos_offset[bh // Hkv], causal, rotary_mode, rope_scale,
+                                rope_theta, sm_scale)
 
     return ragged_prefill

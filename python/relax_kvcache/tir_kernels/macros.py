@@ -44,6 +44,21 @@ def rope_row_inplace(buf, row, pos, inv_freq, half: T.int32):
 
 
 @T.macro
+def load_q_tile(qs, q, tok0, nq, h, group: T.int32, dim: T.int32, rotary_mode, q_rope_position,
+                inv_freq, qk_scale):
+    """Rows ``i * group + g`` of ``qs`` = query token ``tok0 + i``, head ``h * group + g``
+    (float32, RoPE'd when ``rotary_mode == 1``, times ``qk_scale``)."""
+    for i in T.serial(nq):
+        for g in T.serial(group):
+            for d in T.vectorized(dim):
+                qs[i * group + g, d] = T.Cast("float32", q[tok0 + i, h * group + g, d])
+            if rotary_mode == 1:
+                rope_row_inplace(qs, i * group + g, q_rope_position[tok0 + i], inv_freq, dim // 2)
+            for d in T.vectorized(dim):
+                qs[i * group + g, d] = qs[i * group + g, d] * qk_scale
+
+
+@T.macro
 def init_state(m, l, acc, rows, dv: T.int32):
     for r in T.serial(rows):
         m[r] = NEG_INF
