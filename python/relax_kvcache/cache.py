@@ -159,12 +159,15 @@ class PagedAttentionKVCache:
         return self._paging.empty()
 
     def get_num_available_pages(self) -> int:
+        """Number of free pages."""
         return self._paging.num_free_pages
 
     def get_total_sequence_length(self) -> int:
+        """Sum of the lengths of all sequences."""
         return self._paging.total_sequence_length()
 
     def get_sequence_length(self, seq_id: int) -> int:
+        """Number of tokens of sequence ``seq_id``."""
         return self._paging.sequence_length(_as_int("seq_id", seq_id))
 
     def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
@@ -217,7 +220,7 @@ class PagedAttentionKVCache:
         return md.StepMetadata(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
-            append_indptr=md._indptr(append_lengths),
+            append_indptr=md.indptr(append_lengths),
             k_ragged_rope_pos_offset=np.asarray(structure.seq_lengths_before, dtype=np.int32),
             q_rope_position=q_rope_position,
             append_position=append_position,

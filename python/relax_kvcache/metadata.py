@@ -198,8 +198,8 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
         else:
             length_info = np.array(last_page_len, dtype=np.int32)
         depths.append(DepthMetadata(
-            qo_indptr=_indptr([n for _, n in chunks]),
-            page_indptr=_indptr([len(p) for p in page_lists]),
+            qo_indptr=indptr([n for _, n in chunks]),
+            page_indptr=indptr([len(p) for p in page_lists]),
             page_indices=np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int32),
             length_info=length_info,
             k_rope_pos_offset=np.array([h.start_pos for h in heads], dtype=np.int32),
@@ -266,6 +266,6 @@ def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, p
     return np.where(pinned, -1, slots)
 
 
-def _indptr(lengths: Sequence[int]) -> np.ndarray:
+def indptr(lengths: Sequence[int]) -> np.ndarray:
     """int32 ``[0, l0, l0 + l1, ...]``."""
     return np.array(list(itertools.accumulate(lengths, initial=0)), dtype=np.int32)

@@ -17,6 +17,10 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_dtype(dtype: str) -> None:
+    _check(dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PageLayoutSpec:
     """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``.
@@ -30,7 +34,7 @@ class PageLayoutSpec:
     dtype: str
 
     def __post_init__(self) -> None:
-        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
         for name in ("num_kv_heads", "head_dim", "page_size"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
@@ -50,7 +54,7 @@ class RopeSplitSpec:
     rope_scale: float
 
     def __post_init__(self) -> None:
-        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
         _check(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
 
 
@@ -61,6 +65,9 @@ class MergeSpec:
     num_heads: int
     head_dim: int
     dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +88,7 @@ class AttentionSpec:
     sliding_window: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _check_dtype(self.dtype)
         _check(self.num_qo_heads % self.num_kv_heads == 0,
                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _check(self.qk_head_dim % 2 == 0, f"qk_head_dim must be even, got {self.qk_head_dim}")
