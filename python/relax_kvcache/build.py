@@ -33,6 +33,7 @@ KERNEL_ROLES = (
     "attention_decode",
     "attention_prefill_sliding_window",
     "attention_decode_sliding_window",
+    "attention_prefill_ragged_sliding_window",
 )
 
 
@@ -45,6 +46,7 @@ class KernelSetSpec:
     merge: tk.MergeSpec
     attention: tk.AttentionSpec
     sliding_window: bool
+    layer_window: int = 0
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> "KernelSetSpec":
@@ -63,13 +65,18 @@ class KernelSetSpec:
             merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
                                dtype=config.dtype),
             attention=attention,
-            sliding_window=config.support_sliding_window
-            or AttnKind.MHA_SLIDING in config.attn_kinds,
+            sliding_window=config.support_sliding_window or config.has_layer_windows,
+            layer_window=config.layer_sliding_window_size if config.has_layer_windows else 0,
         )
 
     def kernel_functions(self, sched: tk.CpuSchedule) -> Dict[str, tirx.PrimFunc]:
-        """The PrimFuncs of the set, keyed by role."""
-        windowed = dataclasses.replace(self.attention, sliding_window=True)
+        """The PrimFuncs of the set, keyed by role.
+
+        The ``_sliding_window`` variants take ``[3, B]`` length info; with per-layer windows
+        (``layer_window > 0``) they also mask keys outside each query's window, and a windowed
+        ragged kernel serves the new tokens of ``MHA_SLIDING`` layers.
+        """
+        windowed = dataclasses.replace(self.attention, sliding_window=True, window=self.layer_window)
         makers: Dict[str, Callable[[], tirx.PrimFunc]] = {
             "transpose_append": lambda: tk.make_transpose_append(self.page, sched),
             "split_rotary": lambda: tk.make_split_rotary(self.rope, sched),
@@ -84,6 +91,8 @@ class KernelSetSpec:
         if self.sliding_window:
             makers["attention_prefill_sliding_window"] = lambda: tk.make_paged_prefill(windowed, sched)
             makers["attention_decode_sliding_window"] = lambda: tk.make_paged_decode(windowed, sched)
+        if self.layer_window:
+            makers["attention_prefill_ragged_sliding_window"] = lambda: tk.make_ragged_prefill(windowed, sched)
         return {role: make() for role, make in makers.items()}
 
 

@@ -28,16 +28,24 @@ from .tensors import check_tensor, view
 
 
 @dataclasses.dataclass(frozen=True)
-class _DepthViews:
-    """Device views of one depth's metadata (see :class:`metadata.DepthMetadata`)."""
+class _PageViews:
+    """Device views of a set of page lists (see :class:`metadata.DepthMetadata`)."""
 
-    qo_indptr: tvm.runtime.Tensor
     page_indptr: tvm.runtime.Tensor
     page_indices: tvm.runtime.Tensor
     length_info: tvm.runtime.Tensor
     k_rope_pos_offset: tvm.runtime.Tensor
-    use_decode_kernel: bool
     has_pages: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _DepthViews:
+    """Device views of one depth: all its pages, and the window of MHA_SLIDING layers."""
+
+    qo_indptr: tvm.runtime.Tensor
+    use_decode_kernel: bool
+    pages: _PageViews
+    window: Optional[_PageViews]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +57,17 @@ class _DeviceStep:
     q_rope_position: tvm.runtime.Tensor
     append_position: tvm.runtime.Tensor
     depths: Tuple[_DepthViews, ...]
-    paged_depths: Tuple[_DepthViews, ...]  # the depths that have pages, root first
     q: tvm.runtime.Tensor  # (n, Hq, D) scratch: split/RoPE output
     k: tvm.runtime.Tensor  # (n, Hkv, D)
     v: tvm.runtime.Tensor  # (n, Hkv, D)
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv) per-depth partial output
     tmp_lse: tvm.runtime.Tensor  # (n, Hq)
     merged_lse: tvm.runtime.Tensor  # (n, Hq) lse of attention_with_fused_qkv's output
+
+    def depths_with_pages(self, windowed: bool) -> Tuple[Tuple[_DepthViews, _PageViews], ...]:
+        """(depth, the page views a layer reads) for the depths where it reads any page."""
+        views = ((d, d.window if windowed else d.pages) for d in self.depths)
+        return tuple((d, p) for d, p in views if p.has_pages)
 
 
 class PagedAttentionKVCache:
@@ -90,10 +102,8 @@ class PagedAttentionKVCache:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         device = tvm.cpu() if device is None else device
-        if AttnKind.MLA in config.attn_kinds or AttnKind.MHA_SLIDING in config.attn_kinds:
-            raise NotImplementedError(
-                f"attn_kinds {sorted(set(k.name for k in config.attn_kinds))}: only MHA layers are "
-                "supported so far (MHA_SLIDING and MLA are planned)")
+        if AttnKind.MLA in config.attn_kinds:
+            raise NotImplementedError("MLA layers are not supported yet: attn_kinds must be MHA or MHA_SLIDING")
         if kernels is None:
             target = default_target(device) if target is None else target
             kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
@@ -101,7 +111,8 @@ class PagedAttentionKVCache:
         self.device = device
         self.layer_offset = layer_offset
         self._kernels = kernels
-        self._paging = PagingState(config.num_total_pages, config.page_size)
+        self._paging = PagingState(config.num_total_pages, config.page_size,
+                                   slide_windows=config.slides_sequences)
         self._pages = [
             tvm.runtime.empty((config.num_total_pages, 2, config.num_kv_heads, config.page_size,
                                config.head_dim), config.dtype, device)
@@ -120,6 +131,7 @@ class PagedAttentionKVCache:
         rope = config.effective_rope_mode
         self._rotary_mode = int(rope == RopeMode.INLINE)
         self._split_applies_rope = int(rope == RopeMode.NORMAL)
+        self._windowed_layers = tuple(kind == AttnKind.MHA_SLIDING for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
 
@@ -147,6 +159,20 @@ class PagedAttentionKVCache:
         self._require_no_step("popn")
         copies = self._paging.popn(_as_int("seq_id", seq_id), _as_int("n", n))
         self._copy_pages(copies)
+
+    def enable_sliding_window_for_seq(self, seq_id: int, sliding_window_size: int, attn_sink_size: int) -> None:
+        """Keep only the first ``attn_sink_size`` and the last tokens of a sequence, up to
+        ``sliding_window_size`` in all; pages that slide out return to the pool.
+
+        Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` layers,
+        where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
+        of the kept tokens in the cache (StreamingLLM style), as in TVM.
+        """
+        if not (self.config.support_sliding_window or self.config.has_layer_windows):
+            raise KVCacheError("enable_sliding_window_for_seq needs a cache created with support_sliding_window=True")
+        self._paging.enable_sliding_window(_as_int("seq_id", seq_id),
+                                           _as_int("sliding_window_size", sliding_window_size),
+                                           _as_int("attn_sink_size", attn_sink_size))
 
     def clear(self) -> None:
         """Remove every sequence and end any active step."""
@@ -207,14 +233,16 @@ class PagedAttentionKVCache:
         self._device_step = None
 
     def _plan_step(self, seq_ids: List[int], append_lengths: List[int]) -> md.StepMetadata:
-        paging, sliding = self._paging, self.config.support_sliding_window
+        paging, cfg = self._paging, self.config
+        sliding = cfg.slides_sequences
+        layer_window = cfg.layer_sliding_window_size if cfg.has_layer_windows else 0
         structure = md.BatchStructure.collect(paging, seq_ids, append_lengths)
         append_before_attn = not sliding and structure.use_decode_kernel[-1]
         if append_before_attn:
             paging.reserve_append(seq_ids, append_lengths)
-            depths = md.build_depths(paging, structure, sliding_window=sliding)
+            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
         else:
-            depths = md.build_depths(paging, structure, sliding_window=sliding)
+            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
             paging.reserve_append(seq_ids, append_lengths)
         q_rope_position, append_position = md.build_token_maps(paging, structure)
         return md.StepMetadata(
@@ -246,16 +274,22 @@ class PagedAttentionKVCache:
         for depth in step.depths:
             arrays += [depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info,
                        depth.k_rope_pos_offset]
-        views = self._aux.upload(arrays)
-        depths = tuple(
-            _DepthViews(*views[4 + 5 * d: 9 + 5 * d], use_decode_kernel=depth.use_decode_kernel,
-                        has_pages=depth.has_pages)
-            for d, depth in enumerate(step.depths))
+            if depth.window is not None:
+                w = depth.window
+                arrays += [w.page_indptr, w.page_indices, w.length_info, w.k_rope_pos_offset]
+        views = iter(self._aux.upload(arrays))
+        head = [next(views) for _ in range(4)]
+        depths = []
+        for depth in step.depths:
+            qo_indptr = next(views)
+            pages = _PageViews(next(views), next(views), next(views), next(views), depth.has_pages)
+            window = (_PageViews(next(views), next(views), next(views), next(views), depth.window.has_pages)
+                      if depth.window is not None else None)
+            depths.append(_DepthViews(qo_indptr, depth.use_decode_kernel, pages, window))
         n, cfg, dt, f32 = step.total_tokens, self.config, self._dtype, self._float32
         return _DeviceStep(
-            append_indptr=views[0], k_ragged_rope_pos_offset=views[1], q_rope_position=views[2],
-            append_position=views[3], depths=depths,
-            paged_depths=tuple(d for d in depths if d.has_pages),
+            append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
+            append_position=head[3], depths=tuple(depths),
             q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim), 0, dt),
             k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim), 0, dt),
             v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim), 0, dt),
@@ -300,11 +334,37 @@ class PagedAttentionKVCache:
         pages = self._pages[layer]
         if self._step.append_before_attn:
             k.transpose_append(pages, step.k, step.v, step.append_position)
-            self._paged_attention(step, pages, step.q, o, step.merged_lse, sm_scale, first=True)
-        else:
-            self._ragged_attention(step, step.q, step.k, step.v, o, step.merged_lse, sm_scale)
-            self._paged_attention(step, pages, step.q, o, step.merged_lse, sm_scale, first=False)
+        self._attend(step, layer, step.q, step.k, step.v, o, step.merged_lse, sm_scale)
+        if not self._step.append_before_attn:
             k.transpose_append(pages, step.k, step.v, step.append_position)
+
+    def attention_with_shared_kv(self, source_layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
+                                 v: tvm.runtime.Tensor, o: tvm.runtime.Tensor, sm_scale: float) -> None:
+        """Attention of a layer that reuses the KV another layer wrote (KV-sharing models).
+
+        Attends ``q (n, Hq, D)`` over the cached KV of ``source_layer_id`` plus this step's
+        ``k (n, Hkv, D)`` / ``v (n, Hkv, Dv)`` (the source layer's new K/V, not appended again);
+        writes ``o (n, Hq, Dv)``. Call it after the source layer's attention of the same step
+        (a decode step reads the new token's K/V from the source layer's pages). q and k are
+        used as given: RoPE is applied only in INLINE mode.
+        """
+        cfg = self.config
+        layer = self._local_layer(source_layer_id)
+        step = self._active_step("attention_with_shared_kv")
+        n = self._step.total_tokens
+        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("k", k, shape=(n, cfg.num_kv_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        self._attend(step, layer, q, k, v, o, step.merged_lse, _as_float("sm_scale", sm_scale))
+
+    def _attend(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
+        """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
+        if self._step.append_before_attn:  # the new K/V are already in the pages
+            self._paged_attention(step, layer, q, o, lse, sm_scale, first=True)
+        else:
+            self._ragged_attention(step, layer, q, k, v, o, lse, sm_scale)
+            self._paged_attention(step, layer, q, o, lse, sm_scale, first=False)
 
     def self_attention(self, layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
                        v: tvm.runtime.Tensor, o: tvm.runtime.Tensor, lse: tvm.runtime.Tensor,
@@ -315,7 +375,7 @@ class PagedAttentionKVCache:
         base-2 ``lse (n, Hq)`` (float32), where n is the number of tokens of the step.
         """
         cfg = self.config
-        self._local_layer(layer_id)
+        layer = self._local_layer(layer_id)
         step = self._active_step("self_attention")
         n = self._step.total_tokens
         check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
@@ -323,7 +383,7 @@ class PagedAttentionKVCache:
         check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
-        self._ragged_attention(step, q, k, v, o, lse, _as_float("sm_scale", sm_scale))
+        self._ragged_attention(step, layer, q, k, v, o, lse, _as_float("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
                         lse: tvm.runtime.Tensor, sm_scale: float) -> None:
@@ -339,8 +399,8 @@ class PagedAttentionKVCache:
         check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
-        self._paged_attention(step, self._pages[layer], q, o, lse, _as_float("sm_scale", sm_scale),
-                              first=True, write_empty=True)
+        self._paged_attention(step, layer, q, o, lse, _as_float("sm_scale", sm_scale), first=True,
+                              write_empty=True)
 
     def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
                                   o_cross_attn: tvm.runtime.Tensor, lse_cross_attn: tvm.runtime.Tensor
@@ -355,41 +415,54 @@ class PagedAttentionKVCache:
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
         return o_self_attn, lse_self_attn
 
-    def _ragged_attention(self, step: _DeviceStep, q, k, v, o, lse, sm_scale: float) -> None:
-        cfg = self.config
-        self._kernels.attention_prefill_ragged(
-            q, step.append_indptr, k, v, step.append_indptr, step.q_rope_position,
-            step.k_ragged_rope_pos_offset, o, lse, 1, self._rotary_mode, cfg.rope_scale,
-            cfg.rope_theta, sm_scale)
+    def _ragged_attention(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
+        """Causal attention of the step's queries over the step's k/v (windowed on MHA_SLIDING
+        layers when the kernel set has the windowed ragged kernel)."""
+        cfg, kernels = self.config, self._kernels
+        f = kernels.attention_prefill_ragged
+        if self._windowed_layers[layer] and kernels.attention_prefill_ragged_sliding_window is not None:
+            f = kernels.attention_prefill_ragged_sliding_window
+        f(q, step.append_indptr, k, v, step.append_indptr, step.q_rope_position,
+          step.k_ragged_rope_pos_offset, o, lse, 1, self._rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
 
-    def _paged_attention(self, step: _DeviceStep, pages, q, o, lse, sm_scale: float, *, first: bool,
+    def _paged_attention(self, step: _DeviceStep, layer: int, q, o, lse, sm_scale: float, *, first: bool,
                          write_empty: bool = False) -> None:
-        """Attend q to the cached pages depth by depth, merging into (o, lse).
+        """Attend q to a layer's cached pages depth by depth, merging into (o, lse).
 
         ``first``: the first depth writes (o, lse) directly; otherwise every depth is merged into
         them. ``write_empty``: when no depth has pages, run depth 0 anyway so that (o, lse)
         become the empty state (o = 0, lse = -inf).
         """
-        depths = step.paged_depths or (step.depths[:1] if write_empty else ())
-        for depth in depths:
+        windowed = self._windowed_layers[layer]
+        depths = step.depths_with_pages(windowed)
+        if not depths and write_empty:
+            depth = step.depths[0]
+            depths = ((depth, depth.window if windowed else depth.pages),)
+        for depth, views in depths:
             out, out_lse = (o, lse) if first else (step.tmp_o, step.tmp_lse)
-            self._run_depth(step, depth, pages, q, out, out_lse, sm_scale)
+            self._run_depth(step, layer, depth, views, q, out, out_lse, sm_scale)
             if not first:
                 self._kernels.merge_inplace(o, lse, step.tmp_o, step.tmp_lse)
             first = False
 
-    def _run_depth(self, step: _DeviceStep, depth: _DepthViews, pages, q, o, lse, sm_scale: float) -> None:
+    def _run_depth(self, step: _DeviceStep, layer: int, depth: _DepthViews, views: _PageViews, q, o, lse,
+                   sm_scale: float) -> None:
+        """One depth's paged attention. Kernel choice and ``causal`` follow TVM: sliding-window
+        variants for MHA_SLIDING layers and for caches whose sequences slide; ``causal`` is set
+        for MHA_SLIDING layers outside decode (their kernels mask by window)."""
         cfg, k = self.config, self._kernels
-        sliding = cfg.support_sliding_window
+        windowed = self._windowed_layers[layer]
+        sliding = windowed or cfg.slides_sequences
+        pages = self._pages[layer]
         if depth.use_decode_kernel:
             f = k.attention_decode_sliding_window if sliding else k.attention_decode
-            f(q, pages, depth.page_indptr, depth.page_indices, depth.length_info,
-              depth.k_rope_pos_offset, step.q_rope_position, o, lse, self._rotary_mode,
-              cfg.rope_scale, cfg.rope_theta, sm_scale)
+            f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
+              step.q_rope_position, o, lse, self._rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
         else:
             f = k.attention_prefill_sliding_window if sliding else k.attention_prefill
-            f(q, depth.qo_indptr, pages, depth.page_indptr, depth.page_indices, depth.length_info,
-              depth.k_rope_pos_offset, step.q_rope_position, o, lse, 0, self._rotary_mode,
+            causal = int(windowed and not self._step.append_before_attn)
+            f(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
+              views.k_rope_pos_offset, step.q_rope_position, o, lse, causal, self._rotary_mode,
               cfg.rope_scale, cfg.rope_theta, sm_scale)
 
     def get_query_positions(self) -> tvm.runtime.Tensor:

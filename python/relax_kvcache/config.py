@@ -152,6 +152,21 @@ class KVCacheConfig:
         return pages
 
     @property
+    def has_layer_windows(self) -> bool:
+        """Whether some layer is ``AttnKind.MHA_SLIDING`` (attends over the last
+        ``layer_sliding_window_size`` tokens only)."""
+        return AttnKind.MHA_SLIDING in self.attn_kinds
+
+    @property
+    def slides_sequences(self) -> bool:
+        """Whether per-sequence sliding windows (``enable_sliding_window_for_seq``) really slide.
+
+        As in TVM, a model with per-layer sliding windows does not slide sequences even when
+        ``support_sliding_window`` is set.
+        """
+        return self.support_sliding_window and not self.has_layer_windows
+
+    @property
     def effective_rope_mode(self) -> RopeMode:
         """RoPE mode the cache runs with: sliding windows force INLINE (as TVM does)."""
         if self.support_sliding_window and self.rope_mode != RopeMode.NONE:

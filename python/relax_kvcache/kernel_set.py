@@ -18,7 +18,9 @@ class KernelSet:
 
     ``merge_general`` is the merge used by ``merge_attn_output_inplace`` (TVM's second merge
     function, which it keeps for MLA's other head dim); it defaults to ``merge_inplace``.
-    Optional roles are None when the cache was created without them.
+    Optional roles are None when the cache was created without them. TVM's creation arguments
+    have no windowed ragged kernel: with them, the new tokens of ``MHA_SLIDING`` layers use the
+    plain ragged kernel (TVM's behaviour, exact while a step appends at most a window of tokens).
     """
 
     transpose_append: Optional[Function]
@@ -33,6 +35,7 @@ class KernelSet:
     attention_decode: Optional[Function]
     attention_prefill_sliding_window: Optional[Function] = None
     attention_decode_sliding_window: Optional[Function] = None
+    attention_prefill_ragged_sliding_window: Optional[Function] = None
 
     @classmethod
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
@@ -54,6 +57,7 @@ class KernelSet:
             attention_decode=get("attention_decode"),
             attention_prefill_sliding_window=get("attention_prefill_sliding_window"),
             attention_decode_sliding_window=get("attention_decode_sliding_window"),
+            attention_prefill_ragged_sliding_window=get("attention_prefill_ragged_sliding_window"),
         )
 
     @classmethod

@@ -28,6 +28,34 @@ COALESCE_RATIO_THRESHOLD = 32
 
 
 @dataclasses.dataclass(frozen=True)
+class WindowPages:
+    """The part of a depth's pages an ``MHA_SLIDING`` layer reads (window of ``W`` tokens).
+
+    Per chunk, keys before ``min query position - W + 1`` are dropped: whole pages from
+    ``page_indices`` and the rest through the window offset of ``length_info``; the kernels mask
+    the remaining keys per query by absolute position.
+
+    Attributes
+    ----------
+    page_indptr : int32 [c + 1]
+    page_indices : int32 [nnz]
+    length_info : int32 [3, c]
+        Last page length, window offset (first visible row in the first page), sink size (0).
+    k_rope_pos_offset : int32 [c]
+        Absolute position of each chunk's first visible key.
+    """
+
+    page_indptr: np.ndarray
+    page_indices: np.ndarray
+    length_info: np.ndarray
+    k_rope_pos_offset: np.ndarray
+
+    @property
+    def has_pages(self) -> bool:
+        return self.page_indices.size > 0
+
+
+@dataclasses.dataclass(frozen=True)
 class DepthMetadata:
     """Paged KV of one block depth, laid out for the paged attention kernels.
 
@@ -46,6 +74,8 @@ class DepthMetadata:
         RoPE position of each chunk's first KV row (its block's start position).
     use_decode_kernel : bool
         Whether this depth runs the decode kernel (then c == B and every chunk has one query).
+    window : WindowPages, optional
+        What ``MHA_SLIDING`` layers read at this depth (caches with per-layer windows only).
     """
 
     qo_indptr: np.ndarray
@@ -54,6 +84,7 @@ class DepthMetadata:
     length_info: np.ndarray
     k_rope_pos_offset: np.ndarray
     use_decode_kernel: bool
+    window: Optional[WindowPages] = None
 
     @property
     def has_pages(self) -> bool:
@@ -105,8 +136,9 @@ class StepMetadata:
 class BatchStructure:
     """Block layout of a batch before its tokens are reserved (a read-only snapshot).
 
-    ``chunks[d]`` lists ``(block or None, query tokens)`` per chunk at depth d; at the deepest
-    level there is one chunk per sequence and ``trailing[i]`` holds sequence i's blocks below it.
+    ``chunks[d]`` lists ``(block or None, query tokens, smallest query position)`` per chunk at
+    depth d; at the deepest level there is one chunk per sequence and ``trailing[i]`` holds
+    sequence i's blocks below it.
     ``last_blocks[i]`` is sequence i's last block (the live object, grown by the reservation).
     """
 
@@ -115,19 +147,20 @@ class BatchStructure:
     seq_lengths_before: Tuple[int, ...]
     last_block_lengths_before: Tuple[int, ...]
     last_blocks: Tuple[Block, ...]
-    chunks: Tuple[Tuple[Tuple[Optional[Block], int], ...], ...]
+    chunks: Tuple[Tuple[Tuple[Optional[Block], int, int], ...], ...]
     trailing: Tuple[Tuple[Block, ...], ...]
     use_decode_kernel: Tuple[bool, ...]
 
     @classmethod
     def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> "BatchStructure":
         traces = [paging.trace_blocks(s) for s in seq_ids]
+        positions = tuple(paging.sequence_length(s) for s in seq_ids)
         num_depths = min(max(len(t) for t in traces), MAX_BLOCK_DEPTH)
         is_decode = all(n == 1 for n in append_lengths)
         chunks, use_decode = [], []
         for d in range(num_depths):
             blocks = [t[d] if d < len(t) else None for t in traces]
-            depth_chunks, decode = _chunk_depth(blocks, append_lengths, is_decode,
+            depth_chunks, decode = _chunk_depth(blocks, append_lengths, positions, is_decode,
                                                 coalesce=d != MAX_BLOCK_DEPTH - 1)
             chunks.append(depth_chunks)
             use_decode.append(decode)
@@ -135,7 +168,7 @@ class BatchStructure:
         return cls(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
-            seq_lengths_before=tuple(paging.sequence_length(s) for s in seq_ids),
+            seq_lengths_before=positions,
             last_block_lengths_before=tuple(b.seq_length for b in last_blocks),
             last_blocks=last_blocks,
             chunks=tuple(chunks),
@@ -144,23 +177,24 @@ class BatchStructure:
         )
 
 
-def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], is_decode: bool, *,
-                 coalesce: bool) -> Tuple[Tuple[Tuple[Optional[Block], int], ...], bool]:
+def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], positions: Sequence[int],
+                 is_decode: bool, *, coalesce: bool) -> Tuple[Tuple[Tuple[Optional[Block], int, int], ...], bool]:
     """Chunks of one depth and whether it uses the decode kernel (TVM's ``GetChunkedBlockIds``).
 
     Adjacent sequences on the same block can be coalesced into one prefill chunk. A decode batch
     keeps one chunk per sequence (decode kernel) unless coalescing saves at least
-    ``COALESCE_RATIO_THRESHOLD`` times the page reads.
+    ``COALESCE_RATIO_THRESHOLD`` times the page reads. Each chunk carries its smallest query
+    position (the first new token's position of its sequences).
     """
-    uncoalesced = tuple(zip(blocks, append_lengths))
-    coalesced: List[Tuple[Optional[Block], int]] = []
-    for block, length in uncoalesced:
+    uncoalesced = tuple(zip(blocks, append_lengths, positions))
+    coalesced: List[Tuple[Optional[Block], int, int]] = []
+    for block, length, position in uncoalesced:
         if coalesced and coalesced[-1][0] is block:
-            coalesced[-1] = (block, coalesced[-1][1] + length)
+            coalesced[-1] = (block, coalesced[-1][1] + length, min(coalesced[-1][2], position))
         else:
-            coalesced.append((block, length))
+            coalesced.append((block, length, position))
     pages_uncoalesced = sum(len(b.page_ids) for b in blocks if b is not None)
-    pages_coalesced = sum(len(b.page_ids) for b, _ in coalesced if b is not None)
+    pages_coalesced = sum(len(b.page_ids) for b, _, _ in coalesced if b is not None)
     ratio = pages_uncoalesced / pages_coalesced if pages_coalesced > 0 else 0.0
     use_decode = is_decode and ratio < COALESCE_RATIO_THRESHOLD
     return (uncoalesced if use_decode or not coalesce else tuple(coalesced)), use_decode
@@ -169,18 +203,21 @@ def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], i
 _EMPTY_BLOCK = Block(index=-1)
 
 
-def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_window: bool) -> Tuple[DepthMetadata, ...]:
+def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_window: bool,
+                 layer_window: int = 0) -> Tuple[DepthMetadata, ...]:
     """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop).
 
     Each chunk reads the pages of its block, or at the deepest level of its block followed by
     the sequence's trailing blocks; its last page length, window offset and sink size come from
     the last block of that chain, its RoPE offset from the first block's start position.
-    (Scalar Python per chunk and one array per output: cheaper than numpy on small batches.)
+    With ``layer_window > 0`` each depth also carries the :class:`WindowPages` of
+    ``MHA_SLIDING`` layers. (Scalar Python per chunk and one array per output: cheaper than
+    numpy on small batches.)
     """
     page_size = paging.page_size
     depths = []
     for d, chunks in enumerate(structure.chunks):
-        heads = [b if b is not None else _EMPTY_BLOCK for b, _ in chunks]
+        heads = [b if b is not None else _EMPTY_BLOCK for b, _, _ in chunks]
         if d == MAX_BLOCK_DEPTH - 1 and any(structure.trailing):
             chains = [[h, *trail] for h, trail in zip(heads, structure.trailing)]
             page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
@@ -197,15 +234,42 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
                                     [b.sink_length for b in lasts]], dtype=np.int32)
         else:
             length_info = np.array(last_page_len, dtype=np.int32)
+        window = None
+        if layer_window:
+            window = _window_pages(page_lists, lengths, last_page_len, [h.start_pos for h in heads],
+                                   [p for _, _, p in chunks], layer_window, page_size)
         depths.append(DepthMetadata(
-            qo_indptr=indptr([n for _, n in chunks]),
+            qo_indptr=indptr([n for _, n, _ in chunks]),
             page_indptr=indptr([len(p) for p in page_lists]),
             page_indices=np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int32),
             length_info=length_info,
             k_rope_pos_offset=np.array([h.start_pos for h in heads], dtype=np.int32),
             use_decode_kernel=structure.use_decode_kernel[d],
+            window=window,
         ))
     return tuple(depths)
+
+
+def _window_pages(page_lists, lengths, last_page_len, starts, min_positions, window: int,
+                  page_size: int) -> WindowPages:
+    """Per chunk, the pages from the first key its earliest query can see (see WindowPages)."""
+    kept, info, k_start = [], [[], [], []], []
+    for pages, length, last, start, position in zip(page_lists, lengths, last_page_len, starts, min_positions):
+        skip = max(0, position - window + 1 - start)  # keys of the chunk no query can see
+        if skip >= length:
+            kept.append(())
+            info[0].append(0), info[1].append(0), info[2].append(0)
+            k_start.append(0)
+            continue
+        kept.append(pages[skip // page_size:])
+        info[0].append(last), info[1].append(skip % page_size), info[2].append(0)
+        k_start.append(start + skip)
+    return WindowPages(
+        page_indptr=indptr([len(p) for p in kept]),
+        page_indices=np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32),
+        length_info=np.array(info, dtype=np.int32),
+        k_rope_pos_offset=np.array(k_start, dtype=np.int32),
+    )
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:

@@ -99,12 +99,20 @@ class ReferenceCache:
     """
 
     def __init__(self, num_layers: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 rope_mode: int, rope_theta: float = 1e4, rope_scale: float = 1.0) -> None:
+                 rope_mode: int, rope_theta: float = 1e4, rope_scale: float = 1.0,
+                 layer_windows: Optional[list] = None) -> None:
         self.num_layers, self.num_qo_heads = num_layers, num_qo_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rope_mode, self.rope_theta, self.rope_scale = rope_mode, rope_theta, rope_scale
+        self.layer_windows = list(layer_windows) if layer_windows is not None else [0] * num_layers
         self.k: dict = {}
         self.v: dict = {}
+        self.windows: dict = {}  # seq -> (window size, sink tokens kept)
+
+    def enable_window(self, seq_id: int, window: int, sink: int) -> None:
+        """Per-sequence sliding window: after each step keep the first ``sink`` and the last
+        ``window - sink`` tokens; positions (RoPE) are those within the kept tokens."""
+        self.windows[seq_id] = (window, sink)
 
     def add(self, seq_id: int) -> None:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_dim)
@@ -112,6 +120,7 @@ class ReferenceCache:
 
     def remove(self, seq_id: int) -> None:
         del self.k[seq_id], self.v[seq_id]
+        self.windows.pop(seq_id, None)
 
     def fork(self, parent: int, child: int, pos: int = -1) -> None:
         end = self.length(parent) if pos == -1 else pos
@@ -146,13 +155,28 @@ class ReferenceCache:
             offset = 0
             for seq_id, n in batch:
                 q, k = qkv[offset:offset + n, :hq], self.k[seq_id][layer]
+                q_pos, k_pos = np.arange(starts[seq_id], starts[seq_id] + n), np.arange(k.shape[0])
                 if self.rope_mode != 0:
-                    q = rope(q, np.arange(starts[seq_id], starts[seq_id] + n), self.rope_theta, self.rope_scale)
-                    k = rope(k, np.arange(k.shape[0]), self.rope_theta, self.rope_scale)
-                out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale, causal=True)
+                    q = rope(q, q_pos, self.rope_theta, self.rope_scale)
+                    k = rope(k, k_pos, self.rope_theta, self.rope_scale)
+                window = self.layer_windows[layer]
+                mask = k_pos[None, :] > q_pos[:, None] - window if window else None
+                out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale, causal=True,
+                                                      mask=mask)
                 offset += n
             outputs.append(out)
+        for seq_id, _ in batch:
+            self._slide(seq_id)
         return outputs
+
+    def _slide(self, seq_id: int) -> None:
+        if seq_id not in self.windows:
+            return
+        window, sink = self.windows[seq_id]
+        length = self.length(seq_id)
+        if length > window:
+            keep = np.r_[0:sink, length - (window - sink):length]
+            self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, keep], self.v[seq_id][:, keep]
 
     def stored_kv(self, seq_id: int) -> tuple:
         """``(k, v)`` of shape ``(num_layers, length, Hkv, D)`` as the cache stores them."""

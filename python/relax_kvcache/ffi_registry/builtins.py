@@ -55,10 +55,12 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.attention_kv_cache_cross_attention":
         lambda c, layer, scale, q, o, lse: c.cross_attention(layer, q, o, lse, scale),
     "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
-    "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq": _unsupported("enable_sliding_window_for_seq"),
+    "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq":
+        lambda c, seq_id, window, sink: c.enable_sliding_window_for_seq(seq_id, window, sink),
     "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes":
         _unsupported("commit_accepted_token_tree_nodes"),
-    "vm.builtin.attention_kv_cache_attention_with_shared_kv": _unsupported("attention_with_shared_kv"),
+    "vm.builtin.attention_kv_cache_attention_with_shared_kv":
+        lambda c, layer, scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, o, scale),
     "vm.builtin.attention_kv_cache_append_mla_kv": _unsupported("append_mla_kv (MLA)"),
     "vm.builtin.attention_kv_cache_debug_get_kv_mla": _unsupported("debug_get_kv_mla (MLA)"),
     "vm.builtin.attention_kv_cache_get_checkpoint_metadata": _unsupported("checkpoint export/import"),

@@ -22,9 +22,15 @@ class Block:
     start_pos : int
         Absolute position of the block's first token in the sequence (for RoPE).
     sink_length : int
-        Attention-sink tokens pinned at the start of the block (sliding window; 0 for now).
+        Attention-sink tokens pinned at the start of the block: set when the last block of a
+        sliding-window sequence first slides, 0 otherwise. Token ``i < sink_length`` of the
+        block lives at in-block slot ``i`` (slot ``k`` is ``page_ids[k // page_size]``, offset
+        ``k % page_size``).
     sliding_window_offset : int
-        In-block slot of the first token after the sink (sliding window; 0 for now).
+        In-block slot of the first token after the sink, 0 until the block slides. Token
+        ``i >= sink_length`` lives at slot ``i - sink_length + sliding_window_offset``; the
+        block holds ``ceil((seq_length - sink_length + sliding_window_offset) / page_size)``
+        pages.
     parent : int
         Index of the parent block, or -1 for a root block.
     ref_count : int

@@ -20,9 +20,14 @@ class Sequence:
     seq_length : int
         Total number of tokens: the sum of the lengths of the blocks on the path.
     sliding_window_size : int
-        Sliding window size, or -1 when sliding window is not enabled.
+        Sliding window size, or -1 when sliding window is not enabled. Once the sequence is
+        longer than its window (and the cache slides windows), ``seq_length`` is the window
+        size: the tokens kept are the sink tokens followed by the most recent ones.
     last_block_attn_sink_size : int
-        Attention-sink size of the last block (sliding window).
+        Attention-sink tokens of the last block: ``max(sink - prefix_length, 0)`` when the
+        window is enabled (the prefix blocks cannot slide and act as a sink already); the last
+        block's ``sink_length`` once it has slid. Reduced when a fork moves tokens of the last
+        block into a prefix block (a split, or a new empty last block).
     accepted_indices_committed : bool
         Whether the accepted token-tree nodes of the last forward step are committed.
     """

@@ -1,17 +1,24 @@
 """`PagingState`: sequences, the block tree and the page pool of a paged KV cache.
 
 The semantics are those of TVM's C++ ``PagedAttentionKVCacheObj`` (``AddSequence``,
-``RemoveSequence``, ``ForkSequence``, ``PopN``, ``ReserveAppendLengthInSeq``, ``Empty``,
-``DebugGetKV``'s position map), including the order in which page and block ids are handed out,
-so page ids match TVM's exactly. Unlike TVM, every operation validates the whole request first
-and raises a `KVCacheError` subclass with the state untouched (check-then-mutate). The paging
-layer never touches KV data: the partial pages to copy are returned as `PageCopy` records.
+``RemoveSequence``, ``ForkSequence``, ``PopN``, ``ReserveAppendLengthInSeq``,
+``EnableSlidingWindowForSeq``, ``SlideWindowForSequence``, ``Empty``, ``DebugGetKV``'s position
+map), including the order in which page and block ids are handed out, so page ids match TVM's
+exactly. Unlike TVM, every operation validates the whole request first and raises a
+`KVCacheError` subclass with the state untouched (check-then-mutate). The paging layer never
+touches KV data: the partial pages to copy are returned as `PageCopy` records.
+
+Sliding windows (StreamingLLM-style attention sinks): once a windowed sequence is longer than
+its window, its last block keeps its first ``sink_length`` tokens and the most recent ones;
+pages that slide out entirely return to the pool. Deliberate departures from TVM, both where
+TVM's own bookkeeping would become inconsistent, are documented on `fork_sequence` and `popn`.
 """
 
 from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import typing
 
 import numpy as np
 
@@ -22,6 +29,7 @@ from .page_pool import PagePool
 from .sequences import Sequence
 
 _INT32_MAX = 2**31 - 1
+_TEMP_PAGE = -1  # TVM's kPagedKVCacheTempPageId: a page borrowed until sliding frees one
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +54,22 @@ class _PopPlan:
     trim_length: int  # tokens dropped from ``trim_block``
     remaining: int  # tokens still to pop once a shared block is reached (fork fallback)
     shared_block: int  # the shared block reached when ``remaining > 0``, else -1
+    reset_window: bool = False  # the trim pops into a slid block's sink: unslide the block
+
+
+class _SlidePlan(typing.NamedTuple):
+    """What `reserve_append` does to one windowed sequence, computed before any mutation."""
+
+    real: int  # pages taken from the free list before sliding
+    temp: int  # temporary (-1) pages borrowed after them
+    sink_length: int  # the block's sink length once the slide starts
+    first_slid: int  # index of the first page after the sink pages (slid pages start here)
+    dropped: int  # pages slid out, from ``first_slid`` on (temporary ones are not freed)
+    freed: int  # real pages among the dropped ones: they go back to the pool
+    temps_left: int  # temporary pages still in the block after the slide, then replaced
+    block_length: int  # the block's length after sliding
+    window_offset: int  # the block's sliding-window offset after sliding
+    seq_length: int  # the sequence's length after sliding
 
 
 class PagingState:
@@ -57,6 +81,10 @@ class PagingState:
         Number of pages in the pool, ``>= 0``.
     page_size : int
         Tokens per page, ``>= 1``.
+    slide_windows : bool
+        TVM's ``support_sliding_window_``: whether sequences with a sliding window enabled
+        (`enable_sliding_window`) really slide. When False they are only marked (fork is still
+        restricted to their sink), as TVM does for models with per-layer sliding-window layers.
 
     Raises
     ------
@@ -64,7 +92,7 @@ class PagingState:
         If a parameter is out of range or ``num_pages * page_size`` exceeds the int32 range.
     """
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False) -> None:
         num_pages = as_int("number of pages", num_pages)
         page_size = as_int("page size", page_size)
         if num_pages < 0 or page_size < 1:
@@ -80,6 +108,8 @@ class PagingState:
         self._blocks = BlockPool()
         self._seqs: dict[int, Sequence] = {}
         self._lanes = np.arange(page_size, dtype=np.int32)  # in-page offsets
+        self._slide_windows = bool(slide_windows)
+        self._num_windowed = 0  # live sequences with a window: 0 keeps the fast append path
 
     # ------------------------------------------------------------------ queries
 
@@ -92,6 +122,11 @@ class PagingState:
     def page_size(self) -> int:
         """Tokens per page."""
         return self._page_size
+
+    @property
+    def slide_windows(self) -> bool:
+        """Whether windowed sequences slide (TVM's ``support_sliding_window_``)."""
+        return self._slide_windows
 
     @property
     def num_free_pages(self) -> int:
@@ -152,6 +187,9 @@ class PagingState:
 
     def pages_needed(self, seq_id: int, length: int) -> int:
         """Return the pages `reserve_append` would allocate to append ``length`` tokens.
+
+        For a sequence that slides, this is the allocation before sliding: the slide may then
+        return pages to the pool (and a full pool can lend the pages it is about to get back).
 
         Parameters
         ----------
@@ -216,6 +254,7 @@ class PagingState:
     def clear(self) -> None:
         """Drop every sequence and block and free every page (TVM's ``Clear``)."""
         self._seqs.clear()
+        self._num_windowed = 0
         self._pages.reset()
         self._blocks.reset()
 
@@ -245,12 +284,75 @@ class PagingState:
         seq = self._seq(seq_id)
         self._release_path(seq.last_block)
         del self._seqs[seq.seq_id]
+        if seq.sliding_window_size != -1:
+            self._num_windowed -= 1
+
+    def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
+        """Give sequence ``seq_id`` a sliding window (TVM's ``EnableSlidingWindowForSeq``).
+
+        Once the sequence is longer than ``window_size`` (and the state was created with
+        ``slide_windows=True``), each append keeps its first ``sink_size`` tokens and the most
+        recent ``window_size - sink_size`` ones. The blocks before the last one cannot slide
+        and already act as a sink: the last block's sink is ``max(sink_size - prefix, 0)``
+        where ``prefix`` is their length. Whether the cache supports windows at all is the
+        caller's check.
+
+        Parameters
+        ----------
+        seq_id : int
+            A live sequence without a window.
+        window_size : int
+            Tokens kept once the sequence slides, ``>= 1``.
+        sink_size : int
+            Attention-sink tokens, ``0 <= sink_size < window_size``.
+
+        Raises
+        ------
+        SequenceError
+            Unknown sequence, sizes out of range, or a window already enabled.
+        """
+        seq = self._seq(seq_id)
+        window_size = as_int("sliding window size", window_size)
+        sink_size = as_int("attention sink size", sink_size)
+        if sink_size < 0:
+            raise SequenceError(
+                f"attention sink size {sink_size} for sequence {seq.seq_id} is invalid: "
+                f"expected >= 0"
+            )
+        if window_size <= 0:
+            raise SequenceError(
+                f"sliding window size {window_size} for sequence {seq.seq_id} is invalid: "
+                f"expected >= 1"
+            )
+        if sink_size >= window_size:
+            raise SequenceError(
+                f"attention sink size {sink_size} for sequence {seq.seq_id} must be less than "
+                f"the sliding window size {window_size}"
+            )
+        if seq.sliding_window_size != -1:
+            raise SequenceError(
+                f"sequence {seq.seq_id} already has a sliding window (size "
+                f"{seq.sliding_window_size}); it cannot be enabled twice"
+            )
+        prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
+        seq.last_block_attn_sink_size = max(sink_size - prefix, 0)
+        seq.sliding_window_size = window_size
+        self._num_windowed += 1
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list[PageCopy]:
         """Create ``child_id`` sharing the first ``fork_pos`` tokens of ``parent_id``.
 
         TVM's ``ForkSequence``. Whole shared pages are shared through the block tree; a
-        partial last page is copied into a fresh page of the child.
+        partial last page is copied into a fresh page of the child. A sequence with a sliding
+        window can only be forked within its sink (prefix blocks plus the last block's sink);
+        the child has no window. When the fork splits the last block of such a parent, the
+        parent's ``last_block_attn_sink_size`` shrinks by the tokens moved to the new shared
+        block, as in TVM; if that block has already slid, its ``sink_length`` and
+        ``sliding_window_offset`` shrink likewise (TVM leaves them, which corrupts the
+        parent's position map). When the fork gives the parent a new empty last block
+        (``fork_pos`` at its end, on a page boundary), the sink left to that block is
+        ``max(last_block_attn_sink_size - old last block length, 0)``, so the sink keeps its
+        size; TVM keeps ``last_block_attn_sink_size`` as it was, which enlarges the sink.
 
         Parameters
         ----------
@@ -270,7 +372,8 @@ class PagingState:
         Raises
         ------
         SequenceError
-            Unknown parent, existing child, or ``fork_pos`` out of range.
+            Unknown parent, existing child, ``fork_pos`` out of range, or past the sink of a
+            windowed parent.
         CacheFullError
             The partial-page copy needs a page and none is free.
         """
@@ -289,7 +392,20 @@ class PagingState:
         Unshared blocks are trimmed from the end. If tokens remain to pop once a shared block
         is reached, the sequence is re-forked from its own prefix of length ``length - n``
         (TVM forks a temporary sequence, removes the original and renames it); the record is
-        then a fresh one, as in TVM.
+        then a fresh one, as in TVM (a sliding window is dropped with it, and such a re-fork
+        must be within the sink, as any fork of a windowed sequence).
+
+        Sliding windows: the trimmed block keeps
+        ``ceil((seq_length - n - sink_length + sliding_window_offset) / page_size)`` pages, the
+        count `reserve_append` uses, where TVM keeps ``ceil((seq_length - n) / page_size)``
+        (the same unless the block has slid; after a slide TVM's count is wrong and leaves the
+        position map pointing into freed pages, or keeps pages past the tokens). ``n`` may
+        reach into the sink of a slid block (TVM allows ``n`` up to the sequence length): the
+        tokens left are then all sink tokens, still at their original slots, and the block is
+        reset to an unslid one (``sink_length = sliding_window_offset = 0``, keeping
+        ``ceil(remaining / page_size)`` pages); the sink is pinned again when it next slides.
+        When popping frees whole blocks, the new last block inherits
+        ``last_block_attn_sink_size`` unchanged, as in TVM.
 
         Returns
         -------
@@ -330,6 +446,15 @@ class PagingState:
         that TVM does in ``BeginForward``): pages are allocated to each last block, in batch
         order, and both the block and the sequence grow by the length.
 
+        A windowed sequence (with ``slide_windows``) then slides, in its turn in the batch, as
+        TVM's ``SlideWindowForSequence``: on the first slide the last block pins its first
+        ``last_block_attn_sink_size`` tokens; pages after the sink pages that slide out
+        entirely go back to the pool (available to the next sequences of the batch); the
+        sequence length becomes the window size. When the pool runs dry while a windowed
+        sequence allocates, it borrows temporary pages that are replaced by real ones after the
+        slide, so a full cache can still slide. The whole batch is planned first: on any error
+        nothing changes.
+
         Parameters
         ----------
         seq_ids : sequence of int
@@ -342,11 +467,16 @@ class PagingState:
         KVCacheError
             ``seq_ids`` and ``lengths`` differ in length, or a value is not an int.
         SequenceError
-            Unknown or repeated sequence, length < 1, or a last block shared with other blocks.
+            Unknown or repeated sequence, length < 1, a last block shared with other blocks, or
+            a window that cannot slide (smaller than the sequence's shared prefix plus sink).
         CacheFullError
-            The batch needs more pages than are free.
+            The batch needs more pages than are free (counting the pages sliding frees).
         """
         items, total = self._plan_reserve(seq_ids, lengths)
+        if self._num_windowed and self._slide_windows:
+            self._reserve_sliding(items)
+            return
+        self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         pages = self._pages.allocate(total)
         at = 0
         for seq, block, length, need in items:
@@ -457,7 +587,6 @@ class PagingState:
             need = self._block_pages_needed(block, length)
             total += need
             items.append((seq, block, length, need))
-        self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         return items, total
 
     def _check_reserve_item(
@@ -571,6 +700,11 @@ class PagingState:
         return child_idx, [PageCopy(self._blocks[forked_idx].page_ids[0], page, in_page)]
 
     def _append_empty_block(self, seq: Sequence) -> None:
+        if seq.sliding_window_size != -1:
+            # The old last block becomes a prefix block: the new last block's sink is what is
+            # left of the old one (TVM keeps the old value, which makes the sink grow).
+            old_length = self._blocks[seq.last_block].seq_length
+            seq.last_block_attn_sink_size = max(seq.last_block_attn_sink_size - old_length, 0)
         idx = self._blocks.new_block()
         block = self._blocks[idx]
         block.start_pos = seq.seq_length
@@ -602,7 +736,130 @@ class PagingState:
         head.seq_length = moved
         forked.seq_length -= moved
         if seq.sliding_window_size != -1 and forked_idx == seq.last_block:
+            # ``moved <= last_block_attn_sink_size``: forks stay within the sink.
             seq.last_block_attn_sink_size -= moved
+            if forked.sink_length:  # slid already: the moved pages held sink tokens only
+                forked.sink_length -= moved
+                forked.sliding_window_offset -= moved
+
+    # ------------------------------------------------------- internals: sliding window
+
+    def _reserve_sliding(self, items: list[tuple[Sequence, Block, int, int]]) -> None:
+        """`reserve_append` when windows slide: plan the whole batch, then apply it in order.
+
+        Sequences are processed in batch order as in TVM, so the pages a slide frees are the
+        next ones handed out (LIFO), to the same sequence's borrowed pages or to the next
+        sequences of the batch.
+        """
+        free = self._pages.num_free
+        taken = freed = 0  # pages taken from / returned to the pool so far in the batch
+        plans: list[_SlidePlan | None] = []
+        for seq, block, length, need in items:
+            window = seq.sliding_window_size
+            if window == -1 or (seq.seq_length + length <= window and need <= free):
+                plan, got, back = None, need, 0  # nothing slides, nothing is borrowed
+            else:
+                plan = self._plan_slide(seq, block, length, need, free)
+                got, back = plan.real + plan.temps_left, plan.freed
+            taken += got
+            freed += back
+            if got > free + back:
+                raise CacheFullError(
+                    f"the KV cache is full: cannot append to {len(items)} sequence(s): "
+                    f"{taken} page(s) needed, {self._pages.num_free + freed} free (counting "
+                    f"{freed} page(s) freed by sliding windows) by sequence {seq.seq_id} of "
+                    f"the batch"
+                )
+            free += back - got
+            plans.append(plan)
+        for (seq, block, length, need), plan in zip(items, plans):
+            if plan is None:
+                if need:
+                    block.page_ids.extend(self._pages.allocate(need))
+                block.seq_length += length
+                seq.seq_length += length
+            else:
+                self._apply_slide(seq, block, plan)
+
+    def _plan_slide(
+        self, seq: Sequence, block: Block, length: int, need: int, free: int
+    ) -> _SlidePlan:
+        """Plan ``ReserveAppendLengthInSeq`` + ``SlideWindowForSequence`` for one windowed
+        sequence with ``free`` pages in the pool at its turn; raise on TVM's internal checks."""
+        ps = self._page_size
+        real = min(need, free)
+        sink, offset = block.sink_length, block.sliding_window_offset
+        block_length = block.seq_length + length
+        seq_length = seq.seq_length + length
+        window = seq.sliding_window_size
+        first_slid = dropped = freed = 0
+        if seq_length > window:
+            slide = seq_length - window
+            if seq.last_block_attn_sink_size > 0 and sink == 0:  # first slide: pin the sink
+                if offset != 0:
+                    raise KVCacheError(
+                        f"cannot slide sequence {seq.seq_id}: its last block {block.index} has "
+                        f"slid without a sink (window offset {offset}) but the sequence now "
+                        f"has a {seq.last_block_attn_sink_size}-token sink"
+                    )
+                sink = offset = seq.last_block_attn_sink_size
+            if block_length - slide < sink:
+                prefix = seq.seq_length - block.seq_length
+                raise SequenceError(
+                    f"cannot slide sequence {seq.seq_id} by {slide} token(s): its window of "
+                    f"{window} token(s) is smaller than its {prefix}-token prefix in earlier "
+                    f"blocks (which cannot slide) plus its {sink}-token sink; its last block "
+                    f"would keep {block_length - slide} token(s)"
+                )
+            first_slid = -(-sink // ps)
+            page_after, in_page = divmod(offset + slide, ps)
+            if page_after > first_slid:
+                dropped = page_after - first_slid
+                page_after = first_slid
+                # Temporary pages come after the block's pages and the real new ones.
+                real_end = len(block.page_ids) + real
+                freed = max(0, min(first_slid + dropped, real_end) - first_slid)
+            elif page_after < first_slid - 1:  # TVM's check; cannot fail while offset >= sink
+                raise KVCacheError(
+                    f"cannot slide sequence {seq.seq_id}: window offset {offset} lies before "
+                    f"its {sink}-token sink"
+                )
+            offset = page_after * ps + in_page
+            block_length -= slide
+            seq_length = window
+        pages_after = len(block.page_ids) + need - dropped
+        if pages_after != -(-(block_length - sink + offset) // ps):
+            raise KVCacheError(
+                f"cannot slide sequence {seq.seq_id}: its last block {block.index} would hold "
+                f"{pages_after} page(s) for {block_length} token(s) (sink {sink}, window "
+                f"offset {offset})"
+            )
+        temp = need - real
+        return _SlidePlan(
+            real, temp, sink, first_slid, dropped, freed, temp - (dropped - freed),
+            block_length, offset, seq_length,
+        )
+
+    def _apply_slide(self, seq: Sequence, block: Block, plan: _SlidePlan) -> None:
+        """Carry out a `_plan_slide` plan, in TVM's order of page operations."""
+        page_ids = block.page_ids
+        if plan.real:
+            page_ids.extend(self._pages.allocate(plan.real))
+        if plan.temp:
+            page_ids.extend([_TEMP_PAGE] * plan.temp)
+        if plan.dropped:
+            first, last = plan.first_slid, plan.first_slid + plan.dropped
+            slid_out = page_ids[first:last]
+            del page_ids[first:last]
+            self._pages.release([p for p in slid_out if p != _TEMP_PAGE])
+        block.sink_length = plan.sink_length
+        block.sliding_window_offset = plan.window_offset
+        block.seq_length = plan.block_length
+        seq.seq_length = plan.seq_length
+        if plan.temps_left:
+            temps = [i for i, p in enumerate(page_ids) if p == _TEMP_PAGE]
+            for i, page in zip(temps, self._pages.allocate(len(temps))):
+                page_ids[i] = page
 
     # ----------------------------------------------------------------- internals: popn
 
@@ -616,9 +873,11 @@ class PagingState:
                 freed.append(idx)
                 idx = block.parent
                 continue
-            keep = ceil_div(block.seq_length - n, self._page_size)
-            drop = max(0, len(block.page_ids) - keep)
-            return _PopPlan(tuple(freed), idx, drop, n, 0, -1)
+            left = block.seq_length - n
+            reset = left < block.sink_length  # popping into the sink of a slid block
+            used = left if reset else left - block.sink_length + block.sliding_window_offset
+            drop = max(0, len(block.page_ids) - ceil_div(used, self._page_size))
+            return _PopPlan(tuple(freed), idx, drop, n, 0, -1, reset)
         return _PopPlan(tuple(freed), -1, 0, 0, n, idx)
 
     def _check_pop_fork(self, seq: Sequence, plan: _PopPlan) -> None:
@@ -650,6 +909,9 @@ class PagingState:
             self._pages.release(reversed(dropped))
         block.seq_length -= plan.trim_length
         seq.seq_length -= plan.trim_length
+        if plan.reset_window:
+            block.sink_length = 0
+            block.sliding_window_offset = 0
 
     def _refork(self, seq: Sequence, pos: int) -> list[PageCopy]:
         """Replace ``seq`` by a fork of its own prefix of length ``pos`` (PopN's fallback)."""
@@ -657,4 +919,6 @@ class PagingState:
         self._blocks.retain(child_block)
         self._release_path(seq.last_block)
         self._seqs[seq.seq_id] = Sequence(seq.seq_id, child_block, pos)
+        if seq.sliding_window_size != -1:
+            self._num_windowed -= 1
         return copies

@@ -33,11 +33,13 @@ from .macros import (
     causal_mask_chunk,
     init_state,
     load_q_tile,
+    query_position_range,
     rope_inv_freq,
     rope_row_inplace,
     score_chunk,
     softmax_update,
     store_row,
+    window_mask_chunk,
 )
 from .schedule import CpuSchedule
 from .spec import AttentionSpec
@@ -96,7 +98,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     lanes, v_lanes = sched.lanes_for(D), sched.lanes_for(DV)
-    rows, half = q_tile * G, D // 2
+    rows, half, window = q_tile * G, D // 2, spec.window
 
     @T.macro
     def attend_sequence(q, o, lse, q_rope_position, kv_src, h, qbeg, q_len, kv_len, k_pos0, causal,
@@ -113,19 +115,33 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         inv_freq = T.sblock_alloc_buffer((half,), "float32")
         if rotary_mode == 1:
             rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
+        bounds = T.sblock_alloc_buffer((2,), "int32")
         for tile in T.serial(_ceildiv(q_len, q_tile)):
             nq: T.let[T.int32] = T.min(q_tile, q_len - tile * q_tile)
             tok0: T.let[T.int32] = qbeg + tile * q_tile
             first_row_limit: T.let[T.int32] = kv_len - q_len + tile * q_tile
             init_state(m, l, acc, nq * G, DV)
             load_q_tile(qs, q, tok0, nq, h, G, D, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
-            for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
-                nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
-                score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
-                if causal > 0:
-                    causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
-                softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+            if window == 0:
+                for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
+                    nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
+                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
+                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    if causal > 0:
+                        causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
+                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+            else:
+                # Only the chunks holding keys in (min q_pos - window, max q_pos] are visited.
+                query_position_range(bounds, q_rope_position, tok0, nq)
+                row_lo: T.let[T.int32] = T.max(bounds[0] - window + 1 - k_pos0, 0)
+                row_hi: T.let[T.int32] = T.if_then_else(
+                    causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
+                for c in T.serial(row_lo // chunk, _ceildiv(row_hi, chunk)):
+                    nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
+                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
+                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, window, causal)
+                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
             for r in T.serial(nq * G):
                 store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
                           acc, m, l, r, DV, dtype)

@@ -96,6 +96,29 @@ def causal_mask_chunk(s, rows, nt, group: T.int32, col0, first_row_limit):
 
 
 @T.macro
+def window_mask_chunk(s, rows, nt, group: T.int32, q_rope_position, tok0, k_pos_first, window: T.int32,
+                      causal):
+    """Mask s[r, t] (-inf) unless key position ``k_pos_first + t`` lies in
+    ``(q_pos - window, q_pos]`` of row r's query (upper bound only when ``causal``)."""
+    for r in T.serial(rows):
+        for t in T.serial(nt):
+            if k_pos_first + t <= q_rope_position[tok0 + r // group] - window:
+                s[r, t] = NEG_INF
+            elif causal > 0 and k_pos_first + t > q_rope_position[tok0 + r // group]:
+                s[r, t] = NEG_INF
+
+
+@T.macro
+def query_position_range(bounds, q_rope_position, tok0, nq):
+    """bounds = (min, max) of the positions of query tokens ``[tok0, tok0 + nq)``."""
+    bounds[0] = q_rope_position[tok0]
+    bounds[1] = q_rope_position[tok0]
+    for i in T.serial(nq):
+        bounds[0] = T.min(bounds[0], q_rope_position[tok0 + i])
+        bounds[1] = T.max(bounds[1], q_rope_position[tok0 + i])
+
+
+@T.macro
 def softmax_update(s, m, l, acc, vc, rows, nt, dv: T.int32, lanes: T.int32, part, red):
     """Online-softmax step: fold the chunk scores ``s`` and values ``vc`` into (m, l, acc)."""
     for r in T.serial(rows):

@@ -77,6 +77,11 @@ class AttentionSpec:
     ``sliding_window`` selects the ``length_info`` layout of the paged kernels: ``[B]``
     (last page length) when False, ``[3, B]`` (last page length, window offset, sink size)
     when True. Ragged kernels ignore ``page_size`` and ``sliding_window``.
+
+    ``window > 0`` makes the kernel attend only to keys at absolute positions
+    ``(q_pos - window, q_pos]`` (``q_rope_position`` for queries, ``k_rope_pos_offset + row``
+    for keys); with ``causal`` the upper bound is applied by position as well. This is how
+    ``AttnKind.MHA_SLIDING`` layers see their window across chunks and prefix blocks.
     """
 
     num_qo_heads: int
@@ -86,9 +91,11 @@ class AttentionSpec:
     dtype: str
     page_size: int = 16
     sliding_window: bool = False
+    window: int = 0
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        _check(self.window >= 0, f"window must be >= 0, got {self.window}")
         _check(self.num_qo_heads % self.num_kv_heads == 0,
                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _check(self.qk_head_dim % 2 == 0, f"qk_head_dim must be even, got {self.qk_head_dim}")

@@ -1,0 +1,190 @@
+"""Sliding windows: per-layer windows (MHA_SLIDING), per-sequence windows with attention sinks,
+and shared-KV attention, against the float64 reference model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+
+import relax_kvcache as rk
+from relax_kvcache.reference import attention
+
+from test_cache import Harness, _config
+
+
+def _layer_window_config(**overrides) -> rk.KVCacheConfig:
+    base = dict(num_layers=3, page_size=8, layer_sliding_window_size=20, max_total_seq_len=2048,
+                prefill_chunk_size=128,
+                attn_kinds=[rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING])
+    base.update(overrides)
+    return _config(**base)
+
+
+class WindowHarness(Harness):
+    """Harness whose reference applies the cache's per-layer windows."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        cfg = self.cache.config
+        self.ref.layer_windows = [cfg.layer_sliding_window_size if kind == rk.AttnKind.MHA_SLIDING else 0
+                                  for kind in cfg.attn_kinds]
+
+
+@pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL, rk.RopeMode.INLINE])
+def test_layer_windows_match_reference(rope_mode):
+    """Chunks longer than the window, decode, forks (prefixes at several depths), popn."""
+    cache = rk.PagedAttentionKVCache(_layer_window_config(rope_mode=rope_mode), tvm.cpu())
+    h = WindowHarness(cache, np.random.default_rng(int(rope_mode) + 10))
+    h.add(0)
+    h.add(1)
+    h.step([(0, 50), (1, 7)])          # 50 > window 20: the window applies inside the chunk
+    h.step([(0, 1), (1, 1)])           # decode (append before attention)
+    h.fork(0, 2, 33)                   # mid-page fork: prefix block + own block
+    h.fork(2, 3, -1)
+    h.step([(2, 30), (3, 4), (1, 12)])
+    for _ in range(3):
+        h.step([(0, 1), (2, 1), (3, 1)])
+    h.fork(1, 4, 8)                    # page-aligned fork
+    h.step([(4, 3), (1, 25), (0, 2)])
+    h.popn(0, 5)
+    h.step([(0, 1), (4, 1)])
+    h.check_contents()
+
+
+def test_layer_window_longer_than_everything_is_plain_attention():
+    """A window longer than every sequence sees everything: equal to plain MHA layers."""
+    cfg = _layer_window_config(layer_sliding_window_size=4096, rope_mode=rk.RopeMode.NORMAL)
+    h = WindowHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(3))
+    h.ref.layer_windows = [0, 0, 0]
+    h.add(0)
+    h.step([(0, 40)])
+    h.step([(0, 1)])
+    h.fork(0, 1, 17)
+    h.step([(1, 9), (0, 3)])
+
+
+@pytest.mark.parametrize("kind", [rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING])
+def test_attention_with_shared_kv(kind):
+    """A layer attending with its own queries over the KV another layer wrote this step."""
+    window = 6
+    cfg = _config(num_layers=2, rope_mode=rk.RopeMode.NONE, layer_sliding_window_size=window,
+                  attn_kinds=[kind, rk.AttnKind.MHA], page_size=8)
+    cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    rng = np.random.default_rng(1)
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    cache.add_sequence(0)
+    keys, values = np.zeros((0, hkv, d)), np.zeros((0, hkv, d))
+    for n in [9, 3, 1, 1, 12, 1]:
+        past = keys.shape[0]
+        q, k, v, q_shared = (rng.standard_normal(shape).astype("float32")
+                             for shape in [(n, hq, d), (n, hkv, d), (n, hkv, d), (n, hq, d)])
+        cache.begin_forward([0], [n])
+        out = tvm.runtime.empty((n, hq, d), "float32")
+        cache.attention_with_fused_qkv(0, tvm.runtime.tensor(np.concatenate([q, k, v], axis=1)), out, 0.3)
+        shared = tvm.runtime.tensor(np.full((n, hq, d), np.nan, "float32"))
+        tvm.get_global_func("vm.builtin.attention_kv_cache_attention_with_shared_kv")(
+            cache, 0, 0.3, tvm.runtime.tensor(q_shared), tvm.runtime.tensor(k), tvm.runtime.tensor(v), shared)
+        cache.end_forward()
+        keys, values = np.concatenate([keys, k]), np.concatenate([values, v])
+        positions = np.arange(keys.shape[0])
+        mask = None
+        if kind == rk.AttnKind.MHA_SLIDING:
+            mask = positions[None, :] > (past + np.arange(n))[:, None] - window
+        expected, _ = attention(q_shared, keys, values, 0.3, causal=True, mask=mask)
+        np.testing.assert_allclose(shared.numpy(), expected, atol=2e-3, rtol=0)
+
+
+def _seq_window_config(**overrides) -> rk.KVCacheConfig:
+    base = dict(support_sliding_window=True, rope_mode=rk.RopeMode.INLINE, page_size=8, max_num_seqs=8,
+                max_total_seq_len=512, prefill_chunk_size=96)
+    base.update(overrides)
+    return _config(**base)
+
+
+@pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.INLINE])
+def test_sequence_windows_with_sinks_match_reference(rope_mode):
+    """Windowed and plain sequences in one batch, appends longer than the window, forks in the sink."""
+    cfg = _seq_window_config(rope_mode=rope_mode)
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(5))
+    specs = {0: (20, 6), 1: (25, 0), 2: (33, 17)}  # seq -> (window, sink)
+    for seq, (window, sink) in specs.items():
+        h.add(seq)
+        h.cache.enable_sliding_window_for_seq(seq, window, sink)
+        h.ref.enable_window(seq, window, sink)
+    h.add(3)  # a plain sequence in the same batches
+    h.step([(0, 4), (1, 6), (2, 30), (3, 5)])
+    h.step([(0, 20), (1, 19), (2, 9), (3, 3)])
+    h.step([(0, 40), (1, 3), (2, 2), (3, 1)])  # 40 > window: slides inside one step
+    h.check_contents()
+    for _ in range(25):
+        h.step([(0, 1), (1, 1), (2, 1), (3, 1)])
+    h.check_contents()
+    h.fork(2, 4, 12)  # within sequence 2's sink of 17
+    h.step([(4, 5), (2, 2)])
+    h.check_contents()
+    window_pages = math.ceil(33 / cfg.page_size) + 2
+    used = cfg.num_total_pages - h.cache.get_num_available_pages()
+    plain_pages = math.ceil(h.ref.length(3) / cfg.page_size)
+    assert used <= 3 * window_pages + plain_pages + math.ceil(h.ref.length(4) / cfg.page_size) + 1
+
+
+def test_sequence_window_pages_stay_bounded():
+    cfg = _seq_window_config(max_total_seq_len=256)
+    cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    h = Harness(cache, np.random.default_rng(2))
+    h.add(0)
+    cache.enable_sliding_window_for_seq(0, 24, 5)
+    h.ref.enable_window(0, 24, 5)
+    bound = math.ceil(24 / cfg.page_size) + 2
+    for step in range(120):  # ~4x the pool's capacity in tokens
+        h.step([(0, 3 if step % 7 else 17)])
+        assert cfg.num_total_pages - cache.get_num_available_pages() <= bound
+        assert cache.get_sequence_length(0) <= 24
+    h.check_contents()
+
+
+WINDOW_ERRORS = {
+    "window size zero": (lambda c: c.enable_sliding_window_for_seq(0, 0, 0), "0"),
+    "negative sink": (lambda c: c.enable_sliding_window_for_seq(0, 10, -1), "-1"),
+    "sink not below window": (lambda c: c.enable_sliding_window_for_seq(0, 10, 10), "10"),
+    "unknown sequence": (lambda c: c.enable_sliding_window_for_seq(9, 10, 2), "9"),
+    "enabled twice": (lambda c: (c.enable_sliding_window_for_seq(1, 10, 2), c.enable_sliding_window_for_seq(1, 10, 2)),
+                      "twice"),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_ERRORS))
+def test_window_errors_leave_state_unchanged(name):
+    cache = rk.PagedAttentionKVCache(_seq_window_config(), tvm.cpu())
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    action, fragment = WINDOW_ERRORS[name]
+    if name == "enabled twice":
+        cache.enable_sliding_window_for_seq(1, 10, 2)
+        action = lambda c: c.enable_sliding_window_for_seq(1, 10, 2)  # noqa: E731
+    before = cache._paging.debug_snapshot()
+    with pytest.raises(rk.KVCacheError) as info:
+        action(cache)
+    assert fragment in str(info.value)
+    assert cache._paging.debug_snapshot() == before
+
+
+def test_fork_outside_sink_and_windows_without_support_raise():
+    cache = rk.PagedAttentionKVCache(_seq_window_config(), tvm.cpu())
+    h = Harness(cache, np.random.default_rng(4))
+    h.add(0)
+    cache.enable_sliding_window_for_seq(0, 20, 6)
+    h.ref.enable_window(0, 20, 6)
+    h.step([(0, 30)])
+    before = cache._paging.debug_snapshot()
+    with pytest.raises(rk.SequenceError, match="sink"):
+        cache.fork_sequence(0, 1, 7)
+    assert cache._paging.debug_snapshot() == before
+    cache.fork_sequence(0, 1, 6)
+    plain = rk.PagedAttentionKVCache(_config(), tvm.cpu())
+    plain.add_sequence(0)
+    with pytest.raises(rk.KVCacheError, match="support_sliding_window"):
+        plain.enable_sliding_window_for_seq(0, 20, 6)
