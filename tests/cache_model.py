@@ -4,6 +4,15 @@ Written independently of ``relax_kvcache.reference``: it keeps every sequence's 
 cache should store them (K rotated in RoPE NORMAL mode, raw otherwise), the fork ancestry of each
 sequence (to aim forks / pops into shared prefixes) and computes expected attention outputs in
 float64.
+
+Sliding windows, modelled as TVM's own test suite does:
+
+* per-sequence windows with attention sinks (``enable_window``): a step attends over the kept
+  tokens before the step plus the step's tokens (causal); afterwards a sequence longer than its
+  window keeps its first ``sink`` tokens and its last ``window - sink`` ones. RoPE positions are
+  indices in the kept sequence (StreamingLLM style).
+* per-layer windows (``layer_windows[layer] = W > 0``, AttnKind.MHA_SLIDING): the query at
+  absolute position p sees keys at positions p - W < j <= p.
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np
     return x * np.cos(ang) + rotated * np.sin(ang)
 
 
-def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
+def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int], window: int = 0
+           ) -> Tuple[np.ndarray, np.ndarray]:
     """q (n, Hq, d) over k/v (m, Hkv, d), GQA by contiguous groups.
 
     ``causal_offset``: query i sees keys j <= causal_offset + i (None: all keys).
+    ``window`` > 0 (with ``causal_offset``): query i sees only keys j > causal_offset + i - window.
     Returns o (n, Hq, d) and the base-2 LSE (n, Hq); no visible key: o = 0, lse = -inf.
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -38,6 +49,8 @@ def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int]) -> Tuple[n
     s = np.einsum("nhd,mhd->hnm", q, np.repeat(k, g, axis=1)) * sm_scale
     if causal_offset is not None:
         vis = np.arange(m)[None, :] <= causal_offset + np.arange(n)[:, None]
+        if window > 0:
+            vis &= np.arange(m)[None, :] > causal_offset + np.arange(n)[:, None] - window
         s = np.where(vis[None], s, -np.inf)
     mx = s.max(axis=-1, keepdims=True, initial=-np.inf)
     mx_safe = np.where(np.isfinite(mx), mx, 0.0)
@@ -69,6 +82,8 @@ class CacheModel:
         self.L, self.hq, self.hkv, self.d = num_layers, num_qo_heads, num_kv_heads, head_dim
         self.rope_mode, self.theta, self.scale = rope_mode, rope_theta, rope_scale
         self.seqs: Dict[int, SeqModel] = {}
+        self.windows: Dict[int, Tuple[int, int]] = {}  # seq -> (sliding window, attention sink)
+        self.layer_windows: List[int] = [0] * num_layers  # > 0: MHA_SLIDING window of the layer
 
     # -- structure
     def add(self, seq_id: int) -> None:
@@ -77,6 +92,23 @@ class CacheModel:
 
     def remove(self, seq_id: int) -> None:
         del self.seqs[seq_id]
+        self.windows.pop(seq_id, None)
+
+    def enable_window(self, seq_id: int, window: int, sink: int) -> None:
+        assert seq_id in self.seqs and seq_id not in self.windows and 0 <= sink < window
+        self.windows[seq_id] = (window, sink)
+
+    def slide(self, seq_id: int) -> None:
+        """Apply the sequence's window (after a step): keep sink + most recent tokens."""
+        if seq_id not in self.windows:
+            return
+        window, sink = self.windows[seq_id]
+        s = self.seqs[seq_id]
+        if s.length <= window:
+            return
+        keep = np.r_[0:sink, s.length - (window - sink):s.length]
+        s.k, s.v = s.k[:, keep], s.v[:, keep]
+        s.shared = min(s.shared, sink)
 
     def fork(self, parent: int, child: int, pos: int) -> None:
         p = self.seqs[parent]
@@ -91,6 +123,7 @@ class CacheModel:
 
     def clear(self) -> None:
         self.seqs.clear()
+        self.windows.clear()
 
     def length(self, seq_id: int) -> int:
         return self.seqs[seq_id].length
@@ -124,10 +157,27 @@ class CacheModel:
                 if self.rope_mode == 2:
                     k = rope(k, np.arange(k.shape[0]), self.theta, self.scale)
                 out[off:off + n] = attend(q, k, self.seqs[seq_id].v[layer], sm_scale,
-                                          causal_offset=start)[0]
+                                          causal_offset=start, window=self.layer_windows[layer])[0]
                 off += n
             outs.append(out)
+        for seq_id, _ in batch:
+            self.slide(seq_id)
         return outs
+
+    def shared_kv_attention(self, batch: Sequence[Tuple[int, int]], starts: Sequence[int],
+                            source_layer: int, q: np.ndarray, sm_scale: float) -> np.ndarray:
+        """Expected ``attention_with_shared_kv`` output: q (n, Hq, d) over the KV the source
+        layer holds after this step (``starts``: lengths before the step; call before sliding,
+        i.e. on a model whose windows do not slide in this step)."""
+        out = np.zeros(q.shape, np.float64)
+        off = 0
+        for (seq_id, n), start in zip(batch, starts):
+            qs = self.query(q[off:off + n], start)
+            k, v = self.cached_kv_for_attention(seq_id, source_layer, start + n)
+            out[off:off + n] = attend(qs, k, v, sm_scale, causal_offset=start,
+                                      window=self.layer_windows[source_layer])[0]
+            off += n
+        return out
 
     def query(self, qkv_rows: np.ndarray, start: int) -> np.ndarray:
         q = np.asarray(qkv_rows[:, : self.hq], np.float64)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import tvm
 from tvm.runtime import ShapeTuple
@@ -41,6 +41,19 @@ class Shape:
     rope_scale: float = 1.0
     dtype: str = "float32"
     support_sliding_window: bool = False
+    #: per-layer AttnKind values (None: MHA everywhere); 3 = MHA_SLIDING
+    attn_kinds: Optional[Tuple[int, ...]] = None
+    #: window of MHA_SLIDING layers, TVM's optional 6th cache_config entry (None: not passed)
+    layer_window: Optional[int] = None
+
+    @property
+    def kinds(self) -> Tuple[int, ...]:
+        return tuple(self.attn_kinds) if self.attn_kinds is not None else (0,) * self.num_layers
+
+    @property
+    def layer_window_size(self) -> int:
+        """The window TVM and ours use for MHA_SLIDING layers (TVM's default: 1024)."""
+        return 1024 if self.layer_window is None else self.layer_window
 
     @property
     def effective_rope_mode(self) -> int:
@@ -61,7 +74,8 @@ class Shape:
             max_num_seqs=self.max_num_seqs, max_total_seq_len=self.max_total_seq_len,
             prefill_chunk_size=self.prefill_chunk_size, rope_mode=self.rope_mode,
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
-            support_sliding_window=self.support_sliding_window)
+            support_sliding_window=self.support_sliding_window, attn_kinds=self.attn_kinds,
+            layer_sliding_window_size=self.layer_window_size)
 
 
 # Kernel list order (TVM's own CPU test suite order).
@@ -73,26 +87,28 @@ KERNEL_NAMES = ("transpose_append", "debug_get_kv", "attention_prefill", "attent
 
 @functools.lru_cache(maxsize=None)
 def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, rope_theta,
-                 rope_scale) -> tuple:
+                 rope_scale, layer_window=1024) -> tuple:
     from tvm.relax.frontend.nn.llm import kv_cache as kc
     from tvm.s_tir import dlight as dl
 
     rs = {}
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
+    ps = page_size
     funcs = [
-        kc._kv_cache_transpose_append(hkv, d, dtype),
+        kc._kv_cache_transpose_append(hkv, d, dtype, page_size=ps),
         kc._kv_cache_debug_get_kv(num_layers, hkv, d, dtype),
-        kc._attention_prefill_cpu(hkv, hq, d, dtype, False, rs),
-        kc._attention_decode_cpu(hkv, hq, d, dtype, False, rs),
-        kc._attention_prefill_cpu(hkv, hq, d, dtype, True, rs),
-        kc._attention_decode_cpu(hkv, hq, d, dtype, True, rs),
+        kc._attention_prefill_cpu(hkv, hq, d, dtype, False, rs, page_size=ps),
+        kc._attention_decode_cpu(hkv, hq, d, dtype, False, rs, page_size=ps),
+        kc._attention_prefill_cpu(hkv, hq, d, dtype, True, rs, page_size=ps,
+                                  sliding_window_size=layer_window),
+        kc._attention_decode_cpu(hkv, hq, d, dtype, True, rs, page_size=ps),
         kc._attention_prefill_ragged_cpu(hkv, hq, d, d, dtype, rs),
         kc.tree_attn_cpu(hkv, hq, d, dtype, rs),
         kc.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, rs),
         kc._merge_state_inplace_cpu(dtype),
         kc.llama_rope_with_position_map(rope_theta, rope_scale, d, hq, hkv, dtype, rs),
         kc._copy_single_page_cpu(hkv, page_size, d, dtype),
-        kc._compact_kv_copy_cpu(hkv, d, dtype),
+        kc._compact_kv_copy_cpu(hkv, d, dtype, page_size=ps),
     ]
     target = tvm.target.Target.from_device(tvm.cpu())
     built = []
@@ -107,7 +123,8 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
 def tvm_kernels(shape: Shape) -> dict:
     """TVM's CPU kernels for ``shape``, by :data:`KERNEL_NAMES` name."""
     built = _tvm_kernels(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
-                         shape.page_size, shape.dtype, shape.rope_theta, shape.rope_scale)
+                         shape.page_size, shape.dtype, shape.rope_theta, shape.rope_scale,
+                         shape.layer_window_size)
     return dict(zip(KERNEL_NAMES, built))
 
 
@@ -139,10 +156,11 @@ def create_args(shape: Shape, kernels: dict, *, merge_functions: int = 1) -> Lis
     L = shape.num_layers
     return [
         ShapeTuple([shape.max_num_seqs, shape.max_total_seq_len, shape.prefill_chunk_size,
-                    shape.page_size, int(shape.support_sliding_window)]),
+                    shape.page_size, int(shape.support_sliding_window)]
+                   + ([] if shape.layer_window is None else [shape.layer_window])),
         ShapeTuple([0, L]),
         shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim,
-        ShapeTuple([0] * L),  # AttnKind.MHA
+        ShapeTuple(list(shape.kinds)),  # AttnKind per layer (0 = MHA, 3 = MHA_SLIDING)
         False,  # enable_kv_transfer
         shape.rope_mode, shape.rope_scale, shape.rope_theta,
         None,  # rope_ext_factors
@@ -203,6 +221,8 @@ class Builtins:
         self.self_attention = g("vm.builtin.attention_kv_cache_self_attention")
         self.cross_attention = g("vm.builtin.attention_kv_cache_cross_attention")
         self.merge = g("vm.builtin.attention_kv_cache_merge_attn_output_inplace")
+        self.enable_window = g("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
+        self.shared_kv = g("vm.builtin.attention_kv_cache_attention_with_shared_kv")
 
     def begin(self, cache, seq_ids, lengths) -> None:
         self._begin(cache, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)))

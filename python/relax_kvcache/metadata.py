@@ -281,7 +281,11 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
     an attention sink gets position -1 (not written), as in TVM.
     """
     page_size = paging.page_size
-    if all(n == 1 for n in structure.append_lengths) and not any(b.sink_length for b in structure.last_blocks):
+    # A sequence whose new tokens do not all have a slot (an attention sink, or a window that slid
+    # some of them out within this step) takes the sink-aware path; the rest are vectorised.
+    special = [i for i, (n, b) in enumerate(zip(structure.append_lengths, structure.last_blocks))
+               if b.sink_length > 0 or b.seq_length < n]
+    if all(n == 1 for n in structure.append_lengths) and not special:
         # Decode: the one new token of each sequence is the last slot of its last block.
         slots = [b.seq_length - 1 + b.sliding_window_offset for b in structure.last_blocks]
         a_pos = [b.page_ids[s // page_size] * page_size + s % page_size
@@ -292,10 +296,10 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
     local = np.arange(int(lengths.sum()), dtype=np.int64) - first_token  # token index within its sequence
     q_pos = np.repeat(np.array(structure.seq_lengths_before, dtype=np.int64), lengths) + local
 
-    starts, tables, table_base, sinks = [], [], [0], []
+    starts, tables, table_base = [], [], [0]
+    special_set = set(special)
     for i, (n, block) in enumerate(zip(structure.append_lengths, structure.last_blocks)):
-        if block.sink_length > 0:  # rare (attention sinks): placeholder here, fixed up below
-            sinks.append(i)
+        if i in special_set:  # placeholder here, fixed up below
             starts.append(0)
             touched = [0] * -(-n // page_size)
         else:
@@ -309,7 +313,7 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
     table = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64)
     page = table[np.repeat(np.array(table_base[:-1], dtype=np.int64), lengths) + offset // page_size]
     a_pos = page * page_size + offset % page_size
-    for i in sinks:
+    for i in special:
         lo = int(lengths[:i].sum())
         a_pos[lo:lo + lengths[i]] = _sink_aware_positions(
             structure.last_blocks[i], int(lengths[i]), structure.last_block_lengths_before[i], page_size)
@@ -317,7 +321,8 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
 
 
 def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, page_size: int) -> np.ndarray:
-    """Pool positions of the last n tokens of a block, honouring its attention sink."""
+    """Pool positions of the last n tokens of a block, honouring its attention sink: a token whose
+    slot slid out of the window (within this step) or is pinned by the sink gets -1."""
     pos = np.arange(n, dtype=np.int64)
     in_block = block.seq_length - n + pos
     in_sink = last_block_length_before + pos < block.sink_length

@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 from .macros import (
     LOG2E,
     causal_mask_chunk,
+    tree_mask_chunk,
     init_state,
     load_q_tile,
     query_position_range,
@@ -88,13 +89,17 @@ def make_paged_decode(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
     return _make_paged(spec, sched, decode=True)
 
 
-def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, load_chunk):
+def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, load_chunk,
+                          tree: bool = False):
     """The work item shared by all attention kernels: one sequence, one KV head.
 
     Takes the sequence's queries of that head group in tiles of ``q_tile`` tokens, walks its
     ``kv_len`` KV rows in chunks of ``chunk`` rows loaded by ``load_chunk(kc, vc, kv_src, h, c0,
     nt, rotary_mode, k_pos0, inv_freq)`` (``kv_src`` is a kernel-specific tuple of buffers and
-    values), and writes every row's normalised output and base-2 LSE.
+    values), and writes every row's normalised output and base-2 LSE. Keys are masked causally
+    (``causal``), by window (``spec.window``), or, with ``tree``, by the token tree
+    ``tree_src = (tree_mask, first mask row, tree size)``: the last ``tree size`` KV rows are the
+    tree's nodes, the queries its last ``q_len`` nodes.
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     lanes, v_lanes = sched.lanes_for(D), sched.lanes_for(DV)
@@ -102,7 +107,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
 
     @T.macro
     def attend_sequence(q, o, lse, q_rope_position, kv_src, h, qbeg, q_len, kv_len, k_pos0, causal,
-                        rotary_mode, rope_scale, rope_theta, sm_scale):
+                        rotary_mode, rope_scale, rope_theta, sm_scale, tree_src):
         qs = T.sblock_alloc_buffer((rows, D), "float32")
         acc = T.sblock_alloc_buffer((rows, DV), "float32")
         kc = T.sblock_alloc_buffer((chunk, D), "float32")
@@ -122,7 +127,15 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             first_row_limit: T.let[T.int32] = kv_len - q_len + tile * q_tile
             init_state(m, l, acc, nq * G, DV)
             load_q_tile(qs, q, tok0, nq, h, G, D, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
-            if window == 0:
+            if tree:
+                for c in T.serial(_ceildiv(kv_len, chunk)):
+                    nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
+                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
+                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    tree_mask_chunk(s, nq * G, nt, G, tree_src, tok0 - qbeg + tree_src[2] - q_len, c * chunk,
+                                    kv_len - tree_src[2])
+                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+            elif window == 0:
                 for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
                     load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
@@ -149,11 +162,9 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     return attend_sequence
 
 
-def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tirx.PrimFunc:
-    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
-    D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
-    if spec.v_head_dim != D:
-        raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
+def _page_chunk_loader(spec: AttentionSpec):
+    """Loads KV rows ``[c0, c0 + nt)`` of a sequence's page list (``length_info`` mapping)."""
+    D, ps, sliding = spec.qk_head_dim, spec.page_size, spec.sliding_window
 
     @T.macro
     def load_page_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
@@ -167,6 +178,34 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
             if rotary_mode == 1:
                 rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
 
+    return load_page_chunk
+
+
+def _ragged_chunk_loader(spec: AttentionSpec):
+    """Loads KV rows ``[c0, c0 + nt)`` of a sequence's contiguous k/v."""
+    D, DV = spec.qk_head_dim, spec.v_head_dim
+
+    @T.macro
+    def load_kv_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
+        """kv_src = (k, v, first KV row of the sequence)."""
+        for t in T.serial(nt):
+            for d in T.vectorized(D):
+                kc[t, d] = T.Cast("float32", kv_src[0][kv_src[2] + c0 + t, h, d])
+            for d in T.vectorized(DV):
+                vc[t, d] = T.Cast("float32", kv_src[1][kv_src[2] + c0 + t, h, d])
+            if rotary_mode == 1:
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
+
+    return load_kv_chunk
+
+
+def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tirx.PrimFunc:
+    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
+    D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
+    if spec.v_head_dim != D:
+        raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
+    load_page_chunk = _page_chunk_loader(spec)
+
     attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile, chunk=ps,
                                             load_chunk=load_page_chunk)
 
@@ -177,7 +216,7 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
         kv_len: T.let[T.int32] = _paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding)
         attend_sequence(q, o, lse, q_rope_position, (pages, page_indices, page_indptr[b], length_info, b),
                         h, qbeg, q_len, kv_len, k_rope_pos_offset[b], causal, rotary_mode, rope_scale,
-                        rope_theta, sm_scale)
+                        rope_theta, sm_scale, ())
 
     if decode:
 
@@ -260,16 +299,7 @@ def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFun
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
 
-    @T.macro
-    def load_kv_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
-        """kv_src = (k, v, first KV row of the sequence)."""
-        for t in T.serial(nt):
-            for d in T.vectorized(D):
-                kc[t, d] = T.Cast("float32", kv_src[0][kv_src[2] + c0 + t, h, d])
-            for d in T.vectorized(DV):
-                vc[t, d] = T.Cast("float32", kv_src[1][kv_src[2] + c0 + t, h, d])
-            if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
+    load_kv_chunk = _ragged_chunk_loader(spec)
 
     attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
                                             load_chunk=load_kv_chunk)
@@ -305,6 +335,123 @@ def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFun
                                 qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
                                 kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv],
                                 k_rope_pos_offset[bh // Hkv], causal, rotary_mode, rope_scale,
-                                rope_theta, sm_scale)
+                                rope_theta, sm_scale, ())
 
     return ragged_prefill
+
+
+def make_paged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+    """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention).
+
+    Arguments: ``q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+    q_rope_position, o, lse, rotary_mode, rope_scale, rope_theta, sm_scale, tree_mn_indptr,
+    tree_mask``. The last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its
+    tree's nodes (``tree_mask`` rows are their DFS intervals); its queries are the last nodes.
+    Inline RoPE is not supported (``rotary_mode`` must be 0), as in TVM.
+    """
+    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
+    D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
+                                            load_chunk=_page_chunk_loader(spec), tree=True)
+
+    @T.prim_func(s_tir=True)
+    def paged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle,
+                           var_page_indptr: T.handle, var_page_indices: T.handle, var_length_info: T.handle,
+                           var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle, var_o: T.handle,
+                           var_lse: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
+                           rope_theta: T.float32, sm_scale: T.float32, var_mn_indptr: T.handle,
+                           var_tree_mask: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        P = T.int64()
+        nnz = T.int32()
+        nodes = T.int32()
+        off_qo = T.int32()
+        off_indptr = T.int32()
+        off_indices = T.int32()
+        off_len = T.int32()
+        off_krope = T.int32()
+        off_qrope = T.int32()
+        off_mn = T.int32()
+        off_mask = T.int32()
+        q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
+        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
+        length_info = _length_info_buffer(var_length_info, B, off_len, sliding)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (B,), "int32", elem_offset=off_krope)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
+        o = T.match_buffer(var_o, (total_q, Hq, D), dtype)
+        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        mn_indptr = T.match_buffer(var_mn_indptr, (B + 1,), "int32", elem_offset=off_mn)
+        tree_mask = T.match_buffer(var_tree_mask, (nodes, 2), "int32", elem_offset=off_mask)
+        T.Assert(rotary_mode == 0, "tree attention does not support inline RoPE (rotary_mode must be 0)")
+        for bh in T.parallel(B * Hkv):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                attend_sequence(
+                    q, o, lse, q_rope_position,
+                    (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv), bh % Hkv,
+                    qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                    _paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
+                                  bh // Hkv, sliding),
+                    k_rope_pos_offset[bh // Hkv], 0, 0, rope_scale, rope_theta, sm_scale,
+                    (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
+
+    return paged_tree_prefill
+
+
+def make_ragged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+    """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention).
+
+    Arguments: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, tree_mn_indptr, tree_mask, o, lse,
+    rotary_mode, rope_scale, rope_theta, sm_scale``. Each sequence's new tokens form (the end of)
+    its tree: a query sees the keys of its ancestors and itself. Inline RoPE is not supported
+    (``rotary_mode`` must be 0), as in TVM.
+    """
+    Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
+    D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+                                            load_chunk=_ragged_chunk_loader(spec), tree=True)
+
+    @T.prim_func(s_tir=True)
+    def ragged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
+                            var_kv_indptr: T.handle, var_q_rope_position: T.handle, var_mn_indptr: T.handle,
+                            var_tree_mask: T.handle, var_o: T.handle, var_lse: T.handle, rotary_mode: T.int32,
+                            rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        Bp1 = T.int32()  # batch size + 1 (only indptr arrays carry the batch size here)
+        total_q = T.int32()
+        total_kv = T.int32()
+        nodes = T.int32()
+        off_qo = T.int32()
+        off_kv = T.int32()
+        off_qrope = T.int32()
+        off_mn = T.int32()
+        off_mask = T.int32()
+        q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (Bp1,), "int32", elem_offset=off_qo)
+        k = T.match_buffer(var_k, (total_kv, Hkv, D), dtype)
+        v = T.match_buffer(var_v, (total_kv, Hkv, DV), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (Bp1,), "int32", elem_offset=off_kv)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
+        mn_indptr = T.match_buffer(var_mn_indptr, (Bp1,), "int32", elem_offset=off_mn)
+        tree_mask = T.match_buffer(var_tree_mask, (nodes, 2), "int32", elem_offset=off_mask)
+        o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
+        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        T.Assert(rotary_mode == 0, "tree attention does not support inline RoPE (rotary_mode must be 0)")
+        for bh in T.parallel((Bp1 - 1) * Hkv):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                attend_sequence(
+                    q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
+                    qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                    kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv], 0, 0, 0, rope_scale, rope_theta,
+                    sm_scale,
+                    (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
+
+    return ragged_tree_prefill

@@ -109,6 +109,20 @@ def window_mask_chunk(s, rows, nt, group: T.int32, q_rope_position, tok0, k_pos_
 
 
 @T.macro
+def tree_mask_chunk(s, rows, nt, group: T.int32, tree_src, node0, col0, tree_start):
+    """Token-tree mask: row r (tree node ``node0 + r // group``) sees key ``col0 + t`` if the key
+    precedes the tree or is an ancestor-or-self of the row's node. ``tree_src = (tree_mask,
+    first mask row)``; ``tree_mask[n] = [first, last)`` is node n's DFS interval."""
+    for r in T.serial(rows):
+        for t in T.serial(nt):
+            if col0 + t >= tree_start:
+                if tree_src[0][tree_src[1] + node0 + r // group, 0] < tree_src[0][tree_src[1] + col0 + t - tree_start, 0]:
+                    s[r, t] = NEG_INF
+                elif tree_src[0][tree_src[1] + node0 + r // group, 0] >= tree_src[0][tree_src[1] + col0 + t - tree_start, 1]:
+                    s[r, t] = NEG_INF
+
+
+@T.macro
 def query_position_range(bounds, q_rope_position, tok0, nq):
     """bounds = (min, max) of the positions of query tokens ``[tok0, tok0 + nq)``."""
     bounds[0] = q_rope_position[tok0]
