@@ -650,3 +650,87 @@ def test_attention_causal_more_queries_than_keys(kernel_build, kind):
         exp_o, exp_lse = ref.attention(f64(q[qs]), f64(kvs[b][0]), f64(kvs[b][1]), sm_scale, causal=True)
         check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype,
                                 f"seq {b} (q_len={q_lens[b]}, kv_len={kv_lens[b]})")
+
+
+# ----------------------------------------------------------------------------- token trees
+
+
+def _random_parents(rng, size: int):
+    shape = rng.choice(["chain", "star", "random", "forest"])
+    if shape == "chain":
+        return [i - 1 for i in range(size)]
+    if shape == "star":
+        return [-1] + [0] * (size - 1)
+    if shape == "forest":
+        return [-1 if i % 5 == 0 else int(rng.integers(i - i % 5, i)) for i in range(size)]
+    return [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
+
+
+def _ancestor_mask(parents) -> np.ndarray:
+    """visible[i, j]: node j is node i or one of its ancestors (from parent pointers)."""
+    visible = np.zeros((len(parents), len(parents)), dtype=bool)
+    for i in range(len(parents)):
+        j = i
+        while j != -1:
+            visible[i, j] = True
+            j = parents[j]
+    return visible
+
+
+def _tree_masks(trees):
+    from relax_kvcache.token_tree import TokenTree
+
+    intervals = [iv for t in trees for iv in TokenTree.build(t, seq_id=0).intervals]
+    mn = np.cumsum([0] + [len(t) for t in trees]).astype(np.int32)
+    return mn, np.array(intervals, np.int32).reshape(-1, 2)
+
+
+def test_attention_prefill_ragged_tree(kernel_build, cfg_name):
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("ragged_tree", cfg_name))
+    trees = [_random_parents(rng, int(n)) for n in (1, 7, 23, 12)]
+    mn, mask = _tree_masks(trees)
+    n = int(mn[-1])
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    q, k, v = randn(rng, (n, hq, d), cfg.dtype), randn(rng, (n, hkv, d), cfg.dtype), randn(rng, (n, hkv, d), cfg.dtype)
+    o, lse = tensor(nan_like((n, hq, d), cfg.dtype)), tensor(nan_like((n, hq), "float32"))
+    sm = 1.3 / np.sqrt(d)
+    mod["attention_prefill_ragged_tree"](tensor(q), tensor(mn), tensor(k), tensor(v), tensor(mn),
+                                         tensor(np.zeros(n, np.int32)), tensor(mn), tensor(mask), o, lse, 0,
+                                         1.0, 1e4, sm)
+    for b, parents in enumerate(trees):
+        rows = slice(mn[b], mn[b + 1])
+        exp_o, exp_lse = ref.attention(f64(q[rows]), f64(k[rows]), f64(v[rows]), sm, causal=False,
+                                       mask=_ancestor_mask(parents))
+        check_attention_outputs(o.numpy()[rows], lse.numpy()[rows], exp_o, exp_lse, cfg.dtype, f"tree {b}")
+
+
+def test_attention_prefill_paged_tree(kernel_build, cfg_name):
+    """Prefix rows followed by the tree's nodes in the pages; queries are the last nodes."""
+    cfg = CONFIGS[cfg_name]
+    mod = kernels(kernel_build, cfg_name)
+    rng = np.random.default_rng(seed_of("paged_tree", cfg_name))
+    ps = cfg.page_size
+    trees = [_random_parents(rng, int(n)) for n in (5, 14, 1, 9)]
+    prefix = [0, 3 * ps + 2, 7, ps]
+    queries = [5, 6, 1, 9]  # the last nodes of each tree (the step's new nodes)
+    layouts = [plain_layout(p + len(t), ps) for p, t in zip(prefix, trees)]
+    batch = PagedBatch(rng, cfg, layouts, sliding=False)  # trees never run with windows: [B] length info
+    mn, mask = _tree_masks(trees)
+    qo = np.cumsum([0] + queries).astype(np.int32)
+    hq, d = cfg.num_qo_heads, cfg.head_dim
+    q = randn(rng, (int(qo[-1]), hq, d), cfg.dtype)
+    o, lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like(q.shape[:2], "float32"))
+    sm = 1.3 / np.sqrt(d)
+    mod["attention_prefill_tree"](tensor(q), tensor(qo), tensor(batch.pages), tensor(batch.page_indptr),
+                                  tensor(batch.page_indices), tensor(batch.length_info),
+                                  tensor(np.zeros(4, np.int32)), tensor(np.zeros(int(qo[-1]), np.int32)), o, lse, 0,
+                                  1.0, 1e4, sm, tensor(mn), tensor(mask))
+    for b, parents in enumerate(trees):
+        K, V = batch.kv(b)
+        tree_rows = _ancestor_mask(parents)[len(parents) - queries[b]:]
+        visible = np.concatenate([np.ones((queries[b], prefix[b]), bool), tree_rows], axis=1)
+        rows = slice(qo[b], qo[b + 1])
+        exp_o, exp_lse = ref.attention(f64(q[rows]), f64(K), f64(V), sm, causal=False, mask=visible)
+        check_attention_outputs(o.numpy()[rows], lse.numpy()[rows], exp_o, exp_lse, cfg.dtype, f"tree {b}")

@@ -961,6 +961,7 @@ def tvm_reserve(state: PagingState, seq_ids: list[int], lengths: list[int]) -> t
 
     for seq, n in zip(seqs, lengths):
         seq.seq_length += n
+        seq.last_append_length = n  # TVM's cur_append_lengths_
     for seq, n in zip(seqs, lengths):
         block = state.block(seq.last_block)
         used = block.seq_length - block.sink_length + block.sliding_window_offset + n

@@ -34,6 +34,8 @@ KERNEL_ROLES = (
     "attention_prefill_sliding_window",
     "attention_decode_sliding_window",
     "attention_prefill_ragged_sliding_window",
+    "attention_prefill_ragged_tree",
+    "attention_prefill_tree",
 )
 
 
@@ -87,6 +89,8 @@ class KernelSetSpec:
             "attention_prefill_ragged": lambda: tk.make_ragged_prefill(self.attention, sched),
             "attention_prefill": lambda: tk.make_paged_prefill(self.attention, sched),
             "attention_decode": lambda: tk.make_paged_decode(self.attention, sched),
+            "attention_prefill_ragged_tree": lambda: tk.make_ragged_tree_prefill(self.attention, sched),
+            "attention_prefill_tree": lambda: tk.make_paged_tree_prefill(self.attention, sched),
         }
         if self.sliding_window:
             makers["attention_prefill_sliding_window"] = lambda: tk.make_paged_prefill(windowed, sched)

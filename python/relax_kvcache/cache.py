@@ -25,6 +25,7 @@ from .kernel_set import KernelSet
 from .paging import PageCopy, PagingState
 from .runtime import default_target
 from .tensors import check_tensor, view
+from .token_tree import TokenTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +40,22 @@ class _PageViews:
 
 
 @dataclasses.dataclass(frozen=True)
+class _TreeViews:
+    """Device views of token-tree masks (see :class:`metadata.TreeMask`)."""
+
+    mn_indptr: tvm.runtime.Tensor
+    mask: tvm.runtime.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
 class _DepthViews:
-    """Device views of one depth: all its pages, and the window of MHA_SLIDING layers."""
+    """Device views of one depth: all its pages, the window of MHA_SLIDING layers, tree masks."""
 
     qo_indptr: tvm.runtime.Tensor
     use_decode_kernel: bool
     pages: _PageViews
     window: Optional[_PageViews]
+    tree: Optional[_TreeViews]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +67,7 @@ class _DeviceStep:
     q_rope_position: tvm.runtime.Tensor
     append_position: tvm.runtime.Tensor
     depths: Tuple[_DepthViews, ...]
+    ragged_tree: Optional[_TreeViews]
     q: tvm.runtime.Tensor  # (n, Hq, D) scratch: split/RoPE output
     k: tvm.runtime.Tensor  # (n, Hkv, D)
     v: tvm.runtime.Tensor  # (n, Hkv, D)
@@ -174,6 +185,69 @@ class PagedAttentionKVCache:
                                            _as_int("sliding_window_size", sliding_window_size),
                                            _as_int("attn_sink_size", attn_sink_size))
 
+    def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int], leaf_indices: Sequence[int]) -> None:
+        """Keep, for each sequence, the token-tree path from the root to its accepted leaf.
+
+        The path's K/V move to consecutive positions (``compact_copy``) and the other nodes are
+        dropped (``popn`` semantics, their pages freed); ``leaf_indices[i] == -1`` accepts nothing.
+        As in TVM, node indices are resolved against the tokens the sequence's last step
+        appended: for a tree appended in one step (the speculative-decoding protocol) this lays
+        the accepted path out right after the committed prefix. A path reaching a node appended
+        by an earlier step is rejected (TVM would read another sequence's slots).
+        """
+        self._require_no_step("commit_accepted_token_tree_nodes")
+        seq_ids = _as_int_list("seq_ids", seq_ids)
+        leaves = _as_int_list("leaf_indices", leaf_indices)
+        if len(seq_ids) != len(leaves):
+            raise SequenceError(f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}; "
+                                "expected equal lengths")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise SequenceError(f"seq_ids {seq_ids} name a sequence more than once")
+        plans = [self._plan_commit(seq_id, leaf) for seq_id, leaf in zip(seq_ids, leaves)]
+        if any(moves for _, moves, _ in plans):
+            if self._kernels.compact_copy is None:
+                raise KVCacheError("committing a token tree needs the compact_copy kernel, which this cache "
+                                   "was created without")
+            self._compact(plans)
+        for seq_id, _, pop in plans:
+            self._paging.popn(seq_id, pop)
+            self._paging.clear_token_tree(seq_id)
+
+    def _plan_commit(self, seq_id: int, leaf: int) -> Tuple[int, List[Tuple[int, int]], int]:
+        """(seq_id, [(src, dst) positions in the last step's tokens], tokens to pop), all checked."""
+        seq = self._paging.sequence(seq_id)
+        tree = seq.token_tree
+        if leaf < -1:
+            raise SequenceError(f"leaf index {leaf} of sequence {seq_id} is invalid; expected >= -1")
+        if leaf != -1 and tree is None:
+            raise SequenceError(f"the accepted nodes of sequence {seq_id} are already committed (leaf index {leaf})")
+        if leaf != -1 and leaf >= len(tree):
+            raise SequenceError(f"leaf index {leaf} of sequence {seq_id} is out of range [-1, {len(tree)})")
+        last = seq.last_append_length
+        path = tree.path_to(leaf) if leaf != -1 else []
+        if path and path[-1] >= last:
+            raise SequenceError(
+                f"the accepted path of sequence {seq_id} reaches node {path[-1]}, but its last step appended "
+                f"only {last} token(s); commits resolve nodes against the last step's tokens (as TVM does), "
+                "so commit before growing the tree further")
+        moves = [(src, dst) for dst, src in enumerate(path) if src != dst]
+        return seq_id, moves, last - len(path)
+
+    def _compact(self, plans) -> None:
+        """Move accepted nodes' K/V to their consecutive positions in every layer (compact_copy)."""
+        lengths, src_dst = [], [[], []]
+        for seq_id, moves, _ in plans:
+            seq = self._paging.sequence(seq_id)
+            slots = self._paging.position_map(seq_id, seq.seq_length - seq.last_append_length, seq.seq_length)
+            for src, dst in moves:
+                src_dst[0].append(int(slots[src]))
+                src_dst[1].append(int(slots[dst]))
+            lengths.append(len(moves))
+        indptr = tvm.runtime.tensor(md.indptr(lengths), self.device)
+        positions = tvm.runtime.tensor(np.array(src_dst, dtype=np.int32), self.device)
+        for pages in self._pages:
+            self._kernels.compact_copy(pages, indptr, positions, len(plans))
+
     def clear(self) -> None:
         """Remove every sequence and end any active step."""
         self._paging.clear()
@@ -219,9 +293,6 @@ class PagedAttentionKVCache:
                                f"{len(append_lengths)}; expected equal lengths")
         if not seq_ids:
             raise ForwardError("begin_forward needs at least one sequence, got an empty batch")
-        if token_tree_parent_ptr is not None:
-            raise NotImplementedError("token-tree (speculative) forward is not supported yet: "
-                                      "pass token_tree_parent_ptr=None")
         for seq_id, n in zip(seq_ids, append_lengths):
             if n < 1:
                 raise ForwardError(f"append length {n} of sequence {seq_id} must be at least 1")
@@ -229,31 +300,71 @@ class PagedAttentionKVCache:
         if total > self.config.prefill_chunk_size:
             raise ForwardError(f"the step appends {total} tokens, more than prefill_chunk_size="
                                f"{self.config.prefill_chunk_size}")
-        self._step = self._plan_step(seq_ids, append_lengths)
+        trees = self._check_trees(seq_ids, append_lengths, token_tree_parent_ptr)
+        self._step = self._plan_step(seq_ids, append_lengths, trees)
         self._device_step = None
 
-    def _plan_step(self, seq_ids: List[int], append_lengths: List[int]) -> md.StepMetadata:
+    def _check_trees(self, seq_ids: List[int], append_lengths: List[int],
+                     parent_ptr: Optional[Sequence[int]]) -> Optional[List[TokenTree]]:
+        """Validate a step's token trees; return each sequence's tree after the step (or None).
+
+        Parent pointers index each sequence's accumulated tree: its uncommitted nodes from earlier
+        steps followed by this step's ``append_lengths[i]`` nodes.
+        """
+        paging, cfg = self._paging, self.config
+        if parent_ptr is None:
+            for seq_id in seq_ids:
+                if not paging.sequence(seq_id).accepted_indices_committed:
+                    raise SequenceError(
+                        f"sequence {seq_id} has uncommitted token-tree nodes: call commit_accepted_token_tree_nodes "
+                        "before a step without a token tree")
+            return None
+        if cfg.effective_rope_mode == RopeMode.INLINE:
+            raise ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
+                               "created with support_sliding_window)")
+        if cfg.slides_sequences or cfg.has_layer_windows:
+            raise ForwardError("token-tree attention does not support sliding windows")
+        parents = _as_int_list("token_tree_parent_ptr", parent_ptr)
+        if len(parents) != sum(append_lengths):
+            raise ForwardError(f"token_tree_parent_ptr has {len(parents)} entries, expected the sum of "
+                               f"append_lengths ({sum(append_lengths)})")
+        trees, offset = [], 0
+        for seq_id, n in zip(seq_ids, append_lengths):
+            previous = paging.sequence(seq_id).token_tree
+            earlier = previous.parents if previous is not None else ()
+            trees.append(TokenTree.build(earlier + tuple(parents[offset:offset + n]), seq_id=seq_id))
+            offset += n
+        return trees
+
+    def _plan_step(self, seq_ids: List[int], append_lengths: List[int],
+                   trees: Optional[List[TokenTree]]) -> md.StepMetadata:
         paging, cfg = self._paging, self.config
         sliding = cfg.slides_sequences
         layer_window = cfg.layer_sliding_window_size if cfg.has_layer_windows else 0
-        structure = md.BatchStructure.collect(paging, seq_ids, append_lengths)
-        append_before_attn = not sliding and structure.use_decode_kernel[-1]
+        structure = md.BatchStructure.collect(paging, seq_ids, append_lengths, trees)
+        extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
+        append_before_attn = (not sliding and structure.use_decode_kernel[-1]) or extends_tree
         if append_before_attn:
             paging.reserve_append(seq_ids, append_lengths)
             depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
         else:
             depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
             paging.reserve_append(seq_ids, append_lengths)
+        if trees is not None:
+            for seq_id, tree in zip(seq_ids, trees):
+                paging.set_token_tree(seq_id, tree)
+        ragged_tree, depth_trees = md.build_tree_masks(structure, append_before_attn=append_before_attn)
         q_rope_position, append_position = md.build_token_maps(paging, structure)
         return md.StepMetadata(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
             append_indptr=md.indptr(append_lengths),
-            k_ragged_rope_pos_offset=np.asarray(structure.seq_lengths_before, dtype=np.int32),
+            k_ragged_rope_pos_offset=np.asarray(structure.rope_offsets, dtype=np.int32),
             q_rope_position=q_rope_position,
             append_position=append_position,
-            depths=depths,
+            depths=tuple(dataclasses.replace(d, tree=t) if t is not None else d for d, t in zip(depths, depth_trees)),
             append_before_attn=append_before_attn,
+            ragged_tree=ragged_tree,
         )
 
     def end_forward(self) -> None:
@@ -277,6 +388,10 @@ class PagedAttentionKVCache:
             if depth.window is not None:
                 w = depth.window
                 arrays += [w.page_indptr, w.page_indices, w.length_info, w.k_rope_pos_offset]
+            if depth.tree is not None:
+                arrays += [depth.tree.mn_indptr, depth.tree.mask]
+        if step.ragged_tree is not None:
+            arrays += [step.ragged_tree.mn_indptr, step.ragged_tree.mask]
         views = iter(self._aux.upload(arrays))
         head = [next(views) for _ in range(4)]
         depths = []
@@ -285,11 +400,13 @@ class PagedAttentionKVCache:
             pages = _PageViews(next(views), next(views), next(views), next(views), depth.has_pages)
             window = (_PageViews(next(views), next(views), next(views), next(views), depth.window.has_pages)
                       if depth.window is not None else None)
-            depths.append(_DepthViews(qo_indptr, depth.use_decode_kernel, pages, window))
+            tree = _TreeViews(next(views), next(views)) if depth.tree is not None else None
+            depths.append(_DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
+        ragged_tree = _TreeViews(next(views), next(views)) if step.ragged_tree is not None else None
         n, cfg, dt, f32 = step.total_tokens, self.config, self._dtype, self._float32
         return _DeviceStep(
             append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
-            append_position=head[3], depths=tuple(depths),
+            append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
             q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim), 0, dt),
             k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim), 0, dt),
             v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim), 0, dt),
@@ -419,6 +536,11 @@ class PagedAttentionKVCache:
         """Causal attention of the step's queries over the step's k/v (windowed on MHA_SLIDING
         layers when the kernel set has the windowed ragged kernel)."""
         cfg, kernels = self.config, self._kernels
+        if step.ragged_tree is not None:
+            kernels.attention_prefill_ragged_tree(
+                q, step.append_indptr, k, v, step.append_indptr, step.q_rope_position, step.ragged_tree.mn_indptr,
+                step.ragged_tree.mask, o, lse, self._rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+            return
         f = kernels.attention_prefill_ragged
         if self._windowed_layers[layer] and kernels.attention_prefill_ragged_sliding_window is not None:
             f = kernels.attention_prefill_ragged_sliding_window
@@ -454,7 +576,12 @@ class PagedAttentionKVCache:
         windowed = self._windowed_layers[layer]
         sliding = windowed or cfg.slides_sequences
         pages = self._pages[layer]
-        if depth.use_decode_kernel:
+        if depth.tree is not None:
+            k.attention_prefill_tree(
+                q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
+                views.k_rope_pos_offset, step.q_rope_position, o, lse, self._rotary_mode, cfg.rope_scale,
+                cfg.rope_theta, sm_scale, depth.tree.mn_indptr, depth.tree.mask)
+        elif depth.use_decode_kernel:
             f = k.attention_decode_sliding_window if sliding else k.attention_decode
             f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
               step.q_rope_position, o, lse, self._rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)

@@ -36,6 +36,8 @@ class KernelSet:
     attention_prefill_sliding_window: Optional[Function] = None
     attention_decode_sliding_window: Optional[Function] = None
     attention_prefill_ragged_sliding_window: Optional[Function] = None
+    attention_prefill_ragged_tree: Optional[Function] = None
+    attention_prefill_tree: Optional[Function] = None
 
     @classmethod
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
@@ -58,6 +60,8 @@ class KernelSet:
             attention_prefill_sliding_window=get("attention_prefill_sliding_window"),
             attention_decode_sliding_window=get("attention_decode_sliding_window"),
             attention_prefill_ragged_sliding_window=get("attention_prefill_ragged_sliding_window"),
+            attention_prefill_ragged_tree=get("attention_prefill_ragged_tree"),
+            attention_prefill_tree=get("attention_prefill_tree"),
         )
 
     @classmethod
@@ -80,6 +84,8 @@ class KernelSet:
             attention_decode=_attention(args[17], 17),
             attention_prefill_sliding_window=_attention(args[18], 18),
             attention_decode_sliding_window=_attention(args[19], 19),
+            attention_prefill_tree=_attention(args[20], 20),
+            attention_prefill_ragged_tree=_attention(args[21], 21),
         )
 
 

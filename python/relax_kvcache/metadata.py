@@ -20,11 +20,34 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from .paging import Block, PagingState
+from .token_tree import TokenTree
 
 #: Deepest block level attended separately; deeper blocks are concatenated into the last level.
 MAX_BLOCK_DEPTH = 2
 #: Below this ratio of (uncoalesced pages / coalesced pages), a decode batch uses the decode kernel.
 COALESCE_RATIO_THRESHOLD = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeMask:
+    """Token-tree masks of the chunks of a kernel call (TVM's ``tree_attn_mn_indptr`` / mask).
+
+    Attributes
+    ----------
+    mn_indptr : int32 [c + 1]
+        Rows of ``mask`` of each chunk (its sequence's tree nodes; 0 for chunks without a tree).
+    mask : int32 [nodes, 2]
+        DFS interval ``[first, last)`` of every node (see :mod:`relax_kvcache.token_tree`).
+    """
+
+    mn_indptr: np.ndarray
+    mask: np.ndarray
+
+    @classmethod
+    def of(cls, trees: Sequence[Optional[TokenTree]]) -> "TreeMask":
+        present = [t for t in trees if t is not None]
+        mask = np.array([iv for t in present for iv in t.intervals], dtype=np.int32).reshape(-1, 2)
+        return cls(mn_indptr=indptr([len(t) if t is not None else 0 for t in trees]), mask=mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +99,9 @@ class DepthMetadata:
         Whether this depth runs the decode kernel (then c == B and every chunk has one query).
     window : WindowPages, optional
         What ``MHA_SLIDING`` layers read at this depth (caches with per-layer windows only).
+    tree : TreeMask, optional
+        Token-tree masks when this depth runs the paged tree kernel (trees appended before
+        attention, i.e. a step that extends an uncommitted tree).
     """
 
     qo_indptr: np.ndarray
@@ -85,6 +111,7 @@ class DepthMetadata:
     k_rope_pos_offset: np.ndarray
     use_decode_kernel: bool
     window: Optional[WindowPages] = None
+    tree: Optional[TreeMask] = None
 
     @property
     def has_pages(self) -> bool:
@@ -110,8 +137,12 @@ class StepMetadata:
     depths : tuple of DepthMetadata
         One entry per block depth, root first.
     append_before_attn : bool
-        Append new K/V before attention and attend to pages only (decode batches); otherwise
-        attend to the new tokens with the ragged kernel, merge with the pages, then append.
+        Append new K/V before attention and attend to pages only (decode batches, and steps that
+        extend an uncommitted token tree); otherwise attend to the new tokens with the ragged
+        kernel, merge with the pages, then append.
+    ragged_tree : TreeMask, optional
+        Token-tree masks of the ragged kernel (a step appending non-chain trees, not appended
+        before attention).
     """
 
     seq_ids: Tuple[int, ...]
@@ -122,6 +153,7 @@ class StepMetadata:
     append_position: np.ndarray
     depths: Tuple[DepthMetadata, ...]
     append_before_attn: bool
+    ragged_tree: Optional[TreeMask] = None
 
     @property
     def batch_size(self) -> int:
@@ -140,6 +172,9 @@ class BatchStructure:
     depth d; at the deepest level there is one chunk per sequence and ``trailing[i]`` holds
     sequence i's blocks below it.
     ``last_blocks[i]`` is sequence i's last block (the live object, grown by the reservation).
+    ``trees[i]`` is sequence i's token tree after this step (None without trees);
+    ``rope_offsets[i]`` the RoPE position of its first token of the step (or of its uncommitted
+    tree's root), ``last_depths[i]`` the depth its last block is attended at.
     """
 
     seq_ids: Tuple[int, ...]
@@ -150,24 +185,36 @@ class BatchStructure:
     chunks: Tuple[Tuple[Tuple[Optional[Block], int, int], ...], ...]
     trailing: Tuple[Tuple[Block, ...], ...]
     use_decode_kernel: Tuple[bool, ...]
+    trees: Tuple[Optional[TokenTree], ...] = ()
+    rope_offsets: Tuple[int, ...] = ()
+    last_depths: Tuple[int, ...] = ()
 
     @classmethod
-    def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int]) -> "BatchStructure":
+    def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],
+                trees: Optional[Sequence[TokenTree]] = None) -> "BatchStructure":
         traces = [paging.trace_blocks(s) for s in seq_ids]
         positions = tuple(paging.sequence_length(s) for s in seq_ids)
+        if trees is None:
+            rope_offsets = positions
+        else:  # an uncommitted tree's nodes sit at the root's position + depth
+            rope_offsets = tuple(p - (len(t) - n) for p, t, n in zip(positions, trees, append_lengths))
         num_depths = min(max(len(t) for t in traces), MAX_BLOCK_DEPTH)
         is_decode = all(n == 1 for n in append_lengths)
         chunks, use_decode = [], []
         for d in range(num_depths):
             blocks = [t[d] if d < len(t) else None for t in traces]
+            # Tree masks are per sequence: no coalescing when the step carries trees.
             depth_chunks, decode = _chunk_depth(blocks, append_lengths, positions, is_decode,
-                                                coalesce=d != MAX_BLOCK_DEPTH - 1)
+                                                coalesce=d != MAX_BLOCK_DEPTH - 1 and trees is None)
             chunks.append(depth_chunks)
             use_decode.append(decode)
         last_blocks = tuple(t[-1] for t in traces)
         return cls(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
+            trees=tuple(trees) if trees is not None else (),
+            rope_offsets=rope_offsets,
+            last_depths=tuple(min(len(t), MAX_BLOCK_DEPTH) - 1 for t in traces),
             seq_lengths_before=positions,
             last_block_lengths_before=tuple(b.seq_length for b in last_blocks),
             last_blocks=last_blocks,
@@ -290,11 +337,11 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
         slots = [b.seq_length - 1 + b.sliding_window_offset for b in structure.last_blocks]
         a_pos = [b.page_ids[s // page_size] * page_size + s % page_size
                  for b, s in zip(structure.last_blocks, slots)]
-        return (np.array(structure.seq_lengths_before, dtype=np.int32), np.array(a_pos, dtype=np.int32))
+        return _tree_positions(structure, np.array(structure.rope_offsets, dtype=np.int32)), np.array(a_pos, dtype=np.int32)
     lengths = np.array(structure.append_lengths, dtype=np.int64)
     first_token = np.repeat(np.cumsum(lengths) - lengths, lengths)
     local = np.arange(int(lengths.sum()), dtype=np.int64) - first_token  # token index within its sequence
-    q_pos = np.repeat(np.array(structure.seq_lengths_before, dtype=np.int64), lengths) + local
+    q_pos = np.repeat(np.array(structure.rope_offsets, dtype=np.int64), lengths) + local
 
     starts, tables, table_base = [], [], [0]
     special_set = set(special)
@@ -317,7 +364,43 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
         lo = int(lengths[:i].sum())
         a_pos[lo:lo + lengths[i]] = _sink_aware_positions(
             structure.last_blocks[i], int(lengths[i]), structure.last_block_lengths_before[i], page_size)
-    return q_pos.astype(np.int32), a_pos.astype(np.int32)
+    return _tree_positions(structure, q_pos.astype(np.int32)), a_pos.astype(np.int32)
+
+
+def _tree_positions(structure: BatchStructure, q_pos: np.ndarray) -> np.ndarray:
+    """Token-tree nodes sit at their root's position plus their depth."""
+    if not structure.trees:
+        return q_pos
+    lo = 0
+    for offset, n, tree in zip(structure.rope_offsets, structure.append_lengths, structure.trees):
+        q_pos[lo:lo + n] = offset + np.asarray(tree.depths[len(tree) - n:], dtype=np.int32)
+        lo += n
+    return q_pos
+
+
+def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
+                     ) -> Tuple[Optional[TreeMask], Tuple[Optional[TreeMask], ...]]:
+    """Tree masks of a step: ``(ragged_tree, per-depth trees)``.
+
+    Before attention nothing of the trees is in the pages: the ragged kernel masks the new tokens
+    (unless every tree is a chain: plain causal). When the step extends uncommitted trees (the
+    trees' earlier nodes are in the pages, appended before attention) each sequence's tree is
+    masked at the depth of its last block, by the paged tree kernel, unless every tree there is
+    a chain and the depth runs the decode kernel.
+    """
+    trees = structure.trees
+    num_depths = len(structure.chunks)
+    if not trees:
+        return None, (None,) * num_depths
+    if not append_before_attn:
+        return (None if all(t.is_chain for t in trees) else TreeMask.of(trees)), (None,) * num_depths
+    depth_trees = []
+    for d in range(num_depths):
+        here = [t if last == d else None for t, last in zip(trees, structure.last_depths)]
+        present = [t for t in here if t is not None]
+        plain = all(t.is_chain for t in present) and structure.use_decode_kernel[d]
+        depth_trees.append(TreeMask.of(here) if present and not plain else None)
+    return None, tuple(depth_trees)
 
 
 def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, page_size: int) -> np.ndarray:

@@ -107,7 +107,10 @@ class ReferenceCache:
         self.layer_windows = list(layer_windows) if layer_windows is not None else [0] * num_layers
         self.k: dict = {}
         self.v: dict = {}
+        self.pos: dict = {}  # seq -> RoPE position of every stored token
         self.windows: dict = {}  # seq -> (window size, sink tokens kept)
+        self.trees: dict = {}  # seq -> (tree start index, parents) of an uncommitted token tree
+        self.last_append: dict = {}  # seq -> tokens appended by its last step
 
     def enable_window(self, seq_id: int, window: int, sink: int) -> None:
         """Per-sequence sliding window: after each step keep the first ``sink`` and the last
@@ -117,36 +120,70 @@ class ReferenceCache:
     def add(self, seq_id: int) -> None:
         shape = (self.num_layers, 0, self.num_kv_heads, self.head_dim)
         self.k[seq_id], self.v[seq_id] = np.zeros(shape), np.zeros(shape)
+        self.pos[seq_id] = np.zeros(0, dtype=np.int64)
 
     def remove(self, seq_id: int) -> None:
-        del self.k[seq_id], self.v[seq_id]
+        del self.k[seq_id], self.v[seq_id], self.pos[seq_id]
         self.windows.pop(seq_id, None)
+        self.trees.pop(seq_id, None)
 
     def fork(self, parent: int, child: int, pos: int = -1) -> None:
         end = self.length(parent) if pos == -1 else pos
         self.k[child], self.v[child] = self.k[parent][:, :end], self.v[parent][:, :end]
+        self.pos[child] = self.pos[parent][:end]
 
     def popn(self, seq_id: int, n: int) -> None:
         keep = self.length(seq_id) - n
         self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, :keep], self.v[seq_id][:, :keep]
+        self.pos[seq_id] = self.pos[seq_id][:keep]
+
+    def commit(self, seq_id: int, leaf: int) -> None:
+        """TVM's commit: the path root..leaf (node indices counted from the first token of the
+        sequence's last step) moves to consecutive positions there; the rest of the step is
+        dropped. ``leaf == -1`` drops the whole last step."""
+        start, parents = self.trees.pop(seq_id, (None, ()))
+        path = []
+        while leaf != -1:
+            path.append(leaf)
+            leaf = parents[leaf]
+        path.reverse()
+        base = self.length(seq_id) - self.last_append.get(seq_id, 0)
+        keep = np.r_[0:base, [base + node for node in path]].astype(np.int64)
+        self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, keep], self.v[seq_id][:, keep]
+        # RoPE was applied at each node's depth: the path's node of depth d lands at base + d.
+        self.pos[seq_id] = self.pos[seq_id][keep]
 
     def length(self, seq_id: int) -> int:
         return self.k[seq_id].shape[1]
 
-    def step(self, batch, qkv_layers, sm_scale: float) -> list:
+    def step(self, batch, qkv_layers, sm_scale: float, trees: Optional[dict] = None) -> list:
         """Append the batch's K/V and return the expected outputs, one ``(n, Hq, D)`` per layer.
 
         ``batch`` is a list of ``(seq_id, append_length)``; ``qkv_layers[l]`` is the fused
-        ``(n, Hq + 2 Hkv, D)`` input of layer l (rows in batch order).
+        ``(n, Hq + 2 Hkv, D)`` input of layer l (rows in batch order). ``trees[seq_id]`` (optional)
+        holds the parent pointers of that sequence's new tokens within its uncommitted tree:
+        a node sits at its root's position + its depth and sees the prefix, its ancestors and
+        itself.
         """
         hq, hkv = self.num_qo_heads, self.num_kv_heads
-        starts = {}
+        masks, q_positions = {}, {}
         offset = 0
         for seq_id, n in batch:
-            starts[seq_id] = self.length(seq_id)
+            length = self.length(seq_id)
+            if trees is not None:
+                start, parents = self.trees.get(seq_id, (length, ()))
+                parents = tuple(parents) + tuple(trees[seq_id])
+                self.trees[seq_id] = (start, parents)
+                positions = start + np.asarray(_tree_depths(parents)[-n:])  # root at the tree's index
+                masks[seq_id] = _tree_mask(parents, start, length + n)[-n:]
+            else:
+                positions = np.arange(length, length + n)
+            q_positions[seq_id] = positions
             new = np.stack([np.asarray(qkv, np.float64)[offset:offset + n] for qkv in qkv_layers])
             self.k[seq_id] = np.concatenate([self.k[seq_id], new[:, :, hq:hq + hkv]], axis=1)
             self.v[seq_id] = np.concatenate([self.v[seq_id], new[:, :, hq + hkv:]], axis=1)
+            self.pos[seq_id] = np.concatenate([self.pos[seq_id], positions])
+            self.last_append[seq_id] = n
             offset += n
         outputs = []
         for layer, qkv in enumerate(qkv_layers):
@@ -155,14 +192,16 @@ class ReferenceCache:
             offset = 0
             for seq_id, n in batch:
                 q, k = qkv[offset:offset + n, :hq], self.k[seq_id][layer]
-                q_pos, k_pos = np.arange(starts[seq_id], starts[seq_id] + n), np.arange(k.shape[0])
+                q_pos, k_pos = q_positions[seq_id], self.pos[seq_id]
                 if self.rope_mode != 0:
                     q = rope(q, q_pos, self.rope_theta, self.rope_scale)
                     k = rope(k, k_pos, self.rope_theta, self.rope_scale)
                 window = self.layer_windows[layer]
-                mask = k_pos[None, :] > q_pos[:, None] - window if window else None
-                out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale, causal=True,
-                                                      mask=mask)
+                mask = masks.get(seq_id)
+                if window:
+                    mask = k_pos[None, :] > q_pos[:, None] - window
+                out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale,
+                                                      causal=mask is None or bool(window), mask=mask)
                 offset += n
             outputs.append(out)
         for seq_id, _ in batch:
@@ -177,11 +216,32 @@ class ReferenceCache:
         if length > window:
             keep = np.r_[0:sink, length - (window - sink):length]
             self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, keep], self.v[seq_id][:, keep]
+            self.pos[seq_id] = np.arange(window)  # positions are those within the kept tokens
 
     def stored_kv(self, seq_id: int) -> tuple:
         """``(k, v)`` of shape ``(num_layers, length, Hkv, D)`` as the cache stores them."""
         k = self.k[seq_id]
         if self.rope_mode == 1:
-            positions = np.arange(k.shape[1])
+            positions = self.pos[seq_id]
             k = np.stack([rope(k[l], positions, self.rope_theta, self.rope_scale) for l in range(k.shape[0])])
         return k, self.v[seq_id]
+
+
+def _tree_depths(parents) -> list:
+    depths = []
+    for parent in parents:
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
+def _tree_mask(parents, start: int, length: int) -> np.ndarray:
+    """(length, length) visibility of a sequence whose tokens from ``start`` are tree nodes:
+    everything sees the prefix; a node sees its ancestors and itself."""
+    visible = np.tril(np.ones((length, length), dtype=bool))
+    visible[start:, start:] = False
+    for node in range(len(parents)):
+        ancestor = node
+        while ancestor != -1:
+            visible[start + node, start + ancestor] = True
+            ancestor = parents[ancestor]
+    return visible

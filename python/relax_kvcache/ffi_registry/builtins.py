@@ -58,7 +58,7 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq":
         lambda c, seq_id, window, sink: c.enable_sliding_window_for_seq(seq_id, window, sink),
     "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes":
-        _unsupported("commit_accepted_token_tree_nodes"),
+        lambda c, seq_ids, leaf_indices: c.commit_accepted_token_tree_nodes(seq_ids, leaf_indices),
     "vm.builtin.attention_kv_cache_attention_with_shared_kv":
         lambda c, layer, scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, o, scale),
     "vm.builtin.attention_kv_cache_append_mla_kv": _unsupported("append_mla_kv (MLA)"),

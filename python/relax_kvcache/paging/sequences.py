@@ -30,6 +30,11 @@ class Sequence:
         block into a prefix block (a split, or a new empty last block).
     accepted_indices_committed : bool
         Whether the accepted token-tree nodes of the last forward step are committed.
+    token_tree : object
+        The uncommitted token tree (``relax_kvcache.token_tree.TokenTree``), or None.
+    last_append_length : int
+        Tokens appended to the sequence by its last forward step (what a token-tree commit
+        resolves node indices against, as TVM does).
     """
 
     seq_id: int
@@ -38,3 +43,5 @@ class Sequence:
     sliding_window_size: int = -1
     last_block_attn_sink_size: int = 0
     accepted_indices_committed: bool = True
+    token_tree: object = None
+    last_append_length: int = 0

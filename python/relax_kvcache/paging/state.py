@@ -475,6 +475,7 @@ class PagingState:
         items, total = self._plan_reserve(seq_ids, lengths)
         if self._num_windowed and self._slide_windows:
             self._reserve_sliding(items)
+            self._record_appends(items)
             return
         self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         pages = self._pages.allocate(total)
@@ -485,6 +486,25 @@ class PagingState:
                 at += need
             block.seq_length += length
             seq.seq_length += length
+            seq.last_append_length = length
+
+    def set_token_tree(self, seq_id: int, tree: object) -> None:
+        """Record the (accumulated) token tree of the last steps of ``seq_id``; it stays
+        uncommitted until `clear_token_tree`. ``tree`` is opaque here (see ``token_tree``)."""
+        seq = self._seq(seq_id)
+        seq.token_tree = tree
+        seq.accepted_indices_committed = False
+
+    def clear_token_tree(self, seq_id: int) -> None:
+        """Mark the token tree of ``seq_id`` committed (TVM's ``accepted_indices_committed``)."""
+        seq = self._seq(seq_id)
+        seq.token_tree = None
+        seq.accepted_indices_committed = True
+
+    @staticmethod
+    def _record_appends(items) -> None:
+        for seq, _, length, _ in items:
+            seq.last_append_length = length
 
     # ------------------------------------------------------------- internals: checks
 

@@ -1,6 +1,12 @@
 """Our TIR kernels: TVMScript factories keyed by typed specs, scheduled per target."""
 
-from .attention import make_paged_decode, make_paged_prefill, make_ragged_prefill
+from .attention import (
+    make_paged_decode,
+    make_paged_prefill,
+    make_paged_tree_prefill,
+    make_ragged_prefill,
+    make_ragged_tree_prefill,
+)
 from .merge import make_merge_inplace
 from .page_ops import make_compact_copy, make_copy_single_page, make_debug_get_kv, make_transpose_append
 from .rope import make_split_rotary
@@ -19,7 +25,9 @@ __all__ = [
     "make_merge_inplace",
     "make_paged_decode",
     "make_paged_prefill",
+    "make_paged_tree_prefill",
     "make_ragged_prefill",
+    "make_ragged_tree_prefill",
     "make_split_rotary",
     "make_transpose_append",
     "schedule_for",
