@@ -13,6 +13,13 @@ Sliding windows, modelled as TVM's own test suite does:
   indices in the kept sequence (StreamingLLM style).
 * per-layer windows (``layer_windows[layer] = W > 0``, AttnKind.MHA_SLIDING): the query at
   absolute position p sees keys at positions p - W < j <= p.
+
+Token trees (speculative decoding, ``tree_step`` / ``commit``): a sequence's uncommitted tree
+nodes follow its committed prefix in the cache, in the order they were appended (over one or
+several steps). A node sits at RoPE position (tree start) + (its depth) and sees the committed
+prefix, its ancestors and itself. A commit keeps, after the tokens before the sequence's last
+step, the last step's tokens at the indices of the accepted path (node indices resolved against
+the last step's tokens, as TVM does; for a tree appended in one step this is the accepted path).
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ class SeqModel:
     k: np.ndarray  # (L, len, Hkv, D) as stored
     v: np.ndarray
     shared: int = 0  # length of the prefix inherited by fork (possibly shared with others)
+    #: parent pointers of the uncommitted token tree (accumulated over steps), None when committed
+    tree: Optional[List[int]] = None
+    tree_start: int = 0  # position of the uncommitted tree's roots (committed prefix length)
+    last_append: int = 0  # tokens appended by the sequence's last step
 
     @property
     def length(self) -> int:
@@ -139,6 +150,8 @@ class CacheModel:
         starts, off = [], 0
         for seq_id, n in batch:
             s = self.seqs[seq_id]
+            assert s.tree is None, f"sequence {seq_id} has an uncommitted token tree"
+            s.last_append = n
             starts.append(s.length)
             new = np.stack([q[off:off + n] for q in qkv_layers]).astype(np.float64)
             k_new = new[:, :, hq:hq + hkv]
@@ -163,6 +176,72 @@ class CacheModel:
         for seq_id, _ in batch:
             self.slide(seq_id)
         return outs
+
+    # -- token trees
+    def tree_step(self, batch: Sequence[Tuple[int, int]], trees: Dict[int, Sequence[int]],
+                  qkv_layers: List[np.ndarray], sm_scale: float) -> List[np.ndarray]:
+        """A step appending token-tree nodes: ``trees[seq]`` holds the parents of the sequence's new
+        nodes, indexing its accumulated uncommitted tree. Returns the expected outputs per layer."""
+        assert self.rope_mode in (0, 1) and not any(self.layer_windows) and not self.windows
+        hq, hkv = self.hq, self.hkv
+        info, off = [], 0
+        for seq_id, n in batch:
+            s = self.seqs[seq_id]
+            parents = list(trees[seq_id])
+            assert len(parents) == n
+            if s.tree is None:
+                s.tree, s.tree_start = [], s.length
+            old = len(s.tree)
+            s.tree = s.tree + parents
+            depths = tree_depths(s.tree)
+            pos = s.tree_start + np.asarray(depths[old:])
+            new = np.stack([q[off:off + n] for q in qkv_layers]).astype(np.float64)
+            k_new = new[:, :, hq:hq + hkv]
+            if self.rope_mode == 1:
+                k_new = np.stack([rope(k_new[l], pos, self.theta, self.scale) for l in range(self.L)])
+            s.k = np.concatenate([s.k, k_new], axis=1)
+            s.v = np.concatenate([s.v, new[:, :, hq + hkv:]], axis=1)
+            s.last_append = n
+            info.append((seq_id, n, off, old, pos))
+            off += n
+        outs = []
+        for layer, qkv in enumerate(qkv_layers):
+            out = np.zeros((qkv.shape[0], hq, self.d))
+            for seq_id, n, off, old, pos in info:
+                s = self.seqs[seq_id]
+                q = np.asarray(qkv[off:off + n, :hq], np.float64)
+                if self.rope_mode != 0:
+                    q = rope(q, pos, self.theta, self.scale)
+                vis = tree_visible(s.tree)[old:]
+                for i in range(n):
+                    keys = np.r_[0:s.tree_start, s.tree_start + np.nonzero(vis[i])[0]]
+                    out[off + i] = attend(q[i:i + 1], s.k[layer, keys], s.v[layer, keys], sm_scale,
+                                          causal_offset=None)[0][0]
+            outs.append(out)
+        return outs
+
+    def commit(self, seq_id: int, leaf: int) -> None:
+        """Keep the accepted path (see the module docstring); ``leaf == -1``: drop the last step."""
+        s = self.seqs[seq_id]
+        assert leaf == -1 or s.tree is not None, "already committed"
+        path = tree_path(s.tree, leaf) if leaf != -1 else []
+        base = s.length - s.last_append
+        assert all(p < s.last_append for p in path), "path reaches an earlier step's node"
+        keep = np.r_[0:base, base + np.asarray(path, dtype=np.int64)].astype(np.int64)
+        s.k, s.v = s.k[:, keep], s.v[:, keep]
+        s.shared = min(s.shared, base + len(path))
+        s.tree = None
+
+    def tree_positions(self, batch: Sequence[Tuple[int, int]],
+                       trees: Dict[int, Sequence[int]]) -> np.ndarray:
+        """Query RoPE positions of a tree step (before ``tree_step`` runs)."""
+        out = []
+        for seq_id, n in batch:
+            s = self.seqs[seq_id]
+            earlier = s.tree or []
+            start = s.tree_start if s.tree is not None else s.length
+            out.append(start + np.asarray(tree_depths(list(earlier) + list(trees[seq_id]))[len(earlier):]))
+        return np.concatenate(out).astype(np.int32)
 
     def shared_kv_attention(self, batch: Sequence[Tuple[int, int]], starts: Sequence[int],
                             source_layer: int, q: np.ndarray, sm_scale: float) -> np.ndarray:
@@ -193,3 +272,35 @@ class CacheModel:
         if self.rope_mode == 2:
             k = rope(k, np.arange(end), self.theta, self.scale)
         return k, s.v[layer, :end]
+
+
+# -- token-tree helpers
+
+def tree_depths(parents: Sequence[int]) -> List[int]:
+    """Depth of every node (roots 0); checks -1 <= parent < node."""
+    depths: List[int] = []
+    for node, parent in enumerate(parents):
+        assert -1 <= parent < node, (node, parent)
+        depths.append(0 if parent == -1 else depths[parent] + 1)
+    return depths
+
+
+def tree_path(parents: Sequence[int], leaf: int) -> List[int]:
+    """Nodes from the root to ``leaf`` (inclusive)."""
+    path = []
+    while leaf != -1:
+        path.append(leaf)
+        leaf = parents[leaf]
+    return path[::-1]
+
+
+def tree_visible(parents: Sequence[int]) -> np.ndarray:
+    """(n, n) bool: node i sees node j iff j is i or an ancestor of i."""
+    n = len(parents)
+    vis = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            vis[i, j] = True
+            j = parents[j]
+    return vis

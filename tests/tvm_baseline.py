@@ -223,6 +223,16 @@ class Builtins:
         self.merge = g("vm.builtin.attention_kv_cache_merge_attn_output_inplace")
         self.enable_window = g("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")
         self.shared_kv = g("vm.builtin.attention_kv_cache_attention_with_shared_kv")
+        self._commit = g("vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes")
 
-    def begin(self, cache, seq_ids, lengths) -> None:
-        self._begin(cache, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths)))
+    def begin(self, cache, seq_ids, lengths, token_tree_parent_ptr=None) -> None:
+        """``kv_state_begin_forward``; with ``token_tree_parent_ptr`` (parents of the new nodes,
+        concatenated over the batch) the 4-argument token-tree form."""
+        args = [cache, ShapeTuple(list(seq_ids)), ShapeTuple(list(lengths))]
+        if token_tree_parent_ptr is not None:
+            args.append(ShapeTuple(list(token_tree_parent_ptr)))
+        self._begin(*args)
+
+    def commit(self, cache, seq_ids, leaf_indices) -> None:
+        """``attention_kv_cache_commit_accepted_token_tree_nodes``."""
+        self._commit(cache, ShapeTuple(list(seq_ids)), ShapeTuple(list(leaf_indices)))
