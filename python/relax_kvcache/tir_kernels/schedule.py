@@ -3,13 +3,15 @@
 Each kernel in this package is one algorithm (TVMScript with shared ``T.macro`` pieces); a
 schedule decides how its loops map onto the target. On CPU that is ``T.parallel`` over
 independent work items (sequence x KV head), ``T.vectorized`` over head_dim in ``vector_lanes``
-wide pieces, and query tiles of ``q_tile`` tokens for prefill. GPU schedules come with the CUDA
-work and plug in here.
+wide pieces, and query tiles of ``q_tile`` tokens for prefill. On GPUs (CUDA, ROCm, Metal,
+WebGPU, OpenCL) a work item is a thread block: threads cooperate on one tile through shared
+memory, KV is read in wide vectors, and decode splits long contexts across blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
 import tvm
 
@@ -42,13 +44,63 @@ class CpuSchedule:
         return lanes
 
 
-def schedule_for(target: tvm.target.Target) -> CpuSchedule:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuSchedule:
+    """GPU schedule of the kernels (one thread block per work item).
+
+    Parameters
+    ----------
+    threads : int
+        Threads per block of the attention kernels (a multiple of ``warp_size``).
+    copy_threads : int
+        Threads per block of the elementwise kernels (append, page copies, RoPE, merge).
+    vector_bytes : int
+        Width of one global-memory load or store of KV data (16 = 128-bit loads).
+    q_rows : int
+        Rows (query tokens x group heads) of one prefill tile.
+    kv_chunk : int
+        KV tokens staged in shared memory per step of the online softmax.
+    decode_splits : int
+        Most blocks one sequence's KV is split across in decode (merged by LSE).
+    min_blocks : int
+        Decode splits a sequence only while fewer than this many blocks would run.
+    warp_size : int
+        Threads of one warp / wavefront / SIMD group.
+    """
+
+    threads: int = 128
+    copy_threads: int = 256
+    vector_bytes: int = 16
+    q_rows: int = 64
+    kv_chunk: int = 32
+    decode_splits: int = 16
+    min_blocks: int = 264
+    warp_size: int = 32
+
+    def lanes_for(self, dtype_bits: int, extent: int) -> int:
+        """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
+        lanes = max(1, self.vector_bytes * 8 // dtype_bits)
+        while lanes > 1 and extent % lanes != 0:
+            lanes //= 2
+        return lanes
+
+
+Schedule = Union[CpuSchedule, GpuSchedule]
+
+#: Target kinds the kernels are scheduled for as GPUs.
+GPU_TARGET_KINDS = ("cuda", "rocm", "metal", "webgpu", "opencl", "vulkan")
+
+
+def schedule_for(target: tvm.target.Target) -> Schedule:
     """Pick the schedule for a target."""
     kind = target.kind.name
+    if kind in GPU_TARGET_KINDS:
+        warp = 64 if kind == "rocm" else 32
+        return GpuSchedule(warp_size=warp)
     if kind != "llvm":
         raise NotImplementedError(
-            f"relax_kvcache kernels are scheduled for CPU (llvm) targets only so far; got target "
-            f"kind {kind!r}. CUDA, ROCm, Metal and WebGPU schedules are planned.")
+            f"relax_kvcache kernels are scheduled for llvm (CPU) and GPU targets {GPU_TARGET_KINDS}; "
+            f"got target kind {kind!r}")
     attrs = target.attrs
     mcpu = str(attrs["mcpu"]) if "mcpu" in attrs else ""
     mattr = [str(a) for a in attrs["mattr"]] if "mattr" in attrs else []
