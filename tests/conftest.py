@@ -16,19 +16,34 @@ def kernel_target():
 
 
 @pytest.fixture(scope="session")
-def kernel_build(kernel_target):
+def kernel_build(request):
     """``get(config) -> tvm.runtime.Module``: the kernel set of a config, built once per session.
 
     Builds go through ``build_kernels`` and its on-disk cache, so only the first session after a
-    kernel source change compiles.
+    kernel source change compiles. With ``RELAX_KVCACHE_TEST_LIBS=DIR`` (a GPU host with
+    runtime-only TVM) the libraries come from DIR instead, prepared on the development machine
+    by ``python tests/gpu_kernel_libs.py DIR`` (see that file).
     """
-    from relax_kvcache.build import build_kernels
+    import os
 
     built = {}
+    libs = os.environ.get("RELAX_KVCACHE_TEST_LIBS")
+    if libs:
+        import gpu_kernel_libs
+
+        def build(config):
+            return gpu_kernel_libs.load(config, libs)
+    else:
+        from relax_kvcache.build import build_kernels
+
+        kernel_target = request.getfixturevalue("kernel_target")
+
+        def build(config):
+            return build_kernels(config, kernel_target)
 
     def get(config):
         if config not in built:
-            built[config] = build_kernels(config, kernel_target)
+            built[config] = build(config)
         return built[config]
 
     return get

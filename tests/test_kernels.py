@@ -13,6 +13,7 @@ kernel that ignores the offset reads the wrong indices and fails.
 from __future__ import annotations
 
 import math
+import os
 import zlib
 
 import ml_dtypes
@@ -23,7 +24,8 @@ import tvm
 from relax_kvcache import reference as ref
 from relax_kvcache.config import KVCacheConfig
 
-DEV = tvm.cpu()
+#: ``RELAX_KVCACHE_TEST_DEVICE=cuda`` runs these tests on a GPU (with ``RELAX_KVCACHE_TEST_LIBS``)
+DEV = tvm.cuda() if os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda" else tvm.cpu()
 
 CONFIGS = {
     # float32 GQA, with the sliding-window kernels.
@@ -48,6 +50,10 @@ O_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 5e-2}
 #: agree with float64 to ~1e-5; inline RoPE at positions in the thousands computes angles in
 #: float32 (absolute angle error ~1e-4 rad), which costs up to ~1e-3 in lse.
 LSE_ATOL, LSE_ATOL_ROPE, LSE_RTOL = 1e-4, 2e-3, 1e-5
+#: On GPUs the inline-RoPE kernels stage rotated q and k in shared memory in the kernel dtype (as
+#: TVM's GPU kernels do), which rounds each rotated value once more: lse error grows to ~1e-2
+#: (float16) / ~5e-2 (bfloat16). Outputs keep the O_TOL tolerance.
+GPU_LSE_ATOL_ROPE = {"float32": 2e-3, "float16": 1.5e-2, "bfloat16": 6e-2}
 #: Byte-offset views are made with this many int32 elements of padding in front.
 VIEW_PAD = 3
 
@@ -375,7 +381,8 @@ def reference_attention(q, K, V, *, causal, rotary, q_pos, k_pos0, theta, scale,
 
 def check_attention_outputs(got_o, got_lse, exp_o, exp_lse, dtype, what, rotary=0):
     assert_close(got_o, exp_o, O_TOL[dtype], f"{what}: o")
-    assert_lse_close(got_lse, exp_lse, f"{what}: lse", LSE_ATOL_ROPE if rotary else LSE_ATOL)
+    rope_atol = GPU_LSE_ATOL_ROPE[dtype] if DEV.dlpack_device_type() != tvm.cpu().dlpack_device_type() else LSE_ATOL_ROPE
+    assert_lse_close(got_lse, exp_lse, f"{what}: lse", rope_atol if rotary else LSE_ATOL)
     empty = np.isneginf(exp_lse)
     if empty.any():
         assert (f64(got_o)[empty] == 0).all(), f"{what}: o of rows with no visible key is not 0"

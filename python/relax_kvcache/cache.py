@@ -302,7 +302,8 @@ class PagedAttentionKVCache:
                                f"{self.config.prefill_chunk_size}")
         trees = self._check_trees(seq_ids, append_lengths, token_tree_parent_ptr)
         self._step = self._plan_step(seq_ids, append_lengths, trees)
-        self._device_step = None
+        # asynchronous devices: issue the metadata copy now, wait for it at the first kernel
+        self._device_step = self._upload(self._step) if self._aux.asynchronous else None
 
     def _check_trees(self, seq_ids: List[int], append_lengths: List[int],
                      parent_ptr: Optional[Sequence[int]]) -> Optional[List[TokenTree]]:
@@ -377,6 +378,7 @@ class PagedAttentionKVCache:
             raise ForwardError(f"{what} called without an active step; call begin_forward first")
         if self._device_step is None:
             self._device_step = self._upload(self._step)
+        self._aux.wait()
         return self._device_step
 
     def _upload(self, step: md.StepMetadata) -> _DeviceStep:

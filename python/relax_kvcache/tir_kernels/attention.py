@@ -42,7 +42,8 @@ from .macros import (
     store_row,
     window_mask_chunk,
 )
-from .schedule import CpuSchedule
+from . import attention_gpu as gpu
+from .schedule import CpuSchedule, GpuSchedule, Schedule
 from .spec import AttentionSpec
 
 
@@ -79,12 +80,34 @@ def _causal_chunks(causal, first_row_limit, nq, kv_len, chunk: int):
     return T.if_then_else(causal > 0, T.min(all_chunks, _ceildiv(visible, chunk)), all_chunks)
 
 
-def make_paged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def _paged_seq_src(spec: AttentionSpec):
+    """GPU grids: tile arguments of sequence b from ``(pages, page_indices, page_indptr,
+    length_info, k_rope_pos_offset[, tree_mask, mn_indptr])``."""
+    ps, sliding = spec.page_size, spec.sliding_window
+
+    def seq_src(bufs, b):
+        kv_len = _paged_kv_len(bufs[2][b + 1] - bufs[2][b], ps, bufs[3], b, sliding)
+        tree_src = () if len(bufs) == 5 else (bufs[5], bufs[6][b], bufs[6][b + 1] - bufs[6][b])
+        return (bufs[0], bufs[1], bufs[2][b], bufs[3], b), kv_len, bufs[4][b], tree_src
+
+    return seq_src
+
+
+def _ragged_seq_src(bufs, b):
+    """GPU grids: tile arguments of sequence b from ``(k, v, kv_indptr, k_rope_pos_offset)`` or
+    ``(k, v, kv_indptr, tree_mask, mn_indptr)`` (trees: no RoPE offset)."""
+    kv_len = bufs[2][b + 1] - bufs[2][b]
+    if len(bufs) == 4:
+        return (bufs[0], bufs[1], bufs[2][b]), kv_len, bufs[3][b], ()
+    return (bufs[0], bufs[1], bufs[2][b]), kv_len, 0, (bufs[3], bufs[4][b], bufs[4][b + 1] - bufs[4][b])
+
+
+def make_paged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Paged prefill: tiles of queries of each sequence against its paged KV."""
     return _make_paged(spec, sched, decode=False)
 
 
-def make_paged_decode(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def make_paged_decode(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Paged decode: one query token per sequence against its paged KV."""
     return _make_paged(spec, sched, decode=True)
 
@@ -199,15 +222,20 @@ def _ragged_chunk_loader(spec: AttentionSpec):
     return load_kv_chunk
 
 
-def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tirx.PrimFunc:
+def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.PrimFunc:
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     if spec.v_head_dim != D:
         raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
-    load_page_chunk = _page_chunk_loader(spec)
-
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile, chunk=ps,
-                                            load_chunk=load_page_chunk)
+    on_gpu = isinstance(sched, GpuSchedule)
+    if on_gpu:
+        kv_elem, seq_src = gpu.paged_kv_access(spec), _paged_seq_src(spec)
+        run_gpu = (gpu.decode_grid(spec, sched, kv_elem, seq_src) if decode
+                   else gpu.prefill_grid(spec, sched, kv_elem, seq_src))
+        attend_sequence = None
+    else:
+        attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile,
+                                                chunk=ps, load_chunk=_page_chunk_loader(spec))
 
     @T.macro
     def attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
@@ -244,13 +272,18 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
             q_rope_position = T.match_buffer(var_q_rope_position, (B,), "int32", elem_offset=off_qrope)
             o = T.match_buffer(var_o, (B, Hq, D), dtype)
             lse = T.match_buffer(var_lse, (B, Hq), "float32")
-            for bh in T.parallel(B * Hkv):
-                with T.sblock("work"):
-                    T.reads()
-                    T.writes()
-                    attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info,
-                                 k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv, bh // Hkv, 1,
-                                 0, rotary_mode, rope_scale, rope_theta, sm_scale)
+            if on_gpu:
+                run_gpu(q, o, lse, q_rope_position, B,
+                        (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
+                        rotary_mode, rope_scale, rope_theta, sm_scale)
+            else:
+                for bh in T.parallel(B * Hkv):
+                    with T.sblock("work"):
+                        T.reads()
+                        T.writes()
+                        attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info,
+                                     k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv, bh // Hkv, 1,
+                                     0, rotary_mode, rope_scale, rope_theta, sm_scale)
 
         return paged_decode
 
@@ -282,27 +315,34 @@ def _make_paged(spec: AttentionSpec, sched: CpuSchedule, *, decode: bool) -> tir
         q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
         o = T.match_buffer(var_o, (total_q, Hq, D), dtype)
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
-        for bh in T.parallel(B * Hkv):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
-                             q_rope_position, bh // Hkv, bh % Hkv, qo_indptr[bh // Hkv],
-                             qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal, rotary_mode,
-                             rope_scale, rope_theta, sm_scale)
+        if on_gpu:
+            run_gpu(q, o, lse, q_rope_position, qo_indptr, B, total_q,
+                    (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
+                    causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+        else:
+            for bh in T.parallel(B * Hkv):
+                with T.sblock("work"):
+                    T.reads()
+                    T.writes()
+                    attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
+                                 q_rope_position, bh // Hkv, bh % Hkv, qo_indptr[bh // Hkv],
+                                 qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal, rotary_mode,
+                                 rope_scale, rope_theta, sm_scale)
 
     return paged_prefill
 
 
-def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Ragged prefill: queries of each sequence against that sequence's new (contiguous) K/V."""
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
 
-    load_kv_chunk = _ragged_chunk_loader(spec)
-
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
-                                            load_chunk=load_kv_chunk)
+    on_gpu = isinstance(sched, GpuSchedule)
+    if on_gpu:
+        run_gpu = gpu.prefill_grid(spec, sched, gpu.ragged_kv_access(spec), _ragged_seq_src)
+    else:
+        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+                                                load_chunk=_ragged_chunk_loader(spec))
 
     @T.prim_func(s_tir=True)
     def ragged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -327,20 +367,24 @@ def make_ragged_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFun
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (B,), "int32", elem_offset=off_krope)
         o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
-        for bh in T.parallel(B * Hkv):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                attend_sequence(q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
-                                qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
-                                kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv],
-                                k_rope_pos_offset[bh // Hkv], causal, rotary_mode, rope_scale,
-                                rope_theta, sm_scale, ())
+        if on_gpu:
+            run_gpu(q, o, lse, q_rope_position, qo_indptr, B, total_q, (k, v, kv_indptr, k_rope_pos_offset),
+                    causal, rotary_mode, rope_scale, rope_theta, sm_scale)
+        else:
+            for bh in T.parallel(B * Hkv):
+                with T.sblock("work"):
+                    T.reads()
+                    T.writes()
+                    attend_sequence(q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
+                                    qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                                    kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv],
+                                    k_rope_pos_offset[bh // Hkv], causal, rotary_mode, rope_scale,
+                                    rope_theta, sm_scale, ())
 
     return ragged_prefill
 
 
-def make_paged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention).
 
     Arguments: ``q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
@@ -351,8 +395,12 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.Pri
     """
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
-                                            load_chunk=_page_chunk_loader(spec), tree=True)
+    on_gpu = isinstance(sched, GpuSchedule)
+    if on_gpu:
+        run_gpu = gpu.prefill_grid(spec, sched, gpu.paged_kv_access(spec), _paged_seq_src(spec), tree=True)
+    else:
+        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
+                                                load_chunk=_page_chunk_loader(spec), tree=True)
 
     @T.prim_func(s_tir=True)
     def paged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle,
@@ -388,23 +436,28 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.Pri
         mn_indptr = T.match_buffer(var_mn_indptr, (B + 1,), "int32", elem_offset=off_mn)
         tree_mask = T.match_buffer(var_tree_mask, (nodes, 2), "int32", elem_offset=off_mask)
         T.Assert(rotary_mode == 0, "tree attention does not support inline RoPE (rotary_mode must be 0)")
-        for bh in T.parallel(B * Hkv):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                attend_sequence(
-                    q, o, lse, q_rope_position,
-                    (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv), bh % Hkv,
-                    qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
-                    _paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
-                                  bh // Hkv, sliding),
-                    k_rope_pos_offset[bh // Hkv], 0, 0, rope_scale, rope_theta, sm_scale,
-                    (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
+        if on_gpu:
+            run_gpu(q, o, lse, q_rope_position, qo_indptr, B, total_q,
+                    (pages, page_indices, page_indptr, length_info, k_rope_pos_offset, tree_mask, mn_indptr),
+                    0, 0, rope_scale, rope_theta, sm_scale)
+        else:
+            for bh in T.parallel(B * Hkv):
+                with T.sblock("work"):
+                    T.reads()
+                    T.writes()
+                    attend_sequence(
+                        q, o, lse, q_rope_position,
+                        (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv), bh % Hkv,
+                        qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                        _paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
+                                      bh // Hkv, sliding),
+                        k_rope_pos_offset[bh // Hkv], 0, 0, rope_scale, rope_theta, sm_scale,
+                        (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
     return paged_tree_prefill
 
 
-def make_ragged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention).
 
     Arguments: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, tree_mn_indptr, tree_mask, o, lse,
@@ -414,8 +467,12 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.Pr
     """
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
-                                            load_chunk=_ragged_chunk_loader(spec), tree=True)
+    on_gpu = isinstance(sched, GpuSchedule)
+    if on_gpu:
+        run_gpu = gpu.prefill_grid(spec, sched, gpu.ragged_kv_access(spec), _ragged_seq_src, tree=True)
+    else:
+        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+                                                load_chunk=_ragged_chunk_loader(spec), tree=True)
 
     @T.prim_func(s_tir=True)
     def ragged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -443,15 +500,19 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: CpuSchedule) -> tirx.Pr
         o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
         T.Assert(rotary_mode == 0, "tree attention does not support inline RoPE (rotary_mode must be 0)")
-        for bh in T.parallel((Bp1 - 1) * Hkv):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                attend_sequence(
-                    q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
-                    qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
-                    kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv], 0, 0, 0, rope_scale, rope_theta,
-                    sm_scale,
-                    (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
+        if on_gpu:
+            run_gpu(q, o, lse, q_rope_position, qo_indptr, Bp1 - 1, total_q, (k, v, kv_indptr, tree_mask, mn_indptr),
+                    0, 0, rope_scale, rope_theta, sm_scale)
+        else:
+            for bh in T.parallel((Bp1 - 1) * Hkv):
+                with T.sblock("work"):
+                    T.reads()
+                    T.writes()
+                    attend_sequence(
+                        q, o, lse, q_rope_position, (k, v, kv_indptr[bh // Hkv]), bh % Hkv,
+                        qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
+                        kv_indptr[bh // Hkv + 1] - kv_indptr[bh // Hkv], 0, 0, 0, rope_scale, rope_theta,
+                        sm_scale,
+                        (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
     return ragged_tree_prefill

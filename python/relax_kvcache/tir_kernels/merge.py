@@ -4,20 +4,88 @@
 of both key sets: ``lse' = log2(2^lse + 2^lse_other)`` and ``o' = (2^lse o + 2^lse_other
 o_other) / 2^lse'``. A state with ``lse = -inf`` (no keys) contributes nothing; two empty
 states stay empty.
+
+One algorithm (the ``merge_head`` macro merges one (token, head)), two loop nests: on CPU a
+token is one parallel work item and head_dim one vectorised span; on GPUs one thread merges
+one (token, head), walking head_dim in ``vector_bytes``-wide spans. A thread owns its head's
+lse, which it reads before it overwrites it, so no other thread may read that lse.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
 from .macros import NEG_INF, ONE, ZERO
-from .schedule import CpuSchedule
+from .schedule import GpuSchedule, Schedule
 from .spec import MergeSpec
 
 
-def make_merge_inplace(spec: MergeSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+def _merge_head(spec: MergeSpec, lanes: int, *, vector_math: bool = True):
+    """Macro merging head h of token i; head_dim is walked in spans of ``lanes``.
+
+    ``vector_math=False`` unrolls the span instead of vectorising it (TVM's CUDA codegen
+    mis-emits float32 vectors of more than 4 lanes)."""
+    D, dtype = spec.head_dim, spec.dtype
+    span_loop = T.vectorized if vector_math else T.unroll
+
+    @T.macro
+    def merge_head(o, lse, o_other, lse_other, i, h):
+        mx: T.let[T.float32] = T.max(lse[i, h], lse_other[i, h])
+        w0: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse[i, h] - mx))
+        w1: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse_other[i, h] - mx))
+        inv: T.let[T.float32] = T.if_then_else(w0 + w1 > ZERO, ONE / (w0 + w1), ZERO)
+        for s in T.serial(D // lanes):
+            for d in span_loop(lanes):
+                o[i, h, s * lanes + d] = T.Cast(
+                    dtype, (T.Cast("float32", o[i, h, s * lanes + d]) * w0
+                            + T.Cast("float32", o_other[i, h, s * lanes + d]) * w1) * inv)
+        lse[i, h] = T.if_then_else(w0 + w1 > ZERO, mx + T.log2(w0 + w1), NEG_INF)
+
+    return merge_head
+
+
+def _cpu_nest(spec: MergeSpec):
+    """One parallel work item per token; head_dim is one vectorised span."""
+    H = spec.num_heads
+    merge_head = _merge_head(spec, spec.head_dim)
+
+    @T.macro
+    def nest(o, lse, o_other, lse_other, n):
+        for i in T.parallel(n):
+            with T.sblock("merge"):
+                T.reads()
+                T.writes()
+                for h in T.serial(H):
+                    merge_head(o, lse, o_other, lse_other, i, h)
+
+    return nest
+
+
+def _gpu_nest(spec: MergeSpec, sched: GpuSchedule):
+    """One thread per (token, head)."""
+    H, nt = spec.num_heads, sched.copy_threads
+    lanes = sched.lanes_for(tvm.DataType(spec.dtype).bits, spec.head_dim)
+    merge_head = _merge_head(spec, lanes, vector_math=lanes <= 4)
+
+    @T.macro
+    def nest(o, lse, o_other, lse_other, n):
+        # At least one block: a launch of an empty grid fails.
+        for bx in T.thread_binding(T.max(1, T.ceildiv(n * H, nt)), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("merge"):
+                    T.reads()
+                    T.writes()
+                    if bx * nt + tx < n * H:
+                        merge_head(o, lse, o_other, lse_other, (bx * nt + tx) // H, (bx * nt + tx) % H)
+
+    return nest
+
+
+def make_merge_inplace(spec: MergeSpec, sched: Schedule) -> tirx.PrimFunc:
     H, D, dtype = spec.num_heads, spec.head_dim, spec.dtype
+    nest = _gpu_nest(spec, sched) if isinstance(sched, GpuSchedule) else _cpu_nest(spec)
 
     @T.prim_func(s_tir=True)
     def merge_inplace(var_o: T.handle, var_lse: T.handle, var_o_other: T.handle, var_lse_other: T.handle):
@@ -27,18 +95,6 @@ def make_merge_inplace(spec: MergeSpec, sched: CpuSchedule) -> tirx.PrimFunc:
         lse = T.match_buffer(var_lse, (n, H), "float32")
         o_other = T.match_buffer(var_o_other, (n, H, D), dtype)
         lse_other = T.match_buffer(var_lse_other, (n, H), "float32")
-        for i in T.parallel(n):
-            with T.sblock("merge"):
-                T.reads()
-                T.writes()
-                for h in T.serial(H):
-                    mx: T.let[T.float32] = T.max(lse[i, h], lse_other[i, h])
-                    w0: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse[i, h] - mx))
-                    w1: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse_other[i, h] - mx))
-                    inv: T.let[T.float32] = T.if_then_else(w0 + w1 > ZERO, ONE / (w0 + w1), ZERO)
-                    for d in T.vectorized(D):
-                        o[i, h, d] = T.Cast(dtype, (T.Cast("float32", o[i, h, d]) * w0
-                                                    + T.Cast("float32", o_other[i, h, d]) * w1) * inv)
-                    lse[i, h] = T.if_then_else(w0 + w1 > ZERO, mx + T.log2(w0 + w1), NEG_INF)
+        nest(o, lse, o_other, lse_other, n)
 
     return merge_inplace

@@ -10,28 +10,112 @@ A position in the page pool is ``page_id * page_size + slot``. Calling conventio
   move ``src_dst_pos[0, i] -> src_dst_pos[1, i]`` for i in its range, in order.
 * ``debug_get_kv(pages, position_map, k_out, v_out, layer_id)``: gather positions into
   ``k_out/v_out[layer_id]`` of shape ``(num_layers, n, num_kv_heads, head_dim)``.
+
+Each kernel is one algorithm: the per-element work is a ``T.macro`` that moves one span
+``[d0, d0 + lanes)`` of one head, and the schedule picks the loop nest around it. On CPU
+(``CpuSchedule``) that is ``T.parallel`` over tokens (or sequences, or K/V heads) with the whole
+head_dim as one vectorised span. On GPUs (``GpuSchedule``) the independent spans are flattened
+onto ``blockIdx.x x threadIdx.x`` (``copy_threads`` threads a block) and each thread moves one
+``vector_bytes``-wide span, so a warp reads and writes contiguous 128-bit vectors.
 """
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .schedule import CpuSchedule
+from .schedule import GpuSchedule, Schedule
 from .spec import PageLayoutSpec
 
 
+# ----------------------------------------------------------------------------- per-element work
+
+
 @T.macro
-def copy_slot(pages, src, dst, heads: T.int32, dim: T.int32, ps: T.int32):
-    """Copy K and V of all heads from pool position src to pool position dst."""
-    for kv in T.serial(2):
-        for h in T.serial(heads):
-            for d in T.vectorized(dim):
-                pages[dst // ps, kv, h, dst % ps, d] = pages[src // ps, kv, h, src % ps, d]
+def store_span(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32):
+    """``pages[position pos, kv, h, d0 : d0 + lanes] = src[row, h, d0 : d0 + lanes]``."""
+    for d in T.vectorized(lanes):
+        pages[pos // ps, kv, h, pos % ps, d0 + d] = src[row, h, d0 + d]
 
 
-def make_transpose_append(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+@T.macro
+def load_span(dst, layer, row, pages, pos, kv: T.int32, h, d0, lanes: T.int32, ps: T.int32):
+    """``dst[layer, row, h, d0 : d0 + lanes] = pages[position pos, kv, h, d0 : d0 + lanes]``."""
+    for d in T.vectorized(lanes):
+        dst[layer, row, h, d0 + d] = pages[pos // ps, kv, h, pos % ps, d0 + d]
+
+
+@T.macro
+def move_span(pages, src, dst, kv, h, d0, lanes: T.int32, ps: T.int32):
+    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)`` from pool position src to dst."""
+    for d in T.vectorized(lanes):
+        pages[dst // ps, kv, h, dst % ps, d0 + d] = pages[src // ps, kv, h, src % ps, d0 + d]
+
+
+@T.macro
+def copy_page_span(pages, src_page, dst_page, kv, h, slot, d0, lanes: T.int32):
+    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)``, slot ``slot`` from page src to dst."""
+    for d in T.vectorized(lanes):
+        pages[dst_page, kv, h, slot, d0 + d] = pages[src_page, kv, h, slot, d0 + d]
+
+
+# ----------------------------------------------------------------------------- GPU helpers
+
+
+def gpu_lanes(sched: GpuSchedule, dtype: str, extent: int) -> int:
+    """Elements of one ``vector_bytes``-wide access of ``dtype`` that divide ``extent``."""
+    return sched.lanes_for(tvm.DataType(dtype).bits, extent)
+
+
+def gpu_blocks(work, threads: int):
+    """Blocks covering ``work`` items at ``threads`` a block; at least one (zero-size grids fail)."""
+    return T.max(1, T.ceildiv(work, threads))
+
+
+# ----------------------------------------------------------------------------- transpose_append
+
+
+def _append_nest(spec: PageLayoutSpec, sched: Schedule):
+    """Loop nest of transpose_append: token i's k/v go to position ``position_map[i]``."""
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+    if not isinstance(sched, GpuSchedule):
+        @T.macro
+        def cpu_nest(pages, k, v, position_map, n):
+            for i in T.parallel(n):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    pos: T.let[T.int32] = position_map[i]
+                    if pos != -1:
+                        for h in T.serial(H):
+                            store_span(pages, pos, 0, h, k, i, 0, D, ps)
+                            store_span(pages, pos, 1, h, v, i, 0, D, ps)
+        return cpu_nest
+
+    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+    nv = D // lanes  # spans of one head
+
+    @T.macro
+    def gpu_nest(pages, k, v, position_map, n):
+        for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    if bx * nt + tx < n * H * nv:
+                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                        if pos != -1:
+                            store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
+                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
+                            store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
+                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
+    return gpu_nest
+
+
+def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    nest = _append_nest(spec, sched)
 
     @T.prim_func(s_tir=True)
     def transpose_append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_position_map: T.handle):
@@ -43,23 +127,51 @@ def make_transpose_append(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.Prim
         k = T.match_buffer(var_k, (n, H, D), dtype)
         v = T.match_buffer(var_v, (n, H, D), dtype)
         position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
-        for i in T.parallel(n):
-            with T.sblock("append"):
-                T.reads()
-                T.writes()
-                pos: T.let[T.int32] = position_map[i]
-                if pos != -1:
-                    for h in T.serial(H):
-                        for d in T.vectorized(D):
-                            pages[pos // ps, 0, h, pos % ps, d] = k[i, h, d]
-                        for d in T.vectorized(D):
-                            pages[pos // ps, 1, h, pos % ps, d] = v[i, h, d]
+        nest(pages, k, v, position_map, n)
 
     return transpose_append
 
 
-def make_copy_single_page(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+# ----------------------------------------------------------------------------- copy_single_page
+
+
+def _copy_page_nest(spec: PageLayoutSpec, sched: Schedule):
+    """Loop nest of copy_single_page: slots ``[0, copy_length)`` of every (kv, head)."""
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+    if not isinstance(sched, GpuSchedule):
+        @T.macro
+        def cpu_nest(pages, src_page, dst_page, copy_length):
+            for kv_h in T.parallel(2 * H):
+                with T.sblock("copy"):
+                    T.reads()
+                    T.writes()
+                    for slot in T.serial(copy_length):
+                        copy_page_span(pages, src_page, dst_page, kv_h // H, kv_h % H, slot, 0, D)
+        return cpu_nest
+
+    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+    nv = D // lanes
+    # Threads cover every (kv, head, slot, span) of a page; slots past copy_length idle.
+    work = 2 * H * ps * nv
+
+    @T.macro
+    def gpu_nest(pages, src_page, dst_page, copy_length):
+        for bx in T.thread_binding(gpu_blocks(work, nt), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("copy"):
+                    T.reads()
+                    T.writes()
+                    if bx * nt + tx < work:
+                        if T.Cast("int64", (bx * nt + tx) // nv % ps) < copy_length:
+                            copy_page_span(pages, src_page, dst_page, (bx * nt + tx) // (H * ps * nv),
+                                           (bx * nt + tx) // (ps * nv) % H, (bx * nt + tx) // nv % ps,
+                                           (bx * nt + tx) % nv * lanes, lanes)
+    return gpu_nest
+
+
+def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    nest = _copy_page_nest(spec, sched)
 
     @T.prim_func(s_tir=True)
     def copy_single_page(var_pages: T.handle, src_page_id: T.int64, tgt_page_id: T.int64,
@@ -67,20 +179,62 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.Prim
         T.func_attr({"tirx.noalias": True})
         P = T.int64()
         pages = T.match_buffer(var_pages, (P, 2, H, ps, D), dtype)
-        for kv_h in T.parallel(2 * H):
-            with T.sblock("copy"):
-                T.reads()
-                T.writes()
-                for slot in T.serial(copy_length):
-                    for d in T.vectorized(D):
-                        pages[tgt_page_id, kv_h // H, kv_h % H, slot, d] = \
-                            pages[src_page_id, kv_h // H, kv_h % H, slot, d]
+        nest(pages, src_page_id, tgt_page_id, copy_length)
 
     return copy_single_page
 
 
-def make_compact_copy(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+# ----------------------------------------------------------------------------- compact_copy
+
+
+def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
+    """Loop nest of compact_copy: sequences in parallel, the moves of one sequence in order.
+
+    On GPU one block runs one sequence and each thread owns fixed (kv, head, span) columns of
+    a slot. A thread makes all of the sequence's moves of its columns in order, and no other
+    thread touches those columns, so overlapping moves (a path shifted down by a few slots)
+    see exactly the sequential result without barriers.
+    """
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+    if not isinstance(sched, GpuSchedule):
+        @T.macro
+        def cpu_nest(pages, indptr, src_dst_pos, batch_size):
+            for b in T.parallel(batch_size):
+                with T.sblock("compact"):
+                    T.reads()
+                    T.writes()
+                    for i in T.serial(indptr[b + 1] - indptr[b]):
+                        for kv in T.serial(2):
+                            for h in T.serial(H):
+                                move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
+                                          kv, h, 0, D, ps)
+        return cpu_nest
+
+    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+    nv = D // lanes
+    cols = 2 * H * nv  # (kv, head, span) columns of one slot
+    rounds = (cols + nt - 1) // nt  # columns a thread owns
+
+    @T.macro
+    def gpu_nest(pages, indptr, src_dst_pos, batch_size):
+        for b in T.thread_binding(T.max(1, batch_size), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("compact"):
+                    T.reads()
+                    T.writes()
+                    if b < batch_size:
+                        for i in T.serial(indptr[b + 1] - indptr[b]):
+                            for r in T.serial(rounds):
+                                if r * nt + tx < cols:
+                                    move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
+                                              (r * nt + tx) // (H * nv), (r * nt + tx) // nv % H,
+                                              (r * nt + tx) % nv * lanes, lanes, ps)
+    return gpu_nest
+
+
+def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    nest = _compact_nest(spec, sched)
 
     @T.prim_func(s_tir=True)
     def compact_copy(var_pages: T.handle, var_copy_length_indptr: T.handle,
@@ -94,19 +248,52 @@ def make_compact_copy(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc
         copy_length_indptr = T.match_buffer(var_copy_length_indptr, (batch_size + 1,), "int32",
                                             elem_offset=off_indptr)
         src_dst_pos = T.match_buffer(var_src_dst_pos, (2, total), "int32", elem_offset=off_pos)
-        for b in T.parallel(batch_size):
-            with T.sblock("compact"):
-                T.reads()
-                T.writes()
-                for i in T.serial(copy_length_indptr[b + 1] - copy_length_indptr[b]):
-                    copy_slot(pages, src_dst_pos[0, copy_length_indptr[b] + i],
-                              src_dst_pos[1, copy_length_indptr[b] + i], H, D, ps)
+        nest(pages, copy_length_indptr, src_dst_pos, batch_size)
 
     return compact_copy
 
 
-def make_debug_get_kv(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc:
+# ----------------------------------------------------------------------------- debug_get_kv
+
+
+def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
+    """Loop nest of debug_get_kv: token i's k/v are read from position ``position_map[i]``."""
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+    if not isinstance(sched, GpuSchedule):
+        @T.macro
+        def cpu_nest(pages, position_map, k, v, layer_id, n):
+            for i in T.parallel(n):
+                with T.sblock("gather"):
+                    T.reads()
+                    T.writes()
+                    pos: T.let[T.int32] = position_map[i]
+                    for h in T.serial(H):
+                        load_span(k, layer_id, i, pages, pos, 0, h, 0, D, ps)
+                        load_span(v, layer_id, i, pages, pos, 1, h, 0, D, ps)
+        return cpu_nest
+
+    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+    nv = D // lanes
+
+    @T.macro
+    def gpu_nest(pages, position_map, k, v, layer_id, n):
+        for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("gather"):
+                    T.reads()
+                    T.writes()
+                    if T.Cast("int64", bx * nt + tx) < n * (H * nv):
+                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                        load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
+                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
+                        load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
+                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
+    return gpu_nest
+
+
+def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    nest = _gather_nest(spec, sched)
 
     @T.prim_func(s_tir=True)
     def debug_get_kv(var_pages: T.handle, var_position_map: T.handle, var_k: T.handle,
@@ -120,15 +307,6 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: CpuSchedule) -> tirx.PrimFunc
         position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
         k = T.match_buffer(var_k, (L, n, H, D), dtype)
         v = T.match_buffer(var_v, (L, n, H, D), dtype)
-        for i in T.parallel(n):
-            with T.sblock("gather"):
-                T.reads()
-                T.writes()
-                pos: T.let[T.int32] = position_map[i]
-                for h in T.serial(H):
-                    for d in T.vectorized(D):
-                        k[layer_id, i, h, d] = pages[pos // ps, 0, h, pos % ps, d]
-                    for d in T.vectorized(D):
-                        v[layer_id, i, h, d] = pages[pos // ps, 1, h, pos % ps, d]
+        nest(pages, position_map, k, v, layer_id, n)
 
     return debug_get_kv

@@ -3,35 +3,150 @@
 ``qkv (n, Hq + 2 Hkv, D)`` is split into ``q (n, Hq, D)``, ``k (n, Hkv, D)`` and
 ``v (n, Hkv, D)``. When ``apply_rope != 0`` q and k of token i are rotated to position
 ``position_map[i]`` (rotate-half RoPE, theta and scale compiled in, as TVM's convention).
-The cosines and sines of a token are computed once and reused by all its heads.
+
+One algorithm, two loop nests: the per-element work (angles of features ``[d0, d0 + lanes)``,
+rotating the pair of spans ``[d0, d0 + lanes)`` and ``[d0 + D/2, d0 + D/2 + lanes)``, copying a
+span) is shared ``T.macro`` code. On CPU a token is one parallel work item: its cosines and sines
+are computed once for the whole half and reused by all its heads. On GPUs one thread handles
+one (token, head of qkv, span of the first half) and computes its own angles.
 """
 
 from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .schedule import CpuSchedule
+from .schedule import GpuSchedule, Schedule
 from .spec import RopeSplitSpec
 
 
-def make_split_rotary(spec: RopeSplitSpec, sched: CpuSchedule) -> tirx.PrimFunc:
-    Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
+    """Per-element work of split_rotary: ``(rope_angles, rotate_span, copy_span)``.
+
+    ``vector_math=False`` unrolls rotations instead of vectorising them (TVM's CUDA codegen
+    mis-emits float32 vectors of more than 4 lanes)."""
+    D, dtype = spec.head_dim, spec.dtype
+    span_loop = T.vectorized if vector_math else T.unroll
     half = D // 2
     # inv_freq[d] = scale * theta^(-2d/D) = scale * exp2(d * log2_step), compiled-in constants.
     scale = tirx.const(spec.rope_scale, "float32")
     log2_step = tirx.const(-2.0 * math.log2(spec.rope_theta) / D, "float32")
 
     @T.macro
-    def rotate_head(dst, row, head, src, src_head, cos_v, sin_v):
+    def rope_angles(cos_v, sin_v, pos, d0, lanes: T.int32):
+        """``cos_v/sin_v[d]`` = cos/sin of the angle of feature ``d0 + d`` at position pos."""
+        for d in T.serial(lanes):
+            angle: T.let[T.float32] = T.Cast("float32", pos) * (
+                scale * T.exp2(T.Cast("float32", d0 + d) * log2_step))
+            cos_v[d] = T.cos(angle)
+            sin_v[d] = T.sin(angle)
+
+    @T.macro
+    def rotate_span(dst, row, head, src, src_head, d0, lanes: T.int32, cos_v, sin_v):
+        """Rotate features ``(d0 + d, d0 + d + half)`` for d < lanes by ``cos_v/sin_v[d]``."""
         # Casts stay inline: a let-bound cast of a bfloat16 load is mis-legalised by TVM 0.27.
-        for d in T.vectorized(half):
-            dst[row, head, d] = T.Cast(dtype, T.Cast("float32", src[row, src_head, d]) * cos_v[d]
-                                       - T.Cast("float32", src[row, src_head, d + half]) * sin_v[d])
-            dst[row, head, d + half] = T.Cast(dtype, T.Cast("float32", src[row, src_head, d + half]) * cos_v[d]
-                                              + T.Cast("float32", src[row, src_head, d]) * sin_v[d])
+        for d in span_loop(lanes):
+            dst[row, head, d0 + d] = T.Cast(
+                dtype, T.Cast("float32", src[row, src_head, d0 + d]) * cos_v[d]
+                - T.Cast("float32", src[row, src_head, d0 + d + half]) * sin_v[d])
+            dst[row, head, d0 + d + half] = T.Cast(
+                dtype, T.Cast("float32", src[row, src_head, d0 + d + half]) * cos_v[d]
+                + T.Cast("float32", src[row, src_head, d0 + d]) * sin_v[d])
+
+    @T.macro
+    def copy_span(dst, row, head, src, src_head, d0, lanes: T.int32):
+        """``dst[row, head, d0 : d0 + lanes] = src[row, src_head, d0 : d0 + lanes]``."""
+        for d in T.vectorized(lanes):
+            dst[row, head, d0 + d] = src[row, src_head, d0 + d]
+
+    return rope_angles, rotate_span, copy_span
+
+
+def _cpu_nest(spec: RopeSplitSpec):
+    """One parallel work item per token; angles computed once per token."""
+    Hq, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    half = D // 2
+    rope_angles, rotate_span, copy_span = _span_macros(spec)
+
+    @T.macro
+    def nest(qkv, position_map, q, k, v, apply_rope, n):
+        for i in T.parallel(n):
+            with T.sblock("split"):
+                T.reads()
+                T.writes()
+                cos_v = T.sblock_alloc_buffer((half,), "float32")
+                sin_v = T.sblock_alloc_buffer((half,), "float32")
+                if apply_rope != 0:
+                    rope_angles(cos_v, sin_v, position_map[i], 0, half)
+                    for h in T.serial(Hq):
+                        rotate_span(q, i, h, qkv, h, 0, half, cos_v, sin_v)
+                    for h in T.serial(Hkv):
+                        rotate_span(k, i, h, qkv, Hq + h, 0, half, cos_v, sin_v)
+                else:
+                    for h in T.serial(Hq):
+                        copy_span(q, i, h, qkv, h, 0, D)
+                    for h in T.serial(Hkv):
+                        copy_span(k, i, h, qkv, Hq + h, 0, D)
+                for h in T.serial(Hkv):
+                    copy_span(v, i, h, qkv, Hq + Hkv + h, 0, D)
+
+    return nest
+
+
+def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
+    """One thread per (token, qkv head, span of ``lanes`` features of the first half).
+
+    A thread writes its span and the matching span of the second half: rotated for q and k
+    heads when ``apply_rope != 0``, copied otherwise (and always for v heads).
+    """
+    Hq, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
+    half = D // 2
+    heads = Hq + 2 * Hkv
+    lanes = sched.lanes_for(tvm.DataType(spec.dtype).bits, half)
+    nv, nt = half // lanes, sched.copy_threads
+    rope_angles, rotate_span, copy_span = _span_macros(spec, vector_math=lanes <= 4)
+
+    @T.macro
+    def copy_pair(dst, row, head, src, src_head, d0):
+        copy_span(dst, row, head, src, src_head, d0, lanes)
+        copy_span(dst, row, head, src, src_head, d0 + half, lanes)
+
+    @T.macro
+    def nest(qkv, position_map, q, k, v, apply_rope, n):
+        # At least one block: a launch of an empty grid fails.
+        for bx in T.thread_binding(T.max(1, T.ceildiv(n * (heads * nv), nt)), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock("split"):
+                    T.reads()
+                    T.writes()
+                    cos_v = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    sin_v = T.sblock_alloc_buffer((lanes,), "float32", scope="local")
+                    if bx * nt + tx < n * (heads * nv):
+                        i: T.let[T.int32] = (bx * nt + tx) // (heads * nv)
+                        h: T.let[T.int32] = (bx * nt + tx) // nv % heads
+                        d0: T.let[T.int32] = (bx * nt + tx) % nv * lanes
+                        if apply_rope != 0 and h < Hq + Hkv:
+                            rope_angles(cos_v, sin_v, position_map[i], d0, lanes)
+                            if h < Hq:
+                                rotate_span(q, i, h, qkv, h, d0, lanes, cos_v, sin_v)
+                            else:
+                                rotate_span(k, i, h - Hq, qkv, h, d0, lanes, cos_v, sin_v)
+                        elif h < Hq:
+                            copy_pair(q, i, h, qkv, h, d0)
+                        elif h < Hq + Hkv:
+                            copy_pair(k, i, h - Hq, qkv, h, d0)
+                        else:
+                            copy_pair(v, i, h - Hq - Hkv, qkv, h, d0)
+
+    return nest
+
+
+def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
+    Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    nest = _gpu_nest(spec, sched) if isinstance(sched, GpuSchedule) else _cpu_nest(spec)
 
     @T.prim_func(s_tir=True)
     def split_rotary(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
@@ -44,32 +159,6 @@ def make_split_rotary(spec: RopeSplitSpec, sched: CpuSchedule) -> tirx.PrimFunc:
         q = T.match_buffer(var_q, (n, Hq, D), dtype)
         k = T.match_buffer(var_k, (n, Hkv, D), dtype)
         v = T.match_buffer(var_v, (n, Hkv, D), dtype)
-        for i in T.parallel(n):
-            with T.sblock("split"):
-                T.reads()
-                T.writes()
-                cos_v = T.sblock_alloc_buffer((half,), "float32")
-                sin_v = T.sblock_alloc_buffer((half,), "float32")
-                if apply_rope != 0:
-                    for d in T.serial(half):
-                        angle: T.let[T.float32] = T.Cast("float32", position_map[i]) * (
-                            scale * T.exp2(T.Cast("float32", d) * log2_step))
-                        cos_v[d] = T.cos(angle)
-                        sin_v[d] = T.sin(angle)
-                    for h in T.serial(Hq):
-                        rotate_head(q, i, h, qkv, h, cos_v, sin_v)
-                    for h in T.serial(Hkv):
-                        rotate_head(k, i, h, qkv, Hq + h, cos_v, sin_v)
-                else:
-                    for h in T.serial(Hq):
-                        for d in T.vectorized(D):
-                            q[i, h, d] = qkv[i, h, d]
-                    for h in T.serial(Hkv):
-                        for d in T.vectorized(D):
-                            k[i, h, d] = qkv[i, Hq + h, d]
-                for h in T.serial(Hkv):
-                    for d in T.vectorized(D):
-                        v[i, h, d] = qkv[i, Hq + Hkv + h, d]
+        nest(qkv, position_map, q, k, v, apply_rope, n)
 
     return split_rotary
-

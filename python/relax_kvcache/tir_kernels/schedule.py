@@ -66,6 +66,10 @@ class GpuSchedule:
         Decode splits a sequence only while fewer than this many blocks would run.
     warp_size : int
         Threads of one warp / wavefront / SIMD group.
+    max_lanes : int
+        Most elements of one vector type (Metal and WebGPU have no 8-lane vectors).
+    shared_bytes : int
+        Shared (workgroup) memory one attention block may use, with room to spare.
     """
 
     threads: int = 128
@@ -76,10 +80,12 @@ class GpuSchedule:
     decode_splits: int = 16
     min_blocks: int = 264
     warp_size: int = 32
+    max_lanes: int = 8
+    shared_bytes: int = 46 * 1024
 
     def lanes_for(self, dtype_bits: int, extent: int) -> int:
         """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
-        lanes = max(1, self.vector_bytes * 8 // dtype_bits)
+        lanes = max(1, min(self.max_lanes, self.vector_bytes * 8 // dtype_bits))
         while lanes > 1 and extent % lanes != 0:
             lanes //= 2
         return lanes
@@ -96,7 +102,11 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
     kind = target.kind.name
     if kind in GPU_TARGET_KINDS:
         warp = 64 if kind == "rocm" else 32
-        return GpuSchedule(warp_size=warp)
+        # CUDA / ROCm give a block 48 KiB of static shared memory; Metal, WebGPU and OpenCL
+        # devices guarantee 32 KiB
+        small = kind in ("metal", "webgpu", "opencl", "vulkan")
+        return GpuSchedule(warp_size=warp, max_lanes=4 if kind in ("metal", "webgpu") else 8,
+                           shared_bytes=(30 if small else 46) * 1024)
     if kind != "llvm":
         raise NotImplementedError(
             f"relax_kvcache kernels are scheduled for llvm (CPU) and GPU targets {GPU_TARGET_KINDS}; "

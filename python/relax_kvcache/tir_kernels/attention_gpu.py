@@ -1,0 +1,496 @@
+"""GPU schedule of the attention algorithm of :mod:`.attention`.
+
+The algorithm is the CPU one: a work item takes a tile of query rows (``q_tokens`` tokens x
+``group`` heads of one KV head) of one sequence, walks a range of the sequence's KV rows in
+chunks, folds each chunk into an online-softmax state (running max ``m``, sum ``l``, accumulator)
+with scores in log2 units, and writes normalised rows and base-2 LSEs. Masks (causal, window,
+token tree) and the KV row -> page mapping are the same predicates.
+
+What the schedule changes is how that runs: a work item is a thread block. Its threads
+
+1. stage the (RoPE'd, pre-scaled) query tile and each KV chunk in shared memory with 16-byte
+   vector loads,
+2. compute the chunk's scores as register micro-tiles (``s_rows x s_cols`` per thread), reading
+   shared memory along a per-lane rotated head_dim order so lanes hit different banks,
+3. update each row's softmax state (one thread per row),
+4. accumulate ``p @ V`` into register micro-tiles (``o_rows x o_cols`` per thread).
+
+Prefill kernels map blocks to (query tile, KV head); decode maps them to (sequence x KV head,
+split) and splits a sequence's KV range across blocks when the batch alone would leave the GPU
+idle; a second kernel in the same function merges the splits by LSE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .macros import LOG2E, NEG_INF, ONE, ZERO
+from .schedule import GpuSchedule
+from .spec import AttentionSpec
+
+
+def _ceildiv(a, b):
+    return (a + b - 1) // b
+
+
+def _bits(dtype: str) -> int:
+    return 32 if dtype == "float32" else 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileShape:
+    """How one block's threads cover a tile.
+
+    ``rows = q_tokens * group`` query rows, ``kv_chunk`` KV rows per step, ``threads`` threads.
+    Scores: thread ``tx`` owns rows ``tx // s_col_groups + i * s_row_groups`` (i < s_rows) and
+    columns ``tx % s_col_groups + j * s_col_groups`` (j < s_cols). Output: thread ``tx`` owns rows
+    ``tx // o_col_groups + i * o_row_groups`` (i < o_rows) and head_dim columns
+    ``(tx % o_col_groups) * o_cols + x`` (x < o_cols). ``lanes`` / ``v_lanes``: elements per
+vector load of K (half rows, for RoPE pairs) / V rows.
+    """
+
+    rows: int
+    q_tokens: int
+    kv_chunk: int
+    threads: int
+    s_row_groups: int
+    s_col_groups: int
+    s_rows: int
+    s_cols: int
+    o_row_groups: int
+    o_col_groups: int
+    o_rows: int
+    o_cols: int
+    lanes: int
+    v_lanes: int
+
+    @staticmethod
+    def choose(spec: AttentionSpec, sched: GpuSchedule, *, decode: bool) -> "TileShape":
+        G, D, DV = spec.group_size, spec.qk_head_dim, spec.v_head_dim
+        elem = _bits(spec.dtype) // 8
+        q_tokens = 1 if decode else max(1, sched.q_rows // G)
+        chunk = 2 * sched.kv_chunk if decode else sched.kv_chunk
+
+        def shared_bytes(tq: int, kc: int) -> int:
+            rows = max(tq * G, 2)
+            return (rows * D + kc * (D + DV)) * elem + rows * kc * 4 + 3 * rows * 4
+
+        while shared_bytes(q_tokens, chunk) > sched.shared_bytes:
+            if chunk > 16:
+                chunk //= 2
+            elif q_tokens > 1:
+                q_tokens //= 2
+            else:
+                raise ValueError(f"attention tile does not fit in shared memory: head_dim {D}/{DV}, "
+                                 f"group {G}, dtype {spec.dtype}")
+        # at least 2 rows: with one, TVM's simplifier folds the row index to a constant and its
+        # barrier planner can no longer prove a row's thread rereads only its own values
+        rows, threads = max(q_tokens * G, 2), sched.threads
+        s_rg = min(rows, threads // min(chunk, 8))
+        s_cg = threads // s_rg
+        lanes = sched.lanes_for(_bits(spec.dtype), D // 2)
+        o_cols = sched.lanes_for(_bits(spec.dtype), DV)
+        while o_cols > 1 and _ceildiv(DV, o_cols) * rows < threads:
+            o_cols //= 2
+        o_cg = _ceildiv(DV, o_cols)
+        o_rg = max(1, threads // o_cg)
+        return TileShape(rows=rows, q_tokens=q_tokens, kv_chunk=chunk, threads=threads,
+                         s_row_groups=s_rg, s_col_groups=s_cg, s_rows=_ceildiv(rows, s_rg),
+                         s_cols=_ceildiv(chunk, s_cg), o_row_groups=o_rg, o_col_groups=o_cg,
+                         o_rows=_ceildiv(rows, o_rg), o_cols=o_cols, lanes=lanes,
+                         v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
+
+
+# ---------------------------------------------------------------------------- KV row sources
+#
+# ``kv_src`` tuples (as on CPU): paged ``(pages, page_indices, first page, length_info, b)``,
+# ragged ``(k, v, first row)``. ``kv_row(kv_src, j)`` gives what ``kv_elem`` needs to read row j.
+
+
+def paged_kv_access(spec: AttentionSpec):
+    """(row locator, element reader) of a sequence's page list (``length_info`` layouts)."""
+    ps, sliding = spec.page_size, spec.sliding_window
+
+    def offset(kv_src, j):
+        if not sliding:
+            return j
+        li, b = kv_src[3], kv_src[4]
+        return T.if_then_else(j < li[2, b], j, j - li[2, b] + li[1, b])
+
+    def elem(kv_src, h, j, kv: int, d):
+        off = offset(kv_src, j)
+        return kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d]
+
+    return elem
+
+
+def ragged_kv_access(spec: AttentionSpec):
+    def elem(kv_src, h, j, kv: int, d):
+        return kv_src[kv][kv_src[2] + j, h, d]
+
+    return elem
+
+
+# ---------------------------------------------------------------------------- the tile
+
+
+def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = False,
+              partial: bool = False):
+    """The work item of one block: a query tile against a range of KV chunks.
+
+    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V). With
+    ``partial`` the normalised rows go to a split workspace ``out = (ws_o, ws_lse, row0, split)``
+    (row ``row0 + head``), else ``out = (o, lse)`` at ``[token, head]``.
+    """
+    G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
+    R, TQ, KC, NT = shape.rows, shape.q_tokens, shape.kv_chunk, shape.threads
+    half, lanes, window = D // 2, shape.lanes, spec.window
+    n_qvec = half // lanes
+    SRG, SCG, SRM, SCM = shape.s_row_groups, shape.s_col_groups, shape.s_rows, shape.s_cols
+    ORG, OCG, ORM, OCM = shape.o_row_groups, shape.o_col_groups, shape.o_rows, shape.o_cols
+    v_lanes = shape.v_lanes
+    n_vvec = DV // v_lanes
+    rot = 4 // (_bits(dtype) // 8)  # head_dim elements per 32-bit bank word, lane-rotated reads
+
+    def visible(q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, qi, j):
+        """Does query token qi (of the sequence) see KV row j?"""
+        if tree:
+            tree_start = kv_len - tree_src[2]
+            node_q = tree_src[1] + tree_src[2] - q_len + qi
+            node_k = tree_src[1] + j - tree_start
+            return T.if_then_else(
+                j < tree_start, tirx.const(True, "bool"),
+                T.And(tree_src[0][node_k, 0] <= tree_src[0][node_q, 0],
+                      tree_src[0][node_q, 0] < tree_src[0][node_k, 1]))
+        if window > 0:
+            q_pos = q_rope_position[qbeg + qi]
+            lower = k_pos0 + j > q_pos - window
+            return T.if_then_else(causal > 0, T.And(lower, k_pos0 + j <= q_pos), lower)
+        return T.Or(causal == 0, j <= kv_len - q_len + qi)
+
+    def rope_angle(pos, d, rope_scale, rope_theta):
+        return T.Cast("float32", pos) * rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.float32(D))
+
+    @T.macro
+    def load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx):
+        """qs[r] = query (token tile0 + r // G, head h * G + r % G), RoPE'd; zeros past ``nq``
+        tokens. (Not pre-scaled: the scores are scaled in float32, so q loses no precision.)"""
+        for it in T.unroll(_ceildiv(R * n_qvec, NT)):
+            if it * NT + tx < R * n_qvec:
+                r: T.let[T.int32] = (it * NT + tx) // n_qvec
+                d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
+                tok: T.let[T.int32] = qbeg + tile0 + r // G
+                if r // G < nq:
+                    if rotary_mode == 1:
+                        for x in T.serial(lanes):
+                            angle: T.let[T.float32] = rope_angle(q_rope_position[tok], d0 + x, rope_scale, rope_theta)
+                            qs[r, d0 + x] = T.Cast(dtype, (
+                                T.Cast("float32", q[tok, h * G + r % G, d0 + x]) * T.cos(angle)
+                                - T.Cast("float32", q[tok, h * G + r % G, d0 + x + half]) * T.sin(angle)))
+                            qs[r, d0 + x + half] = T.Cast(dtype, (
+                                T.Cast("float32", q[tok, h * G + r % G, d0 + x + half]) * T.cos(angle)
+                                + T.Cast("float32", q[tok, h * G + r % G, d0 + x]) * T.sin(angle)))
+                    else:
+                        for x in T.vectorized(lanes):
+                            qs[r, d0 + x] = q[tok, h * G + r % G, d0 + x]
+                        for x in T.vectorized(lanes):
+                            qs[r, d0 + x + half] = q[tok, h * G + r % G, d0 + x + half]
+                else:
+                    for x in T.vectorized(lanes):
+                        qs[r, d0 + x] = T.Cast(dtype, ZERO)
+                    for x in T.vectorized(lanes):
+                        qs[r, d0 + x + half] = T.Cast(dtype, ZERO)
+
+    @T.macro
+    def load_kv(ks, vs, kv_src, h, j0, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx):
+        """ks/vs[t] = K/V row j0 + t (K RoPE'd at k_pos0 + j0 + t); zeros past ``nt`` rows."""
+        for it in T.unroll(_ceildiv(KC * n_qvec, NT)):
+            if it * NT + tx < KC * n_qvec:
+                t: T.let[T.int32] = (it * NT + tx) // n_qvec
+                d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
+                if t < nt:
+                    if rotary_mode == 1:
+                        for x in T.serial(lanes):
+                            angle: T.let[T.float32] = rope_angle(k_pos0 + j0 + t, d0 + x, rope_scale, rope_theta)
+                            ks[t, d0 + x] = T.Cast(
+                                dtype, T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x)) * T.cos(angle)
+                                - T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)) * T.sin(angle))
+                            ks[t, d0 + x + half] = T.Cast(
+                                dtype, T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)) * T.cos(angle)
+                                + T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x)) * T.sin(angle))
+                    else:
+                        for x in T.vectorized(lanes):
+                            ks[t, d0 + x] = kv_elem(kv_src, h, j0 + t, 0, d0 + x)
+                        for x in T.vectorized(lanes):
+                            ks[t, d0 + x + half] = kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)
+                else:
+                    for x in T.vectorized(lanes):
+                        ks[t, d0 + x] = T.Cast(dtype, ZERO)
+                    for x in T.vectorized(lanes):
+                        ks[t, d0 + x + half] = T.Cast(dtype, ZERO)
+        for it in T.unroll(_ceildiv(KC * n_vvec, NT)):
+            if it * NT + tx < KC * n_vvec:
+                t: T.let[T.int32] = (it * NT + tx) // n_vvec
+                d0: T.let[T.int32] = (it * NT + tx) % n_vvec * v_lanes
+                if t < nt:
+                    for x in T.vectorized(v_lanes):
+                        vs[t, d0 + x] = kv_elem(kv_src, h, j0 + t, 1, d0 + x)
+                else:
+                    for x in T.vectorized(v_lanes):
+                        vs[t, d0 + x] = T.Cast(dtype, ZERO)
+
+    @T.macro
+    def scores(s, qs, ks, sc, j0, nt, nq, vis_src, scale, tx):
+        """s[r, t] = scale * qs[r] . ks[t] for visible (row, key) pairs, -inf elsewhere."""
+        for i in T.unroll(SRM):
+            for jj in T.unroll(SCM):
+                sc[i, jj] = ZERO
+        for d in T.serial(D):
+            for i in T.unroll(SRM):
+                for jj in T.unroll(SCM):
+                    sc[i, jj] = sc[i, jj] + T.Cast(
+                        "float32", qs[T.min(tx // SCG + i * SRG, R - 1), (d + tx % 32 * rot) % D]) * T.Cast(
+                        "float32", ks[T.min(tx % SCG + jj * SCG, KC - 1), (d + tx % 32 * rot) % D])
+        for i in T.unroll(SRM):
+            for jj in T.unroll(SCM):
+                if tx // SCG + i * SRG < R and tx % SCG + jj * SCG < KC:
+                    s[tx // SCG + i * SRG, tx % SCG + jj * SCG] = T.if_then_else(
+                        T.And(T.And(tx % SCG + jj * SCG < nt, (tx // SCG + i * SRG) // G < nq),
+                              visible(vis_src[0], vis_src[1], vis_src[2], vis_src[3], vis_src[4], vis_src[5],
+                                      vis_src[6], vis_src[7] + T.min((tx // SCG + i * SRG) // G, nq - 1),
+                                      T.min(j0 + tx % SCG + jj * SCG, vis_src[4] - 1))),
+                        sc[i, jj] * scale, NEG_INF)
+
+    @T.macro
+    def softmax_rows(s, m, l, alpha, red, tx):
+        """Fold the chunk's scores into each row's (m, l); s becomes exp2(s - m_new).
+
+        Row guards sit inside the loops so that barriers never land inside a condition."""
+        for it in T.serial(_ceildiv(R, NT)):
+            row: T.let[T.int32] = T.min(it * NT + tx, R - 1)
+            red[0] = m[row]
+            for t in T.serial(KC):
+                red[0] = T.max(red[0], s[row, t])
+            red[1] = ZERO
+            # inside the guards index by it * NT + tx (not the clamped row): the barrier planner
+            # must see that each thread rereads only what it wrote itself
+            for t in T.serial(KC):
+                if it * NT + tx < R:
+                    p: T.let[T.float32] = T.if_then_else(red[0] == NEG_INF, ZERO,
+                                                         T.exp2(s[it * NT + tx, t] - red[0]))
+                    s[it * NT + tx, t] = p
+                    red[1] = red[1] + p
+            if it * NT + tx < R:
+                alpha[it * NT + tx] = T.if_then_else(m[it * NT + tx] == red[0], ONE, T.exp2(m[it * NT + tx] - red[0]))
+                l[it * NT + tx] = l[it * NT + tx] * alpha[it * NT + tx] + red[1]
+                m[it * NT + tx] = red[0]
+
+    @T.macro
+    def accumulate(acc, s, vs, alpha, nt, tx):
+        """acc = acc * alpha + p @ V over the chunk's ``nt`` rows."""
+        for i in T.unroll(ORM):
+            if tx // OCG + i * ORG < R:
+                for x in T.unroll(OCM):
+                    acc[i, x] = acc[i, x] * alpha[tx // OCG + i * ORG]
+                for t in T.serial(nt):
+                    for x in T.unroll(OCM):
+                        acc[i, x] = acc[i, x] + s[tx // OCG + i * ORG, t] * T.Cast(
+                            "float32", vs[t, T.min(tx % OCG * OCM + x, DV - 1)])
+
+    @T.macro
+    def store(out, acc, m, l, h, qbeg, tile0, nq, tx):
+        for i in T.unroll(ORM):
+            if tx // OCG + i * ORG < R:
+                if (tx // OCG + i * ORG) // G < nq:
+                    if partial:
+                        for x in T.unroll(OCM):
+                            if tx % OCG * OCM + x < DV:
+                                out[0][out[2] + h * G + (tx // OCG + i * ORG) % G, out[3], tx % OCG * OCM + x] = \
+                                    acc[i, x] * T.if_then_else(l[tx // OCG + i * ORG] > ZERO,
+                                                               ONE / l[tx // OCG + i * ORG], ZERO)
+                        if tx % OCG == 0:
+                            out[1][out[2] + h * G + (tx // OCG + i * ORG) % G, out[3]] = T.if_then_else(
+                                l[tx // OCG + i * ORG] > ZERO,
+                                m[tx // OCG + i * ORG] + T.log2(l[tx // OCG + i * ORG]), NEG_INF)
+                    else:
+                        for x in T.unroll(OCM):
+                            if tx % OCG * OCM + x < DV:
+                                out[0][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G,
+                                       tx % OCG * OCM + x] = T.Cast(dtype, acc[i, x] * T.if_then_else(
+                                           l[tx // OCG + i * ORG] > ZERO, ONE / l[tx // OCG + i * ORG], ZERO))
+                        if tx % OCG == 0:
+                            out[1][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G] = \
+                                T.if_then_else(l[tx // OCG + i * ORG] > ZERO,
+                                               m[tx // OCG + i * ORG] + T.log2(l[tx // OCG + i * ORG]), NEG_INF)
+
+    def chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds):
+        """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
+        if tree:
+            return 0, _ceildiv(kv_len, KC)
+        if window > 0:
+            row_lo = T.max(bounds[0] - window + 1 - k_pos0, 0)
+            row_hi = T.if_then_else(causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
+            return row_lo // KC, T.max(_ceildiv(row_hi, KC), row_lo // KC)
+        visible_rows = T.max(kv_len - q_len + tile0 + nq, 0)
+        return 0, T.if_then_else(causal > 0, T.min(_ceildiv(kv_len, KC), _ceildiv(visible_rows, KC)),
+                                 _ceildiv(kv_len, KC))
+
+    @T.macro
+    def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
+                    rotary_mode, rope_scale, rope_theta, sm_scale, tree_src, split, nsplit, active, tx):
+        qs = T.sblock_alloc_buffer((R, D), dtype, scope="shared")
+        ks = T.sblock_alloc_buffer((KC, D), dtype, scope="shared")
+        vs = T.sblock_alloc_buffer((KC, DV), dtype, scope="shared")
+        s = T.sblock_alloc_buffer((R, KC), "float32", scope="shared")
+        m = T.sblock_alloc_buffer((R,), "float32", scope="shared")
+        l = T.sblock_alloc_buffer((R,), "float32", scope="shared")
+        alpha = T.sblock_alloc_buffer((R,), "float32", scope="shared")
+        acc = T.sblock_alloc_buffer((ORM, OCM), "float32", scope="local")
+        sc = T.sblock_alloc_buffer((SRM, SCM), "float32", scope="local")
+        red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
+        if window > 0:
+            bounds[0] = q_rope_position[qbeg + tile0]
+            bounds[1] = q_rope_position[qbeg + tile0]
+            for i in T.serial(nq):
+                bounds[0] = T.min(bounds[0], q_rope_position[qbeg + tile0 + i])
+                bounds[1] = T.max(bounds[1], q_rope_position[qbeg + tile0 + i])
+        c_first, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
+        per_split: T.let[T.int32] = _ceildiv(c_end - c_first, nsplit)
+        c_lo: T.let[T.int32] = c_first + split * per_split
+        c_hi: T.let[T.int32] = T.if_then_else(active, T.min(c_end, c_lo + per_split), c_lo)
+        load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx)
+        for it in T.serial(_ceildiv(R, NT)):
+            if it * NT + tx < R:
+                m[it * NT + tx] = NEG_INF
+                l[it * NT + tx] = ZERO
+        for i in T.unroll(ORM):
+            for x in T.unroll(OCM):
+                acc[i, x] = ZERO
+        # explicit barrier: the planner puts its own inside the chunk loop, which may run zero
+        # times (an empty split, a row with no keys), and the store reads other threads' m, l
+        T.evaluate(T.tvm_storage_sync("shared"))
+        for c in T.serial(c_lo, T.max(c_hi, c_lo)):
+            nt: T.let[T.int32] = T.min(KC, kv_len - c * KC)
+            load_kv(ks, vs, kv_src, h, c * KC, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
+            scores(s, qs, ks, sc, c * KC, nt, nq,
+                   (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0), sm_scale * LOG2E, tx)
+            softmax_rows(s, m, l, alpha, red, tx)
+            accumulate(acc, s, vs, alpha, nt, tx)
+        store(out, acc, m, l, h, qbeg, tile0, nq, tx)
+
+    return attend_tile
+
+
+@T.macro
+def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
+    """found = (sequence, first token of the tile in it) of the ``tile_id``-th tile of
+    ``q_tokens`` tokens, counting each sequence's tiles in order; sequence -1 past the end."""
+    found[0] = -1
+    found[1] = 0
+    found[2] = 0
+    for b in T.serial(batch):
+        if found[0] == -1:
+            if tile_id < found[2] + _ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens):
+                found[0] = b
+                found[1] = (tile_id - found[2]) * q_tokens
+            found[2] = found[2] + _ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
+
+
+def merge_splits(spec: AttentionSpec, sched: GpuSchedule):
+    """Macro merging ``nsplit`` partial states per (row, head) by LSE into o / lse."""
+    DV, dtype, NT = spec.v_head_dim, spec.dtype, sched.threads
+
+    @T.macro
+    def merge(ws_o, ws_lse, o, lse, rows, nsplit):
+        for bx in T.thread_binding(_ceildiv(rows * DV, NT), thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("merge_splits"):
+                    T.reads()
+                    T.writes()
+                    red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    if bx * NT + tx < rows * DV:
+                        row: T.let[T.int32] = (bx * NT + tx) // DV
+                        d: T.let[T.int32] = (bx * NT + tx) % DV
+                        red[0] = NEG_INF
+                        for sp in T.serial(nsplit):
+                            red[0] = T.max(red[0], ws_lse[row, sp])
+                        red[1] = ZERO
+                        red[2] = ZERO
+                        if red[0] != NEG_INF:
+                            for sp in T.serial(nsplit):
+                                red[1] = red[1] + T.exp2(ws_lse[row, sp] - red[0])
+                                red[2] = red[2] + T.exp2(ws_lse[row, sp] - red[0]) * ws_o[row, sp, d]
+                        o[row // spec.num_qo_heads, row % spec.num_qo_heads, d] = T.Cast(
+                            dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
+                        if d == 0:
+                            lse[row // spec.num_qo_heads, row % spec.num_qo_heads] = T.if_then_else(
+                                red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+
+    return merge
+
+
+# ---------------------------------------------------------------------------- grids
+
+
+def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, tree: bool = False):
+    """Macro running the tile over every (query tile, KV head) of a prefill batch.
+
+    ``seq_src(bufs, b)`` returns the tile arguments of sequence b, ``(kv_src, kv_len, k_pos0,
+    tree_src)``, from the kernel's buffers ``bufs`` (a tuple the macro is given).
+    """
+    shape = TileShape.choose(spec, sched, decode=False)
+    tile = make_tile(spec, shape, kv_elem, tree=tree)
+    Hkv, TQ, NT = spec.num_kv_heads, shape.q_tokens, shape.threads
+
+    @T.macro
+    def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
+            rope_scale, rope_theta, sm_scale):
+        for bx in T.thread_binding(_ceildiv(total_q, TQ) + batch, thread="blockIdx.x"):
+            for by in T.thread_binding(Hkv, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.sblock("work"):
+                        T.reads()
+                        T.writes()
+                        found = T.sblock_alloc_buffer((3,), "int32", scope="local")
+                        find_tile(qo_indptr, batch, bx, TQ, found)
+                        # no branch around the tile (its barriers must not sit in a condition):
+                        # a block past the last tile runs an empty one
+                        b: T.let[T.int32] = T.max(found[0], 0)
+                        src = seq_src(bufs, b)
+                        tile(q, (o, lse), q_rope_position, src[0], by, qo_indptr[b],
+                             qo_indptr[b + 1] - qo_indptr[b], found[1], src[1], src[2], causal,
+                             rotary_mode, rope_scale, rope_theta, sm_scale, src[3], 0, 1, found[0] >= 0, tx)
+
+    return run
+
+
+def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
+    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge."""
+    shape = TileShape.choose(spec, sched, decode=True)
+    tile = make_tile(spec, shape, kv_elem, partial=True)
+    merge = merge_splits(spec, sched)
+    Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
+
+    @T.macro
+    def run(q, o, lse, q_rope_position, batch, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
+        ws_o = T.sblock_alloc_buffer((batch * Hq, NS, DV), "float32")
+        ws_lse = T.sblock_alloc_buffer((batch * Hq, NS), "float32")
+        nsplit: T.let[T.int32] = T.min(NS, T.max(1, _ceildiv(sched.min_blocks, batch * Hkv)))
+        for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
+            for by in T.thread_binding(nsplit, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.sblock("work"):
+                        T.reads()
+                        T.writes()
+                        src = seq_src(bufs, bx // Hkv)
+                        tile(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx % Hkv,
+                             bx // Hkv, 1, 0, src[1], src[2], 0, rotary_mode, rope_scale, rope_theta,
+                             sm_scale, src[3], by, nsplit, T.bool(True), tx)
+        merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
+
+    return run

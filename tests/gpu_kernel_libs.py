@@ -1,0 +1,64 @@
+"""Kernel libraries of ``test_kernels.py``'s configs for running those tests on a GPU host.
+
+On the development machine: ``python tests/gpu_kernel_libs.py DIR [--arch sm_90a]`` compiles the
+CUDA kernel set of every config in ``test_kernels.CONFIGS`` into ``DIR`` (plus nvcc fatbins in
+``DIR/cache``). On the GPU host (runtime-only TVM)::
+
+    RELAX_KVCACHE_CACHE_DIR=DIR/cache RELAX_KVCACHE_TEST_LIBS=DIR RELAX_KVCACHE_TEST_DEVICE=cuda \\
+        python -m pytest tests/test_kernels.py
+
+runs the kernel tests there against the same numpy references as on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pathlib
+import sys
+
+import tvm
+
+
+def _file(config, directory) -> pathlib.Path:
+    return pathlib.Path(directory) / f"kt-{hashlib.sha256(repr(config).encode()).hexdigest()[:16]}.so"
+
+
+def load(config, directory) -> tvm.runtime.Module:
+    """The prepared library of ``config`` (``relax_kvcache.deploy.load``)."""
+    from relax_kvcache import deploy
+
+    path = _file(config, directory)
+    if not path.exists():
+        raise FileNotFoundError(f"no prepared kernel library for {config} at {path}; run "
+                                f"python tests/gpu_kernel_libs.py {directory} on the development machine")
+    return deploy.load(str(path))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory")
+    parser.add_argument("--arch", default="sm_90a")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import os
+
+    os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str(pathlib.Path(args.directory) / "cache"))
+    from relax_kvcache import build, deploy
+    from relax_kvcache.targets import make_target
+    from test_kernels import CONFIGS
+
+    target = make_target("cuda", arch=args.arch)
+    pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
+    for name, config in CONFIGS.items():
+        executable = build._compile(build.KernelSetSpec.from_config(config), target, None)
+        executable.export_library(str(_file(config, args.directory)))
+        mod = executable.mod
+        source = next(m.inspect_source() for m in [mod, *mod.imports] if m.kind == "cuda")
+        deploy.nvcc_compile(source, arch=args.arch)
+        print(f"{name}: {_file(config, args.directory)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
