@@ -9,8 +9,8 @@ from .runtime import configure_cpu_threads
 
 configure_cpu_threads()
 
-from . import ffi_registry  # noqa: E402
-from .build import KERNEL_ROLES, build_kernels  # noqa: E402
+from . import deploy, ffi_registry, targets  # noqa: E402
+from .build import KERNEL_ROLES, build_kernels, export_kernels  # noqa: E402
 from .cache import PagedAttentionKVCache  # noqa: E402
 from .config import AttnKind, KVCacheConfig, RopeMode  # noqa: E402
 from .errors import (  # noqa: E402
@@ -20,8 +20,10 @@ from .errors import (  # noqa: E402
     KVCacheError,
     SequenceError,
 )
+from .deploy import DeployError  # noqa: E402
 from .ffi_registry import paged_attention_kv_cache_create  # noqa: E402
 from .kernel_set import KernelSet  # noqa: E402
+from .targets import TargetUnavailableError, make_target  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ __all__ = [
     "AttnKind",
     "CacheFullError",
     "ConfigError",
+    "DeployError",
     "ForwardError",
     "KERNEL_ROLES",
     "KVCacheConfig",
@@ -39,6 +42,11 @@ __all__ = [
     "PagedAttentionKVCache",
     "RopeMode",
     "SequenceError",
+    "TargetUnavailableError",
     "build_kernels",
+    "deploy",
+    "export_kernels",
+    "make_target",
     "paged_attention_kv_cache_create",
+    "targets",
 ]

@@ -3,6 +3,15 @@
 The kernel set is one IRModule whose functions are named by role (``KERNEL_ROLES``); it is
 compiled once per (kernel specs, target, TVM version, kernel sources) and stored as a shared
 library under :func:`cache_dir`. Later builds load that library instead of compiling.
+
+Targets are any of :data:`relax_kvcache.targets.TARGET_KINDS`. A GPU library can be built on a
+machine without that GPU: it is cached and exported (:func:`export_kernels`) as usual, but it is
+loaded back only where the device exists (elsewhere :func:`build_kernels` returns the freshly
+compiled module, good for ``export_library`` but not for calls). Load exported libraries on the
+GPU host with :func:`relax_kvcache.deploy.load`.
+
+This module does not import the kernel factories (TVMScript) until it compiles, so that
+``import relax_kvcache`` works with a runtime-only TVM.
 """
 
 from __future__ import annotations
@@ -11,14 +20,24 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import shutil
 import tempfile
-from typing import Callable, Dict, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 
 import tvm
-from tvm import tirx
 
-from . import tir_kernels as tk
 from .config import AttnKind, KVCacheConfig
+from .targets import check_can_compile, describe_target
+
+if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lacks
+    from tvm import tirx
+    from tvm.runtime.executable import Executable
+
+    from . import tir_kernels as tk
+
+_KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
+Progress = Optional[Callable[[str], None]]
+
 
 #: Roles of the kernels in a set, in the order the cache uses them.
 KERNEL_ROLES = (
@@ -54,6 +73,8 @@ class KernelSetSpec:
     def from_config(cls, config: KVCacheConfig) -> "KernelSetSpec":
         if any(kind == AttnKind.MLA for kind in config.attn_kinds):
             raise NotImplementedError("MLA layers are not supported by relax_kvcache yet")
+        from . import tir_kernels as tk
+
         attention = tk.AttentionSpec(
             num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
             qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
@@ -71,14 +92,33 @@ class KernelSetSpec:
             layer_window=config.layer_sliding_window_size if config.has_layer_windows else 0,
         )
 
-    def kernel_functions(self, sched: tk.CpuSchedule) -> Dict[str, tirx.PrimFunc]:
-        """The PrimFuncs of the set, keyed by role.
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set (those :meth:`kernel_functions` makes), in
+        :data:`KERNEL_ROLES` order."""
+        windowed = {
+            "attention_prefill_sliding_window": self.sliding_window,
+            "attention_decode_sliding_window": self.sliding_window,
+            "attention_prefill_ragged_sliding_window": bool(self.layer_window),
+        }
+        return tuple(role for role in KERNEL_ROLES if windowed.get(role, True))
+
+    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
+        """The PrimFuncs of the set, keyed by role (:meth:`roles`).
 
         The ``_sliding_window`` variants take ``[3, B]`` length info; with per-layer windows
         (``layer_window > 0``) they also mask keys outside each query's window, and a windowed
         ragged kernel serves the new tokens of ``MHA_SLIDING`` layers.
         """
-        windowed = dataclasses.replace(self.attention, sliding_window=True, window=self.layer_window)
+        return {role: self.kernel_function(role, sched) for role in self.roles()}
+
+    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+        """The PrimFunc of one role of the set (one of :meth:`roles`)."""
+        if role not in self.roles():
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+        from . import tir_kernels as tk
+
+        plain, windowed = self.attention, dataclasses.replace(
+            self.attention, sliding_window=True, window=self.layer_window)
         makers: Dict[str, Callable[[], tirx.PrimFunc]] = {
             "transpose_append": lambda: tk.make_transpose_append(self.page, sched),
             "split_rotary": lambda: tk.make_split_rotary(self.rope, sched),
@@ -86,18 +126,16 @@ class KernelSetSpec:
             "compact_copy": lambda: tk.make_compact_copy(self.page, sched),
             "debug_get_kv": lambda: tk.make_debug_get_kv(self.page, sched),
             "merge_inplace": lambda: tk.make_merge_inplace(self.merge, sched),
-            "attention_prefill_ragged": lambda: tk.make_ragged_prefill(self.attention, sched),
-            "attention_prefill": lambda: tk.make_paged_prefill(self.attention, sched),
-            "attention_decode": lambda: tk.make_paged_decode(self.attention, sched),
-            "attention_prefill_ragged_tree": lambda: tk.make_ragged_tree_prefill(self.attention, sched),
-            "attention_prefill_tree": lambda: tk.make_paged_tree_prefill(self.attention, sched),
+            "attention_prefill_ragged": lambda: tk.make_ragged_prefill(plain, sched),
+            "attention_prefill": lambda: tk.make_paged_prefill(plain, sched),
+            "attention_decode": lambda: tk.make_paged_decode(plain, sched),
+            "attention_prefill_sliding_window": lambda: tk.make_paged_prefill(windowed, sched),
+            "attention_decode_sliding_window": lambda: tk.make_paged_decode(windowed, sched),
+            "attention_prefill_ragged_sliding_window": lambda: tk.make_ragged_prefill(windowed, sched),
+            "attention_prefill_ragged_tree": lambda: tk.make_ragged_tree_prefill(plain, sched),
+            "attention_prefill_tree": lambda: tk.make_paged_tree_prefill(plain, sched),
         }
-        if self.sliding_window:
-            makers["attention_prefill_sliding_window"] = lambda: tk.make_paged_prefill(windowed, sched)
-            makers["attention_decode_sliding_window"] = lambda: tk.make_paged_decode(windowed, sched)
-        if self.layer_window:
-            makers["attention_prefill_ragged_sliding_window"] = lambda: tk.make_ragged_prefill(windowed, sched)
-        return {role: make() for role, make in makers.items()}
+        return makers[role]()
 
 
 def cache_dir() -> pathlib.Path:
@@ -110,8 +148,7 @@ def cache_dir() -> pathlib.Path:
 
 def _kernel_source_digest() -> str:
     digest = hashlib.sha256()
-    root = pathlib.Path(tk.__file__).parent
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(_KERNEL_SOURCE_DIR.glob("*.py")):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -128,7 +165,7 @@ def build_kernels(
     target: tvm.target.Target,
     *,
     use_cache: bool = True,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Progress = None,
 ) -> tvm.runtime.Module:
     """Compile (or load from the on-disk cache) the kernel set for ``config`` and ``target``.
 
@@ -137,7 +174,8 @@ def build_kernels(
     config : KVCacheConfig
         The cache configuration; only the fields in :class:`KernelSetSpec` matter.
     target : tvm.target.Target
-        Compilation target, e.g. ``tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})``.
+        Compilation target, e.g. ``tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})`` or
+        ``relax_kvcache.targets.make_target("cuda", arch="sm_90a")``.
     use_cache : bool
         Read and write the on-disk cache (default True).
     progress : callable, optional
@@ -146,31 +184,168 @@ def build_kernels(
     Returns
     -------
     tvm.runtime.Module
-        One module whose functions are named by :data:`KERNEL_ROLES`.
+        One module whose functions are named by :data:`KERNEL_ROLES`. For a GPU target whose
+        device this process cannot use (e.g. CUDA on a machine without a GPU), the freshly
+        compiled module: it can be exported but its functions cannot be called here.
+
+    Raises
+    ------
+    relax_kvcache.targets.TargetUnavailableError
+        TVM or the toolchain cannot compile for ``target`` (e.g. Vulkan without SPIR-V codegen).
     """
+    spec = _checked_spec(config, target)
+    loadable = can_load_here(target)
+    if not use_cache:
+        executable = _compile(spec, target, progress)
+        return executable.jit() if loadable else executable.mod
+    path = cache_path(spec, target)
+    if loadable and path.exists():
+        _report(progress, f"loading cached kernels {path.name}")
+        return tvm.runtime.load_module(str(path))
+    executable = _compile(spec, target, progress)
+    if not path.exists():
+        _export_atomic(executable, path)
+    return tvm.runtime.load_module(str(path)) if loadable else executable.mod
+
+
+def export_kernels(
+    config: KVCacheConfig,
+    target: tvm.target.Target,
+    path: Union[str, "os.PathLike[str]"],
+    *,
+    use_cache: bool = True,
+    progress: Progress = None,
+) -> pathlib.Path:
+    """Write the kernel set for ``config`` and ``target`` to one shared library at ``path``.
+
+    The library is copied from the on-disk cache when it is there, else compiled (and cached).
+    It does not need the target's device: a CUDA library built on a machine without a GPU
+    holds the CUDA source, which :func:`relax_kvcache.deploy.load` compiles on the GPU host.
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+        The cache configuration; only the fields in :class:`KernelSetSpec` matter.
+    target : tvm.target.Target
+        Compilation target (see :func:`relax_kvcache.targets.make_target`).
+    path : path-like
+        Library file to write, ending in ``.so``; its folder must exist. Replaced atomically.
+    use_cache : bool
+        Read and write the on-disk cache (default True).
+    progress : callable, optional
+        Called with a one-line message before compiling or copying.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``, absolute.
+    """
+    dest = _checked_output(path)
+    spec = _checked_spec(config, target)
+    if not use_cache:
+        _export_atomic(_compile(spec, target, progress), dest)
+        return dest
+    cached = cache_path(spec, target)
+    if cached.exists():
+        _report(progress, f"copying cached kernels {cached.name}")
+    else:
+        _export_atomic(_compile(spec, target, progress), cached)
+    _copy_atomic(cached, dest)
+    return dest
+
+
+def cache_path(spec: KernelSetSpec, target: tvm.target.Target) -> pathlib.Path:
+    """Where the on-disk cache keeps the library of ``spec`` compiled for ``target``."""
+    return cache_dir() / f"kernels-{target.kind.name}-{build_key(spec, target)}.so"
+
+
+def can_load_here(target: tvm.target.Target) -> bool:
+    """Whether a library compiled for ``target`` can be loaded (and run) in this process.
+
+    CPU libraries always can; GPU libraries where the target's device (index 0) exists, which
+    also means TVM's runtime for it is loaded.
+    """
+    kind = target.kind.name
+    if kind == "llvm":
+        return True
+    try:
+        return bool(tvm.device(kind, 0).exist)
+    except (ValueError, RuntimeError):  # a device type this TVM does not know
+        return False
+
+
+def _checked_spec(config: KVCacheConfig, target: tvm.target.Target) -> KernelSetSpec:
+    if not isinstance(config, KVCacheConfig):
+        raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
     if not isinstance(target, tvm.target.Target):
         raise TypeError(f"target must be a tvm.target.Target, got {type(target).__name__}")
-    spec = KernelSetSpec.from_config(config)
-    path = cache_dir() / f"kernels-{build_key(spec, target)}.so"
-    if use_cache and path.exists():
-        if progress:
-            progress(f"loading cached kernels {path.name}")
-        return tvm.runtime.load_module(str(path))
+    return KernelSetSpec.from_config(config)
+
+
+def _checked_output(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
+    dest = pathlib.Path(path).expanduser().absolute()
+    if dest.suffix != ".so":
+        raise ValueError(f"kernel library path must end in '.so', got {str(path)!r}")
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(f"folder of kernel library path {str(path)!r} does not exist: {dest.parent}")
+    if dest.is_dir():
+        raise IsADirectoryError(f"kernel library path {str(path)!r} is a folder")
+    return dest
+
+
+def _report(progress: Progress, message: str) -> None:
     if progress:
-        progress(f"compiling kernels for {target.kind.name} ({spec.attention.dtype}, "
-                 f"{spec.attention.num_qo_heads}/{spec.attention.num_kv_heads} heads, "
-                 f"head_dim {spec.attention.qk_head_dim})")
+        progress(message)
+
+
+def _compile(spec: KernelSetSpec, target: tvm.target.Target, progress: Progress) -> Executable:
+    from . import tir_kernels as tk
+
+    check_can_compile(target)
+    _report(progress, f"compiling kernels for {describe_target(target)} ({spec.attention.dtype}, "
+                      f"{spec.attention.num_qo_heads}/{spec.attention.num_kv_heads} heads, "
+                      f"head_dim {spec.attention.qk_head_dim})")
     funcs = spec.kernel_functions(tk.schedule_for(target))
     mod = tvm.IRModule({role: f.with_attr("global_symbol", role) for role, f in funcs.items()})
-    executable = tvm.compile(mod, target=target)
-    if not use_cache:
-        return executable.jit()
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".so", delete=False) as tmp:
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        return tvm.compile(mod, target=target)
+
+
+def _pass_config(target: tvm.target.Target) -> Dict[str, object]:
+    """GPU kernels compile without TIR common-subexpression elimination: it binds thread-indexed
+    addresses to let variables, which hides from TVM's barrier planner that a thread reads back
+    what it wrote itself, and the planner then wants barriers inside conditions (an error)."""
+    return {"tirx.disable_cse_tir": True} if _is_gpu_target(target) else {}
+
+
+def _is_gpu_target(target: tvm.target.Target) -> bool:
+    from .tir_kernels.schedule import GPU_TARGET_KINDS
+
+    return target.kind.name in GPU_TARGET_KINDS
+
+
+def _export_atomic(executable: Executable, path: pathlib.Path) -> None:
+    """``executable.export_library(path)`` through a temporary file in the same folder."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
         tmp_path = tmp.name
     try:
         executable.export_library(tmp_path)
+        os.chmod(tmp_path, 0o755)  # a temporary file is private (0600); a library is not
         os.replace(tmp_path, path)
     finally:
         if os.path.exists(tmp_path):
             os.unlink(tmp_path)
-    return tvm.runtime.load_module(str(path))
+
+
+def _copy_atomic(src: pathlib.Path, dest: pathlib.Path) -> None:
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
+        tmp_path = tmp.name
+    try:
+        shutil.copyfile(src, tmp_path)
+        os.chmod(tmp_path, 0o755)
+        os.replace(tmp_path, dest)
+    finally:
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)

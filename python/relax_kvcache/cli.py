@@ -1,21 +1,37 @@
-"""Command line: ``relax-kvcache demo``."""
+"""Command line: ``relax-kvcache demo`` and ``relax-kvcache build``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import List, Optional
+
+from .config import SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
+from .targets import TARGET_KINDS
+
+_ROPE_MODES = {mode.name.lower(): mode for mode in RopeMode}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relax-kvcache", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_demo_parser(commands)
+    _add_build_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        return _run_build(args)
+    return _run_demo(args)
+
+
+def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser("demo", help="run a small serving workload on the CPU, checked against numpy")
     demo.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--quiet", action="store_true", help="print only the summary line")
-    args = parser.parse_args(argv)
 
+
+def _run_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     def log(message: str) -> None:
@@ -28,6 +44,76 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"through the cache, max |error| vs float64 reference {result.max_error:.1e} "
           f"(tolerance {result.tolerance:.0e})", flush=True)
     return 0 if result.ok else 1
+
+
+def _add_build_parser(commands: argparse._SubParsersAction) -> None:
+    build = commands.add_parser(
+        "build", help="compile the kernel set of a cache shape for a target into one shared library",
+        description="Compile the kernels of a KV cache shape for a target into one library, e.g. "
+                    "`relax-kvcache build --target cuda --arch sm_90a --num-qo-heads 32 "
+                    "--num-kv-heads 8 --head-dim 128 --output kernels.so`. Load it with "
+                    "relax_kvcache.deploy.load (also on a GPU host with a runtime-only TVM).")
+    build.add_argument("--target", default="llvm", choices=TARGET_KINDS, help="target kind (default: llvm)")
+    build.add_argument("--arch", help="device model: cuda sm_80 (default), sm_90a, ...; rocm gfx90a (default), "
+                                      "gfx942, ...; llvm a CPU model (default: this machine's CPU)")
+    build.add_argument("--output", "-o", required=True, help="library file to write (.so)")
+    build.add_argument("--num-qo-heads", type=int, required=True, help="query/output heads")
+    build.add_argument("--num-kv-heads", type=int, required=True, help="key/value heads")
+    build.add_argument("--head-dim", type=int, required=True, help="features per head")
+    build.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
+    build.add_argument("--dtype", default="float16", choices=SUPPORTED_DTYPES, help="KV dtype (default: float16)")
+    build.add_argument("--rope-mode", default="normal", choices=sorted(_ROPE_MODES, key=lambda m: _ROPE_MODES[m]),
+                       help="where RoPE is applied (default: normal)")
+    build.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (default: 10000)")
+    build.add_argument("--rope-scale", type=float, default=1.0, help="RoPE position scale (default: 1)")
+    build.add_argument("--sliding-window", action="store_true",
+                       help="support per-sequence sliding windows (builds the windowed attention kernels)")
+    build.add_argument("--layer-window", type=int, metavar="N",
+                       help="window of MHA_SLIDING layers (builds the per-layer windowed kernels)")
+    build.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk kernel cache")
+    build.add_argument("--quiet", action="store_true", help="print only the summary line")
+
+
+def build_config(args: argparse.Namespace) -> KVCacheConfig:
+    """The cache configuration of ``relax-kvcache build`` arguments.
+
+    Layer and page counts are placeholders: the kernels do not depend on them
+    (:class:`relax_kvcache.build.KernelSetSpec`). With ``--layer-window`` one of two layers is
+    ``MHA_SLIDING``.
+    """
+    kinds = None if args.layer_window is None else (AttnKind.MHA_SLIDING, AttnKind.MHA)
+    window = {} if args.layer_window is None else {"layer_sliding_window_size": args.layer_window}
+    return KVCacheConfig(
+        num_layers=1 if kinds is None else len(kinds), num_qo_heads=args.num_qo_heads,
+        num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=args.page_size,
+        dtype=args.dtype, rope_mode=_ROPE_MODES[args.rope_mode], rope_theta=args.rope_theta,
+        rope_scale=args.rope_scale, support_sliding_window=args.sliding_window, attn_kinds=kinds,
+        **window)
+
+
+def _run_build(args: argparse.Namespace) -> int:
+    from .build import KernelSetSpec, export_kernels
+    from .targets import TargetUnavailableError, describe_target, make_target
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, flush=True)
+
+    start = time.perf_counter()
+    try:
+        config = build_config(args)
+        target = make_target(args.target, arch=args.arch)
+        path = export_kernels(config, target, args.output, use_cache=not args.no_cache, progress=log)
+    except (ValueError, TypeError, NotImplementedError, OSError, TargetUnavailableError) as err:
+        print(f"relax-kvcache build: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    roles = KernelSetSpec.from_config(config).roles()
+    print(f"built {path} ({path.stat().st_size / 2**20:.2f} MiB) in {time.perf_counter() - start:.1f} s: "
+          f"{len(roles)} kernels for {describe_target(target)}, {config.dtype}, "
+          f"{config.num_qo_heads}/{config.num_kv_heads} heads, head_dim {config.head_dim}, "
+          f"page {config.page_size}", flush=True)
+    log("kernels: " + ", ".join(roles))
+    return 0
 
 
 if __name__ == "__main__":

@@ -33,13 +33,48 @@ def configure_cpu_threads() -> None:
         os.environ["TVM_NUM_THREADS"] = str(physical_core_count())
 
 
-def default_target(device: tvm.runtime.Device) -> tvm.target.Target:
-    """The target to compile kernels for ``device``: the host CPU model for ``llvm``."""
-    if device.dlpack_device_type() != tvm.cpu().dlpack_device_type():
-        raise NotImplementedError(
-            f"relax_kvcache runs on CPU devices so far; got {device}. CUDA support is planned.")
+def host_target() -> tvm.target.Target:
+    """The ``llvm`` target of this machine's CPU: its model (``mcpu``) and physical core count."""
     config = {"kind": "llvm", "num-cores": physical_core_count()}
     cpu = tvm.target.codegen.llvm_get_system_cpu()
     if cpu and cpu != "generic":
         config["mcpu"] = cpu
     return tvm.target.Target(config)
+
+
+def default_target(device: tvm.runtime.Device) -> tvm.target.Target:
+    """The target to compile kernels for ``device``.
+
+    Parameters
+    ----------
+    device : tvm.runtime.Device
+        ``tvm.cpu()``: the host CPU model (:func:`host_target`). ``tvm.cuda(i)``: ``cuda`` with
+        the architecture of that GPU (compute capability 9.0 -> ``sm_90a``, 8.0 -> ``sm_80``).
+
+    Raises
+    ------
+    TargetUnavailableError
+        A CUDA device that this process cannot see (no GPU, driver or TVM CUDA runtime).
+    NotImplementedError
+        Other device types: pass a target explicitly (:func:`relax_kvcache.targets.make_target`).
+    """
+    kind = device.dlpack_device_type()
+    if kind == tvm.cpu().dlpack_device_type():
+        return host_target()
+    if kind == tvm.cuda().dlpack_device_type():
+        return _cuda_target(device)
+    raise NotImplementedError(
+        f"relax_kvcache picks default targets for CPU and CUDA devices only; got {device}. Pass "
+        "target=relax_kvcache.targets.make_target(kind, arch=...) explicitly (kinds: llvm, cuda, "
+        "rocm, metal, webgpu, opencl).")
+
+
+def _cuda_target(device: tvm.runtime.Device) -> tvm.target.Target:
+    from .targets import TargetUnavailableError, cuda_arch, make_target
+
+    if not device.exist:
+        raise TargetUnavailableError(
+            f"{device} is not available in this process (no GPU, CUDA driver or TVM CUDA runtime), "
+            "so its architecture is unknown; pass target=make_target('cuda', arch='sm_90a') "
+            "(or your GPU's arch) explicitly")
+    return make_target("cuda", arch=cuda_arch(device.compute_version))

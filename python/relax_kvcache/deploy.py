@@ -1,0 +1,360 @@
+"""Load exported kernel libraries, also on a GPU host where only TVM's runtime is installed.
+
+A CUDA kernel library built on a machine without a GPU (``relax-kvcache build --target cuda``,
+:func:`relax_kvcache.build.export_kernels`) holds the generated CUDA C++ *source*. Loading it
+needs (1) TVM's CUDA runtime, ``libtvm_runtime_cuda.so``, which ``import tvm`` does not load in
+runtime-only mode (``TVM_USE_RUNTIME_LIB=1``), and (2) a global function
+``tvm_callback_cuda_compile(code) -> bytes`` that turns the source into device code; TVM's own
+callback needs TVM's compiler library. :func:`load` provides both: it loads the CUDA runtime
+when it is missing and, where TVM's callback cannot work, registers one that runs ``nvcc`` and
+caches the fatbin on disk (a full kernel set takes tens of seconds to compile).
+
+Everything here works with a runtime-only TVM: it imports no compiler part of TVM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import importlib.util
+import mmap
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+from typing import Any, List, Optional, Union
+
+import tvm
+import tvm_ffi
+
+from .targets import check_cuda_arch, cuda_arch
+
+#: File name of TVM's CUDA runtime library (device API, CUDA module loader).
+CUDA_RUNTIME_LIB = "libtvm_runtime_cuda.so"
+
+#: Name of the global function TVM calls to compile CUDA source when loading a module.
+CUDA_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
+
+# Serialized kind of a CUDA module inside an exported library: a uint64 length, then "cuda".
+_CUDA_MODULE_MARK = (4).to_bytes(8, "little") + b"cuda"
+_STDERR_TAIL_CHARS = 4000
+#: Folders searched for nvcc after PATH, $CUDA_HOME/bin and $CUDA_PATH/bin.
+_NVCC_FALLBACK_DIRS = ("/usr/local/cuda/bin",)
+
+
+class DeployError(RuntimeError):
+    """A kernel library cannot be loaded here: a runtime library, nvcc or a device is missing."""
+
+
+@dataclasses.dataclass
+class _CallbackState:
+    """Whether our CUDA compile callback is the registered one, the arch it compiles for, and
+    the error it raised last (TVM's loader turns it into a RuntimeError; :func:`load` re-raises it)."""
+
+    installed: bool = False
+    arch: Optional[str] = None
+    error: Optional[DeployError] = None
+
+
+_CALLBACK = _CallbackState()
+_LOADED_LIBRARIES: List[ctypes.CDLL] = []  # keep ctypes handles (and so the libraries) alive
+
+
+def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.Device] = None) -> tvm.runtime.Module:
+    """Load a kernel library written by ``relax-kvcache build`` or :func:`~relax_kvcache.build.export_kernels`.
+
+    Parameters
+    ----------
+    path : path-like
+        The library (``.so``).
+    device : tvm.runtime.Device, optional
+        The device the kernels will run on. With a CUDA device (or, when None, a library that
+        holds CUDA code) the CUDA runtime and compile callback are prepared first
+        (:func:`prepare_cuda`), for that device's architecture.
+
+    Returns
+    -------
+    tvm.runtime.Module
+        The kernels, by role (:data:`relax_kvcache.build.KERNEL_ROLES`); pass it to
+        :meth:`relax_kvcache.KernelSet.from_module`.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` is not a file.
+    DeployError
+        The CUDA runtime library, the GPU, or nvcc is missing, or nvcc failed.
+    """
+    library = _checked_library(path)
+    if device is not None and not isinstance(device, tvm.runtime.Device):
+        raise TypeError(f"device must be a tvm.runtime.Device or None, got {type(device).__name__}")
+    if device is None and library_holds_cuda(library):
+        device = tvm.cuda(0)
+    if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
+        prepare_cuda(device)
+    return _load_module(library)
+
+
+def _load_module(library: pathlib.Path) -> tvm.runtime.Module:
+    """``tvm.runtime.load_module``, re-raising our callback's error (TVM turns it into a RuntimeError)."""
+    _CALLBACK.error = None
+    try:
+        return tvm.runtime.load_module(str(library))
+    except Exception:
+        error, _CALLBACK.error = _CALLBACK.error, None
+        if error is not None:
+            raise error from None
+        raise
+
+
+def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
+    library = pathlib.Path(path).expanduser()
+    if not library.is_file():
+        what = "is a folder" if library.is_dir() else "does not exist"
+        raise FileNotFoundError(
+            f"kernel library {str(path)!r} {what}; expected a .so file written by "
+            "`relax-kvcache build --output FILE.so` or relax_kvcache.build.export_kernels")
+    return library
+
+
+def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:
+    """Whether an exported library embeds a CUDA module (a look for its serialized kind)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return False
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return data.find(_CUDA_MODULE_MARK) >= 0
+
+
+def prepare_cuda(device: Optional[tvm.runtime.Device] = None) -> str:
+    """Make CUDA modules loadable in this process; return the arch compiled for.
+
+    Loads TVM's CUDA runtime if needed (:func:`load_cuda_runtime`), checks that ``device``
+    (default ``tvm.cuda(0)``) exists, and installs our compile callback for its architecture
+    where TVM's cannot work (:func:`install_cuda_compile_callback`).
+    """
+    device = tvm.cuda(0) if device is None else device
+    load_cuda_runtime()
+    if not device.exist:
+        raise DeployError(
+            f"{device} is not available: TVM's CUDA runtime is loaded but finds no such GPU "
+            "(is the NVIDIA driver, libcuda.so.1, installed and the device visible? "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')})")
+    arch = cuda_arch(device.compute_version)
+    install_cuda_compile_callback(arch=arch)
+    return arch
+
+
+# ----------------------------------------------------------------------------------------------
+# TVM's CUDA runtime library
+# ----------------------------------------------------------------------------------------------
+
+
+def cuda_runtime_registered() -> bool:
+    """Whether TVM's CUDA device API is registered in this process."""
+    return tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is not None
+
+
+def load_cuda_runtime() -> Optional[pathlib.Path]:
+    """Load TVM's CUDA runtime library unless its device API is already registered.
+
+    ``import tvm`` loads it in full mode (when the CUDA libraries are present) but not with
+    ``TVM_USE_RUNTIME_LIB=1``. It is loaded with ``RTLD_LOCAL``, as TVM does; it needs
+    ``libcudart.so.13`` and the driver's ``libcuda.so.1`` on the library path.
+
+    Returns
+    -------
+    pathlib.Path or None
+        The library loaded, or None when the CUDA runtime was already there.
+    """
+    if cuda_runtime_registered():
+        return None
+    folders = _cuda_runtime_folders()
+    path = next((folder / CUDA_RUNTIME_LIB for folder in folders if (folder / CUDA_RUNTIME_LIB).is_file()), None)
+    if path is None:
+        raise DeployError(
+            f"TVM's CUDA runtime {CUDA_RUNTIME_LIB} not found; looked in "
+            f"{', '.join(map(str, folders))}. Install a TVM package built with CUDA, or set "
+            "TVM_LIBRARY_PATH to the folder that holds it.")
+    try:
+        _LOADED_LIBRARIES.append(ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL))
+    except OSError as err:
+        raise DeployError(
+            f"could not load {path}: {err}. It needs the CUDA runtime (libcudart.so.13) and the "
+            f"NVIDIA driver (libcuda.so.1) on the library path; LD_LIBRARY_PATH="
+            f"{os.environ.get('LD_LIBRARY_PATH', '<unset>')}") from err
+    if not cuda_runtime_registered():
+        raise DeployError(f"loaded {path}, but it registered no CUDA device API ('device_api.cuda')")
+    return path
+
+
+def _cuda_runtime_folders() -> List[pathlib.Path]:
+    """Where TVM's runtime libraries may be: TVM_LIBRARY_PATH, beside libtvm_runtime, the package."""
+    folders = [pathlib.Path(p) for p in os.environ.get("TVM_LIBRARY_PATH", "").split(os.pathsep) if p]
+    runtime = getattr(tvm.base, "_LOADED_LIBS", {}).get("tvm_runtime")
+    if runtime is not None and getattr(runtime, "_name", None):
+        folders.append(pathlib.Path(runtime._name).resolve().parent)
+    package = pathlib.Path(tvm.__file__).resolve().parent
+    folders += [package / "lib", package]
+    return list(dict.fromkeys(folders))
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling CUDA source when a module is loaded
+# ----------------------------------------------------------------------------------------------
+
+
+def install_cuda_compile_callback(*, arch: Optional[str] = None, force: bool = False) -> bool:
+    """Register our nvcc-based ``tvm_callback_cuda_compile`` unless TVM's own one can work.
+
+    TVM's callback (``tvm.support.nvcc``) needs TVM's compiler library and, in its default
+    NVRTC mode, the ``cuda-python`` bindings; ours needs only ``nvcc`` (:func:`nvcc_compile`).
+    Ours is registered when no callback exists, when ours is already the registered one (to
+    update ``arch``), when TVM runs runtime-only, when TVM's mode lacks what it needs, or when
+    ``force`` is set.
+
+    Parameters
+    ----------
+    arch : str, optional
+        CUDA architecture to compile for (``"sm_90a"``); default: that of ``tvm.cuda(0)``,
+        looked up when the callback runs.
+    force : bool
+        Register ours even where TVM's callback would work.
+
+    Returns
+    -------
+    bool
+        Whether ours is the registered callback now.
+    """
+    if arch is not None:
+        check_cuda_arch(arch)
+    if not (force or _CALLBACK.installed or not _tvm_callback_usable()):
+        return False
+    tvm_ffi.register_global_func(CUDA_COMPILE_CALLBACK, _compile_callback, override=True)
+    _CALLBACK.installed, _CALLBACK.arch = True, arch
+    return True
+
+
+def _tvm_callback_usable() -> bool:
+    if tvm_ffi.get_global_func(CUDA_COMPILE_CALLBACK, allow_missing=True) is None:
+        return False
+    if getattr(tvm.base, "_RUNTIME_ONLY", False):
+        return False
+    mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
+    if mode == "nvcc":
+        return shutil.which("nvcc") is not None
+    if mode == "nvrtc":
+        return _module_exists("cuda.bindings.nvrtc")
+    return False
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def _compile_callback(code: str, *_ignored: Any) -> bytes:
+    """``tvm_callback_cuda_compile``: CUDA source -> fatbin for the arch installed (or the GPU's)."""
+    try:
+        arch = _CALLBACK.arch if _CALLBACK.arch is not None else cuda_arch(tvm.cuda(0).compute_version)
+        return nvcc_compile(str(code), arch=arch)
+    except DeployError as err:
+        _CALLBACK.error = err
+        raise
+
+
+def nvcc_compile(code: str, *, arch: str, use_cache: bool = True) -> bytes:
+    """Compile CUDA source to a fatbin with ``nvcc --fatbin -O3 -arch=ARCH``, cached on disk.
+
+    The cache is ``<relax_kvcache cache dir>/cuda-fatbin/<sha256(arch, source)>.fatbin`` (see
+    :func:`relax_kvcache.build.cache_dir`); clear it after changing the CUDA toolkit.
+
+    Parameters
+    ----------
+    code : str
+        CUDA C++ source, as TVM's CUDA code generator writes it.
+    arch : str
+        Architecture, e.g. ``"sm_90a"`` (see :func:`relax_kvcache.targets.cuda_arch`).
+    use_cache : bool
+        Read and write the fatbin cache (default True).
+
+    Raises
+    ------
+    DeployError
+        ``nvcc`` is not found, or it failed (the message ends with its stderr).
+    """
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str of CUDA source, got {type(code).__name__}")
+    check_cuda_arch(arch)
+    cached = fatbin_cache_path(code, arch=arch)
+    if use_cache and cached.is_file():
+        return cached.read_bytes()
+    fatbin = _run_nvcc(code, arch)
+    if use_cache:
+        _write_atomic(cached, fatbin)
+    return fatbin
+
+
+def fatbin_cache_path(code: str, *, arch: str) -> pathlib.Path:
+    """Where :func:`nvcc_compile` caches the fatbin of ``code`` for ``arch``."""
+    from .build import cache_dir
+
+    key = hashlib.sha256(f"{arch}\n{code}".encode()).hexdigest()
+    return cache_dir() / "cuda-fatbin" / f"{key}.fatbin"
+
+
+def find_nvcc() -> str:
+    """Path of ``nvcc``: on PATH, else in ``$CUDA_HOME/bin``, ``$CUDA_PATH/bin``, ``/usr/local/cuda/bin``."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    folders = [os.path.join(os.environ[var], "bin") for var in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(var)]
+    folders += _NVCC_FALLBACK_DIRS
+    for folder in folders:
+        candidate = os.path.join(folder, "nvcc")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise DeployError(
+        f"nvcc not found: searched PATH={os.environ.get('PATH', '')} and {', '.join(folders)}. "
+        "Loading a CUDA kernel library built elsewhere compiles its CUDA source here: install the "
+        "CUDA toolkit or put nvcc on PATH.")
+
+
+def _run_nvcc(code: str, arch: str) -> bytes:
+    nvcc = find_nvcc()
+    with tempfile.TemporaryDirectory(prefix="relax_kvcache_nvcc_") as tmp:
+        source, output = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
+        with open(source, "w") as f:
+            f.write(code)
+        cmd = [nvcc, "--fatbin", "-O3", "-w", f"-arch={arch}", "-o", output, source]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise DeployError(_nvcc_failure(cmd, proc, arch))
+        with open(output, "rb") as f:
+            return f.read()
+
+
+def _nvcc_failure(cmd: List[str], proc: subprocess.CompletedProcess, arch: str) -> str:
+    """The message of a failed nvcc run: command, first error line, tail of stderr."""
+    output = proc.stderr or proc.stdout or ""
+    first = next((line.strip() for line in output.splitlines() if "error" in line), "")
+    return (f"nvcc failed (exit {proc.returncode}) compiling CUDA source for {arch}: {' '.join(cmd)}\n"
+            f"first error: {first}\n--- stderr (tail) ---\n{output[-_STDERR_TAIL_CHARS:]}")
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
+        tmp.write(data)
+    try:
+        os.chmod(tmp.name, 0o644)
+        os.replace(tmp.name, path)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)

@@ -1,0 +1,293 @@
+"""Compilation targets of the kernels: construction, validation and toolchain checks.
+
+``make_target(kind, arch=...)`` builds a :class:`tvm.target.Target` for one of
+:data:`TARGET_KINDS` and checks up front that the installed TVM (and, for ROCm, the system
+toolchain) can compile for it, so that a missing capability is reported by name instead of
+surfacing as a TVM internal error halfway through a build.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+import subprocess
+from typing import Any, Dict, List, Optional
+
+import tvm
+import tvm_ffi
+
+#: Target kinds relax_kvcache compiles its kernels for.
+TARGET_KINDS = ("llvm", "cuda", "rocm", "metal", "webgpu", "opencl", "vulkan")
+
+#: CUDA architecture used when ``make_target("cuda")`` is given none (Ampere, runs on newer GPUs).
+DEFAULT_CUDA_ARCH = "sm_80"
+
+#: AMD GPU used when ``make_target("rocm")`` is given none (MI200 series).
+DEFAULT_ROCM_MCPU = "gfx90a"
+
+#: Oldest ld.lld that links the AMDGPU code objects of TVM's LLVM (ld.lld 14 fails with
+#: "unknown abi version"; 19 and 22 were checked to work).
+MIN_LLD_MAJOR = 16
+
+_CUDA_ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
+_COMPUTE_VERSION = re.compile(r"^(\d+)\.(\d+)$")
+_AMDGPU_TRIPLE = "amdgcn-amd-amdhsa"
+
+
+class TargetUnavailableError(RuntimeError):
+    """The installed TVM or the system toolchain cannot compile for (or run on) a target."""
+
+
+def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm.target.Target:
+    """A compilation target for the kernels, checked for what compiling for it needs.
+
+    Parameters
+    ----------
+    kind : str
+        One of :data:`TARGET_KINDS`.
+    arch : str, optional
+        The device model: a CUDA architecture (``"sm_80"``, ``"sm_90a"``; default
+        :data:`DEFAULT_CUDA_ARCH`), an AMD GPU (``"gfx90a"``, ``"gfx942"``; default
+        :data:`DEFAULT_ROCM_MCPU`) or, for ``llvm``, a CPU model (``"znver3"``). Other kinds
+        take none.
+    **options
+        Further target attributes passed to TVM (e.g. ``max_shared_memory_per_block``);
+        underscores or dashes as TVM spells them.
+
+    Returns
+    -------
+    tvm.target.Target
+        For ``llvm`` without ``arch`` or options: the host CPU, as
+        :func:`relax_kvcache.runtime.default_target` picks it for ``tvm.cpu()``.
+
+    Raises
+    ------
+    ValueError
+        Unknown kind, malformed ``arch``, ``arch`` for a kind that takes none, or an option
+        TVM does not know for the kind.
+    TargetUnavailableError
+        The installed TVM or toolchain cannot compile for the target (see
+        :func:`check_can_compile`).
+    """
+    if not isinstance(kind, str):
+        raise TypeError(f"target kind must be a str, got {type(kind).__name__}")
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"unknown target kind {kind!r}{_did_you_mean(kind, TARGET_KINDS)}; "
+                         f"expected one of {', '.join(TARGET_KINDS)}")
+    if arch is not None and not isinstance(arch, str):
+        raise TypeError(f"arch must be a str or None, got {type(arch).__name__}")
+    if kind == "llvm" and arch is None and not options:
+        from .runtime import host_target
+
+        return host_target()
+    target = _create(_target_config(kind, arch, options))
+    check_can_compile(target)
+    return target
+
+
+def _target_config(kind: str, arch: Optional[str], options: Dict[str, Any]) -> Dict[str, Any]:
+    reserved = {"kind", "arch", "mcpu"} & set(options)
+    if reserved:
+        raise ValueError(f"pass the device model as arch=..., not as option(s) {sorted(reserved)}")
+    config: Dict[str, Any] = {"kind": kind, **options}
+    if kind == "cuda":
+        config["arch"] = check_cuda_arch(DEFAULT_CUDA_ARCH if arch is None else arch)
+    elif kind == "rocm":
+        config["mcpu"] = _checked_cpu(DEFAULT_ROCM_MCPU if arch is None else arch, _AMDGPU_TRIPLE,
+                                      "an AMD GPU such as 'gfx90a', 'gfx942' or 'gfx1100'")
+    elif kind == "llvm" and arch is not None:
+        config["mcpu"] = _checked_cpu(arch, _host_triple(), "a CPU model such as 'znver3' or "
+                                      "'skylake-avx512' (see llc -mcpu=help)")
+    elif arch is not None:
+        raise ValueError(f"target kind {kind!r} takes no arch (got {arch!r}); arch applies to "
+                         "cuda (sm_XX), rocm (gfxNNN) and llvm (CPU model)")
+    return config
+
+
+def _create(config: Dict[str, Any]) -> tvm.target.Target:
+    try:
+        return tvm.target.Target(config)
+    except ValueError as err:
+        raise ValueError(f"TVM rejected target {config}: {str(err).splitlines()[0]}") from None
+
+
+def check_cuda_arch(arch: str) -> str:
+    """``arch`` if it names a CUDA architecture (``sm_<digits>`` with optional ``a``/``f``).
+
+    Raises
+    ------
+    ValueError
+        ``arch`` is malformed, e.g. ``"sm80"``, ``"90a"`` or ``"compute_90"``.
+    """
+    if not isinstance(arch, str) or not _CUDA_ARCH.match(arch):
+        raise ValueError(f"CUDA arch must look like 'sm_80', 'sm_89' or 'sm_90a', got {arch!r}")
+    return arch
+
+
+def cuda_arch(compute_version: str) -> str:
+    """The nvcc / TVM architecture for a CUDA compute capability.
+
+    ``"9.0"`` maps to ``"sm_90a"`` (Hopper's architecture-specific features); any other
+    ``"<major>.<minor>"`` maps to ``"sm_<major><minor>"``.
+
+    Parameters
+    ----------
+    compute_version : str
+        As reported by ``tvm.cuda(i).compute_version``, e.g. ``"8.0"``.
+    """
+    match = _COMPUTE_VERSION.match(compute_version) if isinstance(compute_version, str) else None
+    if match is None:
+        raise ValueError(f"CUDA compute version must look like '8.0' or '9.0', got {compute_version!r}")
+    major, minor = match.groups()
+    return "sm_90a" if (major, minor) == ("9", "0") else f"sm_{major}{minor}"
+
+
+def describe_target(target: tvm.target.Target) -> str:
+    """A short name of a target: its kind and device model, e.g. ``"cuda sm_90a"``, ``"llvm znver3"``."""
+    attrs = target.attrs
+    model = next((str(attrs[key]) for key in ("arch", "mcpu") if key in attrs), "")
+    return f"{target.kind.name} {model}".strip()
+
+
+def _checked_cpu(mcpu: str, triple: str, expected: str) -> str:
+    from tvm.target import codegen
+
+    if not mcpu or not codegen.llvm_is_valid_cpu(mcpu, triple):
+        raise ValueError(f"{mcpu!r} is not a CPU LLVM knows for {triple}; expected {expected}")
+    return mcpu
+
+
+def _host_triple() -> str:
+    from tvm.target import codegen
+
+    return codegen.llvm_get_system_triple()
+
+
+def _did_you_mean(value: str, choices: tuple) -> str:
+    close = difflib.get_close_matches(value, choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# What compiling for a target needs
+# ----------------------------------------------------------------------------------------------
+
+
+def check_can_compile(target: tvm.target.Target) -> None:
+    """Raise :class:`TargetUnavailableError` unless this process can compile for ``target``.
+
+    Checks that TVM has the target's code generator (the 0.27 wheel has none for Vulkan:
+    SPIR-V codegen needs a TVM built with ``USE_VULKAN=ON``) and, for ROCm, that LLVM has its
+    AMDGPU backend, that ``ld.lld`` (new enough) is installed and that the ROCm device
+    libraries are found.
+    """
+    kind = target.kind.name
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"relax_kvcache compiles for target kinds {', '.join(TARGET_KINDS)}; got {kind!r}")
+    if tvm_ffi.get_global_func(f"target.build.{kind}", allow_missing=True) is None:
+        raise TargetUnavailableError(_missing_codegen_message(kind))
+    if kind == "rocm":
+        check_rocm_toolchain()
+
+
+def _missing_codegen_message(kind: str) -> str:
+    if kind == "vulkan":
+        return ("TVM built without SPIR-V code generation (USE_VULKAN): the installed TVM "
+                f"{tvm.__version__} has no 'target.build.vulkan'. Build TVM from source with "
+                "USE_VULKAN=ON (needs the Vulkan SDK / SPIRV-Tools) to compile for Vulkan, or use "
+                "another target kind.")
+    return (f"the installed TVM {tvm.__version__} has no code generator for target kind {kind!r} "
+            f"(global function 'target.build.{kind}' is missing; runtime-only TVM compiles nothing)")
+
+
+def check_rocm_toolchain() -> Dict[str, str]:
+    """What building for ROCm needs besides TVM: ``{"ld.lld": path, "bitcode": folder}``.
+
+    TVM's AMDGPU code generator links the ROCm device libraries (``ocml.bc`` ...) into each
+    module and then calls ``ld.lld`` to turn the object into a code object. On Debian:
+    ``apt-get install lld-<N> rocm-device-libs`` and ``ROCM_PATH=/usr/lib/x86_64-linux-gnu``.
+
+    Raises
+    ------
+    TargetUnavailableError
+        No AMDGPU backend in TVM's LLVM, no (or too old an) ``ld.lld``, or no device libraries.
+    """
+    from tvm.target import codegen
+
+    if "amdgcn" not in codegen.llvm_get_targets():
+        raise TargetUnavailableError("TVM's LLVM was built without the AMDGPU backend (no 'amdgcn' "
+                                     "in tvm.target.codegen.llvm_get_targets()); cannot compile for ROCm")
+    return {"ld.lld": _find_lld(), "bitcode": _find_rocm_bitcode()}
+
+
+def _lld_candidates() -> List[str]:
+    """The linkers TVM's ``tvm_callback_rocm_link`` tries, in its order."""
+    from tvm.target import codegen
+
+    major = codegen.llvm_version_major(allow_none=True)
+    names = [f"ld.lld-{major}.0", f"ld.lld-{major}"] if major is not None else []
+    names.append("ld.lld")
+    return names + [f"/opt/rocm/llvm/bin/{name}" for name in names]
+
+
+def _find_lld() -> str:
+    candidates = _lld_candidates()
+    found = [path for path in map(shutil.which, candidates) if path]
+    if not found:
+        raise TargetUnavailableError(
+            f"building for ROCm needs the LLVM linker ld.lld, which is not installed (tried "
+            f"{', '.join(candidates)} on PATH={os.environ.get('PATH', '')}); install Debian's "
+            f"'lld' package, best the version of TVM's LLVM ('apt-get install {_lld_package()}')")
+    major = _lld_major(found[0])
+    if major is not None and major < MIN_LLD_MAJOR:
+        raise TargetUnavailableError(
+            f"{found[0]} is LLD {major}, too old for the AMDGPU code objects of TVM's LLVM "
+            f"(needs LLD >= {MIN_LLD_MAJOR}); install '{_lld_package()}'")
+    return found[0]
+
+
+def _lld_package() -> str:
+    from tvm.target import codegen
+
+    major = codegen.llvm_version_major(allow_none=True)
+    return f"lld-{major}" if major is not None else "lld"
+
+
+def _lld_major(path: str) -> Optional[int]:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"LLD (\d+)\.", out)
+    return int(match.group(1)) if match else None
+
+
+def _rocm_root() -> Optional[str]:
+    """The ROCm folder TVM's ``find_rocm_path`` picks, or None where it would fail."""
+    if "ROCM_PATH" in os.environ:
+        return os.environ["ROCM_PATH"]
+    hipcc = shutil.which("hipcc")
+    if hipcc:
+        return os.path.realpath(os.path.join(hipcc, "..", ".."))
+    return "/opt/rocm" if os.path.exists("/opt/rocm/bin/hipcc") else None
+
+
+def _find_rocm_bitcode() -> str:
+    """The folder of the ROCm device libraries, as TVM's ``tvm_callback_rocm_bitcode_path`` finds it."""
+    root = _rocm_root()
+    folder = None
+    if root is not None:
+        folder = os.path.join(root, "amdgcn", "bitcode")
+        folder = folder if os.path.exists(folder) else "/opt/rocm/lib"
+        if os.path.isfile(os.path.join(folder, "ocml.bc")):
+            return folder
+    where = f"ROCM_PATH={root}" if root is not None else "no ROCm found (ROCM_PATH unset, no hipcc)"
+    hint = ""
+    if os.path.isfile("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode/ocml.bc"):
+        hint = " Debian's rocm-device-libs is installed here: set ROCM_PATH=/usr/lib/x86_64-linux-gnu."
+    raise TargetUnavailableError(
+        "building for ROCm needs the ROCm device libraries (ocml.bc, ockl.bc, ...); "
+        f"{where}{'' if folder is None else f', looked in {folder}'}. Install ROCm, or Debian's "
+        f"'rocm-device-libs' and set ROCM_PATH to the folder that holds amdgcn/bitcode.{hint}")
