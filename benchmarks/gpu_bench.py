@@ -1,0 +1,381 @@
+"""GPU benchmark: relax_kvcache vs TVM's native C++ cache with TVM's kernels, side by side.
+
+Both caches run in one process on the same inputs, with the kernels ``gpu_prepare.py`` built
+(ours and TVM's CUDA kernels, fp16, 32 query / 8 KV heads, head_dim 128, page 16). Reported:
+
+* decode (batch x context): time of one layer's ``attention_with_fused_qkv`` (split + RoPE +
+  append + attention; ``begin_forward`` excluded), averaged over many calls within one step,
+  and the K/V bytes it reads per second against the measured device-to-device copy bandwidth
+  (the roofline: a copy reads and writes, and both count);
+* prefill (batch x prompt, causal): the same call's time and TFLOP/s, with
+  FLOPs = 4 * num_qo_heads * head_dim * (visible query-key pairs);
+* one whole decode step (``begin_forward`` + every layer + ``end_forward``, synchronised) of
+  1 x 1024 with 8 layers;
+* for every shape, the max abs difference between our output and TVM's on the same inputs.
+
+Ratios are ours / native times (below 1: ours is faster). Timing: calls are queued back to back
+between two device synchronisations, so Python launch overhead counts where the GPU would
+otherwise wait for it.
+
+Usage::
+
+    python benchmarks/gpu_bench.py --libs .gpu [--quick]    # on the GPU host
+    python benchmarks/gpu_bench.py --device cpu [--quick]    # here: CPU kernels built in process, small shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import pathlib
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpu_prepare as gp  # noqa: E402  (also puts python/ and tests/ on sys.path)
+
+import tvm  # noqa: E402
+from tvm.runtime import ShapeTuple  # noqa: E402
+
+import relax_kvcache as rk  # noqa: E402
+from relax_kvcache.ffi_registry import original  # noqa: E402
+from tvm_baseline import CREATE_NATIVE, Shape, create_args  # noqa: E402
+
+DIFF_WARN = 2e-2  # ours vs native outputs (fp16) beyond this are flagged
+
+
+# ----------------------------------------------------------------------------- kernels and caches
+
+@dataclasses.dataclass
+class Kernels:
+    """Both kernel sets of the benchmark shape (None: not available)."""
+
+    shape: Shape
+    ours: Optional[rk.KernelSet]
+    tvm: Optional[Dict[str, object]]
+    source: str
+
+
+def kernels_from_libs(libs: pathlib.Path, device: tvm.runtime.Device) -> Kernels:
+    """The benchmark kernels from a folder prepared by ``gpu_prepare.py``."""
+    bench = gp.read_manifest(libs)["bench"]
+    ours = tvm_kernels = None
+    if bench.get("ours"):
+        ours = rk.KernelSet.from_module(gp.load_library(libs / bench["ours"], device))
+    if bench.get("tvm"):
+        tvm_kernels = gp.tvm_kernel_dict(gp.load_library(libs / bench["tvm"], device))
+    return Kernels(gp.shape_from_json(bench["shape"]), ours, tvm_kernels, f"libraries from {libs}")
+
+
+def kernels_built_here(dtype: Optional[str]) -> Kernels:
+    """The benchmark kernels for this machine's CPU, compiled in process."""
+    shape = dataclasses.replace(gp.BENCH_SHAPE, dtype=dtype or gp.BENCH_SHAPE.dtype)
+    target = gp.make_target("llvm", "")
+    ours = rk.KernelSet.from_module(rk.build_kernels(shape.our_config(), target))
+    tvm_kernels = gp.tvm_kernel_dict(gp.build_tvm(shape, target))
+    return Kernels(shape, ours, tvm_kernels, f"CPU kernels built here ({target})")
+
+
+class Driver:
+    """One cache driven through the ``vm.builtin`` functions a Relax model calls (TVM's own
+    builtins for the native cache, relax_kvcache's dispatchers for ours)."""
+
+    def __init__(self, name: str, cache, native: bool) -> None:
+        self.name, self.cache = name, cache
+        get = (lambda n: original("vm.builtin." + n)) if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
+        self._add = get("kv_state_add_sequence")
+        self._begin = get("kv_state_begin_forward")
+        self._end = get("kv_state_end_forward")
+        self._attn = get("attention_kv_cache_attention_with_fused_qkv")
+
+    def add(self, seq: int) -> None:
+        self._add(self.cache, seq)
+
+    def begin(self, seq_ids: List[int], lengths: List[int]) -> None:
+        self._begin(self.cache, ShapeTuple(seq_ids), ShapeTuple(lengths))
+
+    def end(self) -> None:
+        self._end(self.cache)
+
+    def attention(self, layer: int, qkv, out, sm_scale: float) -> None:
+        self._attn(self.cache, layer, sm_scale, qkv, out)
+
+
+def make_drivers(kernels: Kernels, device: tvm.runtime.Device, **sizes) -> List[Driver]:
+    """Ours and TVM's native cache (those whose kernels exist) for the benchmark shape with
+    ``sizes`` (num_layers, max_num_seqs, max_total_seq_len, prefill_chunk_size)."""
+    shape = dataclasses.replace(kernels.shape, **sizes)
+    drivers = []
+    if kernels.ours is not None:
+        drivers.append(Driver("ours", rk.PagedAttentionKVCache(shape.our_config(), device, kernels=kernels.ours),
+                              native=False))
+    if kernels.tvm is not None:
+        args = create_args(shape, kernels.tvm, merge_functions=1)
+        args[12] = tvm.runtime.empty((), shape.dtype, device)  # the native cache lives on this tensor's device
+        drivers.append(Driver("native", tvm.get_global_func(CREATE_NATIVE)(*args), native=True))
+    return drivers
+
+
+# ----------------------------------------------------------------------------- timing helpers
+
+def time_per_call(fn: Callable[[], object], device: tvm.runtime.Device, min_time: float) -> float:
+    """Seconds per call of ``fn``: calls queued back to back between two device syncs, repeated
+    until a round lasts ``min_time``; the median of three such rounds."""
+    fn()
+    device.sync()
+    reps = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        device.sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or reps >= 100000:
+            break
+        reps = min(100000, max(2 * reps, int(reps * 1.2 * min_time / max(elapsed, 1e-9))))
+    rounds = [elapsed / reps]
+    for _ in range(2):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        device.sync()
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds)
+
+
+def measure_copy_bandwidth(device: tvm.runtime.Device, num_bytes: int, min_time: float) -> float:
+    """Bytes/s of a large device-to-device tensor copy, counting the bytes read and written."""
+    a = tvm.runtime.empty((num_bytes // 2,), "float16", device)
+    b = tvm.runtime.empty((num_bytes // 2,), "float16", device)
+    return 2 * num_bytes / time_per_call(lambda: a.copyto(b), device, min_time)
+
+
+class Inputs:
+    """Random fp16 (or the shape's dtype) tensors on the device, made on the host once per shape."""
+
+    def __init__(self, shape: Shape, device: tvm.runtime.Device, rng: np.random.Generator) -> None:
+        self.shape, self.device, self.rng = shape, device, rng
+        self.rows = shape.num_qo_heads + 2 * shape.num_kv_heads
+
+    def qkv(self, n: int) -> tvm.runtime.Tensor:
+        host = self.rng.standard_normal((n, self.rows, self.shape.head_dim), dtype=np.float32)
+        return tvm.runtime.tensor(host.astype(self.shape.dtype), self.device)
+
+    def out(self, n: int) -> tvm.runtime.Tensor:
+        return tvm.runtime.empty((n, self.shape.num_qo_heads, self.shape.head_dim), self.shape.dtype, self.device)
+
+
+def fill(drivers: List[Driver], inputs: Inputs, batch: int, context: int, chunk: int, layers: int,
+         sm_scale: float) -> None:
+    """Add sequences 0..batch-1 and prefill each with ``context`` tokens (same inputs for every
+    cache), several whole sequences per step where they fit in ``chunk`` tokens."""
+    per_step = max(d for d in range(1, batch + 1) if batch % d == 0 and d * context <= chunk)
+    pool = [[inputs.qkv(per_step * context) for _ in range(layers)] for _ in range(2)]
+    out = inputs.out(per_step * context)
+    for drv in drivers:
+        for seq in range(batch):
+            drv.add(seq)
+        for step, first in enumerate(range(0, batch, per_step)):
+            qkvs = pool[step % 2]
+            drv.begin(list(range(first, first + per_step)), [context] * per_step)
+            for layer in range(layers):
+                drv.attention(layer, qkvs[layer], out, sm_scale)
+            drv.end()
+    inputs.device.sync()
+
+
+def max_diff(outputs: Dict[str, tvm.runtime.Tensor]) -> Optional[float]:
+    if "ours" not in outputs or "native" not in outputs:
+        return None
+    ours, native = (outputs[k].numpy().astype(np.float32) for k in ("ours", "native"))
+    if not (np.isfinite(ours).all() and np.isfinite(native).all()):
+        return float("nan")
+    return float(np.abs(ours - native).max())
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+def bench_layer(kernels: Kernels, device, rng, *, batch: int, new: int, context: int, min_time: float) -> dict:
+    """One layer's ``attention_with_fused_qkv`` for ``batch`` sequences of ``context`` cached
+    tokens appending ``new`` tokens each (new = 1: decode; context = 0: prefill)."""
+    shape = kernels.shape
+    chunk = max(batch * new, min(max(context, 1) * batch, 8192), context)
+    drivers = make_drivers(kernels, device, num_layers=1, max_num_seqs=batch,
+                           max_total_seq_len=batch * (context + new + shape.page_size) + 64, prefill_chunk_size=chunk)
+    inputs = Inputs(shape, device, rng)
+    sm_scale = shape.head_dim ** -0.5
+    if context:
+        fill(drivers, inputs, batch, context, chunk, 1, sm_scale)
+    else:
+        for drv in drivers:
+            for seq in range(batch):
+                drv.add(seq)
+    qkv = inputs.qkv(batch * new)
+    result: dict = {"times": {}}
+    outputs = {}
+    for drv in drivers:
+        out = inputs.out(batch * new)
+        drv.begin(list(range(batch)), [new] * batch)
+        result["times"][drv.name] = time_per_call(lambda: drv.attention(0, qkv, out, sm_scale), device, min_time)
+        drv.end()
+        outputs[drv.name] = out
+    result["diff"] = max_diff(outputs)
+    itemsize = np.dtype(shape.dtype).itemsize
+    result["kv_bytes"] = batch * (context + new) * shape.num_kv_heads * shape.head_dim * 2 * itemsize
+    pairs = batch * (new * context + new * (new + 1) // 2)  # causal: query i of the chunk sees context + i + 1 keys
+    result["flops"] = 4 * shape.num_qo_heads * shape.head_dim * pairs
+    del drivers
+    gc.collect()
+    return result
+
+
+def bench_step(kernels: Kernels, device, rng, *, batch: int, context: int, layers: int, steps: int) -> dict:
+    """Median seconds of a whole synchronised decode step: begin_forward + every layer + end_forward."""
+    shape = kernels.shape
+    drivers = make_drivers(kernels, device, num_layers=layers, max_num_seqs=batch,
+                           max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64,
+                           prefill_chunk_size=max(context, batch))
+    inputs = Inputs(shape, device, rng)
+    sm_scale = shape.head_dim ** -0.5
+    fill(drivers, inputs, batch, context, max(context, batch), layers, sm_scale)
+    qkvs = [inputs.qkv(batch) for _ in range(layers)]
+    outs = [inputs.out(batch) for _ in range(layers)]
+    ids, ones = list(range(batch)), [1] * batch
+    result = {"times": {}}
+    for drv in drivers:
+        times = []
+        for i in range(steps + 3):  # 3 warm-up steps
+            device.sync()
+            start = time.perf_counter()
+            drv.begin(ids, ones)
+            for layer in range(layers):
+                drv.attention(layer, qkvs[layer], outs[layer], sm_scale)
+            drv.end()
+            device.sync()
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        result["times"][drv.name] = statistics.median(times)
+    del drivers
+    gc.collect()
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+def _us(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e6:10.1f}" if seconds is not None else f"{'-':>10}"
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return f"{seconds * 1e3:10.2f}" if seconds is not None else f"{'-':>10}"
+
+
+def _rate(value: Optional[float], scale: float, fmt: str = "10.1f") -> str:
+    return format(value / scale, fmt) if value is not None else f"{'-':>10}"
+
+
+def _ratio(times: dict) -> str:
+    if "ours" in times and "native" in times:
+        return f"{times['ours'] / times['native']:11.2f}"
+    return f"{'-':>11}"
+
+
+def _diff(value: Optional[float]) -> str:
+    if value is None:
+        return f"{'-':>10}"
+    flag = " !" if not value <= DIFF_WARN else ""
+    return f"{value:10.2e}{flag}"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--libs", type=pathlib.Path, help="folder prepared by gpu_prepare.py "
+                        "(default .gpu for cuda; for cpu without it, CPU kernels are built here)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
+    parser.add_argument("--dtype", choices=["float16", "float32"], help="dtype of CPU kernels built here")
+    args = parser.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    device = tvm.cuda(0) if cuda else tvm.cpu(0)
+    if cuda and args.libs is None:
+        args.libs = gp.REPO / ".gpu"
+    kernels = kernels_from_libs(args.libs, device) if args.libs is not None else kernels_built_here(args.dtype)
+    shape = kernels.shape
+    if cuda:
+        decode = [(1, 1024), (32, 1024)] if args.quick else [(1, 1024), (32, 1024), (64, 2048), (128, 4096)]
+        prefill = [(1, 2048)] if args.quick else [(1, 2048), (8, 512)]
+        step, copy_bytes, min_time = (1, 1024, 8), 1 << 30, (0.05 if args.quick else 0.2)
+    else:
+        decode = [(1, 256)] if args.quick else [(1, 256), (4, 256)]
+        prefill = [(1, 128)] if args.quick else [(1, 256), (4, 64)]
+        step, copy_bytes, min_time = (1, 256, 8), 1 << 28, 0.05
+
+    print(f"gpu_bench on {device} ({kernels.source}), TVM {tvm.__version__}; {gp.describe_device(device)}",
+          flush=True)
+    print(f"shape: {shape.dtype}, {shape.num_qo_heads}/{shape.num_kv_heads} heads, head_dim {shape.head_dim}, "
+          f"page {shape.page_size}, RoPE mode {shape.rope_mode}", flush=True)
+    missing = [name for name, k in (("ours", kernels.ours), ("native", kernels.tvm)) if k is None]
+    if missing:
+        print(f"NOTE: no kernels for {' and '.join(missing)}: those columns stay empty", flush=True)
+    bandwidth = measure_copy_bandwidth(device, copy_bytes, min_time)
+    print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+
+    rng = np.random.default_rng(0)
+    decode_rows, prefill_rows = [], []
+    for batch, context in decode:
+        print(f"decode {batch} x {context} ...", flush=True)
+        decode_rows.append((batch, context, bench_layer(kernels, device, rng, batch=batch, new=1, context=context,
+                                                         min_time=min_time)))
+    for batch, length in prefill:
+        print(f"prefill {batch} x {length} ...", flush=True)
+        prefill_rows.append((batch, length, bench_layer(kernels, device, rng, batch=batch, new=length, context=0,
+                                                         min_time=min_time)))
+    batch, context, layers = step
+    print(f"decode step {batch} x {context}, {layers} layers ...", flush=True)
+    step_result = bench_step(kernels, device, rng, batch=batch, context=context, layers=layers,
+                             steps=20 if args.quick else 100)
+
+    print()
+    print(f"Decode: one layer of attention_with_fused_qkv ({shape.dtype}, {shape.num_qo_heads}/{shape.num_kv_heads} "
+          f"heads, head_dim {shape.head_dim}, page {shape.page_size}); roofline = KV bytes / copy bandwidth "
+          f"({bandwidth / 1e9:.0f} GB/s)")
+    print(f"{'batch x ctx':>12} {'ours us':>10} {'native us':>10} {'ours/native':>11} {'ours GB/s':>10} "
+          f"{'native GB/s':>11} {'ours %roof':>10} {'nat. %roof':>10} {'max|diff|':>10}")
+    for batch, context, r in decode_rows:
+        t = r["times"]
+        gbs = {k: r["kv_bytes"] / v for k, v in t.items()}
+        roof = {k: 100 * v / bandwidth for k, v in gbs.items()}
+        print(f"{batch:>5} x {context:<5} {_us(t.get('ours'))} {_us(t.get('native'))} {_ratio(t)} "
+              f"{_rate(gbs.get('ours'), 1e9)} {_rate(gbs.get('native'), 1e9, '11.1f')} "
+              f"{_rate(roof.get('ours'), 1, '10.1f')} {_rate(roof.get('native'), 1, '10.1f')} {_diff(r['diff'])}")
+    print()
+    print("Prefill: one layer of attention_with_fused_qkv, causal, fresh prompts")
+    print(f"{'batch x len':>12} {'ours ms':>10} {'native ms':>10} {'ours/native':>11} {'ours TF/s':>10} "
+          f"{'native TF/s':>11} {'max|diff|':>10}")
+    for batch, length, r in prefill_rows:
+        t = r["times"]
+        tflops = {k: r["flops"] / v for k, v in t.items()}
+        print(f"{batch:>5} x {length:<5} {_ms(t.get('ours'))} {_ms(t.get('native'))} {_ratio(t)} "
+              f"{_rate(tflops.get('ours'), 1e12, '10.2f')} {_rate(tflops.get('native'), 1e12, '11.2f')} "
+              f"{_diff(r['diff'])}")
+    print()
+    t = step_result["times"]
+    print(f"Decode step {step[0]} x {step[1]}, {step[2]} layers (begin_forward + layers + end_forward, synchronised):")
+    print(f"{'':>12} {'ours us':>10} {'native us':>10} {'ours/native':>11}")
+    print(f"{'step':>12} {_us(t.get('ours'))} {_us(t.get('native'))} {_ratio(t)}")
+    diffs = [r["diff"] for *_, r in decode_rows + prefill_rows if r["diff"] is not None]
+    flagged = [d for d in diffs if not d <= DIFF_WARN]
+    if flagged:
+        print(f"WARNING: ours and native outputs differ by more than {DIFF_WARN} on {len(flagged)} shape(s) (!)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
