@@ -44,7 +44,8 @@ def _bits(dtype: str) -> int:
 class TileShape:
     """How one block's threads cover a tile.
 
-    ``rows = q_tokens * group`` query rows, ``kv_chunk`` KV rows per step, ``threads`` threads.
+    ``rows = max(q_tokens * group, 2)`` query rows, ``kv_chunk`` KV rows per step, ``threads``
+    threads.
     Scores: thread ``tx`` owns rows ``tx // s_col_groups + i * s_row_groups`` (i < s_rows) and
     columns ``tx % s_col_groups + j * s_col_groups`` (j < s_cols). Output: thread ``tx`` owns rows
     ``tx // o_col_groups + i * o_row_groups`` (i < o_rows) and head_dim columns
