@@ -31,6 +31,9 @@ from tvm.script import tirx as T
 from .macros import (
     LOG2E,
     causal_mask_chunk,
+    ceildiv,
+    paged_kv_len,
+    paged_row_offset,
     tree_mask_chunk,
     init_state,
     load_q_tile,
@@ -47,27 +50,6 @@ from .schedule import CpuSchedule, GpuSchedule, Schedule
 from .spec import AttentionSpec
 
 
-def _ceildiv(a, b):
-    return (a + b - 1) // b
-
-
-def _paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):
-    """Number of KV rows of sequence b in its page list (TVM's ``length_info`` layouts)."""
-    if not sliding_window:
-        rows = (npages - 1) * page_size + length_info[b]
-    else:
-        # last_page_len - window offset + sink size
-        rows = (npages - 1) * page_size + length_info[0, b] - length_info[1, b] + length_info[2, b]
-    return T.if_then_else(npages > 0, rows, 0)
-
-
-def _paged_offset(j, length_info, b, sliding_window: bool):
-    """Offset of logical KV row j inside the sequence's page list."""
-    if not sliding_window:
-        return j
-    return T.if_then_else(j < length_info[2, b], j, j - length_info[2, b] + length_info[1, b])
-
-
 def _length_info_buffer(var, batch, elem_offset, sliding_window: bool):
     shape = (3, batch) if sliding_window else (batch,)
     return T.match_buffer(var, shape, "int32", elem_offset=elem_offset)
@@ -75,9 +57,9 @@ def _length_info_buffer(var, batch, elem_offset, sliding_window: bool):
 
 def _causal_chunks(causal, first_row_limit, nq, kv_len, chunk: int):
     """Chunks a tile must visit: all of them, or (causal) those up to its last visible column."""
-    all_chunks = _ceildiv(kv_len, chunk)
+    all_chunks = ceildiv(kv_len, chunk)
     visible = T.max(first_row_limit + nq, 0)
-    return T.if_then_else(causal > 0, T.min(all_chunks, _ceildiv(visible, chunk)), all_chunks)
+    return T.if_then_else(causal > 0, T.min(all_chunks, ceildiv(visible, chunk)), all_chunks)
 
 
 def _paged_seq_src(spec: AttentionSpec):
@@ -86,7 +68,7 @@ def _paged_seq_src(spec: AttentionSpec):
     ps, sliding = spec.page_size, spec.sliding_window
 
     def seq_src(bufs, b):
-        kv_len = _paged_kv_len(bufs[2][b + 1] - bufs[2][b], ps, bufs[3], b, sliding)
+        kv_len = paged_kv_len(bufs[2][b + 1] - bufs[2][b], ps, bufs[3], b, sliding)
         tree_src = () if len(bufs) == 5 else (bufs[5], bufs[6][b], bufs[6][b + 1] - bufs[6][b])
         return (bufs[0], bufs[1], bufs[2][b], bufs[3], b), kv_len, bufs[4][b], tree_src
 
@@ -144,14 +126,14 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         if rotary_mode == 1:
             rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
         bounds = T.sblock_alloc_buffer((2,), "int32")
-        for tile in T.serial(_ceildiv(q_len, q_tile)):
+        for tile in T.serial(ceildiv(q_len, q_tile)):
             nq: T.let[T.int32] = T.min(q_tile, q_len - tile * q_tile)
             tok0: T.let[T.int32] = qbeg + tile * q_tile
             first_row_limit: T.let[T.int32] = kv_len - q_len + tile * q_tile
             init_state(m, l, acc, nq * G, DV)
             load_q_tile(qs, q, tok0, nq, h, G, D, rotary_mode, q_rope_position, inv_freq, sm_scale * LOG2E)
             if tree:
-                for c in T.serial(_ceildiv(kv_len, chunk)):
+                for c in T.serial(ceildiv(kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
                     load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
                     score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
@@ -172,7 +154,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                 row_lo: T.let[T.int32] = T.max(bounds[0] - window + 1 - k_pos0, 0)
                 row_hi: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
-                for c in T.serial(row_lo // chunk, _ceildiv(row_hi, chunk)):
+                for c in T.serial(row_lo // chunk, ceildiv(row_hi, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
                     load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
                     score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
@@ -193,7 +175,7 @@ def _page_chunk_loader(spec: AttentionSpec):
     def load_page_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
         """kv_src = (pages, page_indices, first page of the sequence, length_info, sequence)."""
         for t in T.serial(nt):
-            off: T.let[T.int32] = _paged_offset(c0 + t, kv_src[3], kv_src[4], sliding)
+            off: T.let[T.int32] = paged_row_offset(c0 + t, kv_src[3], kv_src[4], sliding)
             page: T.let[T.int32] = kv_src[1][kv_src[2] + off // ps]
             for d in T.vectorized(D):
                 kc[t, d] = T.Cast("float32", kv_src[0][page, 0, h, off % ps, d])
@@ -241,7 +223,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
     def attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
                      q_rope_position, b, h, qbeg, q_len, causal, rotary_mode, rope_scale, rope_theta,
                      sm_scale):
-        kv_len: T.let[T.int32] = _paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding)
+        kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding)
         attend_sequence(q, o, lse, q_rope_position, (pages, page_indices, page_indptr[b], length_info, b),
                         h, qbeg, q_len, kv_len, k_rope_pos_offset[b], causal, rotary_mode, rope_scale,
                         rope_theta, sm_scale, ())
@@ -449,7 +431,7 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
                         q, o, lse, q_rope_position,
                         (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv), bh % Hkv,
                         qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
-                        _paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
+                        paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
                                       bh // Hkv, sliding),
                         k_rope_pos_offset[bh // Hkv], 0, 0, rope_scale, rope_theta, sm_scale,
                         (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))

@@ -27,13 +27,9 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .macros import LOG2E, NEG_INF, ONE, ZERO
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, rope_inv_freq_expr
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
-
-
-def _ceildiv(a, b):
-    return (a + b - 1) // b
 
 
 def _bits(dtype: str) -> int:
@@ -94,14 +90,14 @@ vector load of K (half rows, for RoPE pairs) / V rows.
         s_cg = threads // s_rg
         lanes = sched.lanes_for(_bits(spec.dtype), D // 2)
         o_cols = sched.lanes_for(_bits(spec.dtype), DV)
-        while o_cols > 1 and _ceildiv(DV, o_cols) * rows < threads:
+        while o_cols > 1 and ceildiv(DV, o_cols) * rows < threads:
             o_cols //= 2
-        o_cg = _ceildiv(DV, o_cols)
+        o_cg = ceildiv(DV, o_cols)
         o_rg = max(1, threads // o_cg)
         return TileShape(rows=rows, q_tokens=q_tokens, kv_chunk=chunk, threads=threads,
-                         s_row_groups=s_rg, s_col_groups=s_cg, s_rows=_ceildiv(rows, s_rg),
-                         s_cols=_ceildiv(chunk, s_cg), o_row_groups=o_rg, o_col_groups=o_cg,
-                         o_rows=_ceildiv(rows, o_rg), o_cols=o_cols, lanes=lanes,
+                         s_row_groups=s_rg, s_col_groups=s_cg, s_rows=ceildiv(rows, s_rg),
+                         s_cols=ceildiv(chunk, s_cg), o_row_groups=o_rg, o_col_groups=o_cg,
+                         o_rows=ceildiv(rows, o_rg), o_cols=o_cols, lanes=lanes,
                          v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
 
 
@@ -112,17 +108,11 @@ vector load of K (half rows, for RoPE pairs) / V rows.
 
 
 def paged_kv_access(spec: AttentionSpec):
-    """(row locator, element reader) of a sequence's page list (``length_info`` layouts)."""
+    """Element reader of a sequence's page list (``length_info`` layouts)."""
     ps, sliding = spec.page_size, spec.sliding_window
 
-    def offset(kv_src, j):
-        if not sliding:
-            return j
-        li, b = kv_src[3], kv_src[4]
-        return T.if_then_else(j < li[2, b], j, j - li[2, b] + li[1, b])
-
     def elem(kv_src, h, j, kv: int, d):
-        off = offset(kv_src, j)
+        off = paged_row_offset(j, kv_src[3], kv_src[4], sliding)
         return kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d]
 
     return elem
@@ -173,13 +163,13 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         return T.Or(causal == 0, j <= kv_len - q_len + qi)
 
     def rope_angle(pos, d, rope_scale, rope_theta):
-        return T.Cast("float32", pos) * rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.float32(D))
+        return T.Cast("float32", pos) * rope_inv_freq_expr(d, D, rope_scale, rope_theta)
 
     @T.macro
     def load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx):
         """qs[r] = query (token tile0 + r // G, head h * G + r % G), RoPE'd; zeros past ``nq``
         tokens. (Not pre-scaled: the scores are scaled in float32, so q loses no precision.)"""
-        for it in T.unroll(_ceildiv(R * n_qvec, NT)):
+        for it in T.unroll(ceildiv(R * n_qvec, NT)):
             if it * NT + tx < R * n_qvec:
                 r: T.let[T.int32] = (it * NT + tx) // n_qvec
                 d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
@@ -208,7 +198,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
     @T.macro
     def load_kv(ks, vs, kv_src, h, j0, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx):
         """ks/vs[t] = K/V row j0 + t (K RoPE'd at k_pos0 + j0 + t); zeros past ``nt`` rows."""
-        for it in T.unroll(_ceildiv(KC * n_qvec, NT)):
+        for it in T.unroll(ceildiv(KC * n_qvec, NT)):
             if it * NT + tx < KC * n_qvec:
                 t: T.let[T.int32] = (it * NT + tx) // n_qvec
                 d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
@@ -232,7 +222,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
                         ks[t, d0 + x] = T.Cast(dtype, ZERO)
                     for x in T.vectorized(lanes):
                         ks[t, d0 + x + half] = T.Cast(dtype, ZERO)
-        for it in T.unroll(_ceildiv(KC * n_vvec, NT)):
+        for it in T.unroll(ceildiv(KC * n_vvec, NT)):
             if it * NT + tx < KC * n_vvec:
                 t: T.let[T.int32] = (it * NT + tx) // n_vvec
                 d0: T.let[T.int32] = (it * NT + tx) % n_vvec * v_lanes
@@ -270,7 +260,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         """Fold the chunk's scores into each row's (m, l); s becomes exp2(s - m_new).
 
         Row guards sit inside the loops so that barriers never land inside a condition."""
-        for it in T.serial(_ceildiv(R, NT)):
+        for it in T.serial(ceildiv(R, NT)):
             row: T.let[T.int32] = T.min(it * NT + tx, R - 1)
             red[0] = m[row]
             for t in T.serial(KC):
@@ -330,14 +320,14 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
     def chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds):
         """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
         if tree:
-            return 0, _ceildiv(kv_len, KC)
+            return 0, ceildiv(kv_len, KC)
         if window > 0:
             row_lo = T.max(bounds[0] - window + 1 - k_pos0, 0)
             row_hi = T.if_then_else(causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
-            return row_lo // KC, T.max(_ceildiv(row_hi, KC), row_lo // KC)
+            return row_lo // KC, T.max(ceildiv(row_hi, KC), row_lo // KC)
         visible_rows = T.max(kv_len - q_len + tile0 + nq, 0)
-        return 0, T.if_then_else(causal > 0, T.min(_ceildiv(kv_len, KC), _ceildiv(visible_rows, KC)),
-                                 _ceildiv(kv_len, KC))
+        return 0, T.if_then_else(causal > 0, T.min(ceildiv(kv_len, KC), ceildiv(visible_rows, KC)),
+                                 ceildiv(kv_len, KC))
 
     @T.macro
     def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
@@ -361,11 +351,11 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
                 bounds[0] = T.min(bounds[0], q_rope_position[qbeg + tile0 + i])
                 bounds[1] = T.max(bounds[1], q_rope_position[qbeg + tile0 + i])
         c_first, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
-        per_split: T.let[T.int32] = _ceildiv(c_end - c_first, nsplit)
+        per_split: T.let[T.int32] = ceildiv(c_end - c_first, nsplit)
         c_lo: T.let[T.int32] = c_first + split * per_split
         c_hi: T.let[T.int32] = T.if_then_else(active, T.min(c_end, c_lo + per_split), c_lo)
         load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx)
-        for it in T.serial(_ceildiv(R, NT)):
+        for it in T.serial(ceildiv(R, NT)):
             if it * NT + tx < R:
                 m[it * NT + tx] = NEG_INF
                 l[it * NT + tx] = ZERO
@@ -396,10 +386,10 @@ def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
     found[2] = 0
     for b in T.serial(batch):
         if found[0] == -1:
-            if tile_id < found[2] + _ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens):
+            if tile_id < found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens):
                 found[0] = b
                 found[1] = (tile_id - found[2]) * q_tokens
-            found[2] = found[2] + _ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
+            found[2] = found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
 
 
 def merge_splits(spec: AttentionSpec, sched: GpuSchedule):
@@ -408,7 +398,7 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule):
 
     @T.macro
     def merge(ws_o, ws_lse, o, lse, rows, nsplit):
-        for bx in T.thread_binding(_ceildiv(rows * DV, NT), thread="blockIdx.x"):
+        for bx in T.thread_binding(ceildiv(rows * DV, NT), thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("merge_splits"):
                     T.reads()
@@ -451,7 +441,7 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     @T.macro
     def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
             rope_scale, rope_theta, sm_scale):
-        for bx in T.thread_binding(_ceildiv(total_q, TQ) + batch, thread="blockIdx.x"):
+        for bx in T.thread_binding(ceildiv(total_q, TQ) + batch, thread="blockIdx.x"):
             for by in T.thread_binding(Hkv, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.sblock("work"):
@@ -481,7 +471,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
     def run(q, o, lse, q_rope_position, batch, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
         ws_o = T.sblock_alloc_buffer((batch * Hq, NS, DV), "float32")
         ws_lse = T.sblock_alloc_buffer((batch * Hq, NS), "float32")
-        nsplit: T.let[T.int32] = T.min(NS, T.max(1, _ceildiv(sched.min_blocks, batch * Hkv)))
+        nsplit: T.let[T.int32] = T.min(NS, T.max(1, ceildiv(sched.min_blocks, batch * Hkv)))
         for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
             for by in T.thread_binding(nsplit, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):

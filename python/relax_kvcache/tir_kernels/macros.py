@@ -23,11 +23,38 @@ ZERO = tirx.const(0.0, "float32")
 ONE = tirx.const(1.0, "float32")
 
 
+def ceildiv(a, b):
+    """``ceil(a / b)`` for non-negative integers or PrimExprs."""
+    return (a + b - 1) // b
+
+
+def paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):
+    """Number of KV rows of sequence b in its page list (TVM's ``length_info`` layouts)."""
+    if not sliding_window:
+        rows = (npages - 1) * page_size + length_info[b]
+    else:
+        # last_page_len - window offset + sink size
+        rows = (npages - 1) * page_size + length_info[0, b] - length_info[1, b] + length_info[2, b]
+    return T.if_then_else(npages > 0, rows, 0)
+
+
+def paged_row_offset(j, length_info, b, sliding_window: bool):
+    """Offset of logical KV row j inside the sequence's page list (sinks, then the window)."""
+    if not sliding_window:
+        return j
+    return T.if_then_else(j < length_info[2, b], j, j - length_info[2, b] + length_info[1, b])
+
+
+def rope_inv_freq_expr(d, dim: int, rope_scale, rope_theta):
+    """RoPE frequency of feature pair d of a ``dim``-wide head: ``scale / theta^(2d / dim)``."""
+    return rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.Cast("float32", dim))
+
+
 @T.macro
 def rope_inv_freq(inv_freq, half: T.int32, rope_scale, rope_theta):
     """inv_freq[d] = scale / theta^(2d / (2 * half)) for d < half."""
     for d in T.serial(half):
-        inv_freq[d] = rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.Cast("float32", 2 * half))
+        inv_freq[d] = rope_inv_freq_expr(d, 2 * half, rope_scale, rope_theta)
 
 
 @T.macro
