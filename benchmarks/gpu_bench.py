@@ -32,7 +32,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class Driver:
     builtins for the native cache, relax_kvcache's dispatchers for ours)."""
 
     def __init__(self, name: str, cache, native: bool) -> None:
-        self.name, self.cache = name, cache
+        self.name, self.cache, self.native = name, cache, native
         get = (lambda n: original("vm.builtin." + n)) if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
         self._add = get("kv_state_add_sequence")
         self._begin = get("kv_state_begin_forward")
@@ -104,6 +104,14 @@ class Driver:
 
     def attention(self, layer: int, qkv, out, sm_scale: float) -> None:
         self._attn(self.cache, layer, sm_scale, qkv, out)
+
+    def read_kv(self, seq: int, length: int, shape, device) -> Tuple[np.ndarray, np.ndarray]:
+        """K and V of layer 0 of sequence ``seq`` (``(length, kv heads, head_dim)`` each)."""
+        get = (lambda n: original("vm.builtin." + n)) if self.native else (lambda n: tvm.get_global_func("vm.builtin." + n))
+        dims = (shape.num_layers, length, shape.num_kv_heads, shape.head_dim)
+        k, v = tvm.runtime.empty(dims, shape.dtype, device), tvm.runtime.empty(dims, shape.dtype, device)
+        get("attention_kv_cache_debug_get_kv")(self.cache, seq, 0, length, k, v)
+        return k.numpy()[0], v.numpy()[0]
 
 
 def make_drivers(kernels: Kernels, device: tvm.runtime.Device, **sizes) -> List[Driver]:
@@ -198,6 +206,45 @@ def max_diff(outputs: Dict[str, tvm.runtime.Tensor]) -> Optional[float]:
     return float(np.abs(ours - native).max())
 
 
+#: sequences of a decode batch checked against the float64 reference (numpy time)
+REF_SEQS = 8
+
+
+def rope_rows(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np.ndarray:
+    """Rotate-half RoPE of ``x[..., n, heads, dim]`` at ``positions[n]`` (float64): features
+    (d, d + dim/2) turn by ``position * scale / theta^(2d/dim)``."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None] * scale / theta ** (2 * np.arange(half) / x.shape[-1])
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    lo, hi = x[..., :half], x[..., half:]
+    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+
+def decode_reference_errors(drivers: List[Driver], outputs, qkv, shape, device, batch: int, context: int,
+                            sm_scale: float) -> Dict[str, float]:
+    """Max abs error of each cache's decode output against float64 attention over the first
+    REF_SEQS sequences' KV as our cache holds it (read back with debug_get_kv; queries RoPE'd
+    here at position ``context``). The native cache is not read back: its debug_get_kv kernel
+    is compiled for the benchmark's 8 layers and the one-layer caches here refuse it."""
+    ours = next((d for d in drivers if not d.native), None)
+    if ours is None:
+        return {}
+    hq, hkv = shape.num_qo_heads, shape.num_kv_heads
+    q = qkv.numpy()[:, :hq].astype(np.float64)
+    if shape.rope_mode == 1:  # NORMAL: the cache rotates q at its position
+        q = rope_rows(q, np.full(q.shape[0], context, np.float64), shape.rope_theta, shape.rope_scale)
+    refs = []
+    for seq in range(min(batch, REF_SEQS)):
+        k, v = (a.astype(np.float64) for a in ours.read_kv(seq, context + 1, shape, device))
+        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # (L, hq, d)
+        s = np.einsum("hd,lhd->hl", q[seq], k) * sm_scale
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        refs.append(np.einsum("hl,lhd->hd", p / p.sum(axis=1, keepdims=True), v))
+    ref = np.stack(refs)
+    return {name: float(np.abs(out.numpy()[:len(refs)].astype(np.float64) - ref).max())
+            for name, out in outputs.items()}
+
+
 # ----------------------------------------------------------------------------- benchmarks
 
 def bench_layer(kernels: Kernels, device, rng, *, batch: int, new: int, context: int, min_time: float) -> dict:
@@ -225,6 +272,9 @@ def bench_layer(kernels: Kernels, device, rng, *, batch: int, new: int, context:
         drv.end()
         outputs[drv.name] = out
     result["diff"] = max_diff(outputs)
+    if new == 1 and context:
+        result["ref_err"] = decode_reference_errors(drivers, outputs, qkv, dataclasses.replace(shape, num_layers=1),
+                                                    device, batch, context, sm_scale)
     itemsize = np.dtype(shape.dtype).itemsize
     result["kv_bytes"] = batch * (context + new) * shape.num_kv_heads * shape.head_dim * 2 * itemsize
     pairs = batch * (new * context + new * (new + 1) // 2)  # causal: query i of the chunk sees context + i + 1 keys
@@ -283,6 +333,10 @@ def _ratio(times: dict) -> str:
     if "ours" in times and "native" in times:
         return f"{times['ours'] / times['native']:11.2f}"
     return f"{'-':>11}"
+
+
+def _err(value: Optional[float]) -> str:
+    return f"{value:9.1e}" if value is not None else f"{'-':>9}"
 
 
 def _diff(value: Optional[float]) -> str:
@@ -346,14 +400,19 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"heads, head_dim {shape.head_dim}, page {shape.page_size}); roofline = KV bytes / copy bandwidth "
           f"({bandwidth / 1e9:.0f} GB/s)")
     print(f"{'batch x ctx':>12} {'ours us':>10} {'native us':>10} {'ours/native':>11} {'ours GB/s':>10} "
-          f"{'native GB/s':>11} {'ours %roof':>10} {'nat. %roof':>10} {'max|diff|':>10}")
+          f"{'native GB/s':>11} {'ours %roof':>10} {'nat. %roof':>10} {'max|diff|':>10} "
+          f"{'ours err':>9} {'nat. err':>9}")
     for batch, context, r in decode_rows:
+        ref = r.get("ref_err", {})
         t = r["times"]
         gbs = {k: r["kv_bytes"] / v for k, v in t.items()}
         roof = {k: 100 * v / bandwidth for k, v in gbs.items()}
         print(f"{batch:>5} x {context:<5} {_us(t.get('ours'))} {_us(t.get('native'))} {_ratio(t)} "
               f"{_rate(gbs.get('ours'), 1e9)} {_rate(gbs.get('native'), 1e9, '11.1f')} "
-              f"{_rate(roof.get('ours'), 1, '10.1f')} {_rate(roof.get('native'), 1, '10.1f')} {_diff(r['diff'])}")
+              f"{_rate(roof.get('ours'), 1, '10.1f')} {_rate(roof.get('native'), 1, '10.1f')} {_diff(r['diff'])} "
+              f"{_err(ref.get('ours'))} {_err(ref.get('native'))}")
+    print(f"(err: max abs error against float64 attention over the KV our cache holds, first {REF_SEQS} "
+          f"sequences)")
     print()
     print("Prefill: one layer of attention_with_fused_qkv, causal, fresh prompts")
     print(f"{'batch x len':>12} {'ours ms':>10} {'native ms':>10} {'ours/native':>11} {'ours TF/s':>10} "

@@ -321,15 +321,25 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("*.so"), *out.glob("cache/cuda-fatbin/*.fatbin")]:
-        old.unlink()
     target = make_target(args.target, args.arch)
     nvcc_arch = args.arch if target.kind.name == "cuda" and not args.no_nvcc else None
     print(f"preparing {out} for target {target} (TVM {tvm.__version__})", flush=True)
-
     manifest: Dict[str, Any] = {"target": str(target), "target_kind": target.kind.name, "arch": args.arch,
                                 "tvm_version": tvm.__version__, "fatbins_for": nvcc_arch,
-                                "check": {}, "bench": {}, "errors": {}}
+                                "check": {}, "bench": {"ours": None, "tvm": None}, "errors": {}}
+    if args.only:  # rebuild one side: keep the other side's libraries and manifest entries
+        kept = "tvm" if args.only == "ours" else "ours"
+        if (out / MANIFEST).exists():
+            old_manifest = read_manifest(out)
+            if old_manifest.get("target") == manifest["target"]:
+                manifest["bench"][kept] = old_manifest["bench"].get(kept)
+                if kept == "ours":
+                    manifest["check"] = old_manifest["check"]
+        stale = [f for f in out.glob("*.so") if f.name.startswith(f"{args.only}-")]
+    else:
+        stale = [*out.glob("*.so"), *out.glob("cache/cuda-fatbin/*.fatbin")]
+    for old in stale:
+        old.unlink()
     done: Dict[str, str] = {}
     failed: Dict[str, Tuple[str, str]] = {}
     if args.only != "tvm":
@@ -340,7 +350,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             manifest["check"][name] = {"config": config_to_json(configs[name]), "workloads": workloads,
                                        "library": files[name], "error": error}
     bench_config = BENCH_SHAPE.our_config()
-    manifest["bench"] = {"shape": shape_to_json(BENCH_SHAPE), "ours": None, "tvm": None}
+    manifest["bench"]["shape"] = shape_to_json(BENCH_SHAPE)
     if args.only != "tvm":
         manifest["bench"]["ours"] = _build_ours({"bench": bench_config}, target, out, nvcc_arch, done, failed)["bench"]
     if args.only != "ours":

@@ -1,4 +1,4 @@
-"""GPU schedule of the attention algorithm of :mod:`.attention`.
+"""GPU schedule of the attention algorithm of :mod:`.attention`: prefill tiles and the grids.
 
 The algorithm is the CPU one: a work item takes a tile of query rows (``q_tokens`` tokens x
 ``group`` heads of one KV head) of one sequence, walks a range of the sequence's KV rows in
@@ -6,18 +6,21 @@ chunks, folds each chunk into an online-softmax state (running max ``m``, sum ``
 with scores in log2 units, and writes normalised rows and base-2 LSEs. Masks (causal, window,
 token tree) and the KV row -> page mapping are the same predicates.
 
-What the schedule changes is how that runs: a work item is a thread block. Its threads
+What the schedule changes is how that runs: a prefill work item is a thread block. Its threads
+stage the query tile and each KV chunk in shared memory with 16-byte vector loads
+(:class:`TileIO`, shared by both tile schedules), then
 
-1. stage the (RoPE'd, pre-scaled) query tile and each KV chunk in shared memory with 16-byte
-   vector loads,
-2. compute the chunk's scores as register micro-tiles (``s_rows x s_cols`` per thread), reading
-   shared memory along a per-lane rotated head_dim order so lanes hit different banks,
-3. update each row's softmax state (one thread per row),
-4. accumulate ``p @ V`` into register micro-tiles (``o_rows x o_cols`` per thread).
+* on tensor cores (:mod:`.attention_gpu_mma`; CUDA sm_80+, float16 / bfloat16): warps compute
+  16-row slices of ``Q K^T`` and ``P V`` with ``mma.sync`` (FlashAttention-2's layout);
+* elsewhere (:func:`make_tile`): threads compute the chunk's scores as register micro-tiles
+  (``s_rows x s_cols`` per thread, reading shared memory along a per-lane rotated head_dim order
+  so lanes hit different banks), one thread per row updates the softmax state, and ``p @ V``
+  accumulates into register micro-tiles (``o_rows x o_cols`` per thread).
 
-Prefill kernels map blocks to (query tile, KV head); decode maps them to (sequence x KV head,
-split) and splits a sequence's KV range across blocks when the batch alone would leave the GPU
-idle; a second kernel in the same function merges the splits by LSE.
+Prefill grids map blocks to (query tile, KV head). Decode (:mod:`.attention_gpu_decode`) maps
+them to (sequence x KV head, split), splitting a sequence's KV range across blocks when the
+batch alone would leave the GPU idle; a second kernel in the same function merges the splits by
+LSE.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, rope_inv_freq_expr
+from .attention_gpu_decode import make_decode_item
+from .attention_gpu_mma import MmaTileShape, make_mma_tile
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -65,11 +70,11 @@ vector load of K (half rows, for RoPE pairs) / V rows.
     v_lanes: int
 
     @staticmethod
-    def choose(spec: AttentionSpec, sched: GpuSchedule, *, decode: bool) -> "TileShape":
+    def choose(spec: AttentionSpec, sched: GpuSchedule) -> "TileShape":
         G, D, DV = spec.group_size, spec.qk_head_dim, spec.v_head_dim
         elem = _bits(spec.dtype) // 8
-        q_tokens = 1 if decode else max(1, sched.q_rows // G)
-        chunk = 2 * sched.kv_chunk if decode else sched.kv_chunk
+        q_tokens = max(1, sched.q_rows // G)
+        chunk = sched.kv_chunk
 
         def shared_bytes(tq: int, kc: int) -> int:
             rows = max(tq * G, 2)
@@ -128,23 +133,34 @@ def ragged_kv_access(spec: AttentionSpec):
 # ---------------------------------------------------------------------------- the tile
 
 
-def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = False,
-              partial: bool = False):
-    """The work item of one block: a query tile against a range of KV chunks.
+@dataclasses.dataclass(frozen=True)
+class TileIO:
+    """What every prefill tile schedule shares: which (query, key) pairs are visible, which KV
+    chunks a tile visits, and the staging of the query tile and of KV chunks in shared memory.
 
-    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V). With
-    ``partial`` the normalised rows go to a split workspace ``out = (ws_o, ws_lse, row0, split)``
-    (row ``row0 + head``), else ``out = (o, lse)`` at ``[token, head]``.
+    ``visible(q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, qi, j)``: does
+    query token qi of the sequence see KV row j. ``chunk_range(...)``: (first, end) chunk.
+    ``load_q`` / ``load_kv``: macros filling ``qs[r, :D]`` / ``ks[t, :D]``, ``vs[t, :DV]``.
+    """
+
+    visible: object
+    chunk_range: object
+    load_q: object
+    load_kv: object
+
+
+def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lanes: int, v_lanes: int,
+            kv_elem, tree: bool) -> TileIO:
+    """The shared pieces of a tile of ``rows`` query rows staging ``kv_chunk`` KV rows with
+    ``threads`` threads (``lanes`` / ``v_lanes``: elements per vector load of K half rows / V rows).
+
+    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V).
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
-    R, TQ, KC, NT = shape.rows, shape.q_tokens, shape.kv_chunk, shape.threads
-    half, lanes, window = D // 2, shape.lanes, spec.window
+    R, KC, NT = rows, kv_chunk, threads
+    half, window = D // 2, spec.window
     n_qvec = half // lanes
-    SRG, SCG, SRM, SCM = shape.s_row_groups, shape.s_col_groups, shape.s_rows, shape.s_cols
-    ORG, OCG, ORM, OCM = shape.o_row_groups, shape.o_col_groups, shape.o_rows, shape.o_cols
-    v_lanes = shape.v_lanes
     n_vvec = DV // v_lanes
-    rot = 4 // (_bits(dtype) // 8)  # head_dim elements per 32-bit bank word, lane-rotated reads
 
     def visible(q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, qi, j):
         """Does query token qi (of the sequence) see KV row j?"""
@@ -233,6 +249,36 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
                     for x in T.vectorized(v_lanes):
                         vs[t, d0 + x] = T.Cast(dtype, ZERO)
 
+    def chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds):
+        """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
+        if tree:
+            return 0, ceildiv(kv_len, KC)
+        if window > 0:
+            row_lo = T.max(bounds[0] - window + 1 - k_pos0, 0)
+            row_hi = T.if_then_else(causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
+            return row_lo // KC, T.max(ceildiv(row_hi, KC), row_lo // KC)
+        visible_rows = T.max(kv_len - q_len + tile0 + nq, 0)
+        return 0, T.if_then_else(causal > 0, T.min(ceildiv(kv_len, KC), ceildiv(visible_rows, KC)),
+                                 ceildiv(kv_len, KC))
+
+    return TileIO(visible=visible, chunk_range=chunk_range, load_q=load_q, load_kv=load_kv)
+
+
+def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = False):
+    """The work item of one block on CUDA cores: a query tile against its KV chunks.
+
+    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V); the
+    normalised rows go to ``out = (o, lse)`` at ``[token, head]``.
+    """
+    G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
+    R, TQ, KC, NT = shape.rows, shape.q_tokens, shape.kv_chunk, shape.threads
+    SRG, SCG, SRM, SCM = shape.s_row_groups, shape.s_col_groups, shape.s_rows, shape.s_cols
+    ORG, OCG, ORM, OCM = shape.o_row_groups, shape.o_col_groups, shape.o_rows, shape.o_cols
+    rot = 4 // (_bits(dtype) // 8)  # head_dim elements per 32-bit bank word, lane-rotated reads
+    io = tile_io(spec, rows=R, kv_chunk=KC, threads=NT, lanes=shape.lanes, v_lanes=shape.v_lanes,
+                 kv_elem=kv_elem, tree=tree)
+    visible, chunk_range, load_q, load_kv = io.visible, io.chunk_range, io.load_q, io.load_kv
+
     @T.macro
     def scores(s, qs, ks, sc, j0, nt, nq, vis_src, scale, tx):
         """s[r, t] = scale * qs[r] . ks[t] for visible (row, key) pairs, -inf elsewhere."""
@@ -296,42 +342,19 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         for i in T.unroll(ORM):
             if tx // OCG + i * ORG < R:
                 if (tx // OCG + i * ORG) // G < nq:
-                    if partial:
-                        for x in T.unroll(OCM):
-                            if tx % OCG * OCM + x < DV:
-                                out[0][out[2] + h * G + (tx // OCG + i * ORG) % G, out[3], tx % OCG * OCM + x] = \
-                                    acc[i, x] * T.if_then_else(l[tx // OCG + i * ORG] > ZERO,
-                                                               ONE / l[tx // OCG + i * ORG], ZERO)
-                        if tx % OCG == 0:
-                            out[1][out[2] + h * G + (tx // OCG + i * ORG) % G, out[3]] = T.if_then_else(
-                                l[tx // OCG + i * ORG] > ZERO,
-                                m[tx // OCG + i * ORG] + T.log2(l[tx // OCG + i * ORG]), NEG_INF)
-                    else:
-                        for x in T.unroll(OCM):
-                            if tx % OCG * OCM + x < DV:
-                                out[0][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G,
-                                       tx % OCG * OCM + x] = T.Cast(dtype, acc[i, x] * T.if_then_else(
-                                           l[tx // OCG + i * ORG] > ZERO, ONE / l[tx // OCG + i * ORG], ZERO))
-                        if tx % OCG == 0:
-                            out[1][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G] = \
-                                T.if_then_else(l[tx // OCG + i * ORG] > ZERO,
-                                               m[tx // OCG + i * ORG] + T.log2(l[tx // OCG + i * ORG]), NEG_INF)
-
-    def chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds):
-        """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
-        if tree:
-            return 0, ceildiv(kv_len, KC)
-        if window > 0:
-            row_lo = T.max(bounds[0] - window + 1 - k_pos0, 0)
-            row_hi = T.if_then_else(causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
-            return row_lo // KC, T.max(ceildiv(row_hi, KC), row_lo // KC)
-        visible_rows = T.max(kv_len - q_len + tile0 + nq, 0)
-        return 0, T.if_then_else(causal > 0, T.min(ceildiv(kv_len, KC), ceildiv(visible_rows, KC)),
-                                 ceildiv(kv_len, KC))
+                    for x in T.unroll(OCM):
+                        if tx % OCG * OCM + x < DV:
+                            out[0][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G,
+                                   tx % OCG * OCM + x] = T.Cast(dtype, acc[i, x] * T.if_then_else(
+                                       l[tx // OCG + i * ORG] > ZERO, ONE / l[tx // OCG + i * ORG], ZERO))
+                    if tx % OCG == 0:
+                        out[1][qbeg + tile0 + (tx // OCG + i * ORG) // G, h * G + (tx // OCG + i * ORG) % G] = \
+                            T.if_then_else(l[tx // OCG + i * ORG] > ZERO,
+                                           m[tx // OCG + i * ORG] + T.log2(l[tx // OCG + i * ORG]), NEG_INF)
 
     @T.macro
     def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
-                    rotary_mode, rope_scale, rope_theta, sm_scale, tree_src, split, nsplit, active, tx):
+                    rotary_mode, rope_scale, rope_theta, sm_scale, tree_src, active, tx):
         qs = T.sblock_alloc_buffer((R, D), dtype, scope="shared")
         ks = T.sblock_alloc_buffer((KC, D), dtype, scope="shared")
         vs = T.sblock_alloc_buffer((KC, DV), dtype, scope="shared")
@@ -344,16 +367,14 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
         bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
         nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
-        if window > 0:
+        if spec.window > 0:
             bounds[0] = q_rope_position[qbeg + tile0]
             bounds[1] = q_rope_position[qbeg + tile0]
             for i in T.serial(nq):
                 bounds[0] = T.min(bounds[0], q_rope_position[qbeg + tile0 + i])
                 bounds[1] = T.max(bounds[1], q_rope_position[qbeg + tile0 + i])
-        c_first, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
-        per_split: T.let[T.int32] = ceildiv(c_end - c_first, nsplit)
-        c_lo: T.let[T.int32] = c_first + split * per_split
-        c_hi: T.let[T.int32] = T.if_then_else(active, T.min(c_end, c_lo + per_split), c_lo)
+        c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
+        c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
         load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx)
         for it in T.serial(ceildiv(R, NT)):
             if it * NT + tx < R:
@@ -434,8 +455,15 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     ``seq_src(bufs, b)`` returns the tile arguments of sequence b, ``(kv_src, kv_len, k_pos0,
     tree_src)``, from the kernel's buffers ``bufs`` (a tuple the macro is given).
     """
-    shape = TileShape.choose(spec, sched, decode=False)
-    tile = make_tile(spec, shape, kv_elem, tree=tree)
+    mma_shape = MmaTileShape.choose(spec, sched)
+    if mma_shape is not None:
+        shape = mma_shape
+        tile = make_mma_tile(spec, shape, tile_io(spec, rows=shape.rows, kv_chunk=shape.kv_chunk,
+                                                  threads=shape.threads, lanes=shape.lanes,
+                                                  v_lanes=shape.v_lanes, kv_elem=kv_elem, tree=tree))
+    else:
+        shape = TileShape.choose(spec, sched)
+        tile = make_tile(spec, shape, kv_elem, tree=tree)
     Hkv, TQ, NT = spec.num_kv_heads, shape.q_tokens, shape.threads
 
     @T.macro
@@ -455,15 +483,14 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
                         src = seq_src(bufs, b)
                         tile(q, (o, lse), q_rope_position, src[0], by, qo_indptr[b],
                              qo_indptr[b + 1] - qo_indptr[b], found[1], src[1], src[2], causal,
-                             rotary_mode, rope_scale, rope_theta, sm_scale, src[3], 0, 1, found[0] >= 0, tx)
+                             rotary_mode, rope_scale, rope_theta, sm_scale, src[3], found[0] >= 0, tx)
 
     return run
 
 
 def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
     """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge."""
-    shape = TileShape.choose(spec, sched, decode=True)
-    tile = make_tile(spec, shape, kv_elem, partial=True)
+    item, shape = make_decode_item(spec, sched, kv_elem)
     merge = merge_splits(spec, sched)
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
@@ -479,9 +506,9 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
                         T.reads()
                         T.writes()
                         src = seq_src(bufs, bx // Hkv)
-                        tile(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx % Hkv,
-                             bx // Hkv, 1, 0, src[1], src[2], 0, rotary_mode, rope_scale, rope_theta,
-                             sm_scale, src[3], by, nsplit, T.bool(True), tx)
+                        item(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
+                             bx % Hkv, src[1], src[2], rotary_mode, rope_scale, rope_theta, sm_scale, by,
+                             nsplit, tx)
         merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
 
     return run

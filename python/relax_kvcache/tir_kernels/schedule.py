@@ -70,6 +70,13 @@ class GpuSchedule:
         Most elements of one vector type (Metal and WebGPU have no 8-lane vectors).
     shared_bytes : int
         Shared (workgroup) memory one attention block may use, with room to spare.
+    warp_shuffle : bool
+        Whether the kernels exchange registers between the threads of a warp (CUDA's
+        ``__shfl_xor_sync``; TVM 0.27 lowers the intrinsic for CUDA only); otherwise cross-lane
+        sums go through shared memory.
+    mma : bool
+        Whether prefill tiles use tensor cores (``mma.sync``: CUDA sm_80 and newer, float16 and
+        bfloat16); otherwise CUDA cores.
     """
 
     threads: int = 128
@@ -82,6 +89,8 @@ class GpuSchedule:
     warp_size: int = 32
     max_lanes: int = 8
     shared_bytes: int = 46 * 1024
+    warp_shuffle: bool = True
+    mma: bool = False
 
     def lanes_for(self, dtype_bits: int, extent: int) -> int:
         """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
@@ -106,7 +115,8 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
         # devices guarantee 32 KiB
         small = kind in ("metal", "webgpu", "opencl", "vulkan")
         return GpuSchedule(warp_size=warp, max_lanes=4 if kind in ("metal", "webgpu") else 8,
-                           shared_bytes=(30 if small else 46) * 1024)
+                           shared_bytes=(30 if small else 46) * 1024, warp_shuffle=kind == "cuda",
+                           mma=kind == "cuda" and _sm_version(target) >= 80)
     if kind != "llvm":
         raise NotImplementedError(
             f"relax_kvcache kernels are scheduled for llvm (CPU) and GPU targets {GPU_TARGET_KINDS}; "
@@ -116,6 +126,13 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
     mattr = [str(a) for a in attrs["mattr"]] if "mattr" in attrs else []
     avx512 = any("avx512f" in a for a in mattr) or mcpu in _AVX512_CPUS
     return CpuSchedule(vector_lanes=16 if avx512 else 8)
+
+
+def _sm_version(target: tvm.target.Target) -> int:
+    """Compute capability of a CUDA target as an int (``sm_90a`` -> 90; 0 without an arch)."""
+    arch = str(target.attrs["arch"]) if "arch" in target.attrs else ""
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    return int(digits) if digits else 0
 
 
 _AVX512_CPUS = frozenset({

@@ -1,0 +1,254 @@
+"""GPU schedule of decode attention (one query token per sequence).
+
+The algorithm is the one of :mod:`.attention`: an online softmax over a sequence's KV rows in
+log2 units, split across work items and merged by LSE. Decode reads every KV byte once and
+does two FLOPs per byte, so its schedule is built around the loads (FlashInfer's decode
+layout):
+
+* a block works on one (sequence, KV head, split); its threads form ``bdz x bdy x bdx``:
+  ``bdx`` lanes cover head_dim with one 16-byte vector each (a half-warp reads one 256-byte
+  row of K or V), ``bdy`` lane groups take different KV rows, ``bdz`` groups (only for wide
+  GQA groups) take different query heads of the group;
+* every thread keeps its query rows and its own online-softmax state (m, l, acc) in registers;
+  a score is a lane-local dot product summed across the ``bdx`` lanes with warp shuffles (or
+  through shared memory on targets without them);
+* KV rows are loaded into registers ``unroll`` rows at a time, one step ahead of the math,
+  so a thread has the next rows' loads in flight while it computes on the current ones;
+* at the end the ``bdy`` states of each row are merged by LSE through shared memory and
+  written to the split workspace; a second kernel merges the splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm.script import tirx as T
+
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, rope_inv_freq_expr
+from .schedule import GpuSchedule
+from .spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeShape:
+    """Thread layout of a decode block (``threads = bdx * bdy * bdz``).
+
+    Thread ``tx`` is lane ``tx % bdx`` of row group ``tx // bdx % bdy`` of head group
+    ``tx // (bdx * bdy)``. A lane holds head_dim elements ``[lane * ek, (lane + 1) * ek)`` of K
+    (``k_lanes`` per vector load) and ``[lane * ev, (lane + 1) * ev)`` of V; a head group holds
+    ``rows`` query heads; each step a row group loads ``unroll`` KV rows.
+    """
+
+    bdx: int
+    bdy: int
+    bdz: int
+    ek: int
+    ev: int
+    k_lanes: int
+    v_lanes: int
+    rows: int
+    unroll: int
+
+    @property
+    def threads(self) -> int:
+        return self.bdx * self.bdy * self.bdz
+
+    @staticmethod
+    def choose(spec: AttentionSpec, sched: GpuSchedule) -> "DecodeShape":
+        D, DV, G = spec.qk_head_dim, spec.v_head_dim, spec.group_size
+        bits = 32 if spec.dtype == "float32" else 16
+        widest = max(1, min(sched.max_lanes, sched.vector_bytes * 8 // bits))
+        # fewest lanes (a power of two, at most a warp) whose slices are at most one vector
+        bdx = 1
+        while bdx < sched.warp_size and D > bdx * widest:
+            bdx *= 2
+        while D % bdx or DV % bdx:
+            bdx //= 2
+        ek, ev = D // bdx, DV // bdx
+        # query rows + accumulators in registers: at most 64 + 64 floats per thread, so wide
+        # groups are split over bdz head groups (a block has at most 1024 threads)
+        divisors = [z for z in range(1, G + 1) if G % z == 0 and bdx * z <= 1024]
+        bdz = next((z for z in divisors if (G // z) * max(ek, ev) <= 64), divisors[-1])
+        bdy = max(1, sched.threads // (bdx * bdz))
+        unroll = max(1, min(4, sched.vector_bytes * 4 // (max(ek, ev) * bits // 8)))
+        return DecodeShape(bdx=bdx, bdy=bdy, bdz=bdz, ek=ek, ev=ev, k_lanes=sched.lanes_for(bits, ek),
+                           v_lanes=sched.lanes_for(bits, ev), rows=G // bdz, unroll=unroll)
+
+
+def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
+    """Macro computing one (sequence, KV head, split) into the split workspace.
+
+    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V).
+    """
+    shape = DecodeShape.choose(spec, sched)
+    G, D, DV, dtype, window = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.window
+    BX, BY, NT = shape.bdx, shape.bdy, shape.threads
+    EK, EV, KL, VL, GR, U = shape.ek, shape.ev, shape.k_lanes, shape.v_lanes, shape.rows, shape.unroll
+    half, groups = D // 2, NT // BX
+    shuffle = sched.warp_shuffle
+    LOG_BX = BX.bit_length() - 1
+
+    def first_visible(pos, k_pos0):
+        """First KV row a decode query at ``pos`` sees (a window shows ``(pos - window, pos]``)."""
+        return T.max(pos - window + 1 - k_pos0, 0) if window > 0 else T.int32(0)
+
+    def rope(x, partner, d, pos, rope_scale, rope_theta):
+        """Element d of a RoPE'd row from its value and its pair's (both float32)."""
+        angle = T.Cast("float32", pos) * rope_inv_freq_expr(d % half, D, rope_scale, rope_theta)
+        sign = T.if_then_else(d < half, T.float32(-1), ONE)
+        return x * T.cos(angle) + sign * partner * T.sin(angle)
+
+    @T.macro
+    def load_q(qr, q, b, hq0, pos, rotary_mode, rope_scale, rope_theta, scale, lane):
+        for i in T.unroll(GR):
+            for x in T.unroll(EK):
+                if rotary_mode == 1:
+                    qr[i, x] = scale * rope(T.Cast("float32", q[b, hq0 + i, lane * EK + x]),
+                                            T.Cast("float32", q[b, hq0 + i, (lane * EK + x + half) % D]),
+                                            lane * EK + x, pos, rope_scale, rope_theta)
+                else:
+                    qr[i, x] = scale * T.Cast("float32", q[b, hq0 + i, lane * EK + x])
+
+    @T.macro
+    def load_rows(kn, vn, kv_src, h, j0, hi, k_pos0, rotary_mode, rope_scale, rope_theta, ty, lane):
+        """kn/vn[u] = this lane's slices of K/V row ``j0 + u * bdy + ty`` (clamped below hi)."""
+        for u in T.unroll(U):
+            j: T.let[T.int32] = T.min(j0 + u * BY + ty, hi - 1)
+            if rotary_mode == 1:
+                for x in T.unroll(EK):
+                    kn[u, x] = T.Cast(dtype, rope(
+                        T.Cast("float32", kv_elem(kv_src, h, j, 0, lane * EK + x)),
+                        T.Cast("float32", kv_elem(kv_src, h, j, 0, (lane * EK + x + half) % D)),
+                        lane * EK + x, k_pos0 + j, rope_scale, rope_theta))
+            else:
+                for v in T.unroll(EK // KL):
+                    for x in T.vectorized(KL):
+                        kn[u, v * KL + x] = kv_elem(kv_src, h, j, 0, lane * EK + v * KL + x)
+            for v in T.unroll(EV // VL):
+                for x in T.vectorized(VL):
+                    vn[u, v * VL + x] = kv_elem(kv_src, h, j, 1, lane * EV + v * VL + x)
+
+    @T.macro
+    def lane_sum(part, red_sh, tx):
+        """part[k] = sum of part[k] over the bdx lanes of this thread's lane group."""
+        if shuffle:
+            for k in T.unroll(U * GR):
+                for e in T.unroll(LOG_BX):
+                    part[k] = part[k] + T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), part[k], BX >> (e + 1),
+                                                               sched.warp_size, sched.warp_size)
+        else:
+            for k in T.unroll(U * GR):
+                red_sh[tx // BX, k, tx % BX] = part[k]
+            T.evaluate(T.tvm_storage_sync("shared"))
+            for k in T.unroll(U * GR):
+                part[k] = ZERO
+                for x in T.serial(BX):
+                    part[k] = part[k] + red_sh[tx // BX, k, x]
+            T.evaluate(T.tvm_storage_sync("shared"))
+
+    @T.macro
+    def fold(qr, kc, vc, m, l, acc, part, red, red_sh, j0, hi, ty, tx):
+        """Fold the step's U rows into this thread's (m, l, acc) of each of its query rows."""
+        for u in T.unroll(U):
+            for i in T.unroll(GR):
+                part[u * GR + i] = ZERO
+                for x in T.unroll(EK):
+                    part[u * GR + i] = part[u * GR + i] + qr[i, x] * T.Cast("float32", kc[u, x])
+        lane_sum(part, red_sh, tx)
+        for i in T.unroll(GR):
+            red[0] = m[i]
+            for u in T.unroll(U):
+                red[0] = T.max(red[0], T.if_then_else(j0 + u * BY + ty < hi, part[u * GR + i], NEG_INF))
+            alpha: T.let[T.float32] = T.if_then_else(m[i] == red[0], ONE, T.exp2(m[i] - red[0]))
+            l[i] = l[i] * alpha
+            for u in T.unroll(U):
+                part[u * GR + i] = T.if_then_else(j0 + u * BY + ty < hi, T.exp2(part[u * GR + i] - red[0]), ZERO)
+                l[i] = l[i] + part[u * GR + i]
+            m[i] = red[0]
+            for x in T.unroll(EV):
+                acc[i, x] = acc[i, x] * alpha
+                for u in T.unroll(U):
+                    acc[i, x] = acc[i, x] + part[u * GR + i] * T.Cast("float32", vc[u, x])
+
+    @T.macro
+    def merge_groups(out, m, l, acc, sm_m, sm_l, sm_o, red, hq0, ty, tz, lane, tx):
+        """Merge the bdy row groups' states of each query row by LSE and write the rows out.
+        ``out = (ws_o, ws_lse, first workspace row, split)``."""
+        if lane == 0:
+            for i in T.unroll(GR):
+                sm_m[tz * BY + ty, i] = m[i]
+                sm_l[tz * BY + ty, i] = l[i]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        for i in T.unroll(GR):
+            red[0] = NEG_INF
+            for y in T.serial(BY):
+                red[0] = T.max(red[0], sm_m[tz * BY + y, i])
+            red[1] = ZERO
+            for y in T.serial(BY):
+                red[1] = red[1] + T.if_then_else(sm_m[tz * BY + y, i] == NEG_INF, ZERO,
+                                                 sm_l[tz * BY + y, i] * T.exp2(sm_m[tz * BY + y, i] - red[0]))
+            for x in T.unroll(EV):
+                sm_o[tz * BY + ty, lane * EV + x] = T.if_then_else(m[i] == NEG_INF, ZERO,
+                                                                   acc[i, x] * T.exp2(m[i] - red[0]))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            for k in T.unroll(ceildiv(DV, BX * BY)):
+                if k * BX * BY + ty * BX + lane < DV:
+                    red[2] = ZERO
+                    for y in T.serial(BY):
+                        red[2] = red[2] + sm_o[tz * BY + y, k * BX * BY + ty * BX + lane]
+                    out[0][out[2] + hq0 + i, out[3], k * BX * BY + ty * BX + lane] = T.if_then_else(
+                        red[1] > ZERO, red[2] / red[1], ZERO)
+            if ty == 0 and lane == 0:
+                out[1][out[2] + hq0 + i, out[3]] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+            T.evaluate(T.tvm_storage_sync("shared"))
+
+    @T.macro
+    def item(q, out, q_rope_position, kv_src, b, h, kv_len, k_pos0, rotary_mode, rope_scale,
+             rope_theta, sm_scale, split, nsplit, tx):
+        qr = T.sblock_alloc_buffer((GR, EK), "float32", scope="local")
+        kn = T.sblock_alloc_buffer((U, EK), dtype, scope="local")
+        vn = T.sblock_alloc_buffer((U, EV), dtype, scope="local")
+        kc = T.sblock_alloc_buffer((U, EK), dtype, scope="local")
+        vc = T.sblock_alloc_buffer((U, EV), dtype, scope="local")
+        m = T.sblock_alloc_buffer((GR,), "float32", scope="local")
+        l = T.sblock_alloc_buffer((GR,), "float32", scope="local")
+        acc = T.sblock_alloc_buffer((GR, EV), "float32", scope="local")
+        part = T.sblock_alloc_buffer((U * GR,), "float32", scope="local")
+        red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+        red_sh = T.sblock_alloc_buffer((1 if shuffle else groups, U * GR, BX), "float32", scope="shared")
+        sm_m = T.sblock_alloc_buffer((groups, GR), "float32", scope="shared")
+        sm_l = T.sblock_alloc_buffer((groups, GR), "float32", scope="shared")
+        sm_o = T.sblock_alloc_buffer((groups, DV), "float32", scope="shared")
+        lane: T.let[T.int32] = tx % BX
+        ty: T.let[T.int32] = tx // BX % BY
+        tz: T.let[T.int32] = tx // (BX * BY)
+        hq0: T.let[T.int32] = h * G + tz * GR
+        pos: T.let[T.int32] = q_rope_position[b]
+        # rows a window leaves visible: positions in (pos - window, pos]
+        lo: T.let[T.int32] = first_visible(pos, k_pos0)
+        per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
+        s_lo: T.let[T.int32] = lo + split * per_split
+        s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)
+        steps: T.let[T.int32] = ceildiv(T.max(s_hi - s_lo, 0), BY * U)
+        load_q(qr, q, b, hq0, pos, rotary_mode, rope_scale, rope_theta, sm_scale * LOG2E, lane)
+        for i in T.unroll(GR):
+            m[i] = NEG_INF
+            l[i] = ZERO
+            for x in T.unroll(EV):
+                acc[i, x] = ZERO
+        if steps > 0:
+            load_rows(kn, vn, kv_src, h, s_lo, s_hi, k_pos0, rotary_mode, rope_scale, rope_theta, ty, lane)
+        for step in T.serial(steps):
+            for u in T.unroll(U):
+                for x in T.unroll(EK):
+                    kc[u, x] = kn[u, x]
+                for x in T.unroll(EV):
+                    vc[u, x] = vn[u, x]
+            # the next step's rows are in flight while this step's are folded in
+            if step + 1 < steps:
+                load_rows(kn, vn, kv_src, h, s_lo + (step + 1) * BY * U, s_hi, k_pos0, rotary_mode,
+                          rope_scale, rope_theta, ty, lane)
+            fold(qr, kc, vc, m, l, acc, part, red, red_sh, s_lo + step * BY * U, s_hi, ty, tx)
+        merge_groups(out, m, l, acc, sm_m, sm_l, sm_o, red, hq0, ty, tz, lane, tx)
+
+    return item, shape

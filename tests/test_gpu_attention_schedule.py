@@ -1,0 +1,128 @@
+"""GPU schedules of the attention kernels: layouts they pick and the code they generate.
+
+No GPU is needed. The layouts (:class:`DecodeShape`, :class:`MmaTileShape`) are checked for the
+invariants the kernels rely on; the generated CUDA source is checked for the instructions the
+schedule is about (tensor-core ``mma.sync`` in prefill on sm_80+, warp shuffles in decode) and
+for their absence where the target cannot run them. Numerics of these kernels are checked on a
+real GPU by ``test_kernels.py`` (``RELAX_KVCACHE_TEST_DEVICE=cuda``) and
+``benchmarks/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import tvm
+
+from relax_kvcache.build import _pass_config
+from relax_kvcache.targets import make_target
+from relax_kvcache.tir_kernels import AttentionSpec, make_paged_decode, make_ragged_prefill
+from relax_kvcache.tir_kernels.attention_gpu_decode import DecodeShape
+from relax_kvcache.tir_kernels.attention_gpu_mma import MmaTileShape
+from relax_kvcache.tir_kernels.schedule import GpuSchedule, schedule_for
+
+MMA = "mma.sync.aligned.m16n8k16.row.col.f32"
+
+
+def spec(dtype="float16", *, heads=(32, 8), dim=128, v_dim=None, **kw) -> AttentionSpec:
+    return AttentionSpec(num_qo_heads=heads[0], num_kv_heads=heads[1], qk_head_dim=dim,
+                         v_head_dim=v_dim or dim, dtype=dtype, **kw)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("dim,v_dim", [(64, 64), (128, 128), (256, 256), (96, 96), (192, 128), (576, 512)])
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 16, 64])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("kind", ["cuda", "metal"])
+def test_decode_shape_covers_head_dims_and_group(dim, v_dim, group, dtype, kind):
+    sched = schedule_for(make_target(kind))
+    shape = DecodeShape.choose(spec(dtype, heads=(8 * group, 8), dim=dim, v_dim=v_dim), sched)
+    assert shape.bdx & (shape.bdx - 1) == 0 and shape.bdx <= sched.warp_size  # shuffle-xor lanes
+    assert shape.bdx * shape.ek == dim and shape.bdx * shape.ev == v_dim
+    assert shape.ek % shape.k_lanes == 0 and shape.ev % shape.v_lanes == 0
+    assert shape.k_lanes * (4 if dtype == "float32" else 2) <= sched.vector_bytes
+    assert shape.bdz * shape.rows == group
+    assert shape.bdy >= 1 and shape.threads <= max(sched.threads, 1024)
+    assert shape.rows * max(shape.ek, shape.ev) <= 64 or shape.rows == 1  # registers per thread
+
+
+def test_decode_shape_of_llama_reads_16_bytes_per_lane():
+    shape = DecodeShape.choose(spec(), schedule_for(make_target("cuda", arch="sm_90a")))
+    assert (shape.bdx, shape.bdy, shape.bdz, shape.ek, shape.k_lanes, shape.rows) == (16, 8, 1, 8, 8, 4)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 48, 64])
+def test_mma_tile_shape(dim, group):
+    sched = schedule_for(make_target("cuda", arch="sm_80"))
+    shape = MmaTileShape.choose(spec(heads=(2 * group, 2), dim=dim), sched)
+    if shape is None:  # a 16-row-aligned tile of one token does not fit in shared memory
+        assert 2 * (-(-group // 16) * 16 * (dim + 8) + 16 * (2 * dim + 16)) > sched.shared_bytes
+        return
+    assert shape.rows % 16 == 0 and shape.kv_chunk % 16 == 0
+    assert shape.q_tokens >= 1 and shape.q_tokens * group <= shape.rows < shape.q_tokens * group + 16
+    shared = 2 * (shape.rows * (dim + 8) + shape.kv_chunk * (2 * dim + 16))
+    assert shared <= sched.shared_bytes
+
+
+@pytest.mark.parametrize("case", [
+    ("float32", {"kind": "cuda", "arch": "sm_90a"}, {}),
+    ("float16", {"kind": "cuda", "arch": "sm_75"}, {}),
+    ("float16", {"kind": "metal"}, {}),
+    ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"dim": 72}),  # head_dim not a multiple of 16
+    ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"heads": (128, 1)}),  # group wider than a tile
+])
+def test_mma_tile_not_used(case):
+    dtype, target, kw = case
+    assert MmaTileShape.choose(spec(dtype, **kw), schedule_for(tvm.target.Target(target))) is None
+
+
+def test_schedule_flags():
+    assert schedule_for(make_target("cuda", arch="sm_90a")).mma
+    assert schedule_for(make_target("cuda", arch="sm_80")).mma
+    assert not schedule_for(tvm.target.Target({"kind": "cuda", "arch": "sm_75"})).mma
+    for kind in ("metal", "webgpu", "opencl", "rocm"):
+        sched = schedule_for(make_target(kind))
+        assert isinstance(sched, GpuSchedule) and not sched.mma and not sched.warp_shuffle
+
+
+# ----------------------------------------------------------------------------- generated code
+
+
+@functools.lru_cache(maxsize=None)
+def device_source(factory, dtype: str, target_json: tuple, **kw) -> str:
+    target = tvm.target.Target(dict(target_json))
+    func = factory(spec(dtype, heads=(8, 2)), schedule_for(target)).with_attr("global_symbol", "k")
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        ex = tvm.compile(tvm.IRModule({"k": func}), target=target)
+    return ex.mod.imports[0].inspect_source()
+
+
+SM90 = (("kind", "cuda"), ("arch", "sm_90a"))
+SM80 = (("kind", "cuda"), ("arch", "sm_80"))
+
+
+@pytest.mark.parametrize("dtype,target", [("float16", SM90), ("bfloat16", SM80)])
+def test_cuda_prefill_uses_tensor_cores(dtype, target):
+    source = device_source(make_ragged_prefill, dtype, target)
+    operand = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"{MMA}.{operand}.{operand}.f32" in source
+
+
+def test_cuda_float32_prefill_uses_cuda_cores():
+    assert "mma.sync" not in device_source(make_ragged_prefill, "float32", SM90)
+
+
+def test_cuda_decode_reduces_with_warp_shuffles_and_16_byte_loads():
+    source = device_source(make_paged_decode, "float16", SM90)
+    assert "__shfl_xor_sync" in source
+    assert "*(uint4*)(kn" in source and "*(uint4*)(vn" in source  # K/V rows into registers, 16 B
+
+
+@pytest.mark.parametrize("kind", ["metal", "webgpu", "opencl"])
+def test_decode_without_warp_shuffles(kind):
+    source = device_source(make_paged_decode, "float32" if kind == "webgpu" else "float16", (("kind", kind),))
+    assert "shfl" not in source and "simd_shuffle" not in source
