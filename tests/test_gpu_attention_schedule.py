@@ -85,7 +85,7 @@ def test_schedule_flags():
     assert schedule_for(make_target("cuda", arch="sm_80")).mma
     assert not schedule_for(tvm.target.Target({"kind": "cuda", "arch": "sm_75"})).mma
     for kind in ("metal", "webgpu", "opencl", "rocm"):
-        sched = schedule_for(make_target(kind))
+        sched = schedule_for(tvm.target.Target({"kind": kind}))
         assert isinstance(sched, GpuSchedule) and not sched.mma and not sched.warp_shuffle
 
 
