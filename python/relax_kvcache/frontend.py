@@ -1,0 +1,250 @@
+"""Model authors' frontend: the cache as an object of ``tvm.relax.frontend.nn`` model code.
+
+A model written with ``tvm.relax.frontend.nn`` takes the cache as an argument of its ``prefill``
+/ ``decode`` functions and calls the methods of :class:`PagedKVCache` in its attention layers;
+each method emits the ``vm.builtin.attention_kv_cache_*`` call a compiled model makes (the same
+calls as TVM's own frontend, so a model compiled against either runs on either cache). The
+model's ``create_kv_cache`` function calls :meth:`PagedKVCache.create`, which adds our kernels to
+the model's IRModule as TIR functions and emits ``relax_kvcache.paged_attention_kv_cache_create``
+on them: one :func:`compile` builds the model and the kernels together.
+
+At run time, ``import relax_kvcache`` before creating the ``VirtualMachine``: the VM binds the
+``vm.builtin`` functions when it is made, and the import is what routes them to our cache.
+
+Example
+-------
+>>> class Model(nn.Module):
+...     def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
+...         return PagedKVCache.create(CacheLayout(num_layers=2, num_qo_heads=8, ...), target,
+...                                    max_batch_size=max_batch_size, ...)
+...     def decode(self, x, cache: PagedKVCache):
+...         ... cache.attention_with_fused_qkv(layer, qkv, num_qo_heads=8, sm_scale=d ** -0.5) ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple, Union
+
+import tvm
+from tvm import relax as rx
+from tvm.relax.frontend import nn
+
+from .build import KernelSetSpec, _pass_config
+from .config import AttnKind, KVCacheConfig, RopeMode
+from .tir_kernels.schedule import GpuSchedule, schedule_for
+
+#: The creation function the model's ``create_kv_cache`` calls (registered by ``import relax_kvcache``).
+CREATE = "relax_kvcache.paged_attention_kv_cache_create"
+
+IntOrVar = Union[int, tvm.tirx.Expr]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheLayout:
+    """What a model fixes about its cache at compile time (the kernels depend on it).
+
+    Capacities (batch size, total tokens, prefill chunk) are run-time arguments of
+    :meth:`PagedKVCache.create` instead.
+
+    Parameters
+    ----------
+    num_layers, num_qo_heads, num_kv_heads, head_dim : int
+        The model's attention shape.
+    v_head_dim : int, optional
+        Defaults to ``head_dim``.
+    page_size : int
+        Tokens per page (16).
+    rope_mode : RopeMode
+        ``NORMAL``: the cache rotates q/k (Llama); ``NONE``; ``INLINE``: inside the kernels.
+    rope_theta, rope_scale : float
+    dtype : str
+        ``float32``, ``float16`` or ``bfloat16``.
+    attn_kinds : sequence of AttnKind, optional
+        Per layer (default all ``MHA``).
+    layer_sliding_window_size : int
+        Window of ``MHA_SLIDING`` layers.
+    sliding_window : bool
+        Whether sequences may get sliding windows (``enable_sliding_window_for_seq``); adds the
+        windowed kernels.
+    """
+
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: Optional[int] = None
+    page_size: int = 16
+    rope_mode: RopeMode = RopeMode.NORMAL
+    rope_theta: float = 10000.0
+    rope_scale: float = 1.0
+    dtype: str = "float16"
+    attn_kinds: Optional[Sequence[AttnKind]] = None
+    layer_sliding_window_size: int = 1024
+    sliding_window: bool = False
+
+    def kernel_spec(self) -> KernelSetSpec:
+        """The kernels of this layout (capacities do not enter the kernels)."""
+        return KernelSetSpec.from_config(KVCacheConfig(
+            num_layers=self.num_layers, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
+            max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
+            rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
+            support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,
+            layer_sliding_window_size=self.layer_sliding_window_size))
+
+
+class PagedKVCache(nn.Object):
+    """The paged KV cache inside ``tvm.relax.frontend.nn`` model code.
+
+    Tensors are ``(batch, seq, heads, dim)`` as model code has them; the calls flatten
+    ``batch x seq`` into the token axis the cache works on (prefill: batch 1 with all the
+    step's tokens; decode: one token per sequence).
+    """
+
+    @classmethod
+    def create(cls, layout: CacheLayout, target: Union[str, dict, tvm.target.Target], *,
+               max_batch_size: IntOrVar, max_total_seq_len: IntOrVar, prefill_chunk_size: IntOrVar,
+               name: str = "paged_kv_cache") -> "PagedKVCache":
+        """Emit the cache's creation (inside a function being built, e.g. an exported method).
+
+        Our kernels for ``layout`` and ``target`` are added to the IRModule under
+        ``relax_kvcache_<role>`` and passed to ``relax_kvcache.paged_attention_kv_cache_create``
+        in TVM's argument order.
+
+        Parameters
+        ----------
+        layout : CacheLayout
+        target : str, dict or Target
+            The target the model is compiled for (it picks the kernel schedules).
+        max_batch_size, max_total_seq_len, prefill_chunk_size
+            Capacities: ints, or symbolic ``tirx.Var`` given when the model's function runs.
+        """
+        target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+        bb = rx.BlockBuilder.current()
+        if bb is None:
+            raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function being "
+                               "built (an nn.Module method exported with export_tvm)")
+        kinds = list(layout.attn_kinds) if layout.attn_kinds is not None else [AttnKind.MHA] * layout.num_layers
+        kernels = _add_kernels(bb, layout, target)
+
+        def attention(role: str):
+            return rx.Tuple([tvm.ir.StringImm("tirx"), kernels[role]]) if role in kernels else rx.Tuple([])
+
+        args = [
+            rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
+                          int(layout.sliding_window), layout.layer_sliding_window_size]),
+            rx.ShapeExpr([0, layout.num_layers]),
+            rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
+            rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),
+            rx.ShapeExpr([int(kind) for kind in kinds]),
+            rx.prim_value(False),  # KV transfer
+            rx.prim_value(int(layout.rope_mode)), rx.prim_value(float(layout.rope_scale)),
+            rx.prim_value(float(layout.rope_theta)),
+            rx.op.null_value(),  # rope_ext_factors
+            rx.op.zeros((), layout.dtype),  # the cache's dtype and device
+            kernels["transpose_append"], rx.op.null_value(),  # MLA append
+            attention("attention_prefill_ragged"), attention("attention_prefill"),
+            attention("attention_decode"), attention("attention_prefill_sliding_window"),
+            attention("attention_decode_sliding_window"), attention("attention_prefill_tree"),
+            attention("attention_prefill_ragged_tree"), rx.Tuple([]),  # MLA prefill
+            rx.Tuple([kernels["merge_inplace"]]),
+            kernels["split_rotary"], kernels["copy_single_page"], kernels["debug_get_kv"],
+            kernels["compact_copy"],
+        ]
+        return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
+
+    # ---------------------------------------------------------------- attention
+
+    def attention_with_fused_qkv(self, layer_id: int, qkv: nn.Tensor, num_qo_heads: int,
+                                 sm_scale: float) -> nn.Tensor:
+        """Append the new tokens' K/V (RoPE per the cache's mode) and attend over the sequence.
+
+        ``qkv (b, s, num_qo_heads + 2 * num_kv_heads, d)`` -> ``(b, s, num_qo_heads, d)``.
+        """
+        b, s, heads, d = qkv.shape
+        o = _dps("attention_with_fused_qkv", [self._expr, layer_id, sm_scale, qkv.reshape(b * s, heads, d)._expr],
+                 [rx.TensorType((b * s, num_qo_heads, d), qkv.dtype)])
+        return o.reshape(b, s, num_qo_heads, d)
+
+    def self_attention(self, layer_id: int, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor,
+                       sm_scale: float) -> Tuple[nn.Tensor, nn.Tensor]:
+        """Causal attention among the step's new tokens only (nothing is appended).
+
+        Returns ``o (b, s, Hq, dv)`` and base-2 ``lse (b, s, Hq)``.
+        """
+        b, s, hq, dqk = q.shape
+        hkv, dv = v.shape[2], v.shape[3]
+        args = [q.reshape(b * s, hq, dqk), k.reshape(b * s, hkv, dqk), v.reshape(b * s, hkv, dv)]
+        return _state_pair(_dps("self_attention", [self._expr, layer_id, sm_scale, *(t._expr for t in args)],
+                                _state_types(b * s, hq, dv, q.dtype)), b, s)
+
+    def cross_attention(self, layer_id: int, q: nn.Tensor, v_head_dim: int,
+                        sm_scale: float) -> Tuple[nn.Tensor, nn.Tensor]:
+        """Attention of the new tokens over the sequence's cached tokens; ``(o, lse)``."""
+        b, s, hq, dqk = q.shape
+        return _state_pair(_dps("cross_attention", [self._expr, layer_id, sm_scale, q.reshape(b * s, hq, dqk)._expr],
+                                _state_types(b * s, hq, v_head_dim, q.dtype)), b, s)
+
+    def merge_attn_output_inplace(self, o_a: nn.Tensor, lse_a: nn.Tensor, o_b: nn.Tensor,
+                                  lse_b: nn.Tensor) -> Tuple[nn.Tensor, nn.Tensor]:
+        """Merge two attention states by LSE into ``(o_a, lse_a)`` (returned)."""
+        b, s, h, dv = o_a.shape
+        flat = [o_a.reshape(b * s, h, dv), lse_a.reshape(b * s, h), o_b.reshape(b * s, h, dv), lse_b.reshape(b * s, h)]
+        bb = rx.BlockBuilder.current()
+        merged = bb.emit(rx.call_pure_packed(
+            "vm.builtin.attention_kv_cache_merge_attn_output_inplace", self._expr, *(t._expr for t in flat),
+            ty_args=rx.TupleType([flat[0]._expr.ty, flat[1]._expr.ty])))
+        return _state_pair(merged, b, s)
+
+    def get_query_positions(self, total_length: IntOrVar) -> nn.Tensor:
+        """Position in its sequence of each of the step's ``total_length`` new tokens (int32)."""
+        return nn.Tensor(_expr=rx.BlockBuilder.current().emit(rx.call_pure_packed(
+            "vm.builtin.attention_kv_cache_get_query_positions", self._expr,
+            ty_args=rx.TensorType((total_length,), "int32"))))
+
+
+def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kwargs):  # noqa: A001
+    """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
+    kernels need (see :mod:`relax_kvcache.build`)."""
+    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        return tvm.compile(mod, target=target, **kwargs)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Target) -> dict:
+    """Add the kernels of ``layout`` to the module being built; role -> GlobalVar."""
+    sched = schedule_for(target)
+    spec = layout.kernel_spec()
+    kernels = {}
+    for role, func in spec.kernel_functions(sched).items():
+        name = f"relax_kvcache_{role}"
+        func = func.with_attr("global_symbol", name)
+        if isinstance(sched, GpuSchedule):  # already scheduled: keep dlight's default schedules off
+            func = func.with_attr("tirx.is_scheduled", True)
+        kernels[role] = bb.add_func(func, name)
+    return kernels
+
+
+def _dps(builtin: str, args: list, out_types: list):
+    """Emit ``call_dps_packed`` of ``vm.builtin.attention_kv_cache_<builtin>``; plain Python ints
+    and floats become prim values. One output type: the tensor; several: the tuple."""
+    args = [rx.prim_value(a) if isinstance(a, (int, float)) else a for a in args]
+    call = rx.call_dps_packed(f"vm.builtin.attention_kv_cache_{builtin}", args,
+                              out_ty=out_types[0] if len(out_types) == 1 else out_types)
+    result = rx.BlockBuilder.current().emit(call)
+    return nn.Tensor(_expr=result) if len(out_types) == 1 else result
+
+
+def _state_types(n: IntOrVar, heads: int, dv: int, dtype: str) -> list:
+    return [rx.TensorType((n, heads, dv), dtype), rx.TensorType((n, heads), "float32")]
+
+
+def _state_pair(result, b, s) -> Tuple[nn.Tensor, nn.Tensor]:
+    bb = rx.BlockBuilder.current()
+    o = nn.Tensor(_expr=bb.emit(rx.TupleGetItem(result, 0)))
+    lse = nn.Tensor(_expr=bb.emit(rx.TupleGetItem(result, 1)))
+    return o.reshape(b, s, *o.shape[1:]), lse.reshape(b, s, lse.shape[1])
