@@ -25,24 +25,71 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
-    demo = commands.add_parser("demo", help="run a small serving workload on the CPU, checked against numpy")
-    demo.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    demo = commands.add_parser(
+        "demo", help="serve a small Llama-style model compiled with the cache, checked against numpy",
+        description="Compile a 2-layer Llama-style model together with the cache's kernels and serve a few "
+                    "requests: chunked prefill, batched greedy decode, a fork (parallel sampling), a "
+                    "speculative step rolled back with popn, requests finishing; every logit is checked "
+                    "against a float64 numpy model. On a GPU host with a runtime-only TVM: "
+                    "`--target cuda --arch sm_90a --export model.so` here, `--load model.so` there.")
+    demo.add_argument("--target", default="llvm", choices=["llvm", "cuda"], help="where to run (default: llvm)")
+    demo.add_argument("--arch", help="CUDA architecture (default: the local GPU's, else sm_80)")
+    demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                      help="model and cache dtype (default: float32 on llvm, float16 on cuda)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--export", metavar="PATH", help="compile the model for --target and write the library; do not run")
+    demo.add_argument("--load", metavar="PATH", help="run a library written by --export (runtime-only TVM is enough)")
+    demo.add_argument("--cache-only", action="store_true",
+                      help="the cache without a model: random attention inputs through every cache operation")
     demo.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
     def log(message: str) -> None:
         if not args.quiet:
             print(message, flush=True)
 
-    result = run_demo(dtype=args.dtype, seed=args.seed, log=log)
+    if args.cache_only:
+        from .demo import run_demo
+
+        result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
+        status = "OK" if result.ok else "FAILED"
+        print(f"demo {status}: {result.steps} steps, {result.tokens} tokens, {result.tokens_per_second:,.0f} "
+              f"tokens/s through the cache, max |error| vs float64 reference {result.max_error:.1e} "
+              f"(tolerance {result.tolerance:.0e})", flush=True)
+        return 0 if result.ok else 1
+    return _run_model_demo(args, log)
+
+
+def _run_model_demo(args: argparse.Namespace, log) -> int:
+    from .model_demo import compile_model, run_model_demo
+    from .models import LlamaConfig
+
+    dtype = args.dtype or ("float32" if args.target == "llvm" else "float16")
+    executable = None
+    if args.export or args.target == "cuda" and not args.load:
+        from .targets import make_target
+
+        target = make_target(args.target, arch=args.arch)
+        log(f"compiling the demo model for {target} ...")
+        executable = compile_model(LlamaConfig(dtype=dtype), target)
+        if args.export:
+            executable.export_library(args.export)
+            print(f"wrote {args.export}: the demo model ({dtype}) and the cache's kernels for {target}; run it "
+                  f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
+            return 0
+    if args.load:
+        from .deploy import load
+
+        executable = load(args.load)
+    result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log)
     status = "OK" if result.ok else "FAILED"
-    print(f"demo {status}: {result.steps} steps, {result.tokens} tokens, {result.tokens_per_second:,.0f} tokens/s "
-          f"through the cache, max |error| vs float64 reference {result.max_error:.1e} "
-          f"(tolerance {result.tolerance:.0e})", flush=True)
+    print(f"demo {status}: Llama (2 layers) on {result.target} {result.dtype}: {result.requests} requests "
+          f"(1 forked), {result.steps} steps, {result.prefill_tokens} prefill + {result.decode_tokens} decode "
+          f"tokens, {result.tokens_per_second:,.0f} tokens/s; {result.shared_prefix_pages} prefix pages shared "
+          f"by the fork, {result.rolled_back} speculative tokens rolled back; max logit error vs float64 numpy "
+          f"model {result.max_rel_error:.1e} relative over {result.checked_rows} rows (tolerance "
+          f"{result.tolerance:.0e}); pages all returned: {result.pages_returned}", flush=True)
     return 0 if result.ok else 1
 
 

@@ -1,0 +1,195 @@
+"""A small generation engine on top of a compiled model and the cache (what a server does).
+
+The engine keeps requests (token lists), decides each step's batch, and drives the cache only
+through TVM's ``vm.builtin.kv_state_*`` functions, as MLC-LLM's engine does:
+
+* chunked prefill: prompts are fed in pieces of at most ``prefill_chunk_size`` tokens, several
+  requests per step;
+* greedy decode of every request whose prompt is in, one token each, batched;
+* :meth:`Engine.fork`: parallel sampling; a second continuation of a request shares its prompt's
+  pages and starts from the runner-up first token;
+* :meth:`Engine.speculate`: a speculative step (draft tokens appended and verified in one call);
+  the rejected tail is rolled back with ``popn``;
+* requests that reach their token budget are removed and their pages return to the pool while
+  others continue.
+
+Every step's logits can be checked against a reference (``check(tokens) -> logits of every
+position``, e.g. :class:`relax_kvcache.models.LlamaNumpy`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import tvm
+
+Reference = Callable[[Sequence[int]], np.ndarray]
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence being generated. ``tokens`` = prompt + generated; the first ``cached`` are
+    in the cache."""
+
+    seq_id: int
+    tokens: List[int]
+    prompt_len: int
+    max_new_tokens: int
+    cached: int = 0
+    #: logits of the last token fed (what the next token was picked from)
+    last_logits: Optional[np.ndarray] = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.generated >= self.max_new_tokens and self.cached == len(self.tokens) - 1
+
+
+@dataclasses.dataclass
+class Stats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    rolled_back: int = 0
+    model_seconds: float = 0.0
+    max_rel_error: float = 0.0
+    checked_rows: int = 0
+
+
+class Engine:
+    """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)."""
+
+    def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache, device: tvm.runtime.Device, *,
+                 prefill_chunk_size: int, reference: Optional[Reference] = None) -> None:
+        self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
+        self.chunk, self.reference = prefill_chunk_size, reference
+        self.requests: Dict[int, Request] = {}
+        self.stats = Stats()
+        self._next_id = 0
+        g = tvm.get_global_func
+        self._add, self._remove = g("vm.builtin.kv_state_add_sequence"), g("vm.builtin.kv_state_remove_sequence")
+        self._fork, self._popn = g("vm.builtin.kv_state_fork_sequence"), g("vm.builtin.kv_state_popn")
+        self._begin, self._end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
+        self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        req = Request(seq_id=self._new_id(), tokens=list(prompt), prompt_len=len(prompt),
+                      max_new_tokens=max_new_tokens)
+        self._add(self.cache, req.seq_id)
+        self.requests[req.seq_id] = req
+        return req
+
+    def fork(self, parent: Request, alternative: int) -> Request:
+        """A second continuation of ``parent`` (prompt in, first token generated) sharing its
+        cached prefix; it continues from ``alternative`` instead of the parent's first token
+        (e.g. the runner-up of ``parent.last_logits``)."""
+        if parent.prefilling or parent.generated != 1:
+            raise ValueError(f"fork a request right after its first token; request {parent.seq_id} has "
+                             f"{parent.cached}/{parent.prompt_len} prompt tokens cached, {parent.generated} generated")
+        child = Request(seq_id=self._new_id(), tokens=parent.tokens[:-1] + [alternative],
+                        prompt_len=parent.prompt_len, max_new_tokens=parent.max_new_tokens, cached=parent.cached)
+        self._fork(self.cache, parent.seq_id, child.seq_id, parent.cached)
+        self.requests[child.seq_id] = child
+        return child
+
+    def free_pages(self) -> int:
+        return int(self._free_pages(self.cache))
+
+    # ---------------------------------------------------------------- steps
+
+    def step(self) -> List[Request]:
+        """One step: a token of every decoding request plus, within ``prefill_chunk_size``
+        tokens, the next pieces of the prompts not in yet (chunked prefill mixed with decode).
+        Returns the requests that finished (and were removed)."""
+        batch = [(r, 1) for r in self.requests.values() if not r.prefilling]
+        budget = self.chunk - len(batch)
+        for req in (r for r in self.requests.values() if r.prefilling):
+            if budget <= 0:
+                break
+            n = min(req.prompt_len - req.cached, budget)
+            batch.append((req, n))
+            budget -= n
+        self._run(batch)
+        return self._retire()
+
+    def speculate(self, req: Request, drafts: Sequence[int]) -> int:
+        """Append ``req``'s pending token and ``drafts`` in one call, keep the drafts the model
+        itself would have produced (greedy), roll the rest back with ``popn``. Returns how many
+        drafts were accepted."""
+        if req.prefilling or req.cached != len(req.tokens) - 1:
+            raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still prefilling")
+        base = len(req.tokens)
+        req.tokens.extend(drafts)
+        logits = self._run([(req, 1 + len(drafts))], sample=False)[0]
+        accepted = 0
+        while accepted < len(drafts) and int(logits[accepted].argmax()) == drafts[accepted]:
+            accepted += 1
+        rejected = len(drafts) - accepted
+        if rejected:
+            self._popn(self.cache, req.seq_id, rejected)
+            self.stats.rolled_back += rejected
+        del req.tokens[base + accepted:]
+        req.cached = len(req.tokens)
+        req.tokens.append(int(logits[accepted].argmax()))
+        return accepted
+
+    def _run(self, batch, *, sample: bool = True) -> List[np.ndarray]:
+        """Feed each request's next ``n`` tokens in one model call; per request the logits of
+        its tokens. With ``sample``, a request whose tokens are all in gets its greedy next token."""
+        ids = np.concatenate([r.tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
+        decode = all(n == 1 for _, n in batch)
+        start = time.perf_counter()
+        self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
+                    tvm.runtime.ShapeTuple([n for _, n in batch]))
+        fn = self.vm["decode"] if decode else self.vm["prefill"]
+        inputs = ids.reshape(-1, 1) if decode else ids.reshape(1, -1)
+        logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy().reshape(len(ids), -1)
+        self._end(self.cache)
+        self.stats.model_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        per_request, row = [], 0
+        for req, n in batch:
+            rows = logits[row:row + n]
+            row += n
+            self._check(req.tokens[:req.cached + n], rows)
+            if req.prefilling:
+                self.stats.prefill_tokens += n
+            else:
+                self.stats.decode_tokens += n
+            req.cached += n
+            req.last_logits = rows[-1]
+            if sample and req.cached == len(req.tokens):
+                req.tokens.append(int(rows[-1].argmax()))
+            per_request.append(rows)
+        return per_request
+
+    def _check(self, tokens: Sequence[int], rows: np.ndarray) -> None:
+        if self.reference is None:
+            return
+        want = self.reference(tokens)[-len(rows):]
+        scale = max(float(np.abs(want).max()), 1e-30)
+        self.stats.max_rel_error = max(self.stats.max_rel_error, float(np.abs(rows - want).max()) / scale)
+        self.stats.checked_rows += len(rows)
+
+    def _retire(self) -> List[Request]:
+        done = [r for r in self.requests.values() if r.finished]
+        for req in done:
+            self._remove(self.cache, req.seq_id)
+            del self.requests[req.seq_id]
+        return done
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
