@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import numpy as np
 import tvm
+from tvm.runtime.vm import VirtualMachine
 
 from .generate import Engine
 from .models import LlamaConfig, LlamaNumpy, random_weights
@@ -77,7 +78,7 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
         start = time.perf_counter()
         executable = compile_model(cfg, tvm.target.Target(kind))
         log(f"  compiled in {time.perf_counter() - start:.1f} s")
-    vm = tvm.runtime.vm.VirtualMachine(executable, device)
+    vm = VirtualMachine(executable, device)
     weights = random_weights(cfg, seed)
     reference = LlamaNumpy(cfg, weights)
     shape = tvm.runtime.ShapeTuple
