@@ -362,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     kernels = kernels_from_libs(args.libs, device) if args.libs is not None else kernels_built_here(args.dtype)
     shape = kernels.shape
     if cuda:
-        decode = [(1, 1024), (32, 1024)] if args.quick else [(1, 1024), (32, 1024), (64, 2048), (128, 4096)]
+        decode = [(1, 1024), (32, 1024)] if args.quick else [(1, 1024), (32, 1024), (64, 2048), (128, 4096), (1, 16384)]
         prefill = [(1, 2048)] if args.quick else [(1, 2048), (8, 512)]
         step, copy_bytes, min_time = (1, 1024, 8), 1 << 30, (0.05 if args.quick else 0.2)
     else:

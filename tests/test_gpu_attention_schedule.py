@@ -60,11 +60,11 @@ def test_mma_tile_shape(dim, group):
     sched = schedule_for(make_target("cuda", arch="sm_80"))
     shape = MmaTileShape.choose(spec(heads=(2 * group, 2), dim=dim), sched)
     if shape is None:  # a 16-row-aligned tile of one token does not fit in shared memory
-        assert 2 * (-(-group // 16) * 16 * (dim + 8) + 16 * (2 * dim + 16)) > sched.shared_bytes
+        assert 2 * (-(-group // 16) * 16 * dim + 16 * 2 * dim) > sched.shared_bytes
         return
     assert shape.rows % 16 == 0 and shape.kv_chunk % 16 == 0
     assert shape.q_tokens >= 1 and shape.q_tokens * group <= shape.rows < shape.q_tokens * group + 16
-    shared = 2 * (shape.rows * (dim + 8) + shape.kv_chunk * (2 * dim + 16))
+    shared = 2 * (shape.rows * dim + shape.kv_chunk * 2 * dim)
     assert shared <= sched.shared_bytes
 
 
@@ -110,6 +110,7 @@ def test_cuda_prefill_uses_tensor_cores(dtype, target):
     source = device_source(make_ragged_prefill, dtype, target)
     operand = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     assert f"{MMA}.{operand}.{operand}.f32" in source
+    assert " ^ " in source  # swizzled shared tiles (conflict-free fragment reads)
 
 
 def test_cuda_float32_prefill_uses_cuda_cores():
@@ -126,3 +127,20 @@ def test_cuda_decode_reduces_with_warp_shuffles_and_16_byte_loads():
 def test_decode_without_warp_shuffles(kind):
     source = device_source(make_paged_decode, "float32" if kind == "webgpu" else "float16", (("kind", kind),))
     assert "shfl" not in source and "simd_shuffle" not in source
+
+
+@pytest.mark.parametrize("width", [32, 64, 96, 128, 256, 512])
+def test_swizzle_is_a_permutation_of_16_byte_pieces(width):
+    """Each row's columns are permuted (no two elements collide), 8-element pieces stay whole,
+    and 8 consecutive rows put a given column in different pieces where the width allows."""
+    from relax_kvcache.tir_kernels.attention_gpu import swizzled
+
+    def col(row, d):
+        return int(swizzled(row, d, width))  # constant-folded for Python ints
+
+    for row in range(16):
+        cols = [col(row, d) for d in range(width)]
+        assert sorted(cols) == list(range(width))
+        assert all(cols[d] - cols[d - d % 8] == d % 8 for d in range(width))
+    pieces = {col(row, 0) // 8 for row in range(8)}
+    assert len(pieces) == min(8, 1 << ((width // 8) & -(width // 8)).bit_length() - 1)

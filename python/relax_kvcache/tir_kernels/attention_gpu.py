@@ -133,6 +133,17 @@ def ragged_kv_access(spec: AttentionSpec):
 # ---------------------------------------------------------------------------- the tile
 
 
+def swizzled(row, d, width: int):
+    """Column of element (row, d) in a ``width``-wide shared tile whose 8-element (16-byte)
+    pieces are XOR-permuted by row: ``d ^ (row % S) * 8`` with S the largest power of two <= 8
+    dividing ``width / 8`` (elements within a piece keep their order; needs ``width % 8 == 0``)."""
+    pieces = width // 8
+    span = 1
+    while span < 8 and pieces % (2 * span) == 0:
+        span *= 2
+    return T.bitwise_xor(d, row % span * 8) if span > 1 else d
+
+
 @dataclasses.dataclass(frozen=True)
 class TileIO:
     """What every prefill tile schedule shares: which (query, key) pairs are visible, which KV
@@ -140,27 +151,41 @@ class TileIO:
 
     ``visible(q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, qi, j)``: does
     query token qi of the sequence see KV row j. ``chunk_range(...)``: (first, end) chunk.
-    ``load_q`` / ``load_kv``: macros filling ``qs[r, :D]`` / ``ks[t, :D]``, ``vs[t, :DV]``.
+    ``load_q`` / ``load_kv``: macros filling ``qs[r, :D]`` / ``ks[t, :D]``, ``vs[t, :DV]``;
+    ``load_kv`` is ``fetch_kv`` (global -> per-thread registers of shapes ``kv_registers``)
+    then ``store_kv`` (registers -> shared), which a pipelined tile calls apart.
     """
 
     visible: object
     chunk_range: object
     load_q: object
     load_kv: object
+    fetch_kv: object
+    store_kv: object
+    kv_registers: tuple
 
 
 def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lanes: int, v_lanes: int,
-            kv_elem, tree: bool) -> TileIO:
+            kv_elem, tree: bool, swizzle: bool = False) -> TileIO:
     """The shared pieces of a tile of ``rows`` query rows staging ``kv_chunk`` KV rows with
     ``threads`` threads (``lanes`` / ``v_lanes``: elements per vector load of K half rows / V rows).
 
-    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V).
+    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V). With
+    ``swizzle`` element (row, d) of ``qs`` / ``ks`` / ``vs`` is stored at column
+    :func:`swizzled` ``(row, d, width)`` (16-byte pieces XOR-permuted per row, so that reads of
+    one column by 8 consecutive rows hit different banks).
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     R, KC, NT = rows, kv_chunk, threads
     half, window = D // 2, spec.window
     n_qvec = half // lanes
     n_vvec = DV // v_lanes
+
+    def qk_col(row, d):
+        return swizzled(row, d, D) if swizzle else d
+
+    def v_col(row, d):
+        return swizzled(row, d, DV) if swizzle else d
 
     def visible(q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, qi, j):
         """Does query token qi (of the sequence) see KV row j?"""
@@ -194,60 +219,83 @@ def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lane
                     if rotary_mode == 1:
                         for x in T.serial(lanes):
                             angle: T.let[T.float32] = rope_angle(q_rope_position[tok], d0 + x, rope_scale, rope_theta)
-                            qs[r, d0 + x] = T.Cast(dtype, (
+                            qs[r, qk_col(r, d0) + x] = T.Cast(dtype, (
                                 T.Cast("float32", q[tok, h * G + r % G, d0 + x]) * T.cos(angle)
                                 - T.Cast("float32", q[tok, h * G + r % G, d0 + x + half]) * T.sin(angle)))
-                            qs[r, d0 + x + half] = T.Cast(dtype, (
+                            qs[r, qk_col(r, d0 + half) + x] = T.Cast(dtype, (
                                 T.Cast("float32", q[tok, h * G + r % G, d0 + x + half]) * T.cos(angle)
                                 + T.Cast("float32", q[tok, h * G + r % G, d0 + x]) * T.sin(angle)))
                     else:
                         for x in T.vectorized(lanes):
-                            qs[r, d0 + x] = q[tok, h * G + r % G, d0 + x]
+                            qs[r, qk_col(r, d0) + x] = q[tok, h * G + r % G, d0 + x]
                         for x in T.vectorized(lanes):
-                            qs[r, d0 + x + half] = q[tok, h * G + r % G, d0 + x + half]
+                            qs[r, qk_col(r, d0 + half) + x] = q[tok, h * G + r % G, d0 + x + half]
                 else:
                     for x in T.vectorized(lanes):
-                        qs[r, d0 + x] = T.Cast(dtype, ZERO)
+                        qs[r, qk_col(r, d0) + x] = T.Cast(dtype, ZERO)
                     for x in T.vectorized(lanes):
-                        qs[r, d0 + x + half] = T.Cast(dtype, ZERO)
+                        qs[r, qk_col(r, d0 + half) + x] = T.Cast(dtype, ZERO)
+
+    K_IT, V_IT = ceildiv(KC * n_qvec, NT), ceildiv(KC * n_vvec, NT)
 
     @T.macro
-    def load_kv(ks, vs, kv_src, h, j0, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx):
-        """ks/vs[t] = K/V row j0 + t (K RoPE'd at k_pos0 + j0 + t); zeros past ``nt`` rows."""
-        for it in T.unroll(ceildiv(KC * n_qvec, NT)):
+    def fetch_kv(kreg, vreg, kv_src, h, j0, nt, tx):
+        """Registers of this thread's pieces of K/V rows ``j0 + t`` (zeros past ``nt`` rows):
+        ``kreg (K_IT, 2, lanes)`` (both halves of a RoPE pair), ``vreg (V_IT, v_lanes)``. Only
+        loads, so that the global reads stay in flight until :func:`store_kv` uses them."""
+        for it in T.unroll(K_IT):
+            if T.And(it * NT + tx < KC * n_qvec, (it * NT + tx) // n_qvec < nt):
+                for x in T.vectorized(lanes):
+                    kreg[it, 0, x] = kv_elem(kv_src, h, j0 + (it * NT + tx) // n_qvec, 0,
+                                             (it * NT + tx) % n_qvec * lanes + x)
+                for x in T.vectorized(lanes):
+                    kreg[it, 1, x] = kv_elem(kv_src, h, j0 + (it * NT + tx) // n_qvec, 0,
+                                             (it * NT + tx) % n_qvec * lanes + half + x)
+            else:
+                for x in T.vectorized(lanes):
+                    kreg[it, 0, x] = T.Cast(dtype, ZERO)
+                for x in T.vectorized(lanes):
+                    kreg[it, 1, x] = T.Cast(dtype, ZERO)
+        for it in T.unroll(V_IT):
+            if T.And(it * NT + tx < KC * n_vvec, (it * NT + tx) // n_vvec < nt):
+                for x in T.vectorized(v_lanes):
+                    vreg[it, x] = kv_elem(kv_src, h, j0 + (it * NT + tx) // n_vvec, 1, (it * NT + tx) % n_vvec * v_lanes + x)
+            else:
+                for x in T.vectorized(v_lanes):
+                    vreg[it, x] = T.Cast(dtype, ZERO)
+
+    @T.macro
+    def store_kv(ks, vs, kreg, vreg, j0, k_pos0, rotary_mode, rope_scale, rope_theta, tx):
+        """ks/vs[t] = what :func:`fetch_kv` put in this thread's registers, K RoPE'd at
+        ``k_pos0 + j0 + t`` with inline RoPE."""
+        for it in T.unroll(K_IT):
+            t: T.let[T.int32] = (it * NT + tx) // n_qvec
+            d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
             if it * NT + tx < KC * n_qvec:
-                t: T.let[T.int32] = (it * NT + tx) // n_qvec
-                d0: T.let[T.int32] = (it * NT + tx) % n_qvec * lanes
-                if t < nt:
-                    if rotary_mode == 1:
-                        for x in T.serial(lanes):
-                            angle: T.let[T.float32] = rope_angle(k_pos0 + j0 + t, d0 + x, rope_scale, rope_theta)
-                            ks[t, d0 + x] = T.Cast(
-                                dtype, T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x)) * T.cos(angle)
-                                - T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)) * T.sin(angle))
-                            ks[t, d0 + x + half] = T.Cast(
-                                dtype, T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)) * T.cos(angle)
-                                + T.Cast("float32", kv_elem(kv_src, h, j0 + t, 0, d0 + x)) * T.sin(angle))
-                    else:
-                        for x in T.vectorized(lanes):
-                            ks[t, d0 + x] = kv_elem(kv_src, h, j0 + t, 0, d0 + x)
-                        for x in T.vectorized(lanes):
-                            ks[t, d0 + x + half] = kv_elem(kv_src, h, j0 + t, 0, d0 + x + half)
+                if rotary_mode == 1:
+                    for x in T.unroll(lanes):  # unrolled: kreg stays in registers
+                        angle: T.let[T.float32] = rope_angle(k_pos0 + j0 + t, d0 + x, rope_scale, rope_theta)
+                        ks[t, qk_col(t, d0) + x] = T.Cast(dtype, T.Cast("float32", kreg[it, 0, x]) * T.cos(angle)
+                                                          - T.Cast("float32", kreg[it, 1, x]) * T.sin(angle))
+                        ks[t, qk_col(t, d0 + half) + x] = T.Cast(
+                            dtype, T.Cast("float32", kreg[it, 1, x]) * T.cos(angle)
+                            + T.Cast("float32", kreg[it, 0, x]) * T.sin(angle))
                 else:
                     for x in T.vectorized(lanes):
-                        ks[t, d0 + x] = T.Cast(dtype, ZERO)
+                        ks[t, qk_col(t, d0) + x] = kreg[it, 0, x]
                     for x in T.vectorized(lanes):
-                        ks[t, d0 + x + half] = T.Cast(dtype, ZERO)
-        for it in T.unroll(ceildiv(KC * n_vvec, NT)):
+                        ks[t, qk_col(t, d0 + half) + x] = kreg[it, 1, x]
+        for it in T.unroll(V_IT):
             if it * NT + tx < KC * n_vvec:
-                t: T.let[T.int32] = (it * NT + tx) // n_vvec
-                d0: T.let[T.int32] = (it * NT + tx) % n_vvec * v_lanes
-                if t < nt:
-                    for x in T.vectorized(v_lanes):
-                        vs[t, d0 + x] = kv_elem(kv_src, h, j0 + t, 1, d0 + x)
-                else:
-                    for x in T.vectorized(v_lanes):
-                        vs[t, d0 + x] = T.Cast(dtype, ZERO)
+                for x in T.vectorized(v_lanes):
+                    vs[(it * NT + tx) // n_vvec, v_col((it * NT + tx) // n_vvec, (it * NT + tx) % n_vvec * v_lanes) + x] = \
+                        vreg[it, x]
+
+    @T.macro
+    def load_kv(ks, vs, kreg, vreg, kv_src, h, j0, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx):
+        """ks/vs[t] = K/V row j0 + t (K RoPE'd at k_pos0 + j0 + t); zeros past ``nt`` rows."""
+        fetch_kv(kreg, vreg, kv_src, h, j0, nt, tx)
+        store_kv(ks, vs, kreg, vreg, j0, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
 
     def chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds):
         """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
@@ -261,7 +309,8 @@ def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lane
         return 0, T.if_then_else(causal > 0, T.min(ceildiv(kv_len, KC), ceildiv(visible_rows, KC)),
                                  ceildiv(kv_len, KC))
 
-    return TileIO(visible=visible, chunk_range=chunk_range, load_q=load_q, load_kv=load_kv)
+    return TileIO(visible=visible, chunk_range=chunk_range, load_q=load_q, load_kv=load_kv, fetch_kv=fetch_kv,
+                  store_kv=store_kv, kv_registers=((K_IT, 2, lanes), (V_IT, v_lanes)))
 
 
 def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = False):
@@ -278,6 +327,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
     io = tile_io(spec, rows=R, kv_chunk=KC, threads=NT, lanes=shape.lanes, v_lanes=shape.v_lanes,
                  kv_elem=kv_elem, tree=tree)
     visible, chunk_range, load_q, load_kv = io.visible, io.chunk_range, io.load_q, io.load_kv
+    KREG, VREG = io.kv_registers
 
     @T.macro
     def scores(s, qs, ks, sc, j0, nt, nq, vis_src, scale, tx):
@@ -362,6 +412,8 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         m = T.sblock_alloc_buffer((R,), "float32", scope="shared")
         l = T.sblock_alloc_buffer((R,), "float32", scope="shared")
         alpha = T.sblock_alloc_buffer((R,), "float32", scope="shared")
+        kreg = T.sblock_alloc_buffer(KREG, dtype, scope="local")
+        vreg = T.sblock_alloc_buffer(VREG, dtype, scope="local")
         acc = T.sblock_alloc_buffer((ORM, OCM), "float32", scope="local")
         sc = T.sblock_alloc_buffer((SRM, SCM), "float32", scope="local")
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
@@ -388,7 +440,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         T.evaluate(T.tvm_storage_sync("shared"))
         for c in T.serial(c_lo, T.max(c_hi, c_lo)):
             nt: T.let[T.int32] = T.min(KC, kv_len - c * KC)
-            load_kv(ks, vs, kv_src, h, c * KC, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
+            load_kv(ks, vs, kreg, vreg, kv_src, h, c * KC, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
             scores(s, qs, ks, sc, c * KC, nt, nq,
                    (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0), sm_scale * LOG2E, tx)
             softmax_rows(s, m, l, alpha, red, tx)
@@ -458,9 +510,9 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     mma_shape = MmaTileShape.choose(spec, sched)
     if mma_shape is not None:
         shape = mma_shape
-        tile = make_mma_tile(spec, shape, tile_io(spec, rows=shape.rows, kv_chunk=shape.kv_chunk,
-                                                  threads=shape.threads, lanes=shape.lanes,
-                                                  v_lanes=shape.v_lanes, kv_elem=kv_elem, tree=tree))
+        io = tile_io(spec, rows=shape.rows, kv_chunk=shape.kv_chunk, threads=shape.threads, lanes=shape.lanes,
+                     v_lanes=shape.v_lanes, kv_elem=kv_elem, tree=tree, swizzle=True)
+        tile = make_mma_tile(spec, shape, io, swizzled)
     else:
         shape = TileShape.choose(spec, sched)
         tile = make_tile(spec, shape, kv_elem, tree=tree)
@@ -492,13 +544,18 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
     """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge."""
     item, shape = make_decode_item(spec, sched, kv_elem)
     merge = merge_splits(spec, sched)
+
+    def splits(batch):
+        """Blocks per (sequence, KV head): enough for ``min_blocks`` in all, at most ``NS``."""
+        return T.min(NS, T.max(1, ceildiv(sched.min_blocks, batch * Hkv)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
     @T.macro
     def run(q, o, lse, q_rope_position, batch, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
-        ws_o = T.sblock_alloc_buffer((batch * Hq, NS, DV), "float32")
-        ws_lse = T.sblock_alloc_buffer((batch * Hq, NS), "float32")
-        nsplit: T.let[T.int32] = T.min(NS, T.max(1, ceildiv(sched.min_blocks, batch * Hkv)))
+        # workspace of the splits that run (large batches: one split, a small workspace)
+        ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch), DV), "float32")
+        ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch)), "float32")
+        nsplit: T.let[T.int32] = splits(batch)
         for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
             for by in T.thread_binding(nsplit, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):

@@ -13,8 +13,9 @@ instructions with float32 accumulators (FlashAttention-2's layout).
   kept per lane and combined once at the end.
 * The score accumulators become the ``P`` operand of ``P V`` in registers (the accumulator
   layout of two adjacent n-tiles is the A-operand layout of one k-step), rounded to the dtype.
-* Shared rows are padded by 16 bytes, so the fragment reads of 8 rows x 4 lanes hit 32
-  different banks.
+* Shared tiles are XOR-swizzled in 16-byte pieces per row (``TileIO(swizzle=True)``), so the
+  fragment reads of 8 rows x 4 lanes hit 32 different banks. (Row padding would do the same,
+  but TVM compacts a shared buffer to the columns written, which drops the padding.)
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from .macros import LOG2E, NEG_INF, ONE, ZERO
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
-#: halves of padding per shared row (16 bytes: rows shift by 4 banks)
-PAD = 8
 #: accumulator tile of one mma: 16 rows x 8 columns, 4 floats per lane
 TILE_N = 8
 TILE_K = 16
@@ -65,7 +64,7 @@ class MmaTileShape:
             return -(-tq * G // 16) * 16
 
         def shared_bytes(tq: int, kc: int) -> int:
-            return 2 * (rows(tq) * (D + PAD) + kc * (D + PAD) + kc * (DV + PAD))
+            return 2 * (rows(tq) * D + kc * (D + DV))
 
         while shared_bytes(q_tokens, chunk) > sched.shared_bytes:
             if chunk > TILE_K:
@@ -78,17 +77,26 @@ class MmaTileShape:
                             lanes=sched.lanes_for(16, D // 2), v_lanes=sched.lanes_for(16, DV))
 
 
-def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io):
+def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
     """The work item of one block on tensor cores (same arguments as the CUDA-core tile).
 
-    ``io`` is the :class:`~.attention_gpu.TileIO` of a tile of ``shape.rows`` rows staging
-    ``shape.kv_chunk`` KV rows with ``shape.threads`` threads.
+    ``io`` is the swizzled :class:`~.attention_gpu.TileIO` of a tile of ``shape.rows`` rows
+    staging ``shape.kv_chunk`` KV rows with ``shape.threads`` threads; ``swizzled`` its column
+    map (:func:`~.attention_gpu.swizzled`).
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     R, TQ, KC = shape.rows, shape.q_tokens, shape.kv_chunk
     NS, NO = KC // TILE_N, DV // TILE_N  # score / output n-tiles of a warp
     operand = "fp16" if dtype == "float16" else "bf16"
-    visible, chunk_range, load_q, load_kv = io.visible, io.chunk_range, io.load_q, io.load_kv
+    visible, chunk_range, load_q = io.visible, io.chunk_range, io.load_q
+    fetch_kv, store_kv = io.fetch_kv, io.store_kv
+    KREG, VREG = io.kv_registers
+
+    def qcol(row, d):
+        return swizzled(row, d, D)
+
+    def vcol(row, d):
+        return swizzled(row, d, DV)
 
     def mma(a, b, c, c_tile):
         """c[4 c_tile : 4 c_tile + 4] += a (16 x 16) @ b (16 x 8); a and b start at offset 0:
@@ -106,14 +114,14 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io):
             sacc[x] = ZERO
         for kk in T.unroll(D // TILE_K):
             for x in T.vectorized(2):
-                af[x] = qs[row0 + g, kk * TILE_K + 2 * t + x]
-                af[2 + x] = qs[row0 + g + 8, kk * TILE_K + 2 * t + x]
-                af[4 + x] = qs[row0 + g, kk * TILE_K + 8 + 2 * t + x]
-                af[6 + x] = qs[row0 + g + 8, kk * TILE_K + 8 + 2 * t + x]
+                af[x] = qs[row0 + g, qcol(row0 + g, kk * TILE_K + 2 * t) + x]
+                af[2 + x] = qs[row0 + g + 8, qcol(row0 + g + 8, kk * TILE_K + 2 * t) + x]
+                af[4 + x] = qs[row0 + g, qcol(row0 + g, kk * TILE_K + 8 + 2 * t) + x]
+                af[6 + x] = qs[row0 + g + 8, qcol(row0 + g + 8, kk * TILE_K + 8 + 2 * t) + x]
             for nn in T.unroll(NS):
                 for x in T.vectorized(2):
-                    bf[x] = ks[nn * TILE_N + g, kk * TILE_K + 2 * t + x]
-                    bf[2 + x] = ks[nn * TILE_N + g, kk * TILE_K + 8 + 2 * t + x]
+                    bf[x] = ks[nn * TILE_N + g, qcol(nn * TILE_N + g, kk * TILE_K + 2 * t) + x]
+                    bf[2 + x] = ks[nn * TILE_N + g, qcol(nn * TILE_N + g, kk * TILE_K + 8 + 2 * t) + x]
                 T.evaluate(mma(af, bf, sacc, nn))
 
     @T.macro
@@ -158,10 +166,10 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io):
                 pf[e] = T.Cast(dtype, sacc[2 * kk * 4 + e])
                 pf[4 + e] = T.Cast(dtype, sacc[(2 * kk + 1) * 4 + e])
             for nn in T.unroll(NO):
-                vf[0] = vs[kk * TILE_K + 2 * t, nn * TILE_N + g]
-                vf[1] = vs[kk * TILE_K + 2 * t + 1, nn * TILE_N + g]
-                vf[2] = vs[kk * TILE_K + 8 + 2 * t, nn * TILE_N + g]
-                vf[3] = vs[kk * TILE_K + 9 + 2 * t, nn * TILE_N + g]
+                vf[0] = vs[kk * TILE_K + 2 * t, vcol(kk * TILE_K + 2 * t, nn * TILE_N + g)]
+                vf[1] = vs[kk * TILE_K + 2 * t + 1, vcol(kk * TILE_K + 2 * t + 1, nn * TILE_N + g)]
+                vf[2] = vs[kk * TILE_K + 8 + 2 * t, vcol(kk * TILE_K + 8 + 2 * t, nn * TILE_N + g)]
+                vf[3] = vs[kk * TILE_K + 9 + 2 * t, vcol(kk * TILE_K + 9 + 2 * t, nn * TILE_N + g)]
                 T.evaluate(mma(pf, vf, oacc, nn))
 
     @T.macro
@@ -183,9 +191,11 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io):
     @T.macro
     def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
                     rotary_mode, rope_scale, rope_theta, sm_scale, tree_src, active, tx):
-        qs = T.sblock_alloc_buffer((R, D + PAD), dtype, scope="shared")
-        ks = T.sblock_alloc_buffer((KC, D + PAD), dtype, scope="shared")
-        vs = T.sblock_alloc_buffer((KC, DV + PAD), dtype, scope="shared")
+        qs = T.sblock_alloc_buffer((R, D), dtype, scope="shared")
+        ks = T.sblock_alloc_buffer((KC, D), dtype, scope="shared")
+        vs = T.sblock_alloc_buffer((KC, DV), dtype, scope="shared")
+        kreg = T.sblock_alloc_buffer(KREG, dtype, scope="local")
+        vreg = T.sblock_alloc_buffer(VREG, dtype, scope="local")
         sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
         oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
         af = T.sblock_alloc_buffer((8,), dtype, scope="local")
@@ -216,9 +226,15 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io):
             oacc[x] = ZERO
         # explicit barrier: the chunk loop (where the planner puts its own) may run zero times
         T.evaluate(T.tvm_storage_sync("shared"))
+        # software pipeline: chunk c + 1 is fetched into registers while chunk c is computed
+        if c_lo < c_hi:
+            fetch_kv(kreg, vreg, kv_src, h, c_lo * KC, T.min(KC, kv_len - c_lo * KC), tx)
         for c in T.serial(c_lo, T.max(c_hi, c_lo)):
             nt: T.let[T.int32] = T.min(KC, kv_len - c * KC)
-            load_kv(ks, vs, kv_src, h, c * KC, nt, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
+            store_kv(ks, vs, kreg, vreg, c * KC, k_pos0, rotary_mode, rope_scale, rope_theta, tx)
+            T.evaluate(T.tvm_storage_sync("shared"))
+            if c + 1 < c_hi:
+                fetch_kv(kreg, vreg, kv_src, h, (c + 1) * KC, T.min(KC, kv_len - (c + 1) * KC), tx)
             qk(sacc, qs, ks, af, bf, row0, g, t)
             mask(sacc, sm_scale * LOG2E, c * KC, nt, nq,
                  (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0), row0, g, t)

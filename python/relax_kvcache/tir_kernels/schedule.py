@@ -63,7 +63,8 @@ class GpuSchedule:
     decode_splits : int
         Most blocks one sequence's KV is split across in decode (merged by LSE).
     min_blocks : int
-        Decode splits a sequence only while fewer than this many blocks would run.
+        Decode splits a sequence only while fewer than this many blocks would run (about four
+        blocks per SM of a large GPU: the loads in flight of resident blocks set the bandwidth).
     warp_size : int
         Threads of one warp / wavefront / SIMD group.
     max_lanes : int
@@ -84,8 +85,8 @@ class GpuSchedule:
     vector_bytes: int = 16
     q_rows: int = 64
     kv_chunk: int = 32
-    decode_splits: int = 16
-    min_blocks: int = 264
+    decode_splits: int = 64
+    min_blocks: int = 528
     warp_size: int = 32
     max_lanes: int = 8
     shared_bytes: int = 46 * 1024
