@@ -43,6 +43,7 @@ import tvm  # noqa: E402
 from tvm.runtime import ShapeTuple  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
+from relax_kvcache import reference  # noqa: E402
 from relax_kvcache.ffi_registry import original  # noqa: E402
 from tvm_baseline import CREATE_NATIVE, Shape, create_args  # noqa: E402
 
@@ -210,16 +211,6 @@ def max_diff(outputs: Dict[str, tvm.runtime.Tensor]) -> Optional[float]:
 REF_SEQS = 8
 
 
-def rope_rows(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np.ndarray:
-    """Rotate-half RoPE of ``x[..., n, heads, dim]`` at ``positions[n]`` (float64): features
-    (d, d + dim/2) turn by ``position * scale / theta^(2d/dim)``."""
-    half = x.shape[-1] // 2
-    angle = positions[:, None] * scale / theta ** (2 * np.arange(half) / x.shape[-1])
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
-    lo, hi = x[..., :half], x[..., half:]
-    return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
-
-
 def decode_reference_errors(drivers: List[Driver], outputs, qkv, shape, device, batch: int, context: int,
                             sm_scale: float) -> Dict[str, float]:
     """Max abs error of each cache's decode output against float64 attention over the first
@@ -229,17 +220,11 @@ def decode_reference_errors(drivers: List[Driver], outputs, qkv, shape, device, 
     ours = next((d for d in drivers if not d.native), None)
     if ours is None:
         return {}
-    hq, hkv = shape.num_qo_heads, shape.num_kv_heads
-    q = qkv.numpy()[:, :hq].astype(np.float64)
+    q = qkv.numpy()[:, :shape.num_qo_heads].astype(np.float64)
     if shape.rope_mode == 1:  # NORMAL: the cache rotates q at its position
-        q = rope_rows(q, np.full(q.shape[0], context, np.float64), shape.rope_theta, shape.rope_scale)
-    refs = []
-    for seq in range(min(batch, REF_SEQS)):
-        k, v = (a.astype(np.float64) for a in ours.read_kv(seq, context + 1, shape, device))
-        k, v = np.repeat(k, hq // hkv, axis=1), np.repeat(v, hq // hkv, axis=1)  # (L, hq, d)
-        s = np.einsum("hd,lhd->hl", q[seq], k) * sm_scale
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        refs.append(np.einsum("hl,lhd->hd", p / p.sum(axis=1, keepdims=True), v))
+        q = reference.rope(q, np.full(q.shape[0], context), shape.rope_theta, shape.rope_scale)
+    refs = [reference.attention(q[seq:seq + 1], *ours.read_kv(seq, context + 1, shape, device), sm_scale,
+                                causal=False)[0][0] for seq in range(min(batch, REF_SEQS))]
     ref = np.stack(refs)
     return {name: float(np.abs(out.numpy()[:len(refs)].astype(np.float64) - ref).max())
             for name, out in outputs.items()}

@@ -62,10 +62,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_model_demo(args: argparse.Namespace, log) -> int:
-    from .model_demo import compile_model, run_model_demo
+    from .model_demo import compile_model, default_dtype, run_model_demo
     from .models import LlamaConfig
 
-    dtype = args.dtype or ("float32" if args.target == "llvm" else "float16")
+    dtype = args.dtype or default_dtype(args.target)
     executable = None
     if args.export or args.target == "cuda" and not args.load:
         from .targets import make_target

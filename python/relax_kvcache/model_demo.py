@@ -54,6 +54,11 @@ class ModelDemoResult:
         return self.max_rel_error <= self.tolerance and self.pages_returned and self.checked_rows > 0
 
 
+def default_dtype(kind: str) -> str:
+    """The demo's dtype on a target kind: float32 on the CPU, float16 on GPUs."""
+    return "float32" if kind == "llvm" else "float16"
+
+
 def compile_model(cfg: LlamaConfig, target: tvm.target.Target):
     """The model compiled with the cache's kernels for ``target`` (a relax executable; needs
     TVM's compiler)."""
@@ -69,7 +74,7 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     (e.g. exported with ``relax-kvcache demo --export`` and loaded with
     :func:`relax_kvcache.deploy.load` on a host with a runtime-only TVM); else it is compiled."""
     kind = str(target) if isinstance(target, str) else target.kind.name
-    dtype = dtype or ("float32" if kind == "llvm" else "float16")
+    dtype = dtype or default_dtype(kind)
     cfg = LlamaConfig(dtype=dtype)
     device = tvm.cpu() if kind == "llvm" else tvm.device(kind, 0)
     if executable is None:

@@ -2,7 +2,8 @@
 
 No cache: the logits of a sequence's tokens are computed from its whole token history, so
 forks, rollbacks and removals of the compiled model's cache are checked without modelling them.
-Shares nothing with the kernels or the cache (RoPE is written out here again).
+Shares nothing with the kernels or the cache; RoPE and attention come from the float64
+reference the kernel tests use (:mod:`relax_kvcache.reference`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Dict, Sequence
 
 import numpy as np
 
+from ..reference import attention, rope
 from .config import LlamaConfig
 
 
@@ -42,18 +44,7 @@ class LlamaNumpy:
         cfg = self.cfg
         n, hq, hkv, d = len(x), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = (x @ self.w[prefix + "qkv_proj.weight"].T).reshape(n, hq + 2 * hkv, d)
-        q = self._rope(qkv[:, :hq], positions)
-        k = np.repeat(self._rope(qkv[:, hq:hq + hkv], positions), hq // hkv, axis=1)
-        v = np.repeat(qkv[:, hq + hkv:], hq // hkv, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
-        scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
-        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        o = np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v)
+        q = rope(qkv[:, :hq], positions, cfg.rope_theta, 1.0)
+        k = rope(qkv[:, hq:hq + hkv], positions, cfg.rope_theta, 1.0)
+        o, _ = attention(q, k, qkv[:, hq + hkv:], d ** -0.5, causal=True)
         return o.reshape(n, hq * d) @ self.w[prefix + "o_proj.weight"].T
-
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        half = x.shape[-1] // 2
-        angle = positions[:, None] / self.cfg.rope_theta ** (np.arange(half) * 2 / x.shape[-1])
-        cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]
-        lo, hi = x[..., :half], x[..., half:]
-        return np.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)

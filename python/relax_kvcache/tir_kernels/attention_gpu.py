@@ -30,7 +30,8 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, rope_inv_freq_expr
+from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, query_position_range,
+                     rope_inv_freq_expr)
 from .attention_gpu_decode import make_decode_item
 from .attention_gpu_mma import MmaTileShape, make_mma_tile
 from .schedule import GpuSchedule
@@ -420,11 +421,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
         nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
         if spec.window > 0:
-            bounds[0] = q_rope_position[qbeg + tile0]
-            bounds[1] = q_rope_position[qbeg + tile0]
-            for i in T.serial(nq):
-                bounds[0] = T.min(bounds[0], q_rope_position[qbeg + tile0 + i])
-                bounds[1] = T.max(bounds[1], q_rope_position[qbeg + tile0 + i])
+            query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
         c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
         c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
         load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx)

@@ -25,7 +25,7 @@ from typing import Optional
 
 from tvm.script import tirx as T
 
-from .macros import LOG2E, NEG_INF, ONE, ZERO
+from .macros import LOG2E, NEG_INF, ONE, ZERO, query_position_range
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -211,11 +211,7 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
         t: T.let[T.int32] = tx % 4
         nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
         if spec.window > 0:
-            bounds[0] = q_rope_position[qbeg + tile0]
-            bounds[1] = q_rope_position[qbeg + tile0]
-            for i in T.serial(nq):
-                bounds[0] = T.min(bounds[0], q_rope_position[qbeg + tile0 + i])
-                bounds[1] = T.max(bounds[1], q_rope_position[qbeg + tile0 + i])
+            query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
         c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
         c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
         load_q(qs, q, q_rope_position, h, qbeg, tile0, nq, rotary_mode, rope_scale, rope_theta, tx)
