@@ -55,3 +55,29 @@ def test_model_compiles_for_cuda():
     host = executable.mod.imports[0]  # relax VM executable -> host (llvm) module -> device code
     source = next(m for m in host.imports if m.kind == "cuda").inspect_source()
     assert "relax_kvcache_attention_decode" in source and "mma.sync" in source
+
+
+class _NoVM:
+    """Stands in for the compiled model: requests that are refused never reach it."""
+
+
+def test_engine_refuses_bad_requests_without_touching_the_cache():
+    import relax_kvcache as rk
+    from relax_kvcache.generate import Engine
+
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                           max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
+    cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    engine = Engine(_NoVM(), [], cache, tvm.cpu(), prefill_chunk_size=64)
+    free = cache.get_num_available_pages()
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], 4)
+    with pytest.raises(ValueError, match="max_new_tokens is 0"):
+        engine.add_request([1, 2, 3], 0)
+    assert engine.requests == {} and cache.empty() and cache.get_num_available_pages() == free
+    req = engine.add_request([1, 2, 3], 2)
+    with pytest.raises(ValueError, match="still prefilling"):
+        engine.speculate(req, [4])
+    with pytest.raises(ValueError, match="right after its first token"):
+        engine.fork(req, 5)
+    assert list(engine.requests) == [req.seq_id] and cache.get_sequence_length(req.seq_id) == 0

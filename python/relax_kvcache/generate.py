@@ -85,6 +85,12 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
+        """A new request; raises ValueError (nothing changed) on an empty prompt or a token
+        budget below 1."""
+        if len(prompt) == 0:
+            raise ValueError("add_request: the prompt is empty; expected at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"add_request: max_new_tokens is {max_new_tokens}; expected >= 1")
         req = Request(seq_id=self._new_id(), tokens=list(prompt), prompt_len=len(prompt),
                       max_new_tokens=max_new_tokens)
         self._add(self.cache, req.seq_id)
