@@ -10,7 +10,7 @@ Other GPUs copy synchronously.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import numpy as np
 import tvm
@@ -82,3 +82,61 @@ class AuxBuffer:
         elif not self._on_cpu and total:
             view(self._device_buffer, (total,), 0, self._dtype).copyfrom(self._host[:total])
         return views
+
+
+class SlotBuffer:
+    """Metadata arrays at fixed places: one slot per array, device views created once.
+
+    Repeated decode steps have the same arrays every step, only their contents change (and the
+    page lists grow). Writing them into fixed slots saves creating views each step and keeps
+    every kernel argument at the same address with the same shape, which is what replaying a
+    captured CUDA graph needs.
+
+    Parameters
+    ----------
+    device : tvm.runtime.Device
+        Where the kernels run.
+    shapes : sequence of tuple of int
+        Shape of each slot's view.
+    partial : sequence of bool
+        Per slot (1-D): whether an array shorter than the slot may go there (page lists, which
+        kernels read through their indptr); other arrays must match their slot's shape.
+    """
+
+    def __init__(self, device: tvm.runtime.Device, shapes: Sequence[Tuple[int, ...]],
+                 partial: Sequence[bool]) -> None:
+        self._partial = tuple(bool(p) for p in partial)
+        sizes = [int(np.prod(s)) for s in shapes]
+        self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self._buffer = AuxBuffer(device, self._offsets[-1])
+        self._shapes = [tuple(s) for s in shapes]
+        dtype = self._buffer._dtype
+        self.views = [view(self._buffer._device_buffer, s, o * _INT32_BYTES, dtype)
+                      for s, o in zip(self._shapes, self._offsets)]
+
+    def fits(self, arrays: Sequence[np.ndarray]) -> bool:
+        """Whether ``arrays`` fit the slots (same count, each no larger than its slot)."""
+        return len(arrays) == len(self._shapes) and all(
+            a.shape == s or (p and a.ndim == 1 and a.size <= s[0])
+            for a, s, p in zip(arrays, self._shapes, self._partial))
+
+    def upload(self, arrays: Sequence[np.ndarray]) -> None:
+        """Write ``arrays`` into their slots and copy them to the device (see `AuxBuffer`).
+
+        ``fits(arrays)`` must hold.
+        """
+        buffer = self._buffer
+        if buffer._pinned is not None:
+            buffer._pinned.ready_for_write()
+        host, offsets = buffer._host, self._offsets
+        for array, offset in zip(arrays, offsets):
+            host[offset:offset + array.size] = array.ravel()
+        used = offsets[len(arrays) - 1] + arrays[-1].size
+        if buffer._pinned is not None:
+            buffer._pinned.copy(used)
+        elif not buffer._on_cpu:
+            view(buffer._device_buffer, (used,), 0, buffer._dtype).copyfrom(host[:used])
+
+    def wait(self) -> None:
+        """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""
+        self._buffer.wait()

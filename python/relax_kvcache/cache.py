@@ -17,15 +17,20 @@ import numpy as np
 import tvm
 
 from . import metadata as md
-from .aux_buffer import AuxBuffer
+from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels
 from .config import AttnKind, KVCacheConfig, RopeMode
+from .decode_plan import DecodePlanner
 from .errors import ForwardError, KVCacheError, SequenceError
 from .kernel_set import KernelSet
 from .paging import PageCopy, PagingState
 from .runtime import default_target
 from .tensors import check_tensor, view
 from .token_tree import TokenTree
+
+
+#: Page ids per sequence that fixed decode slots leave free for the page lists to grow into.
+_DECODE_PAGE_HEADROOM = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +150,9 @@ class PagedAttentionKVCache:
         self._windowed_layers = tuple(kind == AttnKind.MHA_SLIDING for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
+        self._decode_planner = DecodePlanner(config.page_size)
+        self._decode_slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, _DeviceStep]] = None
+        self._uploader: Any = self._aux  # what the step's metadata was uploaded through
 
     # ------------------------------------------------------------------ sequences
 
@@ -286,6 +294,18 @@ class PagedAttentionKVCache:
         """
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
+        step = None
+        if token_tree_parent_ptr is None:  # the same decode batch again: update the last step
+            step = self._decode_planner.next_step(self._paging, seq_ids, append_lengths)
+        if step is None:
+            step = self._plan_checked(seq_ids, append_lengths, token_tree_parent_ptr)
+        self._step = step
+        # asynchronous devices: issue the metadata copy now, wait for it at the first kernel
+        self._device_step = self._upload(self._step) if self._aux.asynchronous else None
+
+    def _plan_checked(self, seq_ids: Any, append_lengths: Any,
+                      token_tree_parent_ptr: Optional[Sequence[int]]) -> md.StepMetadata:
+        """Validate a step's arguments and plan it in full."""
         seq_ids = _as_int_list("seq_ids", seq_ids)
         append_lengths = _as_int_list("append_lengths", append_lengths)
         if len(seq_ids) != len(append_lengths):
@@ -301,9 +321,7 @@ class PagedAttentionKVCache:
             raise ForwardError(f"the step appends {total} tokens, more than prefill_chunk_size="
                                f"{self.config.prefill_chunk_size}")
         trees = self._check_trees(seq_ids, append_lengths, token_tree_parent_ptr)
-        self._step = self._plan_step(seq_ids, append_lengths, trees)
-        # asynchronous devices: issue the metadata copy now, wait for it at the first kernel
-        self._device_step = self._upload(self._step) if self._aux.asynchronous else None
+        return self._plan_step(seq_ids, append_lengths, trees)
 
     def _check_trees(self, seq_ids: List[int], append_lengths: List[int],
                      parent_ptr: Optional[Sequence[int]]) -> Optional[List[TokenTree]]:
@@ -356,7 +374,7 @@ class PagedAttentionKVCache:
                 paging.set_token_tree(seq_id, tree)
         ragged_tree, depth_trees = md.build_tree_masks(structure, append_before_attn=append_before_attn)
         q_rope_position, append_position = md.build_token_maps(paging, structure)
-        return md.StepMetadata(
+        step = md.StepMetadata(
             seq_ids=tuple(seq_ids),
             append_lengths=tuple(append_lengths),
             append_indptr=md.indptr(append_lengths),
@@ -367,6 +385,8 @@ class PagedAttentionKVCache:
             append_before_attn=append_before_attn,
             ragged_tree=ragged_tree,
         )
+        self._decode_planner.start(paging, step, structure.last_depths)
+        return step
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
@@ -378,10 +398,13 @@ class PagedAttentionKVCache:
             raise ForwardError(f"{what} called without an active step; call begin_forward first")
         if self._device_step is None:
             self._device_step = self._upload(self._step)
-        self._aux.wait()
+        self._uploader.wait()
         return self._device_step
 
     def _upload(self, step: md.StepMetadata) -> _DeviceStep:
+        """Send the step's metadata to the device; return the views the kernels read."""
+        if self._decode_planner.current is step:
+            return self._upload_decode(step)
         arrays = [step.append_indptr, step.k_ragged_rope_pos_offset, step.q_rope_position,
                   step.append_position]
         for depth in step.depths:
@@ -394,7 +417,40 @@ class PagedAttentionKVCache:
                 arrays += [depth.tree.mn_indptr, depth.tree.mask]
         if step.ragged_tree is not None:
             arrays += [step.ragged_tree.mn_indptr, step.ragged_tree.mask]
-        views = iter(self._aux.upload(arrays))
+        self._uploader = self._aux
+        return self._device_views(step, self._aux.upload(arrays))
+
+    def _upload_decode(self, step: md.StepMetadata) -> _DeviceStep:
+        """`_upload` for repeated decode steps: fixed slots, the same views every step.
+
+        The views (and so every kernel argument) stay the same while the batch keeps its
+        structure and its page lists fit the slots' headroom; a CUDA graph captured on one such
+        step replays on the next ones (see :mod:`relax_kvcache.cuda_graph`).
+        """
+        depths = step.depths
+        arrays = [step.append_indptr, step.k_ragged_rope_pos_offset, step.q_rope_position,
+                  step.append_position]
+        for depth in depths:
+            arrays += [depth.qo_indptr, depth.page_indptr, depth.length_info, depth.k_rope_pos_offset]
+        arrays += [depth.page_indices for depth in depths]
+        has_pages = tuple(d.has_pages for d in depths)
+        slots = self._decode_slots
+        if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
+            headroom = _DECODE_PAGE_HEADROOM * step.batch_size
+            shapes = [a.shape for a in arrays[:-len(depths)]] + [(d.page_indices.size + headroom,) for d in depths]
+            buffer = SlotBuffer(self.device, shapes, [False] * (len(arrays) - len(depths)) + [True] * len(depths))
+            views = buffer.views[:4]
+            for d in range(len(depths)):  # the general order: page indices third in each depth
+                qo, indptr, info, rope = buffer.views[4 + 4 * d: 8 + 4 * d]
+                views += [qo, indptr, buffer.views[4 + 4 * len(depths) + d], info, rope]
+            slots = self._decode_slots = (has_pages, buffer, self._device_views(step, views))
+        slots[1].upload(arrays)
+        self._uploader = slots[1]
+        return slots[2]
+
+    def _device_views(self, step: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> _DeviceStep:
+        """The `_DeviceStep` of ``step`` from its arrays' device views, in `_upload`'s order."""
+        views = iter(views)
         head = [next(views) for _ in range(4)]
         depths = []
         for depth in step.depths:
@@ -593,6 +649,19 @@ class PagedAttentionKVCache:
             f(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
               views.k_rope_pos_offset, step.q_rope_position, o, lse, causal, self._rotary_mode,
               cfg.rope_scale, cfg.rope_theta, sm_scale)
+
+    def capturable_step(self) -> Optional[object]:
+        """The current step's kernel arguments when a CUDA graph may capture them, else None.
+
+        Repeated decode steps of the same batch (see :mod:`relax_kvcache.decode_plan`) keep
+        their metadata in fixed device slots: every kernel argument of such a step is the same
+        tensor as in the previous step, so a graph captured on one replays on the next. The
+        returned object stands for that set of arguments (compare by identity); it changes when
+        the batch changes or the page lists outgrow their slots. Also orders the current stream
+        after the step's metadata upload, as the first attention call would.
+        """
+        step = self._active_step("capturable_step")
+        return step if self._uploader is not self._aux else None
 
     def get_query_positions(self) -> tvm.runtime.Tensor:
         """RoPE positions ``int32 (n,)`` of the step's tokens, on the device."""

@@ -22,7 +22,8 @@ _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _LIB: Optional[ctypes.CDLL] = None
 
 
-def _cudart() -> ctypes.CDLL:
+def cudart() -> ctypes.CDLL:
+    """The CUDA runtime library, loaded once."""
     global _LIB
     if _LIB is None:
         names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so", ctypes.util.find_library("cudart")]
@@ -38,9 +39,10 @@ def _cudart() -> ctypes.CDLL:
     return _LIB
 
 
-def _check(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
+    """Raise RuntimeError naming ``what`` and the CUDA error when ``status`` is not success."""
     if status != 0:
-        lib = _cudart()
+        lib = cudart()
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         raise RuntimeError(f"{what} failed: CUDA error {status} ({lib.cudaGetErrorString(status).decode()})")
 
@@ -57,20 +59,20 @@ class PinnedUploader:
     """
 
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
-        lib = _cudart()
+        lib = cudart()
         self._device = device
         self._capacity = capacity
         self.device_buffer = tvm.runtime.empty((capacity,), "int32", device)
         ptr = ctypes.c_void_p()
-        _check(lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(4 * capacity)), "cudaMallocHost")
+        check_status(lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(4 * capacity)), "cudaMallocHost")
         self._host_ptr = ptr
         self.host = np.ctypeslib.as_array((ctypes.c_int32 * capacity).from_address(ptr.value))
         self._stream = ctypes.c_void_p()
-        _check(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING), "cudaStreamCreate")
+        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING), "cudaStreamCreate")
         self._copied = ctypes.c_void_p()
         self._computed = ctypes.c_void_p()
         for event in (self._copied, self._computed):
-            _check(lib.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING), "cudaEventCreate")
+            check_status(lib.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING), "cudaEventCreate")
         self._copy_issued = False
         self._pending_wait = False
 
@@ -80,25 +82,25 @@ class PinnedUploader:
     def ready_for_write(self) -> None:
         """Block until the previous copy has read the host buffer (normally long done)."""
         if self._copy_issued:
-            _check(_cudart().cudaEventSynchronize(self._copied), "cudaEventSynchronize")
+            check_status(cudart().cudaEventSynchronize(self._copied), "cudaEventSynchronize")
 
     def copy(self, count: int) -> None:
         """Copy ``host[:count]`` to the device buffer on the side stream, after the compute
         stream's work so far (it may still read the previous step's metadata)."""
-        lib = _cudart()
+        lib = cudart()
         device_ptr = ctypes.c_void_p(self.device_buffer.data_ptr())
-        _check(lib.cudaEventRecord(self._computed, self._compute_stream()), "cudaEventRecord")
-        _check(lib.cudaStreamWaitEvent(self._stream, self._computed, 0), "cudaStreamWaitEvent")
-        _check(lib.cudaMemcpyAsync(device_ptr, self._host_ptr, ctypes.c_size_t(4 * count), _H2D, self._stream),
+        check_status(lib.cudaEventRecord(self._computed, self._compute_stream()), "cudaEventRecord")
+        check_status(lib.cudaStreamWaitEvent(self._stream, self._computed, 0), "cudaStreamWaitEvent")
+        check_status(lib.cudaMemcpyAsync(device_ptr, self._host_ptr, ctypes.c_size_t(4 * count), _H2D, self._stream),
                "cudaMemcpyAsync")
-        _check(lib.cudaEventRecord(self._copied, self._stream), "cudaEventRecord")
+        check_status(lib.cudaEventRecord(self._copied, self._stream), "cudaEventRecord")
         self._copy_issued = True
         self._pending_wait = True
 
     def wait(self) -> None:
         """Make the compute stream wait for the last copy (once per copy; host does not block)."""
         if self._pending_wait:
-            _check(_cudart().cudaStreamWaitEvent(self._compute_stream(), self._copied, 0), "cudaStreamWaitEvent")
+            check_status(cudart().cudaStreamWaitEvent(self._compute_stream(), self._copied, 0), "cudaStreamWaitEvent")
             self._pending_wait = False
 
     def close(self) -> None:

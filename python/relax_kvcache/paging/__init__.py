@@ -5,8 +5,9 @@ KV data and without importing TVM.
 """
 
 from .block_pool import Block, BlockPool
+from .decode_lane import DecodeLane
 from .page_pool import PagePool
 from .sequences import Sequence
 from .state import PageCopy, PagingState
 
-__all__ = ["Block", "BlockPool", "PageCopy", "PagePool", "PagingState", "Sequence"]
+__all__ = ["Block", "BlockPool", "DecodeLane", "PageCopy", "PagePool", "PagingState", "Sequence"]

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import CacheFullError, ConfigError, KVCacheError, SequenceError
 from ._checks import as_int, as_seq_id, ceil_div
 from .block_pool import Block, BlockPool
+from .decode_lane import DecodeLane
 from .page_pool import PagePool
 from .sequences import Sequence
 
@@ -110,6 +111,7 @@ class PagingState:
         self._lanes = np.arange(page_size, dtype=np.int32)  # in-page offsets
         self._slide_windows = bool(slide_windows)
         self._num_windowed = 0  # live sequences with a window: 0 keeps the fast append path
+        self._version = 0  # bumped by every change; a DecodeLane is valid at one version
 
     # ------------------------------------------------------------------ queries
 
@@ -127,6 +129,11 @@ class PagingState:
     def slide_windows(self) -> bool:
         """Whether windowed sequences slide (TVM's ``support_sliding_window_``)."""
         return self._slide_windows
+
+    @property
+    def version(self) -> int:
+        """A counter that every change of the state increments."""
+        return self._version
 
     @property
     def num_free_pages(self) -> int:
@@ -253,6 +260,7 @@ class PagingState:
 
     def clear(self) -> None:
         """Drop every sequence and block and free every page (TVM's ``Clear``)."""
+        self._version += 1
         self._seqs.clear()
         self._num_windowed = 0
         self._pages.reset()
@@ -267,6 +275,7 @@ class PagingState:
             If ``seq_id`` is already in the cache.
         """
         seq_id = self._check_absent(seq_id)
+        self._version += 1
         self._insert_sequence(seq_id, self._blocks.new_block(), 0)
 
     def remove_sequence(self, seq_id: int) -> None:
@@ -282,6 +291,7 @@ class PagingState:
             If ``seq_id`` is not in the cache.
         """
         seq = self._seq(seq_id)
+        self._version += 1
         self._release_path(seq.last_block)
         del self._seqs[seq.seq_id]
         if seq.sliding_window_size != -1:
@@ -335,6 +345,7 @@ class PagingState:
                 f"{seq.sliding_window_size}); it cannot be enabled twice"
             )
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
+        self._version += 1
         seq.last_block_attn_sink_size = max(sink_size - prefix, 0)
         seq.sliding_window_size = window_size
         self._num_windowed += 1
@@ -382,6 +393,7 @@ class PagingState:
         pos = self._check_fork_pos(parent, fork_pos)
         if self._fork_copy_length(parent, pos) > 0:
             self._check_free_pages(1, 0, f"fork sequence {parent.seq_id} at position {pos}")
+        self._version += 1
         child_block, copies = self._fork_blocks(parent, pos)
         self._insert_sequence(child_id, child_block, pos)
         return copies
@@ -432,6 +444,7 @@ class PagingState:
         plan = self._plan_pop(seq, n)
         if plan.remaining:
             self._check_pop_fork(seq, plan)
+        self._version += 1
         self._apply_trim(seq, plan)
         if not plan.remaining:
             return []
@@ -474,10 +487,12 @@ class PagingState:
         """
         items, total = self._plan_reserve(seq_ids, lengths)
         if self._num_windowed and self._slide_windows:
+            self._version += 1  # _reserve_sliding checks everything before it changes anything
             self._reserve_sliding(items)
             self._record_appends(items)
             return
         self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
+        self._version += 1
         pages = self._pages.allocate(total)
         at = 0
         for seq, block, length, need in items:
@@ -488,16 +503,86 @@ class PagingState:
             seq.seq_length += length
             seq.last_append_length = length
 
+    def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
+        """Snapshot a batch for `advance_lane`, or None when a sequence cannot use one.
+
+        Every sequence must be live and distinct, have no sliding window and no uncommitted
+        token tree, have grown by one token in its last step, and own its last block (no other block or sequence refers to it); the last
+        block must not have slid (no sink pinned, no window offset) and must hold just the
+        pages its tokens fill.
+        """
+        seqs, blocks = [], []
+        for seq_id in seq_ids:
+            seq = self._seqs.get(seq_id) if type(seq_id) is int else None
+            if (seq is None or seq.sliding_window_size != -1 or not seq.accepted_indices_committed
+                    or seq.last_append_length != 1):
+                return None
+            block = self._blocks[seq.last_block]
+            if (block.ref_count != 1 or block.sink_length or block.sliding_window_offset
+                    or len(block.page_ids) != ceil_div(block.seq_length, self._page_size)):
+                return None
+            seqs.append(seq)
+            blocks.append(block)
+        if len(set(map(id, seqs))) != len(seqs):
+            return None
+        ps = self._page_size
+        return DecodeLane(
+            version=self._version,
+            seq_ids=tuple(seq_ids),
+            seq_length=np.array([s.seq_length for s in seqs], dtype=np.int64),
+            block_length=np.array([b.seq_length for b in blocks], dtype=np.int64),
+            page_capacity=np.array([len(b.page_ids) * ps for b in blocks], dtype=np.int64),
+            last_page=np.array([b.page_ids[-1] if b.page_ids else -1 for b in blocks], dtype=np.int64),
+            _pairs=tuple(zip(seqs, blocks)),
+        )
+
+    def advance_lane(self, lane: DecodeLane) -> None:
+        """Append one token to every sequence of ``lane``: `reserve_append` with lengths 1.
+
+        Pages go to the last blocks that are full, in batch order, as `reserve_append` hands
+        them out; ``lane``'s arrays describe the state after the step.
+
+        Raises
+        ------
+        KVCacheError
+            The state changed since the lane was opened or last advanced.
+        CacheFullError
+            More last blocks are full than pages are free (nothing changes).
+        """
+        if lane.version != self._version:
+            raise KVCacheError(
+                f"decode lane is stale: opened at state version {lane.version}, the state is at "
+                f"version {self._version}; open a new lane"
+            )
+        full = np.flatnonzero(lane.block_length >= lane.page_capacity)
+        self._check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        self._version += 1
+        if len(full):
+            pages = self._pages.allocate(len(full))
+            pairs = lane._pairs
+            for i, page in zip(full.tolist(), pages):
+                pairs[i][1].page_ids.append(page)
+            lane.page_capacity[full] += self._page_size
+            lane.last_page[full] = pages
+        for seq, block in lane._pairs:  # last_append_length is 1 already (see open_lane)
+            seq.seq_length += 1
+            block.seq_length += 1
+        lane.seq_length += 1
+        lane.block_length += 1
+        lane.version = self._version
+
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the (accumulated) token tree of the last steps of ``seq_id``; it stays
         uncommitted until `clear_token_tree`. ``tree`` is opaque here (see ``token_tree``)."""
         seq = self._seq(seq_id)
+        self._version += 1
         seq.token_tree = tree
         seq.accepted_indices_committed = False
 
     def clear_token_tree(self, seq_id: int) -> None:
         """Mark the token tree of ``seq_id`` committed (TVM's ``accepted_indices_committed``)."""
         seq = self._seq(seq_id)
+        self._version += 1
         seq.token_tree = None
         seq.accepted_indices_committed = True
 

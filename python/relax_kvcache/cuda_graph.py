@@ -1,0 +1,136 @@
+"""CUDA-graph capture and replay of decode steps (SGLang's capture/replay, seed 003).
+
+A decode step launches a few kernels per layer; at small batch the launches and the Python
+around them cost more than the kernels. Repeated decode steps of one batch keep every kernel
+argument fixed (metadata in fixed slots, see `PagedAttentionKVCache.capturable_step`), so the
+step's launches can be recorded once as a CUDA graph and replayed with one launch per step;
+only ``begin_forward`` (host planning and one metadata copy) runs each step.
+
+Usage, with the step's inputs and outputs in tensors that stay the same (static buffers)::
+
+    graphs = DecodeGraphs(cache)
+    with graphs.stream_context():              # every step on the graphs' stream
+        for _ in range(steps):
+            cache.begin_forward(seq_ids, [1] * len(seq_ids))
+            graphs.run(forward)                # forward(): e.g. every layer's attention call
+            cache.end_forward()
+    graphs.synchronize()
+
+``run`` calls ``forward`` eagerly the first time it sees a set of kernel arguments (which also
+loads every kernel), captures it the second time and replays it from then on. A step that is
+not capturable (prefill, a changed batch) runs eagerly. A graph is kept per set of kernel
+arguments: steps of another batch, or after the page lists outgrew their slots, get their own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Dict
+
+import tvm
+import tvm_ffi
+
+from .cache import PagedAttentionKVCache
+from .cuda_copy import check_status, cudart
+
+_NON_BLOCKING = 1  # cudaStreamNonBlocking
+_CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+
+
+class DecodeGraphs:
+    """Captures and replays the kernels of repeated decode steps of a CUDA cache.
+
+    Parameters
+    ----------
+    cache : PagedAttentionKVCache
+        A cache on a CUDA device.
+    """
+
+    def __init__(self, cache: PagedAttentionKVCache) -> None:
+        if not isinstance(cache, PagedAttentionKVCache):
+            raise TypeError(f"cache must be a PagedAttentionKVCache, got {type(cache).__name__}")
+        if cache.device.dlpack_device_type() != tvm.cuda().dlpack_device_type():
+            raise ValueError(f"CUDA graphs need a cache on a CUDA device, got {cache.device}")
+        self._cache = cache
+        self._device = cache.device
+        self._stream = ctypes.c_void_p()
+        check_status(cudart().cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING),
+                     "cudaStreamCreate")
+        self._graphs: Dict[int, tuple] = {}  # id(step views) -> (step views, graph, graph exec)
+        self._seen: Dict[int, object] = {}  # step views run eagerly once (keeps them alive)
+        self.replays = 0
+        self.captures = 0
+
+    @property
+    def stream(self) -> int:
+        """The CUDA stream (``cudaStream_t`` as an int) the steps run on."""
+        return self._stream.value
+
+    def stream_context(self):
+        """Context manager making :attr:`stream` TVM's current stream for the device."""
+        return tvm_ffi.use_raw_stream(self._device, self._stream.value)
+
+    def run(self, forward: Callable[[], None]) -> str:
+        """Run the current step's ``forward``: eagerly, by capturing it, or by replaying it.
+
+        Must be called between ``begin_forward`` and ``end_forward``, inside
+        :meth:`stream_context`. Returns ``"eager"``, ``"captured"`` or ``"replayed"``.
+        """
+        if tvm_ffi.get_raw_stream(self._device) != self._stream.value:
+            raise RuntimeError("DecodeGraphs.run must be called inside graphs.stream_context() "
+                               "(the whole step, begin_forward included, on the graphs' stream)")
+        views = self._cache.capturable_step()
+        if views is None:
+            forward()
+            return "eager"
+        key = id(views)
+        entry = self._graphs.get(key)
+        if entry is not None:
+            check_status(cudart().cudaGraphLaunch(entry[2], self._stream), "cudaGraphLaunch")
+            self.replays += 1
+            return "replayed"
+        if key not in self._seen:
+            self._seen[key] = views
+            forward()
+            return "eager"
+        graph, graph_exec = self._capture(forward)
+        self._graphs[key] = (self._seen.pop(key), graph, graph_exec)
+        check_status(cudart().cudaGraphLaunch(graph_exec, self._stream), "cudaGraphLaunch")
+        self.captures += 1
+        return "captured"
+
+    def _capture(self, forward: Callable[[], None]) -> tuple:
+        lib = cudart()
+        check_status(lib.cudaStreamBeginCapture(self._stream, _CAPTURE_RELAXED), "cudaStreamBeginCapture")
+        graph = ctypes.c_void_p()
+        try:
+            forward()
+        finally:
+            status = lib.cudaStreamEndCapture(self._stream, ctypes.byref(graph))
+        check_status(status, "cudaStreamEndCapture")
+        graph_exec = ctypes.c_void_p()
+        check_status(lib.cudaGraphInstantiate(ctypes.byref(graph_exec), graph, ctypes.c_ulonglong(0)),
+                     "cudaGraphInstantiate")
+        return graph, graph_exec
+
+    def synchronize(self) -> None:
+        """Wait for everything issued on :attr:`stream`."""
+        check_status(cudart().cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+
+    def close(self) -> None:
+        """Destroy the graphs and the stream."""
+        lib = cudart()
+        for _, graph, graph_exec in self._graphs.values():
+            lib.cudaGraphExecDestroy(graph_exec)
+            lib.cudaGraphDestroy(graph)
+        self._graphs.clear()
+        if self._stream.value:
+            lib.cudaStreamSynchronize(self._stream)
+            lib.cudaStreamDestroy(self._stream)
+            self._stream = ctypes.c_void_p()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,252 @@
+"""Repeated decode steps take the incremental path (`decode_plan`, `DecodeLane`, fixed slots).
+
+Each test drives two caches with the same operations: one as shipped, one whose incremental
+path is switched off (every step planned in full). After every step the two step metadata must
+be identical and so must the paging state; the shipped cache's attention outputs and KV contents
+are checked against the float64 reference (`Harness`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tvm
+
+import relax_kvcache as rk
+from relax_kvcache import cache as cache_module
+from test_cache import CONFIGS, Harness, cache_factory  # noqa: F401 (fixture)
+
+# (caches with support_sliding_window attend before appending: always planned in full)
+CHECKED = ["fp32-gqa-normal", "fp32-mqa-inline-d128", "fp32-d96-page8"]
+
+
+class Twin:
+    """A `Harness` (shipped cache vs float64) plus a cache that plans every step in full."""
+
+    def __init__(self, cache_factory, config, seed):
+        self.h = Harness(cache_factory(config), np.random.default_rng(seed))
+        self.full = cache_factory(config)
+        self.full._decode_planner.next_step = lambda *args: None
+        self.incremental_steps = 0
+        self.depths_seen = set()
+        planner = self.h.cache._decode_planner
+        original = planner.next_step
+
+        def counted(*args):
+            step = original(*args)
+            self.incremental_steps += step is not None
+            if step is not None:
+                self.depths_seen.add(len(step.depths))
+            return step
+
+        planner.next_step = counted
+
+    def op(self, name, *args):
+        getattr(self.h, name)(*args)
+        method = {"add": "add_sequence", "fork": "fork_sequence", "popn": "popn", "remove": "remove_sequence"}[name]
+        getattr(self.full, method)(*args)
+        self.same_paging()
+
+    def step(self, batch):
+        ids, lengths = [s for s, _ in batch], [n for _, n in batch]
+        self.full.begin_forward(ids, lengths)
+        expected = self.full._step
+        self.full.end_forward()
+        original_begin = self.h.cache.begin_forward
+
+        def begin_and_compare(*args):
+            original_begin(*args)
+            same_step(self.h.cache._step, expected)
+
+        self.h.cache.begin_forward = begin_and_compare
+        try:
+            self.h.step(batch)
+        finally:
+            del self.h.cache.begin_forward
+        self.same_paging()
+
+    def same_paging(self):
+        assert self.h.cache._paging.debug_snapshot() == self.full._paging.debug_snapshot()
+
+
+def same_step(got, expected, where="step"):
+    assert type(got) is type(expected), where
+    if isinstance(got, np.ndarray):
+        assert got.dtype == expected.dtype and np.array_equal(got, expected), f"{where}: {got} != {expected}"
+    elif dataclasses.is_dataclass(got):
+        for field in dataclasses.fields(got):
+            same_step(getattr(got, field.name), getattr(expected, field.name), f"{where}.{field.name}")
+    elif isinstance(got, tuple):
+        assert len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            same_step(a, b, f"{where}[{i}]")
+    else:
+        assert got == expected, f"{where}: {got!r} != {expected!r}"
+
+
+def _decode_runs(t: Twin, rng, rounds: int) -> None:
+    """Runs of repeated decode steps over random batches, forks at any position between runs."""
+    cfg = t.h.cfg
+    live, next_id = [], 0
+    for _ in range(3):
+        t.op("add", next_id)
+        t.step([(next_id, int(rng.integers(1, 60)))])
+        live.append(next_id)
+        next_id += 1
+    for _ in range(rounds):
+        action = rng.choice(["fork", "popn", "remove", "none"])
+        if action == "fork" and len(live) < cfg.max_num_seqs:
+            parent = int(rng.choice(live))
+            length = t.h.ref.length(parent)
+            t.op("fork", parent, next_id, int(rng.choice([-1, rng.integers(0, length + 1)])))
+            live.append(next_id)
+            next_id += 1
+        elif action == "popn":
+            seq = int(rng.choice(live))
+            t.op("popn", seq, int(rng.integers(0, min(t.h.ref.length(seq), 20) + 1)))
+        elif action == "remove" and len(live) > 2:
+            seq = int(rng.choice(live))
+            t.op("remove", seq)
+            live.remove(seq)
+        batch = [int(s) for s in rng.permutation(live)[: int(rng.integers(1, len(live) + 1))]]
+        for _ in range(int(rng.integers(2, 2 * cfg.page_size + 3))):
+            if t.h.cache.get_num_available_pages() < len(batch) + 2:
+                break
+            t.step([(s, 1) for s in batch])
+    t.h.check_contents()
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_repeated_decode_matches_full_planning(cache_factory, name):
+    t = Twin(cache_factory, CONFIGS[name], seed=11)
+    _decode_runs(t, np.random.default_rng(5), rounds=8)
+    assert t.incremental_steps > 40  # the runs really took the incremental path
+    assert t.depths_seen == {1, 2}  # with and without shared prefixes
+
+
+def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory):
+    cfg = dataclasses.replace(CONFIGS["fp32-gqa-normal"], max_total_seq_len=6 * 16, max_num_seqs=4)  # 7 pages
+    assert cfg.num_total_pages == 7
+    t = Twin(cache_factory, cfg, seed=3)
+    for s in range(3):
+        t.op("add", s)
+    t.step([(0, 16), (1, 16), (2, 15)])  # 3 pages used, 4 free
+    for _ in range(16):  # 0 and 1 take a page at once, 2 one step later: 1 free
+        t.step([(0, 1), (1, 1), (2, 1)])
+    cache = t.h.cache
+    assert cache._decode_planner.current is not None
+    before = cache._paging.debug_snapshot()
+    with pytest.raises(rk.CacheFullError, match=r"2 page\(s\) needed, 1 free"):  # 0 and 1 are full again, 1 page free
+        cache.begin_forward([0, 1, 2], [1, 1, 1])
+    assert cache._paging.debug_snapshot() == before
+    assert cache._step is None
+    t.op("remove", 2)
+    steps = t.incremental_steps
+    t.step([(0, 1), (1, 1)])
+    t.step([(0, 1), (1, 1)])
+    assert t.incremental_steps == steps + 1  # a new batch is planned in full once
+    t.h.check_contents()
+
+
+@pytest.mark.parametrize("seq_ids, lengths, match", [
+    ([0.0, 1], [1, 1], r"seq_ids\[0\] must be an integer"),
+    ([0, 1], [True, 1], r"append_lengths\[0\] must be an integer"),
+    ([0, 1], [1.0, 1], r"append_lengths\[0\] must be an integer"),
+    ([0, 1, 1], [1, 1, 1], "more than once"),
+])
+def test_bad_repeated_batch_is_refused(cache_factory, seq_ids, lengths, match):
+    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(2))
+    h.add(0)
+    h.add(1)
+    h.step([(0, 9), (1, 30)])
+    h.step([(0, 1), (1, 1)])
+    before = h.cache._paging.debug_snapshot()
+    with pytest.raises(rk.KVCacheError, match=match):
+        h.cache.begin_forward(seq_ids, lengths)
+    assert h.cache._paging.debug_snapshot() == before
+    h.step([(0, 1), (1, 1)])
+
+
+def test_fixed_slots_keep_kernel_arguments_until_the_batch_changes(cache_factory, monkeypatch):
+    monkeypatch.setattr(cache_module, "_DECODE_PAGE_HEADROOM", 1)
+    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(4))
+    for s in range(3):
+        h.add(s)
+    h.step([(0, 20), (1, 33), (2, 5)])
+    seen = []
+    cache = h.cache
+    original = cache._active_step
+
+    def record(what):
+        step = original(what)
+        seen.append(step)
+        return step
+
+    cache._active_step = record
+    for _ in range(12):  # sequence 2 reaches a second page: within the headroom of one page each
+        h.step([(0, 1), (1, 1), (2, 1)])
+    assert len({id(s) for s in seen}) == 1, "repeated decode steps reuse the same device views"
+    seen.clear()
+    for _ in range(30):  # past the headroom: new slots once, then stable again
+        h.step([(0, 1), (1, 1), (2, 1)])
+    assert len({id(s) for s in seen}) == 2
+    previous = seen[-1]
+    seen.clear()
+    h.step([(1, 1), (0, 1)])  # another batch: planned in full, new slots, then reused
+    h.step([(1, 1), (0, 1)])
+    assert len({id(s) for s in seen}) == 1 and seen[0] is not previous
+    h.check_contents()
+
+
+def test_lane_is_refused_after_any_change(cache_factory):
+    """A DecodeLane goes stale with every change of the paging state."""
+    cache = cache_factory(CONFIGS["fp32-gqa-normal"])
+    paging = cache._paging
+    for s in range(2):
+        cache.add_sequence(s)
+    cache.begin_forward([0, 1], [5, 7])
+    cache.end_forward()
+    cache.begin_forward([0, 1], [1, 1])
+    cache.end_forward()
+    lane = paging.open_lane([0, 1])
+    assert lane is not None and lane.seq_ids == (0, 1)
+    paging.advance_lane(lane)
+    assert paging.sequence_length(0) == 7 and paging.sequence_length(1) == 9
+    cache.add_sequence(2)
+    with pytest.raises(rk.KVCacheError, match="stale"):
+        paging.advance_lane(lane)
+    assert paging.sequence_length(0) == 7
+    cache.fork_sequence(0, 3, 3)
+    assert paging.open_lane([3]) is None  # a new sequence has not grown by one token
+    assert paging.open_lane([1, 3]) is None
+    assert paging.open_lane([1, 1]) is None
+    assert paging.open_lane([1, 99]) is None
+
+
+def test_capturable_step_only_for_repeated_decode(cache_factory):
+    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(8))
+    cache = h.cache
+    h.add(0)
+    h.add(1)
+    cache.begin_forward([0, 1], [12, 3])  # prefill: arguments change with every step
+    assert cache.capturable_step() is None
+    cache.end_forward()
+    tokens = []
+    for _ in range(3):
+        cache.begin_forward([0, 1], [1, 1])
+        tokens.append(cache.capturable_step())
+        cache.end_forward()
+    assert tokens[0] is not None and tokens[0] is tokens[1] is tokens[2]
+    with pytest.raises(rk.ForwardError, match="without an active step"):
+        cache.capturable_step()
+
+
+def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
+    from relax_kvcache.cuda_graph import DecodeGraphs
+
+    with pytest.raises(ValueError, match="CUDA device, got cpu"):
+        DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]))
+    with pytest.raises(TypeError, match="PagedAttentionKVCache, got int"):
+        DecodeGraphs(3)
