@@ -164,6 +164,28 @@ def measure_copy_bandwidth(device: tvm.runtime.Device, num_bytes: int, min_time:
     return 2 * num_bytes / time_per_call(lambda: a.copyto(b), device, min_time)
 
 
+def measure_matmul_rate(device: tvm.runtime.Device) -> Optional[float]:
+    """FLOP/s of an 8192^3 fp16 matrix multiply with PyTorch (cuBLAS) when it is installed; the
+    prefill roofline. None without PyTorch or on CPU."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if device.dlpack_device_type() != tvm.cuda().dlpack_device_type() or not torch.cuda.is_available():
+        return None
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n ** 3 * 20 / (time.perf_counter() - start)
+
+
 class Inputs:
     """Random fp16 (or the shape's dtype) tensors on the device, made on the host once per shape."""
 
@@ -270,37 +292,105 @@ def bench_layer(kernels: Kernels, device, rng, *, batch: int, new: int, context:
 
 
 def bench_step(kernels: Kernels, device, rng, *, batch: int, context: int, layers: int, steps: int) -> dict:
-    """Median seconds of a whole synchronised decode step: begin_forward + every layer + end_forward."""
+    """Median seconds of a whole synchronised decode step: begin_forward + every layer +
+    end_forward, for the native cache, ours and (CUDA) ours replaying a CUDA graph of the
+    layers (`relax_kvcache.cuda_graph`). All caches get the same inputs; the last step's
+    outputs are compared (``graph_diff``: graph vs eager, ours; ``diff``: ours vs native)."""
     shape = kernels.shape
     drivers = make_drivers(kernels, device, num_layers=layers, max_num_seqs=batch,
                            max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64,
                            prefill_chunk_size=max(context, batch))
+    cuda = device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
+    if cuda and kernels.ours is not None:
+        graph_cache = make_drivers(dataclasses.replace(kernels, tvm=None), device, num_layers=layers,
+                                   max_num_seqs=batch,
+                                   max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64,
+                                   prefill_chunk_size=max(context, batch))[0]
+        graph_cache.name = "ours+graph"
+        drivers.append(graph_cache)
     inputs = Inputs(shape, device, rng)
     sm_scale = shape.head_dim ** -0.5
     fill(drivers, inputs, batch, context, max(context, batch), layers, sm_scale)
     qkvs = [inputs.qkv(batch) for _ in range(layers)]
-    outs = [inputs.out(batch) for _ in range(layers)]
     ids, ones = list(range(batch)), [1] * batch
-    result = {"times": {}}
+    result: dict = {"times": {}}
+    last = {}
     for drv in drivers:
-        times = []
-        for i in range(steps + 3):  # 3 warm-up steps
-            device.sync()
-            start = time.perf_counter()
-            drv.begin(ids, ones)
+        outs = [inputs.out(batch) for _ in range(layers)]
+
+        def forward(drv=drv, outs=outs):
             for layer in range(layers):
                 drv.attention(layer, qkvs[layer], outs[layer], sm_scale)
-            drv.end()
-            device.sync()
-            if i >= 3:
-                times.append(time.perf_counter() - start)
+
+        if drv.name == "ours+graph":
+            times, result["graph_runs"] = _graph_steps(drv, forward, ids, ones, steps)
+        else:
+            times = _eager_steps(drv, forward, ids, ones, steps, device)
         result["times"][drv.name] = statistics.median(times)
+        last[drv.name] = outs[-1]
+    result["diff"] = max_diff(last)
+    if "ours+graph" in last:
+        result["graph_diff"] = max_diff({"ours": last["ours"], "native": last["ours+graph"]})
     del drivers
     gc.collect()
     return result
 
 
+def _eager_steps(drv: Driver, forward, ids, ones, steps: int, device) -> List[float]:
+    times = []
+    for i in range(steps + 3):  # 3 warm-up steps
+        device.sync()
+        start = time.perf_counter()
+        drv.begin(ids, ones)
+        forward()
+        drv.end()
+        device.sync()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _graph_steps(drv: Driver, forward, ids, ones, steps: int) -> Tuple[List[float], Dict[str, int]]:
+    from relax_kvcache.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(drv.cache)
+    times, runs = [], {}
+    with graphs.stream_context():
+        for i in range(steps + 3):  # eager, capture, then replays: 3 warm-up steps
+            graphs.synchronize()
+            start = time.perf_counter()
+            drv.begin(ids, ones)
+            how = graphs.run(forward)
+            drv.end()
+            graphs.synchronize()
+            runs[how] = runs.get(how, 0) + 1
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    graphs.close()
+    return times, runs
+
+
 # ----------------------------------------------------------------------------- report
+
+def write_json(path: pathlib.Path, device, shape: Shape, bandwidth: float, matmul: Optional[float], decode_rows,
+               prefill_rows, step_rows, step_setup: Tuple[int, int]) -> None:
+    """Every result as JSON: what ``plot_bench.py`` draws."""
+    import json
+
+    def clean(r: dict) -> dict:
+        return {k: v for k, v in r.items() if isinstance(v, (int, float, str, dict, type(None)))}
+
+    data = {
+        "device": gp.describe_device(device), "shape": dataclasses.asdict(shape), "copy_bandwidth": bandwidth,
+        "matmul_rate": matmul,
+        "decode": [dict(batch=b, context=c, **clean(r)) for b, c, r in decode_rows],
+        "prefill": [dict(batch=b, length=n, **clean(r)) for b, n, r in prefill_rows],
+        "step": [dict(batch=b, context=step_setup[0], layers=step_setup[1], **clean(r)) for b, r in step_rows],
+    }
+    path.write_text(json.dumps(data, indent=1))
+    print(f"wrote {path}", flush=True)
+
+
 
 def _us(seconds: Optional[float]) -> str:
     return f"{seconds * 1e6:10.1f}" if seconds is not None else f"{'-':>10}"
@@ -338,6 +428,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, shorter timing")
     parser.add_argument("--dtype", choices=["float16", "float32"], help="dtype of CPU kernels built here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also decode at batch 32 over contexts and prefill over lengths (for the plots)")
+    parser.add_argument("--json", type=pathlib.Path, help="write every result to this JSON file (plot_bench.py)")
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda"
@@ -349,11 +442,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cuda:
         decode = [(1, 1024), (32, 1024)] if args.quick else [(1, 1024), (32, 1024), (64, 2048), (128, 4096), (1, 16384)]
         prefill = [(1, 2048)] if args.quick else [(1, 2048), (8, 512)]
-        step, copy_bytes, min_time = (1, 1024, 8), 1 << 30, (0.05 if args.quick else 0.2)
+        copy_bytes, min_time = 1 << 30, (0.05 if args.quick else 0.2)
+        step_batches, step_context, step_layers = ([1, 32] if args.quick else [1, 8, 32, 64, 128]), 1024, 8
+        if args.sweep:
+            decode += [(32, c) for c in (256, 512, 2048, 4096, 8192)]
+            prefill += [(1, n) for n in (256, 512, 1024, 4096, 8192)]
     else:
         decode = [(1, 256)] if args.quick else [(1, 256), (4, 256)]
         prefill = [(1, 128)] if args.quick else [(1, 256), (4, 64)]
-        step, copy_bytes, min_time = (1, 256, 8), 1 << 28, 0.05
+        copy_bytes, min_time = 1 << 28, 0.05
+        step_batches, step_context, step_layers = [1, 4], 256, 8
 
     print(f"gpu_bench on {device} ({kernels.source}), TVM {tvm.__version__}; {gp.describe_device(device)}",
           flush=True)
@@ -364,6 +462,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"NOTE: no kernels for {' and '.join(missing)}: those columns stay empty", flush=True)
     bandwidth = measure_copy_bandwidth(device, copy_bytes, min_time)
     print(f"device-to-device copy: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+    matmul = measure_matmul_rate(device)
+    if matmul:
+        print(f"fp16 matmul (PyTorch, 8192^3): {matmul / 1e12:.0f} TFLOP/s", flush=True)
 
     rng = np.random.default_rng(0)
     decode_rows, prefill_rows = [], []
@@ -375,10 +476,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"prefill {batch} x {length} ...", flush=True)
         prefill_rows.append((batch, length, bench_layer(kernels, device, rng, batch=batch, new=length, context=0,
                                                          min_time=min_time)))
-    batch, context, layers = step
-    print(f"decode step {batch} x {context}, {layers} layers ...", flush=True)
-    step_result = bench_step(kernels, device, rng, batch=batch, context=context, layers=layers,
-                             steps=20 if args.quick else 100)
+    step_rows = []
+    for batch in step_batches:
+        print(f"decode step {batch} x {step_context}, {step_layers} layers ...", flush=True)
+        step_rows.append((batch, bench_step(kernels, device, rng, batch=batch, context=step_context,
+                                            layers=step_layers, steps=20 if args.quick else 100)))
+    if args.json:
+        write_json(args.json, device, shape, bandwidth, matmul, decode_rows, prefill_rows, step_rows,
+                   (step_context, step_layers))
 
     print()
     print(f"Decode: one layer of attention_with_fused_qkv ({shape.dtype}, {shape.num_qo_heads}/{shape.num_kv_heads} "
@@ -401,19 +506,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print("Prefill: one layer of attention_with_fused_qkv, causal, fresh prompts")
     print(f"{'batch x len':>12} {'ours ms':>10} {'native ms':>10} {'ours/native':>11} {'ours TF/s':>10} "
-          f"{'native TF/s':>11} {'max|diff|':>10}")
+          f"{'native TF/s':>11} {'max|diff|':>10}" + (" ours %mm" if matmul else ""))
     for batch, length, r in prefill_rows:
         t = r["times"]
         tflops = {k: r["flops"] / v for k, v in t.items()}
+        roof = f" {100 * tflops['ours'] / matmul:9.1f}%" if matmul and "ours" in tflops else ""
         print(f"{batch:>5} x {length:<5} {_ms(t.get('ours'))} {_ms(t.get('native'))} {_ratio(t)} "
               f"{_rate(tflops.get('ours'), 1e12, '10.2f')} {_rate(tflops.get('native'), 1e12, '11.2f')} "
-              f"{_diff(r['diff'])}")
+              f"{_diff(r['diff'])}{roof}")
     print()
-    t = step_result["times"]
-    print(f"Decode step {step[0]} x {step[1]}, {step[2]} layers (begin_forward + layers + end_forward, synchronised):")
-    print(f"{'':>12} {'ours us':>10} {'native us':>10} {'ours/native':>11}")
-    print(f"{'step':>12} {_us(t.get('ours'))} {_us(t.get('native'))} {_ratio(t)}")
-    diffs = [r["diff"] for *_, r in decode_rows + prefill_rows if r["diff"] is not None]
+    print(f"Decode step x {step_context}, {step_layers} layers (begin_forward + layers + end_forward, synchronised; "
+          "graph: the layers replayed as a CUDA graph)")
+    print(f"{'batch':>6} {'ours us':>10} {'graph us':>10} {'native us':>10} {'ours/native':>11} {'graph/native':>12} "
+          f"{'graph us/layer':>14} {'max|diff|':>10} {'graph-eager':>11}  graph runs")
+    for batch, r in step_rows:
+        t = r["times"]
+        graph = {"ours": t.get("ours+graph"), "native": t.get("native")}
+        per_layer = t["ours+graph"] / step_layers if "ours+graph" in t else None
+        print(f"{batch:>6} {_us(t.get('ours'))} {_us(t.get('ours+graph'))} {_us(t.get('native'))} {_ratio(t)} "
+              f"{_ratio(graph):>12} {_us(per_layer):>14} {_diff(r['diff'])} {_diff(r.get('graph_diff')):>11}  "
+              f"{r.get('graph_runs', '')}")
+    diffs = [r["diff"] for *_, r in decode_rows + prefill_rows + step_rows if r["diff"] is not None]
+    diffs += [r["graph_diff"] for _, r in step_rows if r.get("graph_diff") is not None]
     flagged = [d for d in diffs if not d <= DIFF_WARN]
     if flagged:
         print(f"WARNING: ours and native outputs differ by more than {DIFF_WARN} on {len(flagged)} shape(s) (!)")
