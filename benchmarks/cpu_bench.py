@@ -212,6 +212,29 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, flo
              statistics.median([results[("native", n, m)] for m in ("repeated", "full")])) for n in batch_sizes]
 
 
+def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float]:
+    """Python cost of one ``attention_with_fused_qkv`` decode call with every kernel replaced by
+    a no-op (what the cache adds on top of its kernel launches): (direct, via vm.builtin)."""
+    import types
+
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
+                           max_num_seqs=1, max_total_seq_len=256, prefill_chunk_size=64,
+                           rope_mode=rk.RopeMode.NORMAL, dtype=DTYPE)
+    cache = rk.PagedAttentionKVCache(cfg)
+    cache.add_sequence(0)
+    qkv = tvm.runtime.tensor(np.ones((1, HQ + 2 * HKV, D), DTYPE))
+    out = tvm.runtime.empty((1, HQ, D), DTYPE)
+    cache.begin_forward([0], [1])
+    kernels = cache._kernels
+    cache._kernels = types.SimpleNamespace(**{k: (lambda *a: None) for k in dir(kernels) if not k.startswith("_")})
+    attn = tvm.get_global_func("vm.builtin.attention_kv_cache_attention_with_fused_qkv")
+    direct = statistics.median(_timeit(lambda: cache.attention_with_fused_qkv(0, qkv, out, 0.1), repeat))
+    builtin = statistics.median(_timeit(lambda: attn(cache, 0, 0.1, qkv, out), repeat))
+    cache._kernels = kernels
+    cache.end_forward()
+    return direct, builtin
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes (the issue's 8 x 512 decode only)")
@@ -235,6 +258,7 @@ def main() -> None:
     for batch, length, cached in prefill_shapes:
         print(f"prefill {batch} x {length} (+{cached} cached) ...", flush=True)
         prefill_rows.append((batch, length, cached, bench_prefill(batch, length, cached, rng)))
+    layer_overhead = bench_layer_overhead()
     print("host begin_forward ...", flush=True)
     host_rows = bench_host((1, 8, 32, 64, 128, 256) if not args.quick else (1, 32, 256), repeat=20)
 
@@ -264,6 +288,10 @@ def main() -> None:
     for n, repeated, full, native in host_rows:
         print(f"{n:>10} {repeated * 1e6:14.1f} {full * 1e6:10.1f} {native * 1e6:8.1f} {repeated / native:15.2f}x "
               f"{full / native:11.1f}x")
+    print()
+    print(f"Per-layer Python cost of attention_with_fused_qkv (kernels replaced by no-ops, decode of 1): "
+          f"{layer_overhead[0] * 1e6:.1f} us called directly, {layer_overhead[1] * 1e6:.1f} us through "
+          f"vm.builtin from Python")
 
 
 if __name__ == "__main__":
