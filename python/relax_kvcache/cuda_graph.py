@@ -18,14 +18,15 @@ Usage, with the step's inputs and outputs in tensors that stay the same (static 
 
 ``run`` calls ``forward`` eagerly the first time it sees a set of kernel arguments (which also
 loads every kernel), captures it the second time and replays it from then on. A step that is
-not capturable (prefill, a changed batch) runs eagerly. A graph is kept per set of kernel
-arguments: steps of another batch, or after the page lists outgrew their slots, get their own.
+not capturable (prefill, a changed batch) runs eagerly. The cache keeps one set of fixed slots
+at a time, so a set of kernel arguments never comes back once replaced (another batch, or page
+lists that outgrew their slots): the graph of the replaced set is destroyed then.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Dict
+from typing import Callable, Optional
 
 import tvm
 import tvm_ffi
@@ -56,8 +57,8 @@ class DecodeGraphs:
         self._stream = ctypes.c_void_p()
         check_status(cudart().cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING),
                      "cudaStreamCreate")
-        self._graphs: Dict[int, tuple] = {}  # id(step views) -> (step views, graph, graph exec)
-        self._seen: Dict[int, object] = {}  # step views run eagerly once (keeps them alive)
+        self._views: object = None  # the kernel arguments of the last capturable step
+        self._graph: Optional[tuple] = None  # (graph, graph exec) captured on self._views
         self.replays = 0
         self.captures = 0
 
@@ -83,21 +84,20 @@ class DecodeGraphs:
         if views is None:
             forward()
             return "eager"
-        key = id(views)
-        entry = self._graphs.get(key)
-        if entry is not None:
-            check_status(cudart().cudaGraphLaunch(entry[2], self._stream), "cudaGraphLaunch")
-            self.replays += 1
-            return "replayed"
-        if key not in self._seen:
-            self._seen[key] = views
+        if views is not self._views:  # new arguments: the old ones never come back
+            self._destroy_graph()
+            self._views = views
             forward()
             return "eager"
-        graph, graph_exec = self._capture(forward)
-        self._graphs[key] = (self._seen.pop(key), graph, graph_exec)
-        check_status(cudart().cudaGraphLaunch(graph_exec, self._stream), "cudaGraphLaunch")
-        self.captures += 1
-        return "captured"
+        if self._graph is None:
+            self._graph = self._capture(forward)
+            self.captures += 1
+            how = "captured"
+        else:
+            self.replays += 1
+            how = "replayed"
+        check_status(cudart().cudaGraphLaunch(self._graph[1], self._stream), "cudaGraphLaunch")
+        return how
 
     def _capture(self, forward: Callable[[], None]) -> tuple:
         lib = cudart()
@@ -117,13 +117,19 @@ class DecodeGraphs:
         """Wait for everything issued on :attr:`stream`."""
         check_status(cudart().cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
+    def _destroy_graph(self) -> None:
+        if self._graph is not None:
+            lib = cudart()
+            lib.cudaStreamSynchronize(self._stream)  # a replay may still be running
+            lib.cudaGraphExecDestroy(self._graph[1])
+            lib.cudaGraphDestroy(self._graph[0])
+            self._graph = None
+
     def close(self) -> None:
-        """Destroy the graphs and the stream."""
+        """Destroy the graph and the stream."""
         lib = cudart()
-        for _, graph, graph_exec in self._graphs.values():
-            lib.cudaGraphExecDestroy(graph_exec)
-            lib.cudaGraphDestroy(graph)
-        self._graphs.clear()
+        self._destroy_graph()
+        self._views = None
         if self._stream.value:
             lib.cudaStreamSynchronize(self._stream)
             lib.cudaStreamDestroy(self._stream)
