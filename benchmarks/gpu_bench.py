@@ -297,15 +297,12 @@ def bench_step(kernels: Kernels, device, rng, *, batch: int, context: int, layer
     layers (`relax_kvcache.cuda_graph`). All caches get the same inputs; the last step's
     outputs are compared (``graph_diff``: graph vs eager, ours; ``diff``: ours vs native)."""
     shape = kernels.shape
-    drivers = make_drivers(kernels, device, num_layers=layers, max_num_seqs=batch,
-                           max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64,
-                           prefill_chunk_size=max(context, batch))
+    sizes = dict(num_layers=layers, max_num_seqs=batch, prefill_chunk_size=max(context, batch),
+                 max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64)
+    drivers = make_drivers(kernels, device, **sizes)
     cuda = device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
     if cuda and kernels.ours is not None:
-        graph_cache = make_drivers(dataclasses.replace(kernels, tvm=None), device, num_layers=layers,
-                                   max_num_seqs=batch,
-                                   max_total_seq_len=batch * (context + steps + 2 * shape.page_size) + 64,
-                                   prefill_chunk_size=max(context, batch))[0]
+        graph_cache = make_drivers(dataclasses.replace(kernels, tvm=None), device, **sizes)[0]
         graph_cache.name = "ours+graph"
         drivers.append(graph_cache)
     inputs = Inputs(shape, device, rng)

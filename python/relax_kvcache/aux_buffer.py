@@ -69,19 +69,31 @@ class AuxBuffer:
         total = sum(sizes)
         if total > self._capacity:
             self._allocate(max(total, 2 * self._capacity))
-        if self._pinned is not None:
-            self._pinned.ready_for_write()
         views = []
         offset = 0
+        self._begin_write()
         for array, size in zip(arrays, sizes):
             self._host[offset:offset + size] = array.ravel()
-            views.append(view(self._device_buffer, array.shape, offset * _INT32_BYTES, self._dtype))
+            views.append(self.view(array.shape, offset))
             offset += size
-        if self._pinned is not None:
-            self._pinned.copy(total)
-        elif not self._on_cpu and total:
-            view(self._device_buffer, (total,), 0, self._dtype).copyfrom(self._host[:total])
+        self._send(total)
         return views
+
+    def view(self, shape: Tuple[int, ...], offset: int) -> tvm.runtime.Tensor:
+        """A device view of ``shape`` at element ``offset`` of the buffer."""
+        return view(self._device_buffer, shape, offset * _INT32_BYTES, self._dtype)
+
+    def _begin_write(self) -> None:
+        """Wait until the host buffer may be overwritten (the previous copy has read it)."""
+        if self._pinned is not None:
+            self._pinned.ready_for_write()
+
+    def _send(self, count: int) -> None:
+        """Copy ``host[:count]`` to the device (nothing to do on CPU: they are one buffer)."""
+        if self._pinned is not None:
+            self._pinned.copy(count)
+        elif not self._on_cpu and count:
+            self.view((count,), 0).copyfrom(self._host[:count])
 
 
 class SlotBuffer:
@@ -110,9 +122,7 @@ class SlotBuffer:
         self._offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         self._buffer = AuxBuffer(device, self._offsets[-1])
         self._shapes = [tuple(s) for s in shapes]
-        dtype = self._buffer._dtype
-        self.views = [view(self._buffer._device_buffer, s, o * _INT32_BYTES, dtype)
-                      for s, o in zip(self._shapes, self._offsets)]
+        self.views = [self._buffer.view(s, o) for s, o in zip(self._shapes, self._offsets)]
 
     def fits(self, arrays: Sequence[np.ndarray]) -> bool:
         """Whether ``arrays`` fit the slots (same count, each no larger than its slot)."""
@@ -125,17 +135,11 @@ class SlotBuffer:
 
         ``fits(arrays)`` must hold.
         """
-        buffer = self._buffer
-        if buffer._pinned is not None:
-            buffer._pinned.ready_for_write()
-        host, offsets = buffer._host, self._offsets
+        buffer, offsets = self._buffer, self._offsets
+        buffer._begin_write()
         for array, offset in zip(arrays, offsets):
-            host[offset:offset + array.size] = array.ravel()
-        used = offsets[len(arrays) - 1] + arrays[-1].size
-        if buffer._pinned is not None:
-            buffer._pinned.copy(used)
-        elif not buffer._on_cpu:
-            view(buffer._device_buffer, (used,), 0, buffer._dtype).copyfrom(host[:used])
+            buffer._host[offset:offset + array.size] = array.ravel()
+        buffer._send(offsets[len(arrays) - 1] + arrays[-1].size)
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""

@@ -17,7 +17,7 @@ import tvm
 import tvm_ffi
 
 _H2D = 1  # cudaMemcpyHostToDevice
-_NON_BLOCKING = 1  # cudaStreamNonBlocking
+NON_BLOCKING = 1  # cudaStreamNonBlocking
 _DISABLE_TIMING = 2  # cudaEventDisableTiming
 _LIB: Optional[ctypes.CDLL] = None
 
@@ -68,7 +68,7 @@ class PinnedUploader:
         self._host_ptr = ptr
         self.host = np.ctypeslib.as_array((ctypes.c_int32 * capacity).from_address(ptr.value))
         self._stream = ctypes.c_void_p()
-        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING), "cudaStreamCreate")
+        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), NON_BLOCKING), "cudaStreamCreate")
         self._copied = ctypes.c_void_p()
         self._computed = ctypes.c_void_p()
         for event in (self._copied, self._computed):

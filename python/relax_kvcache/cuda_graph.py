@@ -32,9 +32,8 @@ import tvm
 import tvm_ffi
 
 from .cache import PagedAttentionKVCache
-from .cuda_copy import check_status, cudart
+from .cuda_copy import NON_BLOCKING, check_status, cudart
 
-_NON_BLOCKING = 1  # cudaStreamNonBlocking
 _CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
@@ -55,7 +54,7 @@ class DecodeGraphs:
         self._cache = cache
         self._device = cache.device
         self._stream = ctypes.c_void_p()
-        check_status(cudart().cudaStreamCreateWithFlags(ctypes.byref(self._stream), _NON_BLOCKING),
+        check_status(cudart().cudaStreamCreateWithFlags(ctypes.byref(self._stream), NON_BLOCKING),
                      "cudaStreamCreate")
         self._views: object = None  # the kernel arguments of the last capturable step
         self._graph: Optional[tuple] = None  # (graph, graph exec) captured on self._views

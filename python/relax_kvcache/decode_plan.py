@@ -117,10 +117,6 @@ class DecodePlanner:
         """The remembered step (the last one planned or derived, when it qualifies)."""
         return self._step
 
-    def reset(self) -> None:
-        """Forget the remembered step."""
-        self._lane, self._step = None, None
-
 
 def _is_int_tuple(values: Any, expected: tuple) -> bool:
     """Whether ``values`` (a ShapeTuple, tuple or list) holds exactly the ints ``expected``."""

@@ -46,7 +46,3 @@ class DecodeLane:
     page_capacity: np.ndarray
     last_page: np.ndarray
     _pairs: tuple[tuple[Sequence, Block], ...] = dataclasses.field(repr=False)
-
-    @property
-    def blocks(self) -> tuple[Block, ...]:
-        return tuple(b for _, b in self._pairs)
