@@ -25,21 +25,27 @@ token ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sees keys
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
 from .macros import (
     LOG2E,
+    accumulate_pv,
     causal_mask_chunk,
     ceildiv,
+    paged_kv_access,
     paged_kv_len,
     paged_row_offset,
+    prefetch,
     tree_mask_chunk,
     init_state,
     load_q_tile,
     query_position_range,
+    ragged_kv_access,
     rope_inv_freq,
     rope_row_inplace,
+    row_block,
     score_chunk,
     softmax_update,
     store_row,
@@ -94,21 +100,60 @@ def make_paged_decode(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     return _make_paged(spec, sched, decode=True)
 
 
-def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, load_chunk,
+def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, kv_elem,
                           tree: bool = False):
-    """The work item shared by all attention kernels: one sequence, one KV head.
+    """The work item shared by all CPU attention kernels: one sequence, one KV head.
 
     Takes the sequence's queries of that head group in tiles of ``q_tile`` tokens, walks its
-    ``kv_len`` KV rows in chunks of ``chunk`` rows loaded by ``load_chunk(kc, vc, kv_src, h, c0,
-    nt, rotary_mode, k_pos0, inv_freq)`` (``kv_src`` is a kernel-specific tuple of buffers and
-    values), and writes every row's normalised output and base-2 LSE. Keys are masked causally
-    (``causal``), by window (``spec.window``), or, with ``tree``, by the token tree
-    ``tree_src = (tree_mask, first mask row, tree size)``: the last ``tree size`` KV rows are the
-    tree's nodes, the queries its last ``q_len`` nodes.
+    ``kv_len`` KV rows in chunks of ``chunk`` rows read in place through ``kv_elem(kv_src, h, j,
+    kv, d)`` (``kv_src`` is a kernel-specific tuple of buffers and values; with inline RoPE the
+    chunk's K rows are rotated into a float32 staging buffer first), and writes every row's
+    normalised output and base-2 LSE. Keys are masked causally (``causal``), by window
+    (``spec.window``), or, with ``tree``, by the token tree ``tree_src = (tree_mask, first mask
+    row, tree size)``: the last ``tree size`` KV rows are the tree's nodes, the queries its last
+    ``q_len`` nodes.
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     lanes, v_lanes = sched.lanes_for(D), sched.lanes_for(DV)
-    rows, half, window = q_tile * G, D // 2, spec.window
+    rows, half, window, rb = q_tile * G, D // 2, spec.window, row_block(G)
+
+    def k_in_place(kv_src, h, c0, t, d):
+        return kv_elem(kv_src, h, c0 + t, 0, d)
+
+    def v_in_place(kv_src, h, c0, t, d):
+        return kv_elem(kv_src, h, c0 + t, 1, d)
+
+    def k_staged(kc, h, c0, t, d):
+        return kc[t, d]
+
+    line = 64 * 8 // tvm.runtime.DataType(dtype).bits  # elements per 64-byte cache line
+
+    @T.macro
+    def prefetch_v_row(v_src, t):
+        """Prefetch V row t of the chunk ``v_src = (kv_src, h, c0)`` (``accumulate_pv`` walks
+        V column-block by column-block, which the hardware prefetcher does not follow)."""
+        for x in T.unroll(ceildiv(DV, line)):
+            prefetch(kv_elem(v_src[0], v_src[1], v_src[2] + t, 1, x * line))
+
+    @T.macro
+    def score(s, qs, kc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, inv_freq, part):
+        """Scores of KV rows [c0, c0 + nt): K read in place, or rotated into ``kc`` (inline RoPE)."""
+        if rotary_mode == 1:
+            for t in T.serial(nt):
+                for d in T.vectorized(D):
+                    kc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 0, d))
+                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+            score_chunk(s, qs, kc, k_staged, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
+                        (kv_src, h, c0))
+        else:
+            score_chunk(s, qs, kv_src, k_in_place, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
+                        (kv_src, h, c0))
+
+    @T.macro
+    def fold(s, m, l, alpha, acc, kv_src, h, c0, nt, nrows, red, part):
+        """Fold the masked scores of KV rows [c0, c0 + nt) into the online-softmax state."""
+        softmax_update(s, m, l, alpha, nrows, nt, chunk, red)
+        accumulate_pv(acc, s, alpha, kv_src, v_in_place, h, c0, nrows, nt, DV, v_lanes, rb, part)
 
     @T.macro
     def attend_sequence(q, o, lse, q_rope_position, kv_src, h, qbeg, q_len, kv_len, k_pos0, causal,
@@ -116,11 +161,11 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         qs = T.sblock_alloc_buffer((rows, D), "float32")
         acc = T.sblock_alloc_buffer((rows, DV), "float32")
         kc = T.sblock_alloc_buffer((chunk, D), "float32")
-        vc = T.sblock_alloc_buffer((chunk, DV), "float32")
         s = T.sblock_alloc_buffer((rows, chunk), "float32")
         m = T.sblock_alloc_buffer((rows,), "float32")
         l = T.sblock_alloc_buffer((rows,), "float32")
-        part = T.sblock_alloc_buffer((max(lanes, v_lanes),), "float32")
+        alpha = T.sblock_alloc_buffer((rows,), "float32")
+        part = T.sblock_alloc_buffer((rb, max(lanes, v_lanes)), "float32")
         red = T.sblock_alloc_buffer((1,), "float32")
         inv_freq = T.sblock_alloc_buffer((half,), "float32")
         if rotary_mode == 1:
@@ -135,19 +180,17 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             if tree:
                 for c in T.serial(ceildiv(kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
-                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     tree_mask_chunk(s, nq * G, nt, G, tree_src, tok0 - qbeg + tree_src[2] - q_len, c * chunk,
                                     kv_len - tree_src[2])
-                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
             elif window == 0:
                 for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
-                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     if causal > 0:
                         causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
-                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
             else:
                 # Only the chunks holding keys in (min q_pos - window, max q_pos] are visited.
                 query_position_range(bounds, q_rope_position, tok0, nq)
@@ -156,52 +199,14 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                     causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
                 for c in T.serial(row_lo // chunk, ceildiv(row_hi, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    load_chunk(kc, vc, kv_src, h, c * chunk, nt, rotary_mode, k_pos0, inv_freq)
-                    score_chunk(s, qs, kc, nq * G, nt, D, lanes, part)
+                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, window, causal)
-                    softmax_update(s, m, l, acc, vc, nq * G, nt, DV, v_lanes, part, red)
+                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
             for r in T.serial(nq * G):
                 store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
                           acc, m, l, r, DV, dtype)
 
     return attend_sequence
-
-
-def _page_chunk_loader(spec: AttentionSpec):
-    """Loads KV rows ``[c0, c0 + nt)`` of a sequence's page list (``length_info`` mapping)."""
-    D, ps, sliding = spec.qk_head_dim, spec.page_size, spec.sliding_window
-
-    @T.macro
-    def load_page_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
-        """kv_src = (pages, page_indices, first page of the sequence, length_info, sequence)."""
-        for t in T.serial(nt):
-            off: T.let[T.int32] = paged_row_offset(c0 + t, kv_src[3], kv_src[4], sliding)
-            page: T.let[T.int32] = kv_src[1][kv_src[2] + off // ps]
-            for d in T.vectorized(D):
-                kc[t, d] = T.Cast("float32", kv_src[0][page, 0, h, off % ps, d])
-                vc[t, d] = T.Cast("float32", kv_src[0][page, 1, h, off % ps, d])
-            if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
-
-    return load_page_chunk
-
-
-def _ragged_chunk_loader(spec: AttentionSpec):
-    """Loads KV rows ``[c0, c0 + nt)`` of a sequence's contiguous k/v."""
-    D, DV = spec.qk_head_dim, spec.v_head_dim
-
-    @T.macro
-    def load_kv_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq):
-        """kv_src = (k, v, first KV row of the sequence)."""
-        for t in T.serial(nt):
-            for d in T.vectorized(D):
-                kc[t, d] = T.Cast("float32", kv_src[0][kv_src[2] + c0 + t, h, d])
-            for d in T.vectorized(DV):
-                vc[t, d] = T.Cast("float32", kv_src[1][kv_src[2] + c0 + t, h, d])
-            if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, D // 2)
-
-    return load_kv_chunk
 
 
 def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.PrimFunc:
@@ -211,13 +216,13 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
         raise ValueError(f"paged MHA kernels need v_head_dim == qk_head_dim, got {spec.v_head_dim} != {D}")
     on_gpu = isinstance(sched, GpuSchedule)
     if on_gpu:
-        kv_elem, seq_src = gpu.paged_kv_access(spec), _paged_seq_src(spec)
+        kv_elem, seq_src = paged_kv_access(spec), _paged_seq_src(spec)
         run_gpu = (gpu.decode_grid(spec, sched, kv_elem, seq_src) if decode
                    else gpu.prefill_grid(spec, sched, kv_elem, seq_src))
         attend_sequence = None
     else:
         attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile,
-                                                chunk=ps, load_chunk=_page_chunk_loader(spec))
+                                                chunk=ps, kv_elem=paged_kv_access(spec))
 
     @T.macro
     def attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
@@ -321,10 +326,10 @@ def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
 
     on_gpu = isinstance(sched, GpuSchedule)
     if on_gpu:
-        run_gpu = gpu.prefill_grid(spec, sched, gpu.ragged_kv_access(spec), _ragged_seq_src)
+        run_gpu = gpu.prefill_grid(spec, sched, ragged_kv_access(spec), _ragged_seq_src)
     else:
         attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
-                                                load_chunk=_ragged_chunk_loader(spec))
+                                                kv_elem=ragged_kv_access(spec))
 
     @T.prim_func(s_tir=True)
     def ragged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,
@@ -379,10 +384,10 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     on_gpu = isinstance(sched, GpuSchedule)
     if on_gpu:
-        run_gpu = gpu.prefill_grid(spec, sched, gpu.paged_kv_access(spec), _paged_seq_src(spec), tree=True)
+        run_gpu = gpu.prefill_grid(spec, sched, paged_kv_access(spec), _paged_seq_src(spec), tree=True)
     else:
         attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
-                                                load_chunk=_page_chunk_loader(spec), tree=True)
+                                                kv_elem=paged_kv_access(spec), tree=True)
 
     @T.prim_func(s_tir=True)
     def paged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle,
@@ -451,10 +456,10 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
     on_gpu = isinstance(sched, GpuSchedule)
     if on_gpu:
-        run_gpu = gpu.prefill_grid(spec, sched, gpu.ragged_kv_access(spec), _ragged_seq_src, tree=True)
+        run_gpu = gpu.prefill_grid(spec, sched, ragged_kv_access(spec), _ragged_seq_src, tree=True)
     else:
         attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
-                                                load_chunk=_ragged_chunk_loader(spec), tree=True)
+                                                kv_elem=ragged_kv_access(spec), tree=True)
 
     @T.prim_func(s_tir=True)
     def ragged_tree_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_k: T.handle, var_v: T.handle,

@@ -107,30 +107,6 @@ vector load of K (half rows, for RoPE pairs) / V rows.
                          v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
 
 
-# ---------------------------------------------------------------------------- KV row sources
-#
-# ``kv_src`` tuples (as on CPU): paged ``(pages, page_indices, first page, length_info, b)``,
-# ragged ``(k, v, first row)``. ``kv_row(kv_src, j)`` gives what ``kv_elem`` needs to read row j.
-
-
-def paged_kv_access(spec: AttentionSpec):
-    """Element reader of a sequence's page list (``length_info`` layouts)."""
-    ps, sliding = spec.page_size, spec.sliding_window
-
-    def elem(kv_src, h, j, kv: int, d):
-        off = paged_row_offset(j, kv_src[3], kv_src[4], sliding)
-        return kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d]
-
-    return elem
-
-
-def ragged_kv_access(spec: AttentionSpec):
-    def elem(kv_src, h, j, kv: int, d):
-        return kv_src[kv][kv_src[2] + j, h, d]
-
-    return elem
-
-
 # ---------------------------------------------------------------------------- the tile
 
 

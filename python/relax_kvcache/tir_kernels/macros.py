@@ -45,6 +45,54 @@ def paged_row_offset(j, length_info, b, sliding_window: bool):
     return T.if_then_else(j < length_info[2, b], j, j - length_info[2, b] + length_info[1, b])
 
 
+# KV row sources. ``kv_src`` tuples: paged ``(pages, page_indices, first page of the sequence,
+# length_info, sequence)``, ragged ``(k, v, first KV row of the sequence)``. The accessors read
+# element d of the sequence's KV row j (kv 0 = K, 1 = V); CPU and GPU kernels share them.
+
+
+def paged_kv_access(spec):
+    """``elem(kv_src, h, j, kv, d)`` of a sequence's page list (``length_info`` layouts)."""
+    ps, sliding = spec.page_size, spec.sliding_window
+
+    def elem(kv_src, h, j, kv: int, d):
+        off = paged_row_offset(j, kv_src[3], kv_src[4], sliding)
+        return kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d]
+
+    return elem
+
+
+def ragged_kv_access(spec):
+    """``elem(kv_src, h, j, kv, d)`` of a sequence's contiguous k / v."""
+
+    def elem(kv_src, h, j, kv: int, d):
+        return kv_src[kv][kv_src[2] + j, h, d]
+
+    return elem
+
+
+def prefetch(elem_expr, locality: int = 3):
+    """Hint the CPU to fetch the cache line holding the element ``elem_expr`` (a buffer load)."""
+    return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(elem_expr), 0, locality, 1))
+
+
+#: Coefficients of a degree-6 polynomial for 2^f on [0, 1) (weighted least squares on Chebyshev
+#: nodes; relative error 1.9e-9, about 1e-7 when evaluated in float32).
+_EXP2_POLY = (1.0, 0.693146987, 0.240229796, 0.0554835247, 0.00967847255, 0.00124430815, 0.000216906092)
+
+
+def exp2_poly(x):
+    """``2^x`` for a float32 PrimExpr, in operations LLVM vectorises (no libm call): ``2^floor(x)``
+    from the exponent bits times a polynomial of the fraction; 0 below -126 (no denormals)."""
+    xc = T.max(x, T.float32(-126.0))
+    n = T.floor(xc)
+    f = xc - n
+    p = T.float32(_EXP2_POLY[-1])
+    for c in reversed(_EXP2_POLY[:-1]):
+        p = p * f + T.float32(c)
+    scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    return T.if_then_else(x < T.float32(-126.0), ZERO, p * scale)
+
+
 def rope_inv_freq_expr(d, dim: int, rope_scale, rope_theta):
     """RoPE frequency of feature pair d of a ``dim``-wide head: ``scale / theta^(2d / dim)``."""
     return rope_scale / T.pow(rope_theta, T.Cast("float32", 2 * d) / T.Cast("float32", dim))
@@ -94,19 +142,51 @@ def init_state(m, l, acc, rows, dv: T.int32):
             acc[r, d] = ZERO
 
 
+def row_block(group: int) -> int:
+    """CPU register block: query rows (4, 2 or 1, dividing the GQA group) that share every K or
+    V vector loaded; a tile's ``rows = tokens * group`` is always a multiple of it."""
+    return next(rb for rb in (4, 2, 1) if group % rb == 0)
+
+
 @T.macro
-def score_chunk(s, qs, kc, rows, nt, dqk: T.int32, lanes: T.int32, part):
-    """s[r, t] = qs[r, :] . kc[t, :] with ``lanes``-wide partial sums over head_dim."""
-    for r in T.serial(rows):
+def lane_sum(part, i, lanes: T.int32):
+    """part[i, 0] = sum of part[i, :lanes] (a power of two <= 16), by halving vector adds."""
+    if lanes >= 16:
+        for x in T.vectorized(8):
+            part[i, x] = part[i, x] + part[i, x + 8]
+    if lanes >= 8:
+        for x in T.vectorized(4):
+            part[i, x] = part[i, x] + part[i, x + 4]
+    if lanes >= 4:
+        for x in T.vectorized(2):
+            part[i, x] = part[i, x] + part[i, x + 2]
+    if lanes >= 2:
+        part[i, 0] = part[i, 0] + part[i, 1]
+
+
+@T.macro
+def score_chunk(s, qs, k_src, k_at, h, c0, rows, nt, dqk: T.int32, lanes: T.int32, rb: T.int32, part, on_row, on_row_args):
+    """s[r, t] = qs[r, :] . (K row ``c0 + t``), K element d read by ``k_at(k_src, h, c0, t, d)``.
+
+    Rows go in blocks of ``rb``: each K vector loaded feeds ``rb`` partial sums ``part[i, :]``
+    (``lanes`` wide, kept in registers). ``on_row(on_row_args, t)`` (a macro) runs once per KV
+    row before the row is scored.
+    """
+    for blk in T.serial(rows // rb):
         for t in T.serial(nt):
-            for x in T.vectorized(lanes):
-                part[x] = ZERO
-            for dd in T.serial(dqk // lanes):
+            if blk == 0:
+                on_row(on_row_args, t)
+            for i in T.unroll(rb):
                 for x in T.vectorized(lanes):
-                    part[x] = part[x] + qs[r, dd * lanes + x] * kc[t, dd * lanes + x]
-            s[r, t] = ZERO
-            for x in T.serial(lanes):
-                s[r, t] = s[r, t] + part[x]
+                    part[i, x] = ZERO
+            for dd in T.serial(dqk // lanes):
+                for i in T.unroll(rb):
+                    for x in T.vectorized(lanes):
+                        part[i, x] = part[i, x] + qs[blk * rb + i, dd * lanes + x] * T.Cast(
+                            "float32", k_at(k_src, h, c0, t, dd * lanes + x))
+            for i in T.unroll(rb):
+                lane_sum(part, i, lanes)
+                s[blk * rb + i, t] = part[i, 0]
 
 
 @T.macro
@@ -160,28 +240,41 @@ def query_position_range(bounds, q_rope_position, tok0, nq):
 
 
 @T.macro
-def softmax_update(s, m, l, acc, vc, rows, nt, dv: T.int32, lanes: T.int32, part, red):
-    """Online-softmax step: fold the chunk scores ``s`` and values ``vc`` into (m, l, acc)."""
+def softmax_update(s, m, l, alpha, rows, nt, chunk: T.int32, red):
+    """Online-softmax step for the chunk scores ``s`` (``nt`` of its ``chunk`` columns valid): new
+    running max ``m`` and sum ``l``, the rescale factor ``alpha[r]`` of each row's accumulator,
+    and ``s`` turned into probabilities (columns past ``nt`` hold garbage)."""
     for r in T.serial(rows):
         red[0] = m[r]
         for t in T.serial(nt):
             red[0] = T.max(red[0], s[r, t])
-        alpha: T.let[T.float32] = T.if_then_else(m[r] == red[0], ONE, T.exp2(m[r] - red[0]))
+        alpha[r] = T.if_then_else(m[r] == red[0], ONE, T.exp2(m[r] - red[0]))
         m[r] = red[0]
-        for t in T.serial(nt):
-            s[r, t] = T.if_then_else(red[0] == NEG_INF, ZERO, T.exp2(s[r, t] - red[0]))
+        for t in T.vectorized(chunk):
+            s[r, t] = T.if_then_else(red[0] == NEG_INF, ZERO, exp2_poly(s[r, t] - red[0]))
         red[0] = ZERO
         for t in T.serial(nt):
             red[0] = red[0] + s[r, t]
-        l[r] = l[r] * alpha + red[0]
+        l[r] = l[r] * alpha[r] + red[0]
+
+
+@T.macro
+def accumulate_pv(acc, s, alpha, v_src, v_at, h, c0, rows, nt, dv: T.int32, lanes: T.int32, rb: T.int32, part):
+    """acc[r, :] = acc[r, :] * alpha[r] + sum_t s[r, t] * (V row ``c0 + t``), V element d read by
+    ``v_at(v_src, h, c0, t, d)``; rows in blocks of ``rb`` sharing each V vector loaded."""
+    for blk in T.serial(rows // rb):
         for dd in T.serial(dv // lanes):
-            for x in T.vectorized(lanes):
-                part[x] = acc[r, dd * lanes + x] * alpha
-            for t in T.serial(nt):
+            for i in T.unroll(rb):
                 for x in T.vectorized(lanes):
-                    part[x] = part[x] + s[r, t] * vc[t, dd * lanes + x]
-            for x in T.vectorized(lanes):
-                acc[r, dd * lanes + x] = part[x]
+                    part[i, x] = acc[blk * rb + i, dd * lanes + x] * alpha[blk * rb + i]
+            for t in T.serial(nt):
+                for i in T.unroll(rb):
+                    for x in T.vectorized(lanes):
+                        part[i, x] = part[i, x] + s[blk * rb + i, t] * T.Cast(
+                            "float32", v_at(v_src, h, c0, t, dd * lanes + x))
+            for i in T.unroll(rb):
+                for x in T.vectorized(lanes):
+                    acc[blk * rb + i, dd * lanes + x] = part[i, x]
 
 
 @T.macro
