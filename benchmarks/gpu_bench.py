@@ -73,6 +73,16 @@ def kernels_from_libs(libs: pathlib.Path, device: tvm.runtime.Device) -> Kernels
     return Kernels(gp.shape_from_json(bench["shape"]), ours, tvm_kernels, f"libraries from {libs}")
 
 
+def robust_kernels(libs: pathlib.Path, device: tvm.runtime.Device) -> Dict[str, Kernels]:
+    """The robustness shapes' kernels (``gpu_prepare.ROBUST_SHAPES``) from a prepared folder."""
+    kernels = {}
+    for name, entry in gp.read_manifest(libs).get("robust", {}).items():
+        ours = rk.KernelSet.from_module(gp.load_library(libs / entry["ours"], device)) if entry["ours"] else None
+        native = gp.tvm_kernel_dict(gp.load_library(libs / entry["tvm"], device)) if entry["tvm"] else None
+        kernels[name] = Kernels(gp.shape_from_json(entry["shape"]), ours, native, f"libraries from {libs}")
+    return kernels
+
+
 def kernels_built_here(dtype: Optional[str]) -> Kernels:
     """The benchmark kernels for this machine's CPU, compiled in process."""
     shape = dataclasses.replace(gp.BENCH_SHAPE, dtype=dtype or gp.BENCH_SHAPE.dtype)
@@ -418,6 +428,24 @@ def _diff(value: Optional[float]) -> str:
     return f"{value:10.2e}{flag}"
 
 
+def print_robust(rows, bandwidth: float, matmul: Optional[float]) -> None:
+    """Table of the robustness shapes: decode 64 x 2048 and prefill 1 x 2048 per shape."""
+    print()
+    print("Robustness shapes: decode 64 x 2048 (one layer) and causal prefill 1 x 2048")
+    print(f"{'shape':>6} {'heads':>6} {'dim':>4} {'dec ours us':>11} {'dec nat. us':>11} {'ours/nat.':>9} "
+          f"{'ours %roof':>10} {'pre ours ms':>11} {'pre nat. ms':>11} {'ours/nat.':>9} {'ours TF/s':>9} "
+          f"{'max|diff|':>10} {'ours err':>9}")
+    for name, shape, dec, pre in rows:
+        td, tp = dec["times"], pre["times"]
+        roof = 100 * dec["kv_bytes"] / td["ours"] / bandwidth if "ours" in td else None
+        tflops = pre["flops"] / tp["ours"] if "ours" in tp else None
+        diff = max((d for d in (dec["diff"], pre["diff"]) if d is not None), default=None)
+        print(f"{name:>6} {shape.num_qo_heads:>3}/{shape.num_kv_heads:<2} {shape.head_dim:>4} "
+              f"{_us(td.get('ours')):>11} {_us(td.get('native')):>11} {_ratio(td):>9} {_rate(roof, 1, '10.1f')} "
+              f"{_ms(tp.get('ours')):>11} {_ms(tp.get('native')):>11} {_ratio(tp):>9} "
+              f"{_rate(tflops, 1e12, '9.2f')} {_diff(diff)} {_err(dec.get('ref_err', {}).get('ours'))}")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--libs", type=pathlib.Path, help="folder prepared by gpu_prepare.py "
@@ -427,6 +455,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", choices=["float16", "float32"], help="dtype of CPU kernels built here")
     parser.add_argument("--sweep", action="store_true",
                         help="also decode at batch 32 over contexts and prefill over lengths (for the plots)")
+    parser.add_argument("--robust", action="store_true",
+                        help="also decode 64 x 2048 and prefill 1 x 2048 on the robustness shapes "
+                             "(head_dim 64 / 256, 8:1 GQA; libraries from gpu_prepare.py)")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this JSON file (plot_bench.py)")
     args = parser.parse_args(argv)
 
@@ -478,6 +509,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"decode step {batch} x {step_context}, {step_layers} layers ...", flush=True)
         step_rows.append((batch, bench_step(kernels, device, rng, batch=batch, context=step_context,
                                             layers=step_layers, steps=20 if args.quick else 100)))
+    robust_rows = []
+    if args.robust and args.libs is not None:
+        for name, robust in robust_kernels(args.libs, device).items():
+            print(f"robustness shape {name} ...", flush=True)
+            rows = []
+            for batch, new, context in ((64, 1, 2048), (1, 2048, 0)):
+                try:
+                    rows.append(bench_layer(robust, device, rng, batch=batch, new=new, context=context,
+                                            min_time=min_time))
+                except Exception as err:  # noqa: BLE001  (e.g. TVM's kernels do not launch at head_dim 256)
+                    print(f"  failed with both caches ({str(err).splitlines()[0][:200]}); ours alone", flush=True)
+                    rows.append(bench_layer(dataclasses.replace(robust, tvm=None), device, rng, batch=batch,
+                                            new=new, context=context, min_time=min_time))
+            robust_rows.append((name, robust.shape, *rows))
     if args.json:
         write_json(args.json, device, shape, bandwidth, matmul, decode_rows, prefill_rows, step_rows,
                    (step_context, step_layers))
@@ -523,7 +568,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{batch:>6} {_us(t.get('ours'))} {_us(t.get('ours+graph'))} {_us(t.get('native'))} {_ratio(t)} "
               f"{_ratio(graph):>12} {_us(per_layer):>14} {_diff(r['diff'])} {_diff(r.get('graph_diff')):>11}  "
               f"{r.get('graph_runs', '')}")
+    if robust_rows:
+        print_robust(robust_rows, bandwidth, matmul)
     diffs = [r["diff"] for *_, r in decode_rows + prefill_rows + step_rows if r["diff"] is not None]
+    diffs += [r["diff"] for _, _, *rs in robust_rows for r in rs if r["diff"] is not None]
     diffs += [r["graph_diff"] for _, r in step_rows if r.get("graph_diff") is not None]
     flagged = [d for d in diffs if not d <= DIFF_WARN]
     if flagged:

@@ -90,6 +90,14 @@ BENCH_SHAPE = Shape(num_layers=8, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                     rope_mode=int(rk.RopeMode.NORMAL), rope_theta=5e5, dtype="float16")
 
 
+#: Robustness shapes (issue 7): the benchmark shape with head_dim 64 or 256, or an 8:1 GQA group.
+ROBUST_SHAPES: Dict[str, Shape] = {
+    "d64": dataclasses.replace(BENCH_SHAPE, head_dim=64),
+    "d256": dataclasses.replace(BENCH_SHAPE, head_dim=256),
+    "gqa8": dataclasses.replace(BENCH_SHAPE, num_kv_heads=4),
+}
+
+
 def config_to_json(config: rk.KVCacheConfig) -> Dict[str, Any]:
     """The fields of a :class:`KVCacheConfig` as JSON values (enums as ints)."""
     fields = dataclasses.asdict(config)
@@ -307,6 +315,26 @@ def _build_ours(configs: Dict[str, rk.KVCacheConfig], target, out: pathlib.Path,
     return files
 
 
+def _build_tvm(name: str, shape: Shape, target, out: pathlib.Path, nvcc_arch: Optional[str],
+               failed: Dict[str, Tuple[str, str]]) -> Optional[str]:
+    """Export TVM's kernels for ``shape`` as ``tvm-<name>.so`` (and its fatbin); returns the file
+    (None: failed, recorded in ``failed``)."""
+    file = f"tvm-{name}.so"
+    start = time.perf_counter()
+    print(f"  tvm   {name:<22} -> {file} ...", end=" ", flush=True)
+    try:
+        module = build_tvm(shape, target)
+        module.export_library(str(out / file))
+        note = f", fatbin {precompile(cuda_source(module), nvcc_arch, out) / 1e6:.2f} MB" if nvcc_arch else ""
+        print(f"{time.perf_counter() - start:.0f} s, {_size(out / file) / 1e6:.2f} MB{note}", flush=True)
+        return file
+    except Exception as err:  # noqa: BLE001
+        (out / file).unlink(missing_ok=True)
+        failed[f"tvm-{name}"] = (file, _short_error(err))
+        print(f"FAILED ({failed[f'tvm-{name}'][1]})", flush=True)
+        return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / ".gpu"), help="output folder (default: .gpu/ in the repo)")
@@ -314,7 +342,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--arch", default="sm_90a", help="CUDA architecture (default sm_90a)")
     parser.add_argument("--bundle", action="store_true",
                         help=f"also pack the runtime-only TVM bundle into OUT/bundle ({BUNDLE_SCRIPT})")
-    parser.add_argument("--only", choices=["ours", "tvm"], help="build only our libraries or only TVM's")
+    parser.add_argument("--only", choices=["ours", "tvm", "robust"],
+                        help="build only our libraries, only TVM's, or only both for the robustness shapes")
     parser.add_argument("--no-nvcc", action="store_true",
                         help="do not compile the CUDA code with nvcc here (the GPU host then does)")
     args = parser.parse_args(argv)
@@ -326,45 +355,44 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"preparing {out} for target {target} (TVM {tvm.__version__})", flush=True)
     manifest: Dict[str, Any] = {"target": str(target), "target_kind": target.kind.name, "arch": args.arch,
                                 "tvm_version": tvm.__version__, "fatbins_for": nvcc_arch,
-                                "check": {}, "bench": {"ours": None, "tvm": None}, "errors": {}}
-    if args.only:  # rebuild one side: keep the other side's libraries and manifest entries
+                                "check": {}, "bench": {"ours": None, "tvm": None}, "robust": {}, "errors": {}}
+    if args.only == "robust":  # keep everything else
+        if (out / MANIFEST).exists() and read_manifest(out).get("target") == manifest["target"]:
+            manifest.update({k: v for k, v in read_manifest(out).items() if k not in ("robust", "errors")})
+        stale = [f for f in out.glob("*.so") if "-robust-" in f.name]
+    elif args.only:  # rebuild one side: keep the other side's libraries and manifest entries
         kept = "tvm" if args.only == "ours" else "ours"
         if (out / MANIFEST).exists():
             old_manifest = read_manifest(out)
             if old_manifest.get("target") == manifest["target"]:
                 manifest["bench"][kept] = old_manifest["bench"].get(kept)
+                manifest["robust"] = old_manifest.get("robust", {})
                 if kept == "ours":
                     manifest["check"] = old_manifest["check"]
-        stale = [f for f in out.glob("*.so") if f.name.startswith(f"{args.only}-")]
+        stale = [f for f in out.glob("*.so") if f.name.startswith(f"{args.only}-") and "-robust-" not in f.name]
     else:
         stale = [*out.glob("*.so"), *out.glob("cache/cuda-fatbin/*.fatbin")]
     for old in stale:
         old.unlink()
     done: Dict[str, str] = {}
     failed: Dict[str, Tuple[str, str]] = {}
-    if args.only != "tvm":
+    if args.only in (None, "ours"):
         configs = {name: config_from_json(fields) for name, (fields, _) in CHECK_CONFIGS.items()}
         files = _build_ours(configs, target, out, nvcc_arch, done, failed)
         for name, (fields, workloads) in CHECK_CONFIGS.items():
             error = failed.get(kernel_spec_key(configs[name]), (None, None))[1]
             manifest["check"][name] = {"config": config_to_json(configs[name]), "workloads": workloads,
                                        "library": files[name], "error": error}
-    bench_config = BENCH_SHAPE.our_config()
     manifest["bench"]["shape"] = shape_to_json(BENCH_SHAPE)
-    if args.only != "tvm":
-        manifest["bench"]["ours"] = _build_ours({"bench": bench_config}, target, out, nvcc_arch, done, failed)["bench"]
-    if args.only != "ours":
-        start = time.perf_counter()
-        print("  tvm   bench                  -> tvm-bench.so ...", end=" ", flush=True)
-        try:
-            module = build_tvm(BENCH_SHAPE, target)
-            module.export_library(str(out / "tvm-bench.so"))
-            note = f", fatbin {precompile(cuda_source(module), nvcc_arch, out) / 1e6:.2f} MB" if nvcc_arch else ""
-            manifest["bench"]["tvm"] = "tvm-bench.so"
-            print(f"{time.perf_counter() - start:.0f} s, {_size(out / 'tvm-bench.so') / 1e6:.2f} MB{note}", flush=True)
-        except Exception as err:  # noqa: BLE001
-            failed["tvm"] = ("tvm-bench.so", _short_error(err))
-            print(f"FAILED ({failed['tvm'][1]})", flush=True)
+    if args.only in (None, "ours"):
+        manifest["bench"]["ours"] = _build_ours({"bench": BENCH_SHAPE.our_config()}, target, out, nvcc_arch, done, failed)["bench"]
+    if args.only in (None, "tvm"):
+        manifest["bench"]["tvm"] = _build_tvm("bench", BENCH_SHAPE, target, out, nvcc_arch, failed)
+    if args.only in (None, "robust"):
+        for name, shape in ROBUST_SHAPES.items():
+            ours = _build_ours({f"robust-{name}": shape.our_config()}, target, out, nvcc_arch, done, failed)
+            manifest["robust"][name] = {"shape": shape_to_json(shape), "ours": ours[f"robust-{name}"],
+                                        "tvm": _build_tvm(f"robust-{name}", shape, target, out, nvcc_arch, failed)}
     errors = dict(failed.values())
     manifest["errors"] = errors  # library file -> why it was not built
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")

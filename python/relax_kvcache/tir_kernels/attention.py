@@ -114,8 +114,15 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     ``q_len`` nodes.
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
-    lanes, v_lanes = sched.lanes_for(D), sched.lanes_for(DV)
+    lanes = sched.lanes_for(D)
+    v_lanes = sched.lanes_for(DV)
+    pv_lanes = 2 * v_lanes if DV % (2 * v_lanes) == 0 else v_lanes  # two registers per row in P @ V
     rows, half, window, rb = q_tile * G, D // 2, spec.window, row_block(G)
+    # Tiles of several query tokens (prefill) stage each KV chunk in float32: the copy is paid
+    # once for q_tile * G rows, and P @ V then reads V rows at a short stride (ragged V rows lie
+    # Hkv * DV elements apart: 4 KiB for 8 x 128 float32, so the column-block walk of
+    # accumulate_pv would hit one L1 set). Decode tiles (G rows) read K and V in place.
+    stage = q_tile > 1
 
     def k_in_place(kv_src, h, c0, t, d):
         return kv_elem(kv_src, h, c0 + t, 0, d)
@@ -123,8 +130,12 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     def v_in_place(kv_src, h, c0, t, d):
         return kv_elem(kv_src, h, c0 + t, 1, d)
 
-    def k_staged(kc, h, c0, t, d):
-        return kc[t, d]
+    def staged(buf, h, c0, t, d):
+        return buf[t, d]
+
+    @T.macro
+    def no_hook(args, t):
+        T.evaluate(0)
 
     line = 64 * 8 // tvm.runtime.DataType(dtype).bits  # elements per 64-byte cache line
 
@@ -136,24 +147,41 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             prefetch(kv_elem(v_src[0], v_src[1], v_src[2] + t, 1, x * line))
 
     @T.macro
-    def score(s, qs, kc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, inv_freq, part):
-        """Scores of KV rows [c0, c0 + nt): K read in place, or rotated into ``kc`` (inline RoPE)."""
-        if rotary_mode == 1:
-            for t in T.serial(nt):
-                for d in T.vectorized(D):
-                    kc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 0, d))
+    def stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, with_v: T.bool):
+        """Copy KV rows [c0, c0 + nt) to float32 ``kc`` (rotated with inline RoPE) and, with
+        ``with_v``, ``vc``."""
+        for t in T.serial(nt):
+            for d in T.vectorized(D):
+                kc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 0, d))
+            if with_v:
+                for d in T.vectorized(DV):
+                    vc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 1, d))
+            if rotary_mode == 1:
                 rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
-            score_chunk(s, qs, kc, k_staged, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
+
+    @T.macro
+    def score(s, qs, kc, vc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, inv_freq, part):
+        """Scores of KV rows [c0, c0 + nt). Tiles of several query tokens stage the chunk (K and
+        V) in float32 first; decode tiles read K in place, or rotate it into ``kc`` (inline RoPE)."""
+        if stage:
+            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, True)
+            score_chunk(s, qs, kc, staged, h, c0, nrows, nt, D, lanes, rb, part, no_hook, ())
+        elif rotary_mode == 1:
+            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, False)
+            score_chunk(s, qs, kc, staged, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
                         (kv_src, h, c0))
         else:
             score_chunk(s, qs, kv_src, k_in_place, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
                         (kv_src, h, c0))
 
     @T.macro
-    def fold(s, m, l, alpha, acc, kv_src, h, c0, nt, nrows, red, part):
+    def fold(s, m, l, alpha, acc, vc, kv_src, h, c0, nt, nrows, red, part):
         """Fold the masked scores of KV rows [c0, c0 + nt) into the online-softmax state."""
         softmax_update(s, m, l, alpha, nrows, nt, chunk, red)
-        accumulate_pv(acc, s, alpha, kv_src, v_in_place, h, c0, nrows, nt, DV, v_lanes, rb, part)
+        if stage:
+            accumulate_pv(acc, s, alpha, vc, staged, h, c0, nrows, nt, DV, pv_lanes, rb, part)
+        else:
+            accumulate_pv(acc, s, alpha, kv_src, v_in_place, h, c0, nrows, nt, DV, pv_lanes, rb, part)
 
     @T.macro
     def attend_sequence(q, o, lse, q_rope_position, kv_src, h, qbeg, q_len, kv_len, k_pos0, causal,
@@ -161,11 +189,13 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         qs = T.sblock_alloc_buffer((rows, D), "float32")
         acc = T.sblock_alloc_buffer((rows, DV), "float32")
         kc = T.sblock_alloc_buffer((chunk, D), "float32")
+        vc = T.sblock_alloc_buffer((chunk, DV), "float32")
         s = T.sblock_alloc_buffer((rows, chunk), "float32")
         m = T.sblock_alloc_buffer((rows,), "float32")
         l = T.sblock_alloc_buffer((rows,), "float32")
         alpha = T.sblock_alloc_buffer((rows,), "float32")
-        part = T.sblock_alloc_buffer((rb, max(lanes, v_lanes)), "float32")
+        part = T.sblock_alloc_buffer((rb, 2, lanes), "float32")
+        part_pv = T.sblock_alloc_buffer((rb, pv_lanes), "float32")
         red = T.sblock_alloc_buffer((1,), "float32")
         inv_freq = T.sblock_alloc_buffer((half,), "float32")
         if rotary_mode == 1:
@@ -180,17 +210,17 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             if tree:
                 for c in T.serial(ceildiv(kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     tree_mask_chunk(s, nq * G, nt, G, tree_src, tok0 - qbeg + tree_src[2] - q_len, c * chunk,
                                     kv_len - tree_src[2])
-                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
+                    fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             elif window == 0:
                 for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     if causal > 0:
                         causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
-                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
+                    fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             else:
                 # Only the chunks holding keys in (min q_pos - window, max q_pos] are visited.
                 query_position_range(bounds, q_rope_position, tok0, nq)
@@ -199,9 +229,9 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                     causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
                 for c in T.serial(row_lo // chunk, ceildiv(row_hi, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
                     window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, window, causal)
-                    fold(s, m, l, alpha, acc, kv_src, h, c * chunk, nt, nq * G, red, part)
+                    fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             for r in T.serial(nq * G):
                 store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
                           acc, m, l, r, DV, dtype)

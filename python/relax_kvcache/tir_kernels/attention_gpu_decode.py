@@ -65,10 +65,12 @@ class DecodeShape:
         while D % bdx or DV % bdx:
             bdx //= 2
         ek, ev = D // bdx, DV // bdx
-        # query rows + accumulators in registers: at most 64 + 64 floats per thread, so wide
-        # groups are split over bdz head groups (a block has at most 1024 threads)
+        # query rows + accumulators in registers: at most 64 + 64 floats per thread, and at most
+        # 4 rows (each row's score costs log2(bdx) warp shuffles per KV row: with 8 rows the
+        # shuffles, not the loads, bound an 8:1 GQA decode), so wide groups are split over bdz
+        # head groups (a block has at most 1024 threads)
         divisors = [z for z in range(1, G + 1) if G % z == 0 and bdx * z <= 1024]
-        bdz = next((z for z in divisors if (G // z) * max(ek, ev) <= 64), divisors[-1])
+        bdz = next((z for z in divisors if G // z <= 4 and (G // z) * max(ek, ev) <= 64), divisors[-1])
         bdy = max(1, sched.threads // (bdx * bdz))
         unroll = max(1, min(4, sched.vector_bytes * 4 // (max(ek, ev) * bits // 8)))
         return DecodeShape(bdx=bdx, bdy=bdy, bdz=bdz, ek=ek, ev=ev, k_lanes=sched.lanes_for(bits, ek),

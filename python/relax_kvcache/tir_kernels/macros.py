@@ -149,44 +149,55 @@ def row_block(group: int) -> int:
 
 
 @T.macro
-def lane_sum(part, i, lanes: T.int32):
-    """part[i, 0] = sum of part[i, :lanes] (a power of two <= 16), by halving vector adds."""
+def lane_sum(part, i, j, lanes: T.int32):
+    """part[i, j, 0] = sum of part[i, j, :lanes] (a power of two <= 16), by halving vector adds."""
     if lanes >= 16:
         for x in T.vectorized(8):
-            part[i, x] = part[i, x] + part[i, x + 8]
+            part[i, j, x] = part[i, j, x] + part[i, j, x + 8]
     if lanes >= 8:
         for x in T.vectorized(4):
-            part[i, x] = part[i, x] + part[i, x + 4]
+            part[i, j, x] = part[i, j, x] + part[i, j, x + 4]
     if lanes >= 4:
         for x in T.vectorized(2):
-            part[i, x] = part[i, x] + part[i, x + 2]
+            part[i, j, x] = part[i, j, x] + part[i, j, x + 2]
     if lanes >= 2:
-        part[i, 0] = part[i, 0] + part[i, 1]
+        part[i, j, 0] = part[i, j, 0] + part[i, j, 1]
 
 
 @T.macro
-def score_chunk(s, qs, k_src, k_at, h, c0, rows, nt, dqk: T.int32, lanes: T.int32, rb: T.int32, part, on_row, on_row_args):
+def score_chunk(s, qs, k_src, k_at, h, c0, rows, nt, dqk: T.int32, lanes: T.int32, rb: T.int32, part, on_row,
+                on_row_args):
     """s[r, t] = qs[r, :] . (K row ``c0 + t``), K element d read by ``k_at(k_src, h, c0, t, d)``.
 
-    Rows go in blocks of ``rb``: each K vector loaded feeds ``rb`` partial sums ``part[i, :]``
-    (``lanes`` wide, kept in registers). ``on_row(on_row_args, t)`` (a macro) runs once per KV
-    row before the row is scored.
+    Rows go in blocks of ``rb`` and KV rows in pairs: each K vector loaded feeds ``rb`` partial
+    sums and each query vector two, in ``2 * rb`` independent accumulators ``part[i, j, :]``
+    (``lanes`` wide, kept in registers; enough chains to hide the FMA latency). An odd last KV
+    row is scored twice. ``on_row(on_row_args, t)`` (a macro) runs once per KV row before the
+    row is scored.
     """
     for blk in T.serial(rows // rb):
-        for t in T.serial(nt):
+        for tp in T.serial(ceildiv(nt, 2)):
+            t0: T.let[T.int32] = tp * 2
+            t1: T.let[T.int32] = T.min(tp * 2 + 1, nt - 1)
             if blk == 0:
-                on_row(on_row_args, t)
+                on_row(on_row_args, t0)
+                on_row(on_row_args, t1)
             for i in T.unroll(rb):
-                for x in T.vectorized(lanes):
-                    part[i, x] = ZERO
+                for j in T.unroll(2):
+                    for x in T.vectorized(lanes):
+                        part[i, j, x] = ZERO
             for dd in T.serial(dqk // lanes):
                 for i in T.unroll(rb):
                     for x in T.vectorized(lanes):
-                        part[i, x] = part[i, x] + qs[blk * rb + i, dd * lanes + x] * T.Cast(
-                            "float32", k_at(k_src, h, c0, t, dd * lanes + x))
+                        part[i, 0, x] = part[i, 0, x] + qs[blk * rb + i, dd * lanes + x] * T.Cast(
+                            "float32", k_at(k_src, h, c0, t0, dd * lanes + x))
+                        part[i, 1, x] = part[i, 1, x] + qs[blk * rb + i, dd * lanes + x] * T.Cast(
+                            "float32", k_at(k_src, h, c0, t1, dd * lanes + x))
             for i in T.unroll(rb):
-                lane_sum(part, i, lanes)
-                s[blk * rb + i, t] = part[i, 0]
+                for j in T.unroll(2):
+                    lane_sum(part, i, j, lanes)
+                s[blk * rb + i, t0] = part[i, 0, 0]
+                s[blk * rb + i, t1] = part[i, 1, 0]
 
 
 @T.macro
@@ -261,7 +272,9 @@ def softmax_update(s, m, l, alpha, rows, nt, chunk: T.int32, red):
 @T.macro
 def accumulate_pv(acc, s, alpha, v_src, v_at, h, c0, rows, nt, dv: T.int32, lanes: T.int32, rb: T.int32, part):
     """acc[r, :] = acc[r, :] * alpha[r] + sum_t s[r, t] * (V row ``c0 + t``), V element d read by
-    ``v_at(v_src, h, c0, t, d)``; rows in blocks of ``rb`` sharing each V vector loaded."""
+    ``v_at(v_src, h, c0, t, d)``; rows in blocks of ``rb`` sharing each V vector loaded, each
+    row's ``lanes`` columns at a time in ``part[i, :]`` (registers; the caller picks ``lanes``
+    of two vector registers where it can, so that ``2 * rb`` FMA chains run at once)."""
     for blk in T.serial(rows // rb):
         for dd in T.serial(dv // lanes):
             for i in T.unroll(rb):
