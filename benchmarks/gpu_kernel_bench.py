@@ -81,12 +81,35 @@ def _diff(out: dict) -> str:
     return f"{float(np.abs(out['ours'] - out['native']).max()):10.2e}"
 
 
+def page_cost(libs: pathlib.Path, kernels, device, rng, min_time: float, bandwidth: float) -> None:
+    """Our decode kernel over pages of 16 (scattered) against one page per sequence (the
+    contiguous layout of a 4096-token context, ``gpu_prepare.PAGE_COST_SHAPE``)."""
+    entry = gp.read_manifest(libs).get("page_cost")
+    if not entry or not entry.get("ours"):
+        print("no page-cost library (gpu_prepare.py --only robust)")
+        return
+    import relax_kvcache as rk
+
+    contiguous = rk.KernelSet.from_module(gp.load_library(libs / entry["ours"], device))
+    shape_c = gp.shape_from_json(entry["shape"])
+    print(f"{'decode':>14} {'page 16 us':>11} {'page 4096 us':>13} {'paged/contig.':>14} {'page-16 %roof':>14}")
+    for batch, context in ((32, 4096), (128, 4096)):
+        paged = decode_case({"ours": kernels.ours.attention_decode}, kernels.shape, device, rng, batch, context,
+                            min_time)
+        contig = decode_case({"ours": contiguous.attention_decode}, shape_c, device, rng, batch, context, min_time)
+        t16, tc = paged["times"]["ours"], contig["times"]["ours"]
+        print(f"{batch:>6} x {context:<6} {t16 * 1e6:11.1f} {tc * 1e6:13.1f} {t16 / tc:14.3f} "
+              f"{100 * paged['bytes'] / t16 / bandwidth:14.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--libs", type=pathlib.Path, default=gp.REPO / ".gpu")
     parser.add_argument("--min-time", type=float, default=0.2)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: kernels built here, small shapes (to test the script)")
+    parser.add_argument("--page-cost", action="store_true",
+                        help="only compare our decode over pages of 16 with one page per sequence")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     device = tvm.cuda(0) if cuda else tvm.cpu(0)
@@ -100,6 +123,9 @@ def main() -> int:
         prefill["native"] = kernels.tvm["attention_prefill_ragged"]
     bandwidth = gb.measure_copy_bandwidth(device, (1 << 30) if cuda else (1 << 26), args.min_time)
     rng = np.random.default_rng(0)
+    if args.page_cost:
+        page_cost(args.libs, kernels, device, rng, args.min_time, bandwidth)
+        return 0
     print(f"kernel-only timings on {gp.describe_device(device)}; {shape.dtype}, {shape.num_qo_heads}/"
           f"{shape.num_kv_heads} heads, head_dim {shape.head_dim}, page {shape.page_size}; copy bandwidth "
           f"{bandwidth / 1e9:.0f} GB/s")

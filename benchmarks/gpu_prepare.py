@@ -98,6 +98,11 @@ ROBUST_SHAPES: Dict[str, Shape] = {
 }
 
 
+#: The cost of pages (issue 7): our kernels with one 4096-token page per sequence, the contiguous
+#: layout a 4096-token context would have (``gpu_kernel_bench.py --page-cost``).
+PAGE_COST_SHAPE = dataclasses.replace(BENCH_SHAPE, page_size=4096)
+
+
 def config_to_json(config: rk.KVCacheConfig) -> Dict[str, Any]:
     """The fields of a :class:`KVCacheConfig` as JSON values (enums as ints)."""
     fields = dataclasses.asdict(config)
@@ -358,7 +363,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 "check": {}, "bench": {"ours": None, "tvm": None}, "robust": {}, "errors": {}}
     if args.only == "robust":  # keep everything else
         if (out / MANIFEST).exists() and read_manifest(out).get("target") == manifest["target"]:
-            manifest.update({k: v for k, v in read_manifest(out).items() if k not in ("robust", "errors")})
+            manifest.update({k: v for k, v in read_manifest(out).items()
+                             if k not in ("robust", "page_cost", "errors")})
         stale = [f for f in out.glob("*.so") if "-robust-" in f.name]
     elif args.only:  # rebuild one side: keep the other side's libraries and manifest entries
         kept = "tvm" if args.only == "ours" else "ours"
@@ -367,6 +373,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if old_manifest.get("target") == manifest["target"]:
                 manifest["bench"][kept] = old_manifest["bench"].get(kept)
                 manifest["robust"] = old_manifest.get("robust", {})
+                manifest["page_cost"] = old_manifest.get("page_cost")
                 if kept == "ours":
                     manifest["check"] = old_manifest["check"]
         stale = [f for f in out.glob("*.so") if f.name.startswith(f"{args.only}-") and "-robust-" not in f.name]
@@ -393,6 +400,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             ours = _build_ours({f"robust-{name}": shape.our_config()}, target, out, nvcc_arch, done, failed)
             manifest["robust"][name] = {"shape": shape_to_json(shape), "ours": ours[f"robust-{name}"],
                                         "tvm": _build_tvm(f"robust-{name}", shape, target, out, nvcc_arch, failed)}
+        ours = _build_ours({"robust-page4096": PAGE_COST_SHAPE.our_config()}, target, out, nvcc_arch, done, failed)
+        manifest["page_cost"] = {"shape": shape_to_json(PAGE_COST_SHAPE), "ours": ours["robust-page4096"]}
     errors = dict(failed.values())
     manifest["errors"] = errors  # library file -> why it was not built
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
