@@ -45,6 +45,7 @@ from .macros import (
     ragged_kv_access,
     rope_inv_freq,
     rope_row_inplace,
+    rope_rows_inplace,
     row_block,
     score_chunk,
     softmax_update,
@@ -105,10 +106,11 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     """The work item shared by all CPU attention kernels: one sequence, one KV head.
 
     Takes the sequence's queries of that head group in tiles of ``q_tile`` tokens, walks its
-    ``kv_len`` KV rows in chunks of ``chunk`` rows read in place through ``kv_elem(kv_src, h, j,
-    kv, d)`` (``kv_src`` is a kernel-specific tuple of buffers and values; with inline RoPE the
-    chunk's K rows are rotated into a float32 staging buffer first), and writes every row's
-    normalised output and base-2 LSE. Keys are masked causally (``causal``), by window
+    ``kv_len`` KV rows in chunks of ``chunk`` rows read through ``kv_elem(kv_src, h, j, kv, d)``
+    (``kv_src`` is a kernel-specific tuple of buffers and values), and writes every row's
+    normalised output and base-2 LSE. Decode tiles read K and V in place (with inline RoPE the
+    chunk's K rows are rotated into a float32 buffer first); prefill tiles stage the chunk's K
+    and V in float32 (see ``stage`` below). Keys are masked causally (``causal``), by window
     (``spec.window``), or, with ``tree``, by the token tree ``tree_src = (tree_mask, first mask
     row, tree size)``: the last ``tree size`` KV rows are the tree's nodes, the queries its last
     ``q_len`` nodes.
@@ -147,27 +149,27 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             prefetch(kv_elem(v_src[0], v_src[1], v_src[2] + t, 1, x * line))
 
     @T.macro
-    def stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, with_v: T.bool):
-        """Copy KV rows [c0, c0 + nt) to float32 ``kc`` (rotated with inline RoPE) and, with
-        ``with_v``, ``vc``."""
+    def stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, rope, with_v: T.bool):
+        """Copy KV rows [c0, c0 + nt) to float32 ``kc`` (rotated with inline RoPE; ``rope =
+        (inv_freq, rotation scratch)``) and, with ``with_v``, ``vc``."""
         for t in T.serial(nt):
             for d in T.vectorized(D):
                 kc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 0, d))
             if with_v:
                 for d in T.vectorized(DV):
                     vc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 1, d))
-            if rotary_mode == 1:
-                rope_row_inplace(kc, t, k_pos0 + c0 + t, inv_freq, half)
+        if rotary_mode == 1:
+            rope_rows_inplace(kc, nt, k_pos0 + c0, rope[0], rope[1], half)
 
     @T.macro
-    def score(s, qs, kc, vc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, inv_freq, part):
+    def score(s, qs, kc, vc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, rope, part):
         """Scores of KV rows [c0, c0 + nt). Tiles of several query tokens stage the chunk (K and
         V) in float32 first; decode tiles read K in place, or rotate it into ``kc`` (inline RoPE)."""
         if stage:
-            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, True)
+            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, rope, True)
             score_chunk(s, qs, kc, staged, h, c0, nrows, nt, D, lanes, rb, part, no_hook, ())
         elif rotary_mode == 1:
-            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, inv_freq, False)
+            stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, rope, False)
             score_chunk(s, qs, kc, staged, h, c0, nrows, nt, D, lanes, rb, part, prefetch_v_row,
                         (kv_src, h, c0))
         else:
@@ -198,6 +200,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         part_pv = T.sblock_alloc_buffer((rb, pv_lanes), "float32")
         red = T.sblock_alloc_buffer((1,), "float32")
         inv_freq = T.sblock_alloc_buffer((half,), "float32")
+        rot = T.sblock_alloc_buffer((4, half), "float32")
         if rotary_mode == 1:
             rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
         bounds = T.sblock_alloc_buffer((2,), "int32")
@@ -210,14 +213,14 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
             if tree:
                 for c in T.serial(ceildiv(kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, (inv_freq, rot), part)
                     tree_mask_chunk(s, nq * G, nt, G, tree_src, tok0 - qbeg + tree_src[2] - q_len, c * chunk,
                                     kv_len - tree_src[2])
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             elif window == 0:
                 for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, (inv_freq, rot), part)
                     if causal > 0:
                         causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
@@ -229,7 +232,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                     causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
                 for c in T.serial(row_lo // chunk, ceildiv(row_hi, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
-                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, inv_freq, part)
+                    score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, (inv_freq, rot), part)
                     window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, window, causal)
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             for r in T.serial(nq * G):

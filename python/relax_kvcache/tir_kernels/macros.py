@@ -119,6 +119,32 @@ def rope_row_inplace(buf, row, pos, inv_freq, half: T.int32):
 
 
 @T.macro
+def rope_rows_inplace(buf, nt, pos0, inv_freq, rot, half: T.int32):
+    """Rotate rows ``[0, nt)`` of ``buf`` (float32) in place to RoPE positions ``pos0 + t``.
+
+    cos / sin are evaluated at ``pos0`` once per feature pair and advanced from row to row by
+    the angle-addition formulas (a rotation by ``inv_freq[d]``), so a chunk costs ``2 * half``
+    cos/sin pairs instead of one per element; ``rot`` is a (4, half) float32 scratch buffer.
+    The recurrence drifts by ~1e-7 per row, well inside float32 RoPE's own angle error.
+    """
+    for d in T.serial(half):
+        angle: T.let[T.float32] = T.Cast("float32", pos0) * inv_freq[d]
+        rot[0, d] = T.cos(angle)
+        rot[1, d] = T.sin(angle)
+        rot[2, d] = T.cos(inv_freq[d])
+        rot[3, d] = T.sin(inv_freq[d])
+    for t in T.serial(nt):
+        for d in T.vectorized(half):
+            x0: T.let[T.float32] = buf[t, d]
+            x1: T.let[T.float32] = buf[t, d + half]
+            buf[t, d] = x0 * rot[0, d] - x1 * rot[1, d]
+            buf[t, d + half] = x1 * rot[0, d] + x0 * rot[1, d]
+            c: T.let[T.float32] = rot[0, d] * rot[2, d] - rot[1, d] * rot[3, d]
+            rot[1, d] = rot[1, d] * rot[2, d] + rot[0, d] * rot[3, d]
+            rot[0, d] = c
+
+
+@T.macro
 def load_q_tile(qs, q, tok0, nq, h, group: T.int32, dim: T.int32, rotary_mode, q_rope_position,
                 inv_freq, qk_scale):
     """Rows ``i * group + g`` of ``qs`` = query token ``tok0 + i``, head ``h * group + g``
