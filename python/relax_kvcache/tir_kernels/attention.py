@@ -536,3 +536,69 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
                         (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
     return ragged_tree_prefill
+
+
+def latent_kv_access(spec: AttentionSpec):
+    """``elem(kv_src, h, j, kv, d)`` of a sequence's MLA page list ``kv_src = (pages,
+    page_indices, first page, length_info, sequence)``: K and V are the same latent row (V is its
+    first ``v_head_dim`` features), so ``kv`` and ``h`` (one latent head) are not used."""
+    ps = spec.page_size
+
+    def elem(kv_src, h, j, kv: int, d):
+        return kv_src[0][kv_src[1][kv_src[2] + j // ps], j % ps, d]
+
+    return elem
+
+
+def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
+    """Absorbed MLA attention over latent pages (TVM's ``attention_prefill_mla`` convention).
+
+    Arguments: ``q (total_q, Hq, W), qo_indptr, pages (P, page_size, W), page_indptr,
+    page_indices, length_info (B,), o (total_q, Hq, v_head_dim), lse (total_q, Hq), causal,
+    sm_scale`` with ``W = qk_head_dim = kv_lora_rank + rope dim`` and ``v_head_dim =
+    kv_lora_rank``. Queries arrive multiplied by W_UK and RoPE'd; every query head attends to
+    the one latent head: score = q . latent row, output = probabilities @ latent[:, :v_head_dim].
+    Serves decode (one query per sequence) and prefill alike, as in TVM.
+    """
+    Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
+    if spec.num_kv_heads != 1 or DV > W or spec.sliding_window or spec.window:
+        raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "
+                         f"got {spec}")
+    if isinstance(sched, GpuSchedule):
+        raise NotImplementedError("MLA attention has a CPU schedule only so far")
+    # All Hq heads share each latent chunk: tiles of about 32 rows, staged once per chunk.
+    q_tile = max(1, 32 // Hq)
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=q_tile, chunk=ps, kv_elem=latent_kv_access(spec))
+
+    @T.prim_func(s_tir=True)
+    def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+                  var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
+                  causal: T.int32, sm_scale: T.float32):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int32()
+        total_q = T.int32()
+        P = T.int64()
+        nnz = T.int32()
+        off_qo = T.int32()
+        off_indptr = T.int32()
+        off_indices = T.int32()
+        off_len = T.int32()
+        q = T.match_buffer(var_q, (total_q, Hq, W), dtype)
+        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
+        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
+        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
+        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
+        o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
+        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        for b in T.parallel(B):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                # no RoPE and no window: the q_rope_position argument (qo_indptr here) is not read
+                attend_sequence(q, o, lse, qo_indptr, (pages, page_indices, page_indptr[b], length_info, b), 0,
+                                qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
+                                paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, False),
+                                0, causal, 0, T.float32(1), T.float32(1), sm_scale, ())
+
+    return paged_mla

@@ -26,7 +26,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .schedule import GpuSchedule, Schedule
-from .spec import PageLayoutSpec
+from .spec import LatentPageSpec, PageLayoutSpec
 
 
 # ----------------------------------------------------------------------------- per-element work
@@ -310,3 +310,124 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
         nest(pages, position_map, k, v, layer_id, n)
 
     return debug_get_kv
+
+
+# ----------------------------------------------------------------------------- MLA (latent) pages
+#
+# An MLA layer's pages are ``(num_pages, page_size, width)``: one latent row per position. Each
+# kernel moves whole rows; on CPU a row is one vectorised span, on GPUs the (row, span) pairs
+# are flattened onto the grid as for the MHA kernels.
+
+
+@T.macro
+def move_latent_span(dst, dst_index, src, src_index, d0, lanes: T.int32):
+    """``dst[dst_index + (d0 : d0 + lanes,)] = src[src_index + (d0 : d0 + lanes,)]``."""
+    for d in T.vectorized(lanes):
+        dst[dst_index + (d0 + d,)] = src[src_index + (d0 + d,)]
+
+
+def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move):
+    """Loop nest over ``n`` rows: ``row_move(bufs, i, d0, lanes)`` moves span ``[d0, d0 + lanes)``
+    of row i (CPU: rows in parallel, one span of the whole width; GPU: (row, span) per thread)."""
+    W = spec.width
+    if not isinstance(sched, GpuSchedule):
+        @T.macro
+        def cpu_nest(bufs, n):
+            for i in T.parallel(n):
+                with T.sblock(name):
+                    T.reads()
+                    T.writes()
+                    row_move(bufs, i, 0, W)
+        return cpu_nest
+
+    lanes, nt = gpu_lanes(sched, spec.dtype, W), sched.copy_threads
+    nv = W // lanes
+
+    @T.macro
+    def gpu_nest(bufs, n):
+        for bx in T.thread_binding(gpu_blocks(T.Cast("int32", n) * nv, nt), thread="blockIdx.x"):
+            for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                with T.sblock(name):
+                    T.reads()
+                    T.writes()
+                    if T.Cast("int64", bx * nt + tx) < T.Cast("int64", n) * nv:
+                        row_move(bufs, (bx * nt + tx) // nv, (bx * nt + tx) % nv * lanes, lanes)
+    return gpu_nest
+
+
+def make_transpose_append_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
+    """``transpose_append_mla(pages, kv, position_map)``: token i's latent row ``kv[i]`` goes to
+    position ``position_map[i]`` (skipped when it is -1)."""
+    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+
+    @T.macro
+    def append_row(bufs, i, d0, lanes: T.int32):
+        """bufs = (pages, kv, position_map)."""
+        if bufs[2][i] != -1:
+            move_latent_span(bufs[0], (bufs[2][i] // ps, bufs[2][i] % ps), bufs[1], (i,), d0, lanes)
+
+    nest = _latent_rows_nest(spec, sched, "append_mla", append_row)
+
+    @T.prim_func(s_tir=True)
+    def transpose_append_mla(var_pages: T.handle, var_kv: T.handle, var_position_map: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        P = T.int64()
+        n = T.int32()
+        off_pos = T.int32()
+        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
+        kv = T.match_buffer(var_kv, (n, W), dtype)
+        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+        nest((pages, kv, position_map), n)
+
+    return transpose_append_mla
+
+
+def make_copy_single_page_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
+    """``copy_single_page_mla(pages, src_page_id, tgt_page_id, copy_length)``: the first
+    ``copy_length`` rows of a page."""
+    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+
+    @T.macro
+    def copy_row(bufs, slot, d0, lanes: T.int32):
+        """bufs = (pages, src_page, dst_page)."""
+        move_latent_span(bufs[0], (bufs[2], slot), bufs[0], (bufs[1], slot), d0, lanes)
+
+    nest = _latent_rows_nest(spec, sched, "copy_mla", copy_row)
+
+    @T.prim_func(s_tir=True)
+    def copy_single_page_mla(var_pages: T.handle, src_page_id: T.int64, tgt_page_id: T.int64,
+                             copy_length: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        P = T.int64()
+        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
+        nest((pages, src_page_id, tgt_page_id), T.min(copy_length, T.int64(ps)))
+
+    return copy_single_page_mla
+
+
+def make_debug_get_kv_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
+    """``debug_get_kv_mla(pages, position_map, kv_out, layer_id)``: ``kv_out[layer_id, i]`` =
+    the latent row at position ``position_map[i]``; ``kv_out`` is ``(num_layers, n, width)``."""
+    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+
+    @T.macro
+    def gather_row(bufs, i, d0, lanes: T.int32):
+        """bufs = (pages, position_map, kv, layer_id)."""
+        move_latent_span(bufs[2], (bufs[3], i), bufs[0], (bufs[1][i] // ps, bufs[1][i] % ps), d0, lanes)
+
+    nest = _latent_rows_nest(spec, sched, "gather_mla", gather_row)
+
+    @T.prim_func(s_tir=True)
+    def debug_get_kv_mla(var_pages: T.handle, var_position_map: T.handle, var_kv: T.handle,
+                         layer_id: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        P = T.int64()
+        L = T.int64()
+        n = T.int64()
+        off_pos = T.int64()
+        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
+        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+        kv = T.match_buffer(var_kv, (L, n, W), dtype)
+        nest((pages, position_map, kv, layer_id), n)
+
+    return debug_get_kv_mla

@@ -40,6 +40,25 @@ class PageLayoutSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LatentPageSpec:
+    """Layout of one MLA layer's pages: ``(num_pages, page_size, width)``.
+
+    Each token stores one latent vector of ``width = kv_lora_rank + qk_rope_head_dim`` features
+    (DeepSeek-V3: 512 compressed KV features, then 64 RoPE'd key features), shared by all query
+    heads. Keys transpose_append_mla, copy_single_page_mla and debug_get_kv_mla.
+    """
+
+    width: int
+    page_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        _check_dtype(self.dtype)
+        for name in ("width", "page_size"):
+            _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeSplitSpec:
     """Split fused ``qkv (n, Hq + 2 Hkv, D)`` into q, k, v and apply normal RoPE to q and k.
 
