@@ -7,7 +7,8 @@ CUDA kernel set of every config in ``test_kernels.CONFIGS`` into ``DIR`` (plus n
     RELAX_KVCACHE_CACHE_DIR=DIR/cache RELAX_KVCACHE_TEST_LIBS=DIR RELAX_KVCACHE_TEST_DEVICE=cuda \\
         python -m pytest tests/test_kernels.py
 
-runs the kernel tests there against the same numpy references as on CPU.
+runs the kernel tests there against the same numpy references as on CPU (and
+``tests/test_mla_kernels.py``'s latent page operations, from ``kt-mla-<dtype>.so``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,21 @@ def load(config, directory) -> tvm.runtime.Module:
     return deploy.load(str(path))
 
 
+def _mla_file(dtype, directory) -> pathlib.Path:
+    return pathlib.Path(directory) / f"kt-mla-{dtype}.so"
+
+
+def load_mla(dtype, directory) -> tvm.runtime.Module:
+    """The prepared library of ``test_mla_kernels``' page kernels for ``dtype``."""
+    from relax_kvcache import deploy
+
+    path = _mla_file(dtype, directory)
+    if not path.exists():
+        raise FileNotFoundError(f"no prepared MLA kernel library at {path}; run "
+                                f"python tests/gpu_kernel_libs.py {directory} on the development machine")
+    return deploy.load(str(path))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
@@ -57,6 +73,16 @@ def main(argv=None) -> int:
         source = next(m.inspect_source() for m in [mod, *mod.imports] if m.kind == "cuda")
         deploy.nvcc_compile(source, arch=args.arch)
         print(f"{name}: {_file(config, args.directory)}", flush=True)
+    import test_mla_kernels as mla
+    from relax_kvcache.tir_kernels import schedule_for
+
+    for dtype in mla.DTYPES:
+        funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=False)
+        executable = tvm.compile(tvm.IRModule(funcs), target=target)
+        executable.export_library(str(_mla_file(dtype, args.directory)))
+        source = next(m.inspect_source() for m in [executable.mod, *executable.mod.imports] if m.kind == "cuda")
+        deploy.nvcc_compile(source, arch=args.arch)
+        print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
     return 0
 
 

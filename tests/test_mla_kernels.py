@@ -9,15 +9,19 @@ output = softmax @ latent[:, :kv_lora_rank], base-2 LSE. Outputs are poisoned wi
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
 import tvm
 
 from relax_kvcache import reference as ref
-from relax_kvcache import runtime
-from relax_kvcache import tir_kernels as tk
 
+#: ``RELAX_KVCACHE_TEST_DEVICE=cuda`` runs the page-operation tests on a GPU with the libraries
+#: ``tests/gpu_kernel_libs.py`` prepared (``RELAX_KVCACHE_TEST_LIBS``); attention has no GPU
+#: schedule yet and is skipped there.
+DEV = tvm.cuda() if os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda" else tvm.cpu()
 LORA, ROPE, HEADS, PAGE = 512, 64, 8, 16
 WIDTH = LORA + ROPE
 DTYPES = ["float32", "float16"]
@@ -26,27 +30,50 @@ O_TOL = {"float32": 2e-3, "float16": 2e-2}
 LSE_ATOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=DTYPES)
-def mla(request):
-    """The four MLA kernels for one dtype, compiled once for this machine's CPU."""
-    dtype = request.param
-    target = runtime.default_target(tvm.cpu())
-    sched = tk.schedule_for(target)
+def kernel_funcs(dtype: str, sched, *, attention: bool = True):
+    """The MLA kernels of these tests as PrimFuncs, by name."""
+    from relax_kvcache import tir_kernels as tk  # TVMScript: not on a runtime-only TVM
+
     page = tk.LatentPageSpec(width=WIDTH, page_size=PAGE, dtype=dtype)
-    attn = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=WIDTH, v_head_dim=LORA,
-                            dtype=dtype, page_size=PAGE)
     funcs = {
         "append": tk.make_transpose_append_mla(page, sched),
         "copy": tk.make_copy_single_page_mla(page, sched),
         "gather": tk.make_debug_get_kv_mla(page, sched),
-        "attention": tk.make_paged_mla(attn, sched),
     }
-    mod = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=target)
+    if attention:
+        attn = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=WIDTH, v_head_dim=LORA,
+                                dtype=dtype, page_size=PAGE)
+        funcs["attention"] = tk.make_paged_mla(attn, sched)
+    return {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def mla(request):
+    """The MLA kernels for one dtype: compiled once for this machine's CPU, or loaded from the
+    prepared GPU library."""
+    dtype = request.param
+    if DEV.dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        import gpu_kernel_libs
+
+        mod = gpu_kernel_libs.load_mla(dtype, os.environ["RELAX_KVCACHE_TEST_LIBS"])
+        return dtype, {k: mod[k] for k in ("append", "copy", "gather")}
+    from relax_kvcache import runtime
+    from relax_kvcache.tir_kernels import schedule_for
+
+    target = runtime.default_target(tvm.cpu())
+    funcs = kernel_funcs(dtype, schedule_for(target))
+    mod = tvm.compile(tvm.IRModule(funcs), target=target)
     return dtype, {k: mod[k] for k in funcs}
 
 
+def _attention(kernels):
+    if "attention" not in kernels:
+        pytest.skip("MLA attention has no GPU schedule yet")
+    return kernels["attention"]
+
+
 def _t(x):
-    return tvm.runtime.tensor(np.ascontiguousarray(x), tvm.cpu())
+    return tvm.runtime.tensor(np.ascontiguousarray(x), DEV)
 
 
 def _randn(rng, shape, dtype):
@@ -111,7 +138,7 @@ def test_absorbed_attention(mla, case):
     lse = _t(np.full((len(q), HEADS), np.nan, np.float32))
     sm_scale = (128 + ROPE) ** -0.5  # DeepSeek scales by the original qk head dim
     causal = int(case != "decode")
-    k["attention"](_t(q), _t(qo_indptr), _t(pages), _t(page_indptr), _t(page_indices), _t(last_len), o, lse,
+    _attention(k)(_t(q), _t(qo_indptr), _t(pages), _t(page_indptr), _t(page_indices), _t(last_len), o, lse,
                    causal, sm_scale)
     o, lse = o.numpy().astype(np.float64), lse.numpy()
     for b in range(batch):
@@ -147,7 +174,7 @@ def test_absorbed_kernel_equals_decompressed_attention(mla):
     pages.reshape(-1, WIDTH)[:m] = latent
     o = _t(np.full((n, HEADS, LORA), np.nan, NP_DTYPE[dtype]))
     lse = _t(np.full((n, HEADS), np.nan, np.float32))
-    k["attention"](_t(q_abs), _t(np.array([0, n], np.int32)), _t(pages), _t(np.array([0, npages], np.int32)),
+    _attention(k)(_t(q_abs), _t(np.array([0, n], np.int32)), _t(pages), _t(np.array([0, npages], np.int32)),
                    _t(np.arange(npages, dtype=np.int32)), _t(np.array([m - (npages - 1) * PAGE], np.int32)),
                    o, lse, 1, scale)
     o_proj = np.einsum("nhr,hrd->nhd", o.numpy().astype(np.float64), w_uv)
