@@ -25,15 +25,18 @@ def _file(config, directory) -> pathlib.Path:
     return pathlib.Path(directory) / f"kt-{hashlib.sha256(repr(config).encode()).hexdigest()[:16]}.so"
 
 
-def load(config, directory) -> tvm.runtime.Module:
-    """The prepared library of ``config`` (``relax_kvcache.deploy.load``)."""
+def _load(path: pathlib.Path, what: str, directory) -> tvm.runtime.Module:
     from relax_kvcache import deploy
 
-    path = _file(config, directory)
     if not path.exists():
-        raise FileNotFoundError(f"no prepared kernel library for {config} at {path}; run "
+        raise FileNotFoundError(f"no prepared {what} at {path}; run "
                                 f"python tests/gpu_kernel_libs.py {directory} on the development machine")
     return deploy.load(str(path))
+
+
+def load(config, directory) -> tvm.runtime.Module:
+    """The prepared library of ``config`` (``relax_kvcache.deploy.load``)."""
+    return _load(_file(config, directory), f"kernel library for {config}", directory)
 
 
 def _mla_file(dtype, directory) -> pathlib.Path:
@@ -42,13 +45,16 @@ def _mla_file(dtype, directory) -> pathlib.Path:
 
 def load_mla(dtype, directory) -> tvm.runtime.Module:
     """The prepared library of ``test_mla_kernels``' page kernels for ``dtype``."""
+    return _load(_mla_file(dtype, directory), "MLA kernel library", directory)
+
+
+def _export(executable, path: pathlib.Path, arch: str) -> None:
+    """Write ``executable`` to ``path`` and compile its CUDA source with nvcc into the cache."""
     from relax_kvcache import deploy
 
-    path = _mla_file(dtype, directory)
-    if not path.exists():
-        raise FileNotFoundError(f"no prepared MLA kernel library at {path}; run "
-                                f"python tests/gpu_kernel_libs.py {directory} on the development machine")
-    return deploy.load(str(path))
+    executable.export_library(str(path))
+    mod = executable.mod
+    deploy.nvcc_compile(next(m.inspect_source() for m in [mod, *mod.imports] if m.kind == "cuda"), arch=arch)
 
 
 def main(argv=None) -> int:
@@ -60,28 +66,22 @@ def main(argv=None) -> int:
     import os
 
     os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str(pathlib.Path(args.directory) / "cache"))
-    from relax_kvcache import build, deploy
+    from relax_kvcache import build
     from relax_kvcache.targets import make_target
     from test_kernels import CONFIGS
 
     target = make_target("cuda", arch=args.arch)
     pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
     for name, config in CONFIGS.items():
-        executable = build._compile(build.KernelSetSpec.from_config(config), target, None)
-        executable.export_library(str(_file(config, args.directory)))
-        mod = executable.mod
-        source = next(m.inspect_source() for m in [mod, *mod.imports] if m.kind == "cuda")
-        deploy.nvcc_compile(source, arch=args.arch)
+        _export(build._compile(build.KernelSetSpec.from_config(config), target, None),
+                _file(config, args.directory), args.arch)
         print(f"{name}: {_file(config, args.directory)}", flush=True)
     import test_mla_kernels as mla
     from relax_kvcache.tir_kernels import schedule_for
 
     for dtype in mla.DTYPES:
         funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=False)
-        executable = tvm.compile(tvm.IRModule(funcs), target=target)
-        executable.export_library(str(_mla_file(dtype, args.directory)))
-        source = next(m.inspect_source() for m in [executable.mod, *executable.mod.imports] if m.kind == "cuda")
-        deploy.nvcc_compile(source, arch=args.arch)
+        _export(tvm.compile(tvm.IRModule(funcs), target=target), _mla_file(dtype, args.directory), args.arch)
         print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
     return 0
 

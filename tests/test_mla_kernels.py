@@ -181,3 +181,27 @@ def test_absorbed_kernel_equals_decompressed_attention(mla):
     tol = {"float32": 1e-4, "float16": 2e-2}[dtype]
     np.testing.assert_allclose(o_proj, o_full, atol=tol, rtol=0)
     np.testing.assert_allclose(lse.numpy(), lse_full, atol=tol * 10, rtol=1e-5)
+
+
+def test_bad_specs_and_tensors(mla):
+    """Bad specs name the value; a kernel given a tensor of the wrong width raises and writes nothing."""
+    if DEV.dlpack_device_type() != tvm.cpu().dlpack_device_type():
+        pytest.skip("kernel specs are made on the development machine (TVMScript)")
+    from relax_kvcache import tir_kernels as tk
+    from relax_kvcache.tir_kernels import CpuSchedule
+
+    with pytest.raises(ValueError, match="width must be positive, got 0"):
+        tk.LatentPageSpec(width=0, page_size=PAGE, dtype="float32")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        tk.LatentPageSpec(width=WIDTH, page_size=PAGE, dtype="int8")
+    two_heads = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=2, qk_head_dim=WIDTH, v_head_dim=LORA,
+                                 dtype="float32", page_size=PAGE)
+    with pytest.raises(ValueError, match="one latent head"):
+        tk.make_paged_mla(two_heads, CpuSchedule())
+    dtype, k = mla
+    rng = np.random.default_rng(11)
+    pages = _randn(rng, (2, PAGE, WIDTH), dtype)
+    pages_t = _t(pages)
+    with pytest.raises(Exception, match=str(WIDTH)):
+        k["append"](pages_t, _t(_randn(rng, (3, WIDTH - 8), dtype)), _t(np.arange(3, dtype=np.int32)))
+    np.testing.assert_array_equal(_bits(pages_t.numpy()), _bits(pages))

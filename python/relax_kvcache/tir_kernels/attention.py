@@ -40,12 +40,14 @@ from .macros import (
     prefetch,
     tree_mask_chunk,
     init_state,
+    latent_kv_access,
     load_q_tile,
     query_position_range,
     ragged_kv_access,
     rope_inv_freq,
     rope_row_inplace,
     rope_rows_inplace,
+    rope_steps,
     row_block,
     score_chunk,
     softmax_update,
@@ -203,6 +205,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
         rot = T.sblock_alloc_buffer((4, half), "float32")
         if rotary_mode == 1:
             rope_inv_freq(inv_freq, half, rope_scale, rope_theta)
+            rope_steps(rot, inv_freq, half)
         bounds = T.sblock_alloc_buffer((2,), "int32")
         for tile in T.serial(ceildiv(q_len, q_tile)):
             nq: T.let[T.int32] = T.min(q_tile, q_len - tile * q_tile)
@@ -536,18 +539,6 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
                         (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
     return ragged_tree_prefill
-
-
-def latent_kv_access(spec: AttentionSpec):
-    """``elem(kv_src, h, j, kv, d)`` of a sequence's MLA page list ``kv_src = (pages,
-    page_indices, first page, length_info, sequence)``: K and V are the same latent row (V is its
-    first ``v_head_dim`` features), so ``kv`` and ``h`` (one latent head) are not used."""
-    ps = spec.page_size
-
-    def elem(kv_src, h, j, kv: int, d):
-        return kv_src[0][kv_src[1][kv_src[2] + j // ps], j % ps, d]
-
-    return elem
 
 
 def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:

@@ -70,6 +70,18 @@ def ragged_kv_access(spec):
     return elem
 
 
+def latent_kv_access(spec):
+    """``elem(kv_src, h, j, kv, d)`` of a sequence's MLA page list (``kv_src`` as paged, pages
+    ``(num_pages, page_size, width)``): K and V are the same latent row (V is its first
+    ``v_head_dim`` features), so ``kv`` and ``h`` (one latent head) are not used."""
+    ps = spec.page_size
+
+    def elem(kv_src, h, j, kv: int, d):
+        return kv_src[0][kv_src[1][kv_src[2] + j // ps], j % ps, d]
+
+    return elem
+
+
 def prefetch(elem_expr, locality: int = 3):
     """Hint the CPU to fetch the cache line holding the element ``elem_expr`` (a buffer load)."""
     return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(elem_expr), 0, locality, 1))
@@ -119,20 +131,28 @@ def rope_row_inplace(buf, row, pos, inv_freq, half: T.int32):
 
 
 @T.macro
+def rope_steps(rot, inv_freq, half: T.int32):
+    """rot[2, d], rot[3, d] = cos, sin of ``inv_freq[d]``: the one-position rotation
+    :func:`rope_rows_inplace` advances by (fill once per ``inv_freq``)."""
+    for d in T.serial(half):
+        rot[2, d] = T.cos(inv_freq[d])
+        rot[3, d] = T.sin(inv_freq[d])
+
+
+@T.macro
 def rope_rows_inplace(buf, nt, pos0, inv_freq, rot, half: T.int32):
     """Rotate rows ``[0, nt)`` of ``buf`` (float32) in place to RoPE positions ``pos0 + t``.
 
     cos / sin are evaluated at ``pos0`` once per feature pair and advanced from row to row by
-    the angle-addition formulas (a rotation by ``inv_freq[d]``), so a chunk costs ``2 * half``
-    cos/sin pairs instead of one per element; ``rot`` is a (4, half) float32 scratch buffer.
-    The recurrence drifts by ~1e-7 per row, well inside float32 RoPE's own angle error.
+    the angle-addition formulas (a rotation by ``inv_freq[d]``, whose cos / sin ``rot[2:4]``
+    holds, see :func:`rope_steps`), so a chunk costs ``half`` cos/sin pairs instead of one per
+    element; ``rot`` is a (4, half) float32 buffer, rows 0-1 scratch. The recurrence drifts by
+    ~1e-7 per row, well inside float32 RoPE's own angle error.
     """
     for d in T.serial(half):
         angle: T.let[T.float32] = T.Cast("float32", pos0) * inv_freq[d]
         rot[0, d] = T.cos(angle)
         rot[1, d] = T.sin(angle)
-        rot[2, d] = T.cos(inv_freq[d])
-        rot[3, d] = T.sin(inv_freq[d])
     for t in T.serial(nt):
         for d in T.vectorized(half):
             x0: T.let[T.float32] = buf[t, d]
