@@ -8,7 +8,8 @@ CUDA kernel set of every config in ``test_kernels.CONFIGS`` into ``DIR`` (plus n
         python -m pytest tests/test_kernels.py
 
 runs the kernel tests there against the same numpy references as on CPU (and
-``tests/test_mla_kernels.py``'s latent page operations, from ``kt-mla-<dtype>.so``).
+``tests/test_mla_kernels.py``'s MLA kernels, from ``kt-mla-<dtype>.so``, and
+``tests/test_mla_cache.py``'s float16 kernel set).
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ def load_mla(dtype, directory) -> tvm.runtime.Module:
     return _load(_mla_file(dtype, directory), "MLA kernel library", directory)
 
 
+def mla_has_attention(dtype) -> bool:
+    """Whether ``kt-mla-<dtype>.so`` holds the attention kernel (GPU MLA attention needs tensor
+    cores: 16-bit dtypes)."""
+    return dtype != "float32"
+
+
+def mla_cache_config():
+    """``test_mla_cache``'s configuration as it is on a GPU host (float16)."""
+    import dataclasses
+
+    import test_mla_cache
+
+    return dataclasses.replace(test_mla_cache.CONFIG, dtype="float16")
+
+
 def _export(executable, path: pathlib.Path, arch: str) -> None:
     """Write ``executable`` to ``path`` and compile its CUDA source with nvcc into the cache."""
     from relax_kvcache import deploy
@@ -61,6 +77,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory")
     parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--only-mla", action="store_true", help="build only the MLA libraries")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import os
@@ -72,7 +89,7 @@ def main(argv=None) -> int:
 
     target = make_target("cuda", arch=args.arch)
     pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
-    for name, config in CONFIGS.items():
+    for name, config in ({} if args.only_mla else CONFIGS).items():
         _export(build._compile(build.KernelSetSpec.from_config(config), target, None),
                 _file(config, args.directory), args.arch)
         print(f"{name}: {_file(config, args.directory)}", flush=True)
@@ -80,9 +97,14 @@ def main(argv=None) -> int:
     from relax_kvcache.tir_kernels import schedule_for
 
     for dtype in mla.DTYPES:
-        funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=False)
-        _export(tvm.compile(tvm.IRModule(funcs), target=target), _mla_file(dtype, args.directory), args.arch)
+        funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=mla_has_attention(dtype))
+        with tvm.transform.PassContext(opt_level=3, config=build._pass_config(target)):
+            executable = tvm.compile(tvm.IRModule(funcs), target=target)
+        _export(executable, _mla_file(dtype, args.directory), args.arch)
         print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
+    config = mla_cache_config()
+    _export(build._compile(build.kernel_set_spec(config), target, None), _file(config, args.directory), args.arch)
+    print(f"mla cache: {_file(config, args.directory)}", flush=True)
     return 0
 
 

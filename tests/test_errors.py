@@ -233,7 +233,10 @@ def test_config_is_keyword_only_and_frozen():
         cfg.head_dim = 64  # type: ignore[misc]
 
 
-def test_unsupported_features_say_so():
-    with pytest.raises(NotImplementedError, match="MLA"):
-        rk.PagedAttentionKVCache(rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32,
-                                                  attn_kinds=[rk.AttnKind.MLA]), tvm.cpu())
+def test_mla_config_without_its_head_dims_cannot_build_kernels():
+    """An MLA config without the decompressed head dims is valid (for caches created with given
+    kernels) but cannot build ours; building says what is missing and creates nothing."""
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=96, v_head_dim=64,
+                           attn_kinds=[rk.AttnKind.MLA])
+    with pytest.raises(rk.errors.ConfigError, match="mla_original_qk_head_dim"):
+        rk.PagedAttentionKVCache(cfg, tvm.cpu())

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 
 import tvm
 
-from .config import AttnKind, KVCacheConfig
+from .config import KVCacheConfig
+from .errors import ConfigError
 from .targets import check_can_compile, describe_target
 
 if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lacks
@@ -57,6 +58,17 @@ KERNEL_ROLES = (
     "attention_prefill_tree",
 )
 
+#: Roles of the kernels of an MLA cache (``debug_get_kv`` with the latent layout).
+MLA_KERNEL_ROLES = (
+    "transpose_append_mla",
+    "copy_single_page",
+    "debug_get_kv",
+    "merge_inplace",
+    "merge_general",
+    "attention_prefill_ragged",
+    "attention_prefill_mla",
+)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelSetSpec:
@@ -71,8 +83,8 @@ class KernelSetSpec:
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> "KernelSetSpec":
-        if any(kind == AttnKind.MLA for kind in config.attn_kinds):
-            raise NotImplementedError("MLA layers are not supported by relax_kvcache yet")
+        if config.is_mla:
+            raise ValueError("an MLA configuration has an MLAKernelSetSpec; use kernel_set_spec(config)")
         from . import tir_kernels as tk
 
         attention = tk.AttentionSpec(
@@ -138,6 +150,82 @@ class KernelSetSpec:
         return makers[role]()
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAKernelSetSpec:
+    """What the kernels of an MLA cache depend on.
+
+    ``latent``: the page layout; ``absorbed``: attention of the W_UK-absorbed queries over the
+    one latent head (output ``kv_lora_rank`` wide); ``ragged``: causal self-attention over the
+    step's decompressed K/V (one KV head per query head, ``mla_original_*`` head dims), also the
+    kernel of :meth:`~relax_kvcache.PagedAttentionKVCache.mla_context_attention`.
+    """
+
+    latent: tk.LatentPageSpec
+    absorbed: tk.AttentionSpec
+    ragged: tk.AttentionSpec
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig) -> "MLAKernelSetSpec":
+        if not config.is_mla:
+            raise ValueError("MLAKernelSetSpec needs an MLA configuration; use kernel_set_spec(config)")
+        if config.mla_original_qk_head_dim is None:
+            raise ConfigError("building MLA kernels needs KVCacheConfig.mla_original_qk_head_dim and "
+                              "mla_original_v_head_dim (the decompressed self-attention head dims), got None")
+        from . import tir_kernels as tk
+
+        hq, dtype, ps = config.num_qo_heads, config.dtype, config.page_size
+        return cls(
+            latent=tk.LatentPageSpec(width=config.head_dim, page_size=ps, dtype=dtype),
+            absorbed=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=1, qk_head_dim=config.head_dim,
+                                      v_head_dim=config.v_head_dim, dtype=dtype, page_size=ps),
+            ragged=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=hq, qk_head_dim=config.mla_original_qk_head_dim,
+                                    v_head_dim=config.mla_original_v_head_dim, dtype=dtype, page_size=ps),
+        )
+
+    @property
+    def attention(self) -> tk.AttentionSpec:
+        """The attention over the cache's pages (for messages and benchmarks)."""
+        return self.absorbed
+
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES`."""
+        return MLA_KERNEL_ROLES
+
+    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
+        """The PrimFuncs of the set, keyed by role (:meth:`roles`). ``debug_get_kv`` has TVM's
+        MLA convention ``(pages, position_map, kv_out (L, n, W), layer_id)``."""
+        return {role: self.kernel_function(role, sched) for role in self.roles()}
+
+    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+        """The PrimFunc of one role of the set (one of :meth:`roles`)."""
+        if role not in self.roles():
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+        from . import tir_kernels as tk
+
+        hq, dtype = self.absorbed.num_qo_heads, self.absorbed.dtype
+        makers: Dict[str, Callable[[], tirx.PrimFunc]] = {
+            "copy_single_page": lambda: tk.make_copy_single_page_mla(self.latent, sched),
+            "debug_get_kv": lambda: tk.make_debug_get_kv_mla(self.latent, sched),
+            "merge_inplace": lambda: tk.make_merge_inplace(
+                tk.MergeSpec(num_heads=hq, head_dim=self.absorbed.v_head_dim, dtype=dtype), sched),
+            "attention_prefill_ragged": lambda: tk.make_ragged_prefill(self.ragged, sched),
+            "transpose_append_mla": lambda: tk.make_transpose_append_mla(self.latent, sched),
+            "attention_prefill_mla": lambda: tk.make_paged_mla(self.absorbed, sched),
+            "merge_general": lambda: tk.make_merge_inplace(
+                tk.MergeSpec(num_heads=hq, head_dim=self.ragged.v_head_dim, dtype=dtype), sched),
+        }
+        return makers[role]()
+
+
+AnyKernelSetSpec = Union[KernelSetSpec, MLAKernelSetSpec]
+
+
+def kernel_set_spec(config: KVCacheConfig) -> AnyKernelSetSpec:
+    """The kernel set spec of a configuration: :class:`MLAKernelSetSpec` for MLA caches, else
+    :class:`KernelSetSpec`."""
+    return MLAKernelSetSpec.from_config(config) if config.is_mla else KernelSetSpec.from_config(config)
+
+
 def cache_dir() -> pathlib.Path:
     """Folder of compiled kernel libraries: ``$RELAX_KVCACHE_CACHE_DIR`` or ``~/.cache/relax_kvcache``."""
     env = os.environ.get("RELAX_KVCACHE_CACHE_DIR")
@@ -154,7 +242,7 @@ def _kernel_source_digest() -> str:
     return digest.hexdigest()
 
 
-def build_key(spec: KernelSetSpec, target: tvm.target.Target) -> str:
+def build_key(spec: AnyKernelSetSpec, target: tvm.target.Target) -> str:
     """Cache key of a kernel set: specs, target, TVM version and the kernel sources."""
     text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest()])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -254,7 +342,7 @@ def export_kernels(
     return dest
 
 
-def cache_path(spec: KernelSetSpec, target: tvm.target.Target) -> pathlib.Path:
+def cache_path(spec: AnyKernelSetSpec, target: tvm.target.Target) -> pathlib.Path:
     """Where the on-disk cache keeps the library of ``spec`` compiled for ``target``."""
     return cache_dir() / f"kernels-{target.kind.name}-{build_key(spec, target)}.so"
 
@@ -274,12 +362,12 @@ def can_load_here(target: tvm.target.Target) -> bool:
         return False
 
 
-def _checked_spec(config: KVCacheConfig, target: tvm.target.Target) -> KernelSetSpec:
+def _checked_spec(config: KVCacheConfig, target: tvm.target.Target) -> AnyKernelSetSpec:
     if not isinstance(config, KVCacheConfig):
         raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
     if not isinstance(target, tvm.target.Target):
         raise TypeError(f"target must be a tvm.target.Target, got {type(target).__name__}")
-    return KernelSetSpec.from_config(config)
+    return kernel_set_spec(config)
 
 
 def _checked_output(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
@@ -300,7 +388,7 @@ def _report(progress: Progress, message: str) -> None:
         progress(message)
 
 
-def _compile(spec: KernelSetSpec, target: tvm.target.Target, progress: Progress) -> Executable:
+def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progress) -> Executable:
     from . import tir_kernels as tk
 
     check_can_compile(target)

@@ -23,6 +23,7 @@ from .config import AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ForwardError, KVCacheError, SequenceError
 from .kernel_set import KernelSet
+from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
 from .runtime import default_target
 from .tensors import check_tensor, view
@@ -73,9 +74,9 @@ class _DeviceStep:
     append_position: tvm.runtime.Tensor
     depths: Tuple[_DepthViews, ...]
     ragged_tree: Optional[_TreeViews]
-    q: tvm.runtime.Tensor  # (n, Hq, D) scratch: split/RoPE output
-    k: tvm.runtime.Tensor  # (n, Hkv, D)
-    v: tvm.runtime.Tensor  # (n, Hkv, D)
+    q: Optional[tvm.runtime.Tensor]  # (n, Hq, D) scratch: split/RoPE output (None for MLA)
+    k: Optional[tvm.runtime.Tensor]  # (n, Hkv, D)
+    v: Optional[tvm.runtime.Tensor]  # (n, Hkv, D)
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv) per-depth partial output
     tmp_lse: tvm.runtime.Tensor  # (n, Hq)
     merged_lse: tvm.runtime.Tensor  # (n, Hq) lse of attention_with_fused_qkv's output
@@ -118,8 +119,6 @@ class PagedAttentionKVCache:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         device = tvm.cpu() if device is None else device
-        if AttnKind.MLA in config.attn_kinds:
-            raise NotImplementedError("MLA layers are not supported yet: attn_kinds must be MHA or MHA_SLIDING")
         if kernels is None:
             target = default_target(device) if target is None else target
             kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
@@ -127,25 +126,25 @@ class PagedAttentionKVCache:
         self.device = device
         self.layer_offset = layer_offset
         self._kernels = kernels
+        self._mla = config.is_mla
         self._paging = PagingState(config.num_total_pages, config.page_size,
                                    slide_windows=config.slides_sequences)
-        self._pages = [
-            tvm.runtime.empty((config.num_total_pages, 2, config.num_kv_heads, config.page_size,
-                               config.head_dim), config.dtype, device)
-            for _ in range(config.num_layers)
-        ]
+        page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if self._mla else
+                      (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
+        self._pages = [tvm.runtime.empty(page_shape, config.dtype, device) for _ in range(config.num_layers)]
         chunk, hq, hkv = config.prefill_chunk_size, config.num_qo_heads, config.num_kv_heads
-        self._scratch_q = tvm.runtime.empty((chunk, hq, config.head_dim), config.dtype, device)
-        self._scratch_k = tvm.runtime.empty((chunk, hkv, config.head_dim), config.dtype, device)
-        self._scratch_v = tvm.runtime.empty((chunk, hkv, config.v_head_dim), config.dtype, device)
+        if not self._mla:  # MLA layers take q/k/v from the model: no split scratch
+            self._scratch_q = tvm.runtime.empty((chunk, hq, config.head_dim), config.dtype, device)
+            self._scratch_k = tvm.runtime.empty((chunk, hkv, config.head_dim), config.dtype, device)
+            self._scratch_v = tvm.runtime.empty((chunk, hkv, config.v_head_dim), config.dtype, device)
         self._scratch_o = tvm.runtime.empty((chunk, hq, config.v_head_dim), config.dtype, device)
         self._scratch_lse = tvm.runtime.empty((chunk, hq), "float32", device)
         self._scratch_merged_lse = tvm.runtime.empty((chunk, hq), "float32", device)
-        self._dtype, self._float32 = self._scratch_q.dtype, self._scratch_lse.dtype
+        self._dtype, self._float32 = self._scratch_o.dtype, self._scratch_lse.dtype
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
         rope = config.effective_rope_mode
-        self._rotary_mode = int(rope == RopeMode.INLINE)
+        self._rotary_mode = int(rope == RopeMode.INLINE and not self._mla)  # MLA: the model applies RoPE
         self._split_applies_rope = int(rope == RopeMode.NORMAL)
         self._windowed_layers = tuple(kind == AttnKind.MHA_SLIDING for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
@@ -153,6 +152,8 @@ class PagedAttentionKVCache:
         self._decode_planner = DecodePlanner(config.page_size)
         self._decode_slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, _DeviceStep]] = None
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
+        self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
+        self._context_workspace: Optional[ContextWorkspace] = None
 
     # ------------------------------------------------------------------ sequences
 
@@ -261,6 +262,7 @@ class PagedAttentionKVCache:
         self._paging.clear()
         self._step = None
         self._device_step = None
+        self._context = None
 
     def empty(self) -> bool:
         """True when no sequence exists and every page and block is free."""
@@ -338,6 +340,9 @@ class PagedAttentionKVCache:
                         f"sequence {seq_id} has uncommitted token-tree nodes: call commit_accepted_token_tree_nodes "
                         "before a step without a token tree")
             return None
+        if self._mla:
+            raise ForwardError("token-tree attention is not supported for MLA layers (as in TVM); got a "
+                               "token_tree_parent_ptr")
         if cfg.effective_rope_mode == RopeMode.INLINE:
             raise ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
                                "created with support_sliding_window)")
@@ -392,6 +397,7 @@ class PagedAttentionKVCache:
         """End the current step (no-op when none is active)."""
         self._step = None
         self._device_step = None
+        self._context = None
 
     def _active_step(self, what: str) -> _DeviceStep:
         if self._step is None:
@@ -462,12 +468,13 @@ class PagedAttentionKVCache:
             depths.append(_DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
         ragged_tree = _TreeViews(next(views), next(views)) if step.ragged_tree is not None else None
         n, cfg, dt, f32 = step.total_tokens, self.config, self._dtype, self._float32
+        split = not self._mla
         return _DeviceStep(
             append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
             append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
-            q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim), 0, dt),
-            k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim), 0, dt),
-            v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim), 0, dt),
+            q=view(self._scratch_q, (n, cfg.num_qo_heads, cfg.head_dim), 0, dt) if split else None,
+            k=view(self._scratch_k, (n, cfg.num_kv_heads, cfg.head_dim), 0, dt) if split else None,
+            v=view(self._scratch_v, (n, cfg.num_kv_heads, cfg.v_head_dim), 0, dt) if split else None,
             tmp_o=view(self._scratch_o, (n, cfg.num_qo_heads, cfg.v_head_dim), 0, dt),
             tmp_lse=view(self._scratch_lse, (n, cfg.num_qo_heads), 0, f32),
             merged_lse=view(self._scratch_merged_lse, (n, cfg.num_qo_heads), 0, f32),
@@ -490,6 +497,7 @@ class PagedAttentionKVCache:
         sm_scale : float
             Softmax scale (usually ``head_dim ** -0.5``).
         """
+        self._require_kind("attention_with_fused_qkv", mla=False)
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("attention_with_fused_qkv")
@@ -523,6 +531,7 @@ class PagedAttentionKVCache:
         (a decode step reads the new token's K/V from the source layer's pages). q and k are
         used as given: RoPE is applied only in INLINE mode.
         """
+        self._require_kind("attention_with_shared_kv", mla=False)
         cfg = self.config
         layer = self._local_layer(source_layer_id)
         step = self._active_step("attention_with_shared_kv")
@@ -547,17 +556,21 @@ class PagedAttentionKVCache:
         """Causal attention of the step's tokens over the step's own K/V only (nothing cached).
 
         ``q (n, Hq, D)``, ``k (n, Hkv, D)``, ``v (n, Hkv, Dv)``, outputs ``o (n, Hq, Dv)`` and
-        base-2 ``lse (n, Hq)`` (float32), where n is the number of tokens of the step.
+        base-2 ``lse (n, Hq)`` (float32), where n is the number of tokens of the step. MLA
+        caches: decompressed q/k/v with one KV head per query head and the
+        ``mla_original_*`` head dims (e.g. 192 / 128); no RoPE is applied (as in TVM).
         """
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("self_attention")
-        n = self._step.total_tokens
-        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("k", k, shape=(n, cfg.num_kv_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
+        n, hq = self._step.total_tokens, cfg.num_qo_heads
+        hkv, dqk, dv = ((hq, cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim) if self._mla
+                        else (cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim))
+        dqk = check_tensor("q", q, shape=(n, hq, dqk), dtype=cfg.dtype, device=self.device)[2]
+        check_tensor("k", k, shape=(n, hkv, dqk), dtype=cfg.dtype, device=self.device)
+        dv = check_tensor("v", v, shape=(n, hkv, dv), dtype=cfg.dtype, device=self.device)[2]
+        check_tensor("o", o, shape=(n, hq, dv), dtype=cfg.dtype, device=self.device)
+        check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
         self._ragged_attention(step, layer, q, k, v, o, lse, _as_float("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
@@ -565,7 +578,11 @@ class PagedAttentionKVCache:
         """Attention of the step's queries over the cached KV of their sequences.
 
         ``q (n, Hq, D)``, outputs ``o (n, Hq, Dv)`` and base-2 ``lse (n, Hq)`` (float32).
-        Rows with nothing cached get ``o = 0, lse = -inf``.
+        Rows with nothing cached get ``o = 0, lse = -inf``. MLA caches: absorbed attention over
+        the latent pages, ``q (n, Hq, kv_lora_rank + rope dim)`` (queries multiplied by W_UK),
+        ``o (n, Hq, kv_lora_rank)`` (multiply by W_UV after). As for MHA, a decode step's
+        pages include its new tokens (append them with :meth:`append_mla_kv` first) and a
+        prefill step's do not (merge :meth:`self_attention`'s state).
         """
         cfg = self.config
         layer = self._local_layer(layer_id)
@@ -580,15 +597,125 @@ class PagedAttentionKVCache:
     def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
                                   o_cross_attn: tvm.runtime.Tensor, lse_cross_attn: tvm.runtime.Tensor
                                   ) -> Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
-        """Merge two attention states into ``(o_self_attn, lse_self_attn)``; returns them."""
+        """Merge two attention states into ``(o_self_attn, lse_self_attn)``; returns them.
+
+        ``o (n, Hq, Dv)``, ``lse (n, Hq)``; MLA caches: ``Dv`` is the decompressed v head dim
+        (TVM's second merge function).
+        """
         cfg = self.config
-        shape = check_tensor("o_self_attn", o_self_attn, shape=(None, cfg.num_qo_heads, cfg.v_head_dim),
+        dv = cfg.mla_original_v_head_dim if self._mla else cfg.v_head_dim
+        shape = check_tensor("o_self_attn", o_self_attn, shape=(None, cfg.num_qo_heads, dv),
                              dtype=cfg.dtype, device=self.device)
         check_tensor("lse_self_attn", lse_self_attn, shape=shape[:2], dtype="float32", device=self.device)
         check_tensor("o_cross_attn", o_cross_attn, shape=shape, dtype=cfg.dtype, device=self.device)
         check_tensor("lse_cross_attn", lse_cross_attn, shape=shape[:2], dtype="float32", device=self.device)
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
         return o_self_attn, lse_self_attn
+
+    # ------------------------------------------------------------------ MLA
+
+    def append_mla_kv(self, layer_id: int, kv: tvm.runtime.Tensor) -> None:
+        """Write the step's latent vectors of an MLA layer into its pages.
+
+        Parameters
+        ----------
+        layer_id : int
+            Layer index.
+        kv : Tensor, shape (m, kv_lora_rank + rope dim), m >= step tokens
+            ``[compressed kv, RoPE'd k_pe]`` per token; the first ``n`` (step tokens) rows are
+            written.
+        """
+        self._require_kind("append_mla_kv", mla=True)
+        cfg = self.config
+        layer = self._local_layer(layer_id)
+        step = self._active_step("append_mla_kv")
+        n = self._step.total_tokens
+        shape = check_tensor("kv", kv, shape=(None, cfg.head_dim), dtype=cfg.dtype, device=self.device)
+        if shape[0] < n:
+            raise ForwardError(f"kv has {shape[0]} rows, fewer than the {n} tokens of the step")
+        if self._kernels.transpose_append_mla is None:
+            raise KVCacheError("append_mla_kv needs the transpose_append_mla kernel, which this cache was "
+                               "created without")
+        if shape[0] != n:
+            kv = view(kv, (n, cfg.head_dim), 0, self._dtype)
+        self._kernels.transpose_append_mla(self._pages[layer], kv, step.append_position)
+
+    def mla_context_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
+                              lse: tvm.runtime.Tensor, sm_scale: float, decompress: Any) -> None:
+        """Compute-friendly attention of the step's queries over their cached context, in chunks.
+
+        The cached tokens of the step's sequences (those before this step) are walked in chunks
+        of at most ``config.context_chunk_size`` rows: each chunk's latent rows are gathered,
+        decompressed by ``decompress`` into per-head K/V and attended with the ragged kernel;
+        the chunks' states are merged by log-sum-exp (seed 002's chunked context). Memory is
+        that of one chunk, whatever the context length. Merge the result with
+        :meth:`self_attention`'s by :meth:`merge_attn_output_inplace`.
+
+        Parameters
+        ----------
+        layer_id : int
+            MLA layer index.
+        q : Tensor, shape (n, Hq, Dqk)
+            Decompressed queries (``[q_nope, q_pe]``, e.g. 128 + 64).
+        o : Tensor, shape (n, Hq, Dv)
+            Output; rows of sequences without context get 0.
+        lse : Tensor, float32, shape (n, Hq)
+            Base-2 log-sum-exp output; ``-inf`` where there is no context.
+        sm_scale : float
+            Softmax scale (``Dqk ** -0.5`` times any mscale).
+        decompress : callable
+            ``decompress(latent (c, W), k (c, Hq, Dqk), v (c, Hq, Dv))`` writes ``k = [latent[:, :L]
+            @ W_UK, latent[:, L:]]`` and ``v = latent[:, :L] @ W_UV`` (any packed function or
+            Python callable); ``c <= context_chunk_size``.
+        """
+        self._require_kind("mla_context_attention", mla=True)
+        cfg = self.config
+        layer = self._local_layer(layer_id)
+        step = self._active_step("mla_context_attention")
+        n, hq = self._step.total_tokens, cfg.num_qo_heads
+        dqk = check_tensor("q", q, shape=(n, hq, cfg.mla_original_qk_head_dim), dtype=cfg.dtype,
+                           device=self.device)[2]
+        dv = check_tensor("o", o, shape=(n, hq, cfg.mla_original_v_head_dim), dtype=cfg.dtype,
+                          device=self.device)[2]
+        check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
+        sm_scale = _as_float("sm_scale", sm_scale)
+        if not callable(decompress):
+            raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
+        if self._kernels.debug_get_kv is None:
+            raise KVCacheError("mla_context_attention gathers latent rows with the debug_get_kv kernel, which "
+                               "this cache was created without")
+        plan, ws = self._context_plan(), self._context_buffers(dqk, dv)
+        tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
+        for i, chunk in enumerate(plan.chunks):
+            rows = max(chunk.rows, 1)
+            k, v = view(ws.k, (rows, hq, dqk), 0, self._dtype), view(ws.v, (rows, hq, dv), 0, self._dtype)
+            if chunk.rows:
+                gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
+                self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
+                decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
+            out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
+            self._kernels.attention_prefill_ragged(
+                q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
+                out, out_lse, 0, 0, cfg.rope_scale, cfg.rope_theta, sm_scale)
+            if i:
+                self._kernels.merge_general(o, lse, tmp_o, tmp_lse)
+
+    def _context_plan(self) -> ContextPlan:
+        """The current step's chunked context, planned on first use and kept for the step."""
+        if self._context is None:
+            step = self._step
+            self._context = ContextPlan.build(self._paging, step.seq_ids, step.append_lengths,
+                                              self.config.context_chunk_size, self.device)
+        return self._context
+
+    def _context_buffers(self, dqk: int, dv: int) -> ContextWorkspace:
+        ws = self._context_workspace
+        if ws is None or ws.dims != (dqk, dv):
+            cfg = self.config
+            ws = self._context_workspace = ContextWorkspace(
+                cfg.context_chunk_size, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
+                self.device)
+        return ws
 
     def _ragged_attention(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Causal attention of the step's queries over the step's k/v (windowed on MHA_SLIDING
@@ -634,7 +761,10 @@ class PagedAttentionKVCache:
         windowed = self._windowed_layers[layer]
         sliding = windowed or cfg.slides_sequences
         pages = self._pages[layer]
-        if depth.tree is not None:
+        if self._mla:  # one kernel for decode and prefill, no causal mask (as in TVM)
+            k.attention_prefill_mla(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices,
+                                    views.length_info, o, lse, 0, sm_scale)
+        elif depth.tree is not None:
             k.attention_prefill_tree(
                 q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
                 views.k_rope_pos_offset, step.q_rope_position, o, lse, self._rotary_mode, cfg.rope_scale,
@@ -676,14 +806,8 @@ class PagedAttentionKVCache:
         ``k_data`` / ``v_data``: ``(num_layers, end_pos - start_pos, num_kv_heads, head_dim)``.
         K is stored after RoPE in NORMAL mode and before it otherwise.
         """
-        if self._kernels.debug_get_kv is None:
-            raise KVCacheError("debug_get_kv needs the debug_get_kv kernel, which this cache was created without")
-        seq_id, start_pos, end_pos = (_as_int("seq_id", seq_id), _as_int("start_pos", start_pos),
-                                      _as_int("end_pos", end_pos))
-        length = self._paging.sequence_length(seq_id)
-        if not 0 <= start_pos < end_pos <= length:
-            raise KVCacheError(f"debug_get_kv range [{start_pos}, {end_pos}) is invalid for sequence "
-                               f"{seq_id} of length {length}; expected 0 <= start < end <= length")
+        self._require_kind("debug_get_kv", mla=False)
+        seq_id, start_pos, end_pos = self._debug_range("debug_get_kv", seq_id, start_pos, end_pos)
         cfg = self.config
         shape = (cfg.num_layers, end_pos - start_pos, cfg.num_kv_heads, cfg.head_dim)
         check_tensor("k_data", k_data, shape=shape, dtype=cfg.dtype, device=self.device)
@@ -691,6 +815,29 @@ class PagedAttentionKVCache:
         positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self.device)
         for layer, pages in enumerate(self._pages):
             self._kernels.debug_get_kv(pages, positions, k_data, v_data, layer)
+
+    def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
+        """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer
+        into ``kv_data (num_layers, end_pos - start_pos, kv_lora_rank + rope dim)`` (MLA caches)."""
+        self._require_kind("debug_get_kv_mla", mla=True)
+        seq_id, start_pos, end_pos = self._debug_range("debug_get_kv_mla", seq_id, start_pos, end_pos)
+        cfg = self.config
+        check_tensor("kv_data", kv_data, shape=(cfg.num_layers, end_pos - start_pos, cfg.head_dim),
+                     dtype=cfg.dtype, device=self.device)
+        positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self.device)
+        for layer, pages in enumerate(self._pages):
+            self._kernels.debug_get_kv(pages, positions, kv_data, layer)
+
+    def _debug_range(self, what: str, seq_id: Any, start_pos: Any, end_pos: Any) -> Tuple[int, int, int]:
+        if self._kernels.debug_get_kv is None:
+            raise KVCacheError(f"{what} needs the debug_get_kv kernel, which this cache was created without")
+        seq_id, start_pos, end_pos = (_as_int("seq_id", seq_id), _as_int("start_pos", start_pos),
+                                      _as_int("end_pos", end_pos))
+        length = self._paging.sequence_length(seq_id)
+        if not 0 <= start_pos < end_pos <= length:
+            raise KVCacheError(f"{what} range [{start_pos}, {end_pos}) is invalid for sequence "
+                               f"{seq_id} of length {length}; expected 0 <= start < end <= length")
+        return seq_id, start_pos, end_pos
 
     # ------------------------------------------------------------------ helpers
 
@@ -700,6 +847,11 @@ class PagedAttentionKVCache:
             raise ForwardError(f"layer_id {layer_id} is out of range [{self.layer_offset}, "
                                f"{self.layer_offset + self.config.num_layers})")
         return layer
+
+    def _require_kind(self, what: str, *, mla: bool) -> None:
+        if self._mla != mla:
+            need, have = ("MLA", "MHA") if mla else ("MHA", "MLA")
+            raise KVCacheError(f"{what} needs {need} layers, but this cache's layers are {have}")
 
     def _require_no_step(self, what: str) -> None:
         if self._step is not None:

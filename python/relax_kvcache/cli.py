@@ -139,7 +139,7 @@ def build_config(args: argparse.Namespace) -> KVCacheConfig:
 
 
 def _run_build(args: argparse.Namespace) -> int:
-    from .build import KernelSetSpec, export_kernels
+    from .build import export_kernels, kernel_set_spec
     from .targets import TargetUnavailableError, describe_target, make_target
 
     def log(message: str) -> None:
@@ -154,7 +154,7 @@ def _run_build(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, NotImplementedError, OSError, TargetUnavailableError) as err:
         print(f"relax-kvcache build: error: {err}", file=sys.stderr, flush=True)
         return 2
-    roles = KernelSetSpec.from_config(config).roles()
+    roles = kernel_set_spec(config).roles()
     print(f"built {path} ({path.stat().st_size / 2**20:.2f} MiB) in {time.perf_counter() - start:.1f} s: "
           f"{len(roles)} kernels for {describe_target(target)}, {config.dtype}, "
           f"{config.num_qo_heads}/{config.num_kv_heads} heads, head_dim {config.head_dim}, "

@@ -11,6 +11,8 @@ from .errors import ConfigError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEAD_DIM = 256
+#: Widest latent vector of an MLA cache (DeepSeek-V3: 512 + 64 = 576).
+MAX_LATENT_WIDTH = 1024
 
 
 class RopeMode(enum.IntEnum):
@@ -50,9 +52,11 @@ class KVCacheConfig:
     num_qo_heads, num_kv_heads : int
         Query/output heads and key/value heads; ``num_qo_heads % num_kv_heads == 0`` (GQA/MQA).
     head_dim : int
-        Features per q/k head; even, at most 256.
+        Features per q/k head; even, at most 256. MLA caches: the latent width
+        ``kv_lora_rank + qk_rope_head_dim`` (DeepSeek-V3: 576), at most 1024.
     v_head_dim : int, optional
-        Features per v head; defaults to ``head_dim`` and must equal it for MHA layers.
+        Features per v head; defaults to ``head_dim`` and must equal it for MHA layers. MLA
+        caches: ``kv_lora_rank`` (DeepSeek-V3: 512), the absorbed attention's output width.
     page_size : int
         Tokens per page.
     max_num_seqs : int
@@ -74,6 +78,18 @@ class KVCacheConfig:
         Per-layer attention kind; defaults to MHA everywhere.
     layer_sliding_window_size : int
         Window of ``AttnKind.MHA_SLIDING`` layers (TVM's optional 6th ``cache_config`` entry).
+    mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
+        MLA caches: q/k and v head dims of the decompressed self-attention over the step's new
+        tokens (DeepSeek-V3: 128 + 64 = 192 and 128), as in TVM's frontend. Our kernels need
+        them; a cache created with given kernels does not.
+    context_chunk_size : int, optional
+        MLA caches: most cached tokens :meth:`PagedAttentionKVCache.mla_context_attention`
+        decompresses at once (its workspace); defaults to ``prefill_chunk_size``.
+
+    Notes
+    -----
+    All layers of a cache are MLA or none is (as in DeepSeek models); an MLA cache has one
+    latent KV head (``num_kv_heads == 1``), no sliding windows and no token trees (as in TVM).
     """
 
     num_layers: int
@@ -92,6 +108,9 @@ class KVCacheConfig:
     support_sliding_window: bool = False
     attn_kinds: Optional[Tuple[AttnKind, ...]] = None
     layer_sliding_window_size: int = 1024
+    mla_original_qk_head_dim: Optional[int] = None
+    mla_original_v_head_dim: Optional[int] = None
+    context_chunk_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
@@ -102,9 +121,6 @@ class KVCacheConfig:
             raise ConfigError(
                 f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:
-            raise ConfigError(
-                f"KVCacheConfig.head_dim must be even and at most {MAX_HEAD_DIM}, got {self.head_dim}")
         v_head_dim = self.head_dim if self.v_head_dim is None else _positive("v_head_dim", self.v_head_dim)
         object.__setattr__(self, "v_head_dim", v_head_dim)
         if self.dtype not in SUPPORTED_DTYPES:
@@ -124,10 +140,49 @@ class KVCacheConfig:
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "support_sliding_window", bool(self.support_sliding_window))
         object.__setattr__(self, "attn_kinds", self._validated_attn_kinds(self.attn_kinds))
-        if any(kind != AttnKind.MLA for kind in self.attn_kinds) and v_head_dim != self.head_dim:
+        if self.is_mla:
+            self._check_mla()
+        else:
+            self._check_mha()
+        chunk = self.prefill_chunk_size if self.context_chunk_size is None else self.context_chunk_size
+        object.__setattr__(self, "context_chunk_size", _positive("context_chunk_size", chunk))
+
+    def _check_mha(self) -> None:
+        if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:
             raise ConfigError(
-                f"KVCacheConfig.v_head_dim ({v_head_dim}) must equal head_dim ({self.head_dim}) "
+                f"KVCacheConfig.head_dim must be even and at most {MAX_HEAD_DIM}, got {self.head_dim}")
+        if self.v_head_dim != self.head_dim:
+            raise ConfigError(
+                f"KVCacheConfig.v_head_dim ({self.v_head_dim}) must equal head_dim ({self.head_dim}) "
                 "for MHA layers")
+        for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {getattr(self, name)!r} "
+                                  f"with attn_kinds {[k.name for k in self.attn_kinds]}")
+
+    def _check_mla(self) -> None:
+        if any(kind != AttnKind.MLA for kind in self.attn_kinds):
+            raise ConfigError(f"KVCacheConfig.attn_kinds mixes MLA with other kinds "
+                              f"({[k.name for k in self.attn_kinds]}); expected all layers MLA or none")
+        if self.num_kv_heads != 1:
+            raise ConfigError(f"KVCacheConfig.num_kv_heads must be 1 for MLA (one latent head), got {self.num_kv_heads}")
+        if self.head_dim % 2 != 0 or self.head_dim > MAX_LATENT_WIDTH or not self.v_head_dim < self.head_dim:
+            raise ConfigError(
+                f"MLA KVCacheConfig needs an even head_dim (latent width kv_lora_rank + rope dim) of at most "
+                f"{MAX_LATENT_WIDTH} and v_head_dim (kv_lora_rank) < head_dim; got head_dim {self.head_dim}, "
+                f"v_head_dim {self.v_head_dim}")
+        if self.support_sliding_window:
+            raise ConfigError("KVCacheConfig.support_sliding_window is not supported for MLA (as in TVM)")
+        dims = (self.mla_original_qk_head_dim, self.mla_original_v_head_dim)
+        if (dims[0] is None) != (dims[1] is None):
+            raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim and mla_original_v_head_dim must be given "
+                              f"together, got {dims}")
+        if dims[0] is not None:
+            qk = _positive("mla_original_qk_head_dim", dims[0])
+            _positive("mla_original_v_head_dim", dims[1])
+            if qk % 2 != 0 or qk > MAX_HEAD_DIM or dims[1] > MAX_HEAD_DIM:
+                raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim must be even and both original head dims "
+                                  f"at most {MAX_HEAD_DIM}, got {dims}")
 
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:
@@ -150,6 +205,11 @@ class KVCacheConfig:
         if self.support_sliding_window:
             pages += 2 * self.max_num_seqs
         return pages
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the layers are ``AttnKind.MLA`` (latent pages ``(P, page_size, head_dim)``)."""
+        return AttnKind.MLA in self.attn_kinds
 
     @property
     def has_layer_windows(self) -> bool:

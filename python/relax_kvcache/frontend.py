@@ -30,7 +30,7 @@ import tvm
 from tvm import relax as rx
 from tvm.relax.frontend import nn
 
-from .build import KernelSetSpec, _pass_config
+from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
 from .config import AttnKind, KVCacheConfig, RopeMode
 from .tir_kernels.schedule import GpuSchedule, schedule_for
 
@@ -67,6 +67,10 @@ class CacheLayout:
     sliding_window : bool
         Whether sequences may get sliding windows (``enable_sliding_window_for_seq``); adds the
         windowed kernels.
+    mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
+        MLA layouts (``attn_kinds`` all ``MLA``, ``num_kv_heads`` 1, ``head_dim`` =
+        kv_lora_rank + rope dim, ``v_head_dim`` = kv_lora_rank): the decompressed head dims of
+        ``self_attention`` (DeepSeek-V3: 192 and 128).
     """
 
     num_layers: int
@@ -82,16 +86,20 @@ class CacheLayout:
     attn_kinds: Optional[Sequence[AttnKind]] = None
     layer_sliding_window_size: int = 1024
     sliding_window: bool = False
+    mla_original_qk_head_dim: Optional[int] = None
+    mla_original_v_head_dim: Optional[int] = None
 
-    def kernel_spec(self) -> KernelSetSpec:
+    def kernel_spec(self) -> AnyKernelSetSpec:
         """The kernels of this layout (capacities do not enter the kernels)."""
-        return KernelSetSpec.from_config(KVCacheConfig(
+        return kernel_set_spec(KVCacheConfig(
             num_layers=self.num_layers, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
             max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
             support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,
-            layer_sliding_window_size=self.layer_sliding_window_size))
+            layer_sliding_window_size=self.layer_sliding_window_size,
+            mla_original_qk_head_dim=self.mla_original_qk_head_dim,
+            mla_original_v_head_dim=self.mla_original_v_head_dim))
 
 
 class PagedKVCache(nn.Object):
@@ -131,6 +139,11 @@ class PagedKVCache(nn.Object):
         def attention(role: str):
             return rx.Tuple([tvm.ir.StringImm("tirx"), kernels[role]]) if role in kernels else rx.Tuple([])
 
+        def function(role: str):
+            return kernels[role] if role in kernels else rx.op.null_value()
+
+        merges = [kernels[role] for role in ("merge_inplace", "merge_general") if role in kernels]
+
         args = [
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
                           int(layout.sliding_window), layout.layer_sliding_window_size]),
@@ -143,14 +156,14 @@ class PagedKVCache(nn.Object):
             rx.prim_value(float(layout.rope_theta)),
             rx.op.null_value(),  # rope_ext_factors
             rx.op.zeros((), layout.dtype),  # the cache's dtype and device
-            kernels["transpose_append"], rx.op.null_value(),  # MLA append
+            function("transpose_append"), function("transpose_append_mla"),
             attention("attention_prefill_ragged"), attention("attention_prefill"),
             attention("attention_decode"), attention("attention_prefill_sliding_window"),
             attention("attention_decode_sliding_window"), attention("attention_prefill_tree"),
-            attention("attention_prefill_ragged_tree"), rx.Tuple([]),  # MLA prefill
-            rx.Tuple([kernels["merge_inplace"]]),
-            kernels["split_rotary"], kernels["copy_single_page"], kernels["debug_get_kv"],
-            kernels["compact_copy"],
+            attention("attention_prefill_ragged_tree"), attention("attention_prefill_mla"),
+            rx.Tuple(merges),
+            function("split_rotary"), kernels["copy_single_page"], kernels["debug_get_kv"],
+            function("compact_copy"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
 
@@ -185,6 +198,14 @@ class PagedKVCache(nn.Object):
         b, s, hq, dqk = q.shape
         return _state_pair(_dps("cross_attention", [self._expr, layer_id, sm_scale, q.reshape(b * s, hq, dqk)._expr],
                                 _state_types(b * s, hq, v_head_dim, q.dtype)), b, s)
+
+    def append_mla_kv(self, layer_id: int, kv: nn.Tensor) -> "PagedKVCache":
+        """Write the step's latent rows ``kv (b, s, 1, kv_lora_rank + rope dim)`` of an MLA
+        layer; returns the cache (thread it on, as TVM's frontend does)."""
+        b, s, _, width = kv.shape
+        return PagedKVCache(_expr=rx.call_pure_packed(
+            "vm.builtin.attention_kv_cache_append_mla_kv", self._expr, rx.prim_value(layer_id),
+            kv.reshape(b * s, width)._expr, ty_args=rx.AnyType()), _name="paged_kv_cache")
 
     def merge_attn_output_inplace(self, o_a: nn.Tensor, lse_a: nn.Tensor, o_b: nn.Tensor,
                                   lse_b: nn.Tensor) -> Tuple[nn.Tensor, nn.Tensor]:

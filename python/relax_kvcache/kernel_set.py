@@ -21,10 +21,15 @@ class KernelSet:
     Optional roles are None when the cache was created without them. TVM's creation arguments
     have no windowed ragged kernel: with them, the new tokens of ``MHA_SLIDING`` layers use the
     plain ragged kernel (TVM's behaviour, exact while a step appends at most a window of tokens).
+
+    MLA caches use ``transpose_append_mla``, ``attention_prefill_mla`` (absorbed attention over
+    latent pages), the ragged kernel at the decompressed head dims, ``merge_inplace`` at
+    ``kv_lora_rank`` and ``merge_general`` at the decompressed v head dim; their
+    ``copy_single_page`` and ``debug_get_kv`` have the latent page layout.
     """
 
     transpose_append: Optional[Function]
-    split_rotary: Function
+    split_rotary: Optional[Function]
     copy_single_page: Function
     compact_copy: Optional[Function]
     debug_get_kv: Optional[Function]
@@ -38,6 +43,8 @@ class KernelSet:
     attention_prefill_ragged_sliding_window: Optional[Function] = None
     attention_prefill_ragged_tree: Optional[Function] = None
     attention_prefill_tree: Optional[Function] = None
+    transpose_append_mla: Optional[Function] = None
+    attention_prefill_mla: Optional[Function] = None
 
     @classmethod
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
@@ -53,7 +60,7 @@ class KernelSet:
             compact_copy=get("compact_copy"),
             debug_get_kv=get("debug_get_kv"),
             merge_inplace=merge,
-            merge_general=merge,
+            merge_general=get("merge_general") or merge,
             attention_prefill_ragged=get("attention_prefill_ragged"),
             attention_prefill=get("attention_prefill"),
             attention_decode=get("attention_decode"),
@@ -62,6 +69,8 @@ class KernelSet:
             attention_prefill_ragged_sliding_window=get("attention_prefill_ragged_sliding_window"),
             attention_prefill_ragged_tree=get("attention_prefill_ragged_tree"),
             attention_prefill_tree=get("attention_prefill_tree"),
+            transpose_append_mla=get("transpose_append_mla"),
+            attention_prefill_mla=get("attention_prefill_mla"),
         )
 
     @classmethod
@@ -73,7 +82,7 @@ class KernelSet:
                               "at least one merge_inplace function is required")
         return cls(
             transpose_append=_optional_function(args[13], 13),
-            split_rotary=_function(args[24], 24),
+            split_rotary=_optional_function(args[24], 24),
             copy_single_page=_function(args[25], 25),
             compact_copy=_optional_function(args[27], 27),
             debug_get_kv=_optional_function(args[26], 26),
@@ -86,6 +95,8 @@ class KernelSet:
             attention_decode_sliding_window=_attention(args[19], 19),
             attention_prefill_tree=_attention(args[20], 20),
             attention_prefill_ragged_tree=_attention(args[21], 21),
+            transpose_append_mla=_optional_function(args[14], 14),
+            attention_prefill_mla=_attention(args[22], 22),
         )
 
 

@@ -27,6 +27,11 @@ def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
     return list(cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross))
 
 
+def _append_mla_kv(cache: PagedAttentionKVCache, layer_id, kv):
+    cache.append_mla_kv(layer_id, kv)
+    return cache  # TVM's builtin returns the cache: the frontend threads it through
+
+
 def _unsupported(feature: str) -> Callable[..., Any]:
     def run(cache: PagedAttentionKVCache, *args: Any) -> Any:
         raise NotImplementedError(f"{feature} is not supported by relax_kvcache's PagedAttentionKVCache yet")
@@ -61,8 +66,9 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
         lambda c, seq_ids, leaf_indices: c.commit_accepted_token_tree_nodes(seq_ids, leaf_indices),
     "vm.builtin.attention_kv_cache_attention_with_shared_kv":
         lambda c, layer, scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, o, scale),
-    "vm.builtin.attention_kv_cache_append_mla_kv": _unsupported("append_mla_kv (MLA)"),
-    "vm.builtin.attention_kv_cache_debug_get_kv_mla": _unsupported("debug_get_kv_mla (MLA)"),
+    "vm.builtin.attention_kv_cache_append_mla_kv": _append_mla_kv,
+    "vm.builtin.attention_kv_cache_debug_get_kv_mla":
+        lambda c, seq_id, start, end, kv: c.debug_get_kv_mla(seq_id, start, end, kv),
     "vm.builtin.attention_kv_cache_get_checkpoint_metadata": _unsupported("checkpoint export/import"),
     "vm.builtin.attention_kv_cache_get_layout_hash": _unsupported("checkpoint export/import"),
     "vm.builtin.attention_kv_cache_export_page_group": _unsupported("checkpoint export/import"),

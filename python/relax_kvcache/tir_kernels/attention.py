@@ -556,7 +556,9 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
         raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "
                          f"got {spec}")
     if isinstance(sched, GpuSchedule):
-        raise NotImplementedError("MLA attention has a CPU schedule only so far")
+        from .attention_gpu_mla import make_paged_mla_gpu
+
+        return make_paged_mla_gpu(spec, sched)
     # All Hq heads share each latent chunk: tiles of about 32 rows, staged once per chunk.
     q_tile = max(1, 32 // Hq)
     attend_sequence = _make_attend_sequence(spec, sched, q_tile=q_tile, chunk=ps, kv_elem=latent_kv_access(spec))

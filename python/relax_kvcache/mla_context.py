@@ -1,0 +1,89 @@
+"""Chunked MLA context: the step's cached tokens in chunks of bounded size (seed 002).
+
+The compute-friendly MLA prefill attends the new tokens' decompressed queries over
+decompressed K/V. For the cached part of each sequence that means decompressing its latent rows
+(``kv_c @ W_UK``, ``kv_c @ W_UV``), whose size grows with the context. vLLM bounds it by walking
+the context in chunks of at most ``C`` rows and merging the chunks' attention states by
+log-sum-exp. :class:`ContextPlan` is that walk for one step (planned once, used by every
+layer); :class:`ContextWorkspace` holds the ``C``-row buffers, the only memory it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence, Tuple
+
+import numpy as np
+import tvm
+
+from .paging import PagingState
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextChunk:
+    """Rows ``[start, start + rows)`` of the step's concatenated context.
+
+    Attributes
+    ----------
+    rows : int
+        Latent rows in the chunk (0 only when the step has no cached context at all).
+    positions : Tensor, int32 (max(rows, 1),)
+        Page slots (``page * page_size + offset``) of the rows, sequence after sequence.
+    kv_indptr : Tensor, int32 (B + 1,)
+        Rows of each of the step's sequences in the chunk (ragged attention's ``kv_indptr``).
+    """
+
+    rows: int
+    positions: tvm.runtime.Tensor
+    kv_indptr: tvm.runtime.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextPlan:
+    """The step's cached context (the tokens of each sequence before this step) in chunks.
+
+    Attributes
+    ----------
+    chunks : tuple of ContextChunk
+        At least one chunk; each of at most ``chunk_size`` rows.
+    k_rope_pos_offset : Tensor, int32 (B,)
+        Zeros: the ragged kernel's RoPE offsets (no RoPE is applied).
+    """
+
+    chunks: Tuple[ContextChunk, ...]
+    k_rope_pos_offset: tvm.runtime.Tensor
+
+    @classmethod
+    def build(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],
+              chunk_size: int, device: tvm.runtime.Device) -> "ContextPlan":
+        """Plan the context of a step whose pages are already reserved (sequence lengths
+        include the step's tokens)."""
+        lengths = [paging.sequence_length(s) - n for s, n in zip(seq_ids, append_lengths)]
+        slots = [paging.position_map(s, 0, c) for s, c in zip(seq_ids, lengths) if c > 0]
+        positions = np.concatenate(slots).astype(np.int32) if slots else np.zeros(1, np.int32)
+        starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        total = int(starts[-1])
+        chunks = []
+        for begin in range(0, max(total, 1), chunk_size):
+            end = min(begin + chunk_size, total)
+            counts = np.clip(np.minimum(starts[1:], end) - np.maximum(starts[:-1], begin), 0, None)
+            indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            rows = max(end - begin, 0)
+            chunk_positions = positions[begin:end] if rows else positions[:1]
+            chunks.append(ContextChunk(rows, tvm.runtime.tensor(chunk_positions, device),
+                                       tvm.runtime.tensor(indptr, device)))
+        return cls(tuple(chunks), tvm.runtime.tensor(np.zeros(len(seq_ids), np.int32), device))
+
+
+class ContextWorkspace:
+    """Buffers for one chunk: latent rows ``(1, C, W)``, decompressed K ``(C, H, Dqk)`` and
+    V ``(C, H, Dv)``, and a chunk's attention output ``(n_max, H, Dv)`` (``n_max``: the
+    prefill chunk size); allocated once per head dims."""
+
+    def __init__(self, rows: int, max_tokens: int, width: int, heads: int, qk_head_dim: int, v_head_dim: int,
+                 dtype: str, device: tvm.runtime.Device) -> None:
+        self.dims = (qk_head_dim, v_head_dim)
+        self.latent = tvm.runtime.empty((1, rows, width), dtype, device)
+        self.k = tvm.runtime.empty((rows, heads, qk_head_dim), dtype, device)
+        self.v = tvm.runtime.empty((rows, heads, v_head_dim), dtype, device)
+        self.o = tvm.runtime.empty((max_tokens, heads, v_head_dim), dtype, device)
