@@ -8,13 +8,14 @@ rows (as in MQA) and v_head_dim is 512 wide, too wide for one warp's accumulator
 
 * A block is 4 warps over 16 query rows (16 heads of one token, or ``16 / Hq`` tokens of
   ``Hq < 16`` heads) and one split of the sequence's KV range (flash-decoding: splits keep the
-  GPU busy when the batch is small; a second kernel merges them by LSE).
+  GPU busy when the batch is small, as many as fill one wave of resident blocks; a second
+  kernel merges them by LSE).
 * Each KV chunk of 16 latent rows is staged once in shared memory (16-byte loads, fetched into
   registers one chunk ahead, XOR-swizzled pieces so fragment reads hit distinct banks); K and V
   are the same rows, so the chunk is read from memory once.
-* ``Q K^T`` is split over the 576 features: warp w multiplies its quarter of them (its query
-  fragments stay in registers for the whole sequence) and the four partial 16 x 16 score tiles
-  are summed through shared memory. ``P V`` is split over the output columns: warp w owns
+* ``Q K^T`` is split over the 576 features: warp w multiplies its quarter of them (query
+  tile staged once in shared memory) and the four partial 16 x 16 score tiles are summed
+  through shared memory. ``P V`` is split over the output columns: warp w owns
   columns ``[w DV/4, (w + 1) DV/4)``. Every warp keeps the (identical) softmax state of all 16
   rows, so no further exchange is needed.
 
@@ -35,6 +36,7 @@ from .spec import AttentionSpec
 ROWS = 16  # query rows of a block: one mma tile
 WARPS = 4
 KC = 16  # latent rows per chunk: one mma k-step of P V
+BLOCKS_PER_SM = 2  # resident blocks per SM (ptxas: 211 registers per thread, 40 KB shared a block)
 
 
 def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
@@ -62,6 +64,7 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
     NSPLIT = sched.decode_splits
+    RESIDENT = sched.min_blocks // 2 * BLOCKS_PER_SM  # min_blocks: two per SM
     operand = "fp16" if dtype == "float16" else "bf16"
     merge = merge_splits(spec, sched)
 
@@ -76,22 +79,23 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
         return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)
 
     def splits(tiles):
-        return T.min(NSPLIT, T.max(1, ceildiv(sched.min_blocks, tiles * NHG)))
+        """Splits per tile: as many as fit in one wave of resident blocks (a second, partial
+        wave would idle most SMs), at least one."""
+        return T.min(NSPLIT, T.max(1, RESIDENT // (tiles * NHG)))
 
     @T.macro
-    def load_q(qf, q, qo_indptr, b, tile0, nq, hg, w, g, t):
-        """This lane's A fragments of Q for the warp's k-steps (zeros for rows past nq)."""
-        for kk in T.unroll(KSW):
-            for hr in T.unroll(2):
-                for half in T.unroll(2):
-                    if (g + 8 * hr) // HG < nq:
-                        for x in T.vectorized(2):
-                            qf[kk, half * 4 + hr * 2 + x] = q[
-                                qo_indptr[b] + tile0 + (g + 8 * hr) // HG, hg * HG + (g + 8 * hr) % HG,
-                                (w * KSW + kk) * 16 + half * 8 + 2 * t + x]
-                    else:
-                        for x in T.vectorized(2):
-                            qf[kk, half * 4 + hr * 2 + x] = T.Cast(dtype, ZERO)
+    def load_q(qs, q, qo_indptr, b, tile0, nq, hg, tx):
+        """qs = the tile's 16 query rows (zeros past nq tokens), 16-byte pieces, swizzled."""
+        for it in T.unroll(ceildiv(ROWS * NVEC, NT)):
+            if it * NT + tx < ROWS * NVEC:
+                r: T.let[T.int32] = (it * NT + tx) // NVEC
+                d0: T.let[T.int32] = (it * NT + tx) % NVEC * 8
+                if r // HG < nq:
+                    for x in T.vectorized(8):
+                        qs[r, col(r, d0) + x] = q[qo_indptr[b] + tile0 + r // HG, hg * HG + r % HG, d0 + x]
+                else:
+                    for x in T.vectorized(8):
+                        qs[r, col(r, d0) + x] = T.Cast(dtype, ZERO)
 
     @T.macro
     def fetch(kreg, pages, page_indices, page0, j0, row_hi, tx):
@@ -114,13 +118,16 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                     ks[(it * NT + tx) // NVEC, col((it * NT + tx) // NVEC, (it * NT + tx) % NVEC * 8) + x] = kreg[it, x]
 
     @T.macro
-    def scores(sp, qf, ks, af, bf, sacc, w, g, t):
+    def scores(sp, qs, ks, af, bf, sacc, w, g, t):
         """sp[w] = this warp's quarter of Q K^T for the chunk (16 x 16, float32)."""
         for x in T.unroll(8):
             sacc[x] = ZERO
         for kk in T.unroll(KSW):
-            for x in T.unroll(8):  # register moves: mma operands start at offset 0
-                af[x] = qf[kk, x]
+            for hr in T.unroll(2):
+                for half in T.unroll(2):
+                    for x in T.vectorized(2):
+                        af[half * 4 + hr * 2 + x] = qs[g + 8 * hr, col(g + 8 * hr, (w * KSW + kk) * 16 + half * 8 + 2 * t)
+                                                       + x]
             for nn in T.unroll(2):
                 for x in T.vectorized(2):
                     bf[x] = ks[nn * 8 + g, col(nn * 8 + g, (w * KSW + kk) * 16 + 2 * t) + x]
@@ -225,7 +232,7 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                             ks = T.sblock_alloc_buffer((KC, W), dtype, scope="shared")
                             sp = T.sblock_alloc_buffer((WARPS, ROWS, KC), "float32", scope="shared")
                             kreg = T.sblock_alloc_buffer((K_IT, 8), dtype, scope="local")
-                            qf = T.sblock_alloc_buffer((KSW, 8), dtype, scope="local")
+                            qs = T.sblock_alloc_buffer((ROWS, W), dtype, scope="shared")
                             sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
                             sfull = T.sblock_alloc_buffer((8,), "float32", scope="local")
                             oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
@@ -251,7 +258,7 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                             c_hi: T.let[T.int32] = T.if_then_else(
                                 nq > 0, T.min(c_lo + per, ceildiv(kv_len, KC)), c_lo)
                             row_hi: T.let[T.int32] = T.min(kv_len, c_hi * KC)
-                            load_q(qf, q, qo_indptr, b, found[1], nq, bz, w, g, t)
+                            load_q(qs, q, qo_indptr, b, found[1], nq, bz, tx)
                             for hr in T.unroll(2):
                                 m2[hr] = NEG_INF
                                 l2[hr] = ZERO
@@ -265,7 +272,7 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 if c + 1 < c_hi:
                                     fetch(kreg, pages, page_indices, page_indptr[b], (c + 1) * KC, row_hi, tx)
-                                scores(sp, qf, ks, af, bf, sacc, w, g, t)
+                                scores(sp, qs, ks, af, bf, sacc, w, g, t)
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 softmax(sfull, sp, oacc, m2, l2, red, sm_scale * LOG2E, c * KC, row_hi, nq,
                                         kv_len, q_len, found[1], causal, g, t)
