@@ -55,6 +55,7 @@ def prepare(out: pathlib.Path, heads, arch: str) -> None:
     """Our kernel sets and TVM's MLA kernels for each head count, with nvcc fatbins."""
     import gpu_prepare
     import tvm.relax.frontend.nn.llm.kv_cache as kc
+    from tvm.s_tir import dlight as dl
 
     from relax_kvcache import build
     from relax_kvcache.build import _pass_config
@@ -77,8 +78,6 @@ def prepare(out: pathlib.Path, heads, arch: str) -> None:
             "debug_get_kv": kc._kv_cache_debug_get_kv_mla(1, W, "float16"),
         }
         mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
-        from tvm.s_tir import dlight as dl
-
         with target:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
         with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):

@@ -280,7 +280,6 @@ def test_builtins_and_creation_match_the_python_api(mla_kernels, kernel_build):
         "kv_state_add_sequence", "kv_state_begin_forward", "kv_state_end_forward",
         "attention_kv_cache_append_mla_kv", "attention_kv_cache_cross_attention",
         "attention_kv_cache_debug_get_kv_mla")}
-    rng = np.random.default_rng(5)
     outputs = {}
     for name, cache in (("created", created), ("direct", direct)):
         rng = np.random.default_rng(5)

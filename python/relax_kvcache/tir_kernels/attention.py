@@ -541,6 +541,29 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
     return ragged_tree_prefill
 
 
+def _cpu_mla_grid(spec: AttentionSpec, sched: Schedule):
+    """Macro running absorbed MLA attention on CPU: one parallel work item per sequence, the
+    MHA work item with the latent accessor."""
+    ps = spec.page_size
+    # All Hq heads share each latent chunk: tiles of about 32 rows, staged once per chunk.
+    attend_sequence = _make_attend_sequence(spec, sched, q_tile=max(1, 32 // spec.num_qo_heads), chunk=ps,
+                                            kv_elem=latent_kv_access(spec))
+
+    @T.macro
+    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q):
+        for b in T.parallel(B):
+            with T.sblock("work"):
+                T.reads()
+                T.writes()
+                # no RoPE and no window: the q_rope_position argument (qo_indptr here) is not read
+                attend_sequence(q, o, lse, qo_indptr, (pages, page_indices, page_indptr[b], length_info, b), 0,
+                                qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
+                                paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, False),
+                                0, causal, 0, T.float32(1), T.float32(1), sm_scale, ())
+
+    return run
+
+
 def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     """Absorbed MLA attention over latent pages (TVM's ``attention_prefill_mla`` convention).
 
@@ -556,12 +579,11 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
         raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "
                          f"got {spec}")
     if isinstance(sched, GpuSchedule):
-        from .attention_gpu_mla import make_paged_mla_gpu
+        from .attention_gpu_mla import mla_grid
 
-        return make_paged_mla_gpu(spec, sched)
-    # All Hq heads share each latent chunk: tiles of about 32 rows, staged once per chunk.
-    q_tile = max(1, 32 // Hq)
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=q_tile, chunk=ps, kv_elem=latent_kv_access(spec))
+        run = mla_grid(spec, sched)
+    else:
+        run = _cpu_mla_grid(spec, sched)
 
     @T.prim_func(s_tir=True)
     def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
@@ -584,14 +606,6 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
         length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
         o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
-        for b in T.parallel(B):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                # no RoPE and no window: the q_rope_position argument (qo_indptr here) is not read
-                attend_sequence(q, o, lse, qo_indptr, (pages, page_indices, page_indptr[b], length_info, b), 0,
-                                qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
-                                paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, False),
-                                0, causal, 0, T.float32(1), T.float32(1), sm_scale, ())
+        run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q)
 
     return paged_mla

@@ -25,10 +25,10 @@ Fragment layouts are PTX's ``mma.m16n8k16`` ones: lane ``4 g + t`` holds rows ``
 
 from __future__ import annotations
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from .attention_gpu import find_tile, merge_splits, swizzled
+from .attention_gpu_mma import mma_m16n8k16, online_fold, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -51,8 +51,9 @@ def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
                                   f"got {Hq}, {W}, {DV}")
 
 
-def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc:
-    """``paged_mla`` (TVM's ``attention_prefill_mla`` convention) for CUDA tensor cores."""
+def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
+    """Macro running absorbed MLA attention over a batch on CUDA tensor cores: the body of
+    :func:`.attention.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``)."""
     check_mla_gpu(spec, sched)
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
     HG = min(Hq, ROWS)  # heads of a row tile
@@ -65,18 +66,11 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
     K_IT = ceildiv(KC * NVEC, NT)
     NSPLIT = sched.decode_splits
     RESIDENT = sched.min_blocks // 2 * BLOCKS_PER_SM  # min_blocks: two per SM
-    operand = "fp16" if dtype == "float16" else "bf16"
     merge = merge_splits(spec, sched)
+    mma, shfl, fold = mma_m16n8k16(dtype), shfl_xor, online_fold(2, NO)
 
     def col(row, d):
         return swizzled(row, d, W)
-
-    def mma(a, b, c, c_tile):
-        return T.ptx_legacy.mma("m16n8k16", "row", "col", operand, operand, "fp32", a.data, 0, b.data, 0,
-                                c.data, c_tile * 4, False, dtype="float32")
-
-    def shfl(x, lane_mask: int):
-        return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)
 
     def splits(tiles):
         """Splits per tile: as many as fit in one wave of resident blocks (a second, partial
@@ -150,24 +144,7 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                           T.Or(causal == 0, j0 + nn * 8 + 2 * t + e % 2
                                <= kv_len - q_len + tile0 + (g + e // 2 * 8) // HG)),
                     sfull[nn * 4 + e] * scale, NEG_INF)
-        for hr in T.unroll(2):
-            red[0] = m2[hr]
-            for nn in T.unroll(2):
-                for e in T.unroll(2):
-                    red[0] = T.max(red[0], sfull[nn * 4 + hr * 2 + e])
-            red[0] = T.max(red[0], shfl(red[0], 1))
-            red[0] = T.max(red[0], shfl(red[0], 2))
-            red[1] = T.if_then_else(m2[hr] == red[0], ONE, T.exp2(m2[hr] - red[0]))
-            l2[hr] = l2[hr] * red[1]
-            for nn in T.unroll(2):
-                for e in T.unroll(2):
-                    sfull[nn * 4 + hr * 2 + e] = T.if_then_else(red[0] == NEG_INF, ZERO,
-                                                                T.exp2(sfull[nn * 4 + hr * 2 + e] - red[0]))
-                    l2[hr] = l2[hr] + sfull[nn * 4 + hr * 2 + e]
-            for nn in T.unroll(NO):
-                for e in T.unroll(2):
-                    oacc[nn * 4 + hr * 2 + e] = oacc[nn * 4 + hr * 2 + e] * red[1]
-            m2[hr] = red[0]
+        fold(sfull, oacc, m2, l2, red)
 
     @T.macro
     def pv(oacc, sfull, ks, pf, vf, w, g, t):
@@ -198,27 +175,8 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                     ws_lse[(qrow0 + (g + hr * 8) // HG) * Hq + hg * HG + (g + hr * 8) % HG, sp_id] = T.if_then_else(
                         l2[hr] > ZERO, m2[hr] + T.log2(l2[hr]), NEG_INF)
 
-    @T.prim_func(s_tir=True)
-    def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                  var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
-                  causal: T.int32, sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        P = T.int64()
-        nnz = T.int32()
-        off_qo = T.int32()
-        off_indptr = T.int32()
-        off_indices = T.int32()
-        off_len = T.int32()
-        q = T.match_buffer(var_q, (total_q, Hq, W), dtype)
-        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
-        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
-        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
-        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
-        o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
-        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+    @T.macro
+    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q):
         ws_o = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ)), DV), "float32")
         ws_lse = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ))), "float32")
         nsplit: T.let[T.int32] = splits(ceildiv(total_q, TQ))
@@ -280,4 +238,4 @@ def make_paged_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> tirx.PrimFunc
                             store(ws_o, ws_lse, oacc, m2, l2, qo_indptr[b] + found[1], by, nq, bz, w, g, t)
         merge(ws_o, ws_lse, o, lse, total_q * Hq, nsplit)
 
-    return paged_mla
+    return run

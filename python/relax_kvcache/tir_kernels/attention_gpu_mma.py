@@ -77,6 +77,55 @@ class MmaTileShape:
                             lanes=sched.lanes_for(16, D // 2), v_lanes=sched.lanes_for(16, DV))
 
 
+def mma_m16n8k16(dtype: str):
+    """``mma(a, b, c, c_tile)``: c[4 c_tile : 4 c_tile + 4] += a (16 x 16) @ b (16 x 8) in float32,
+    operands of ``dtype`` (float16 / bfloat16) in per-lane fragment buffers. a and b start at
+    offset 0: TVM may retype a vector-accessed local buffer to half2 and scale offsets with it."""
+    operand = "fp16" if dtype == "float16" else "bf16"
+
+    def mma(a, b, c, c_tile):
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", operand, operand, "fp32", a.data, 0, b.data, 0,
+                                c.data, c_tile * 4, False, dtype="float32")
+
+    return mma
+
+
+def shfl_xor(x, lane_mask: int):
+    """``x`` of the lane whose index differs from this one's by ``lane_mask`` (whole warp)."""
+    return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)
+
+
+def online_fold(ns: int, no: int):
+    """Macro folding a chunk's scores into the online-softmax state of rows g and g + 8.
+
+    ``sacc``: ``ns`` score tiles (log2 units, -inf where masked) in accumulator layout, which
+    become p = exp2(s - m); ``oacc``: ``no`` output tiles, rescaled; ``m2`` / ``l2``: the rows'
+    running max and this lane's part of their sums; ``red``: two floats of scratch.
+    """
+    @T.macro
+    def softmax(sacc, oacc, m2, l2, red):
+        for hr in T.unroll(2):
+            red[0] = m2[hr]
+            for nn in T.unroll(ns):
+                for e in T.unroll(2):
+                    red[0] = T.max(red[0], sacc[nn * 4 + hr * 2 + e])
+            red[0] = T.max(red[0], shfl_xor(red[0], 1))
+            red[0] = T.max(red[0], shfl_xor(red[0], 2))
+            red[1] = T.if_then_else(m2[hr] == red[0], ONE, T.exp2(m2[hr] - red[0]))
+            l2[hr] = l2[hr] * red[1]
+            for nn in T.unroll(ns):
+                for e in T.unroll(2):
+                    sacc[nn * 4 + hr * 2 + e] = T.if_then_else(red[0] == NEG_INF, ZERO,
+                                                               T.exp2(sacc[nn * 4 + hr * 2 + e] - red[0]))
+                    l2[hr] = l2[hr] + sacc[nn * 4 + hr * 2 + e]
+            for nn in T.unroll(no):
+                for e in T.unroll(2):
+                    oacc[nn * 4 + hr * 2 + e] = oacc[nn * 4 + hr * 2 + e] * red[1]
+            m2[hr] = red[0]
+
+    return softmax
+
+
 def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
     """The work item of one block on tensor cores (same arguments as the CUDA-core tile).
 
@@ -87,7 +136,6 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     R, TQ, KC = shape.rows, shape.q_tokens, shape.kv_chunk
     NS, NO = KC // TILE_N, DV // TILE_N  # score / output n-tiles of a warp
-    operand = "fp16" if dtype == "float16" else "bf16"
     visible, chunk_range, load_q = io.visible, io.chunk_range, io.load_q
     fetch_kv, store_kv = io.fetch_kv, io.store_kv
     KREG, VREG = io.kv_registers
@@ -98,14 +146,7 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
     def vcol(row, d):
         return swizzled(row, d, DV)
 
-    def mma(a, b, c, c_tile):
-        """c[4 c_tile : 4 c_tile + 4] += a (16 x 16) @ b (16 x 8); a and b start at offset 0:
-        TVM may retype a vector-accessed local buffer to half2 and scale offsets with it."""
-        return T.ptx_legacy.mma("m16n8k16", "row", "col", operand, operand, "fp32", a.data, 0, b.data, 0,
-                                c.data, c_tile * 4, False, dtype="float32")
-
-    def shfl(x, lane_mask: int):
-        return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)
+    mma, shfl, softmax = mma_m16n8k16(dtype), shfl_xor, online_fold(NS, NO)
 
     @T.macro
     def qk(sacc, qs, ks, af, bf, row0, g, t):
@@ -135,28 +176,6 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
                                   vis_src[6], vis_src[7] + T.min((row0 + g + e // 2 * 8) // G, nq - 1),
                                   T.min(j0 + nn * TILE_N + 2 * t + e % 2, vis_src[4] - 1))),
                     sacc[nn * 4 + e] * scale, NEG_INF)
-
-    @T.macro
-    def softmax(sacc, oacc, m2, l2, red):
-        """Fold the chunk into rows g (hr 0) and g + 8 (hr 1): sacc becomes p = exp2(s - m)."""
-        for hr in T.unroll(2):
-            red[0] = m2[hr]
-            for nn in T.unroll(NS):
-                for e in T.unroll(2):
-                    red[0] = T.max(red[0], sacc[nn * 4 + hr * 2 + e])
-            red[0] = T.max(red[0], shfl(red[0], 1))
-            red[0] = T.max(red[0], shfl(red[0], 2))
-            red[1] = T.if_then_else(m2[hr] == red[0], ONE, T.exp2(m2[hr] - red[0]))
-            l2[hr] = l2[hr] * red[1]
-            for nn in T.unroll(NS):
-                for e in T.unroll(2):
-                    sacc[nn * 4 + hr * 2 + e] = T.if_then_else(red[0] == NEG_INF, ZERO,
-                                                               T.exp2(sacc[nn * 4 + hr * 2 + e] - red[0]))
-                    l2[hr] = l2[hr] + sacc[nn * 4 + hr * 2 + e]
-            for nn in T.unroll(NO):
-                for e in T.unroll(2):
-                    oacc[nn * 4 + hr * 2 + e] = oacc[nn * 4 + hr * 2 + e] * red[1]
-            m2[hr] = red[0]
 
     @T.macro
     def pv(oacc, sacc, vs, pf, vf, g, t):
