@@ -9,9 +9,11 @@ output = softmax @ latent[:, :kv_lora_rank], base-2 LSE. Outputs are poisoned wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import ml_dtypes
+
 import numpy as np
 import pytest
 import tvm
@@ -27,6 +29,7 @@ WIDTH = LORA + ROPE
 DTYPES = ["float32", "float16"]
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 O_TOL = {"float32": 2e-3, "float16": 2e-2}
+SMALL_SHARED = 99 * 1024
 LSE_ATOL = 1e-3
 
 
@@ -44,6 +47,9 @@ def kernel_funcs(dtype: str, sched, *, attention: bool = True):
         attn = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=WIDTH, v_head_dim=LORA,
                                 dtype=dtype, page_size=PAGE)
         funcs["attention"] = tk.make_paged_mla(attn, sched)
+        if getattr(sched, "dynamic_shared_bytes", 0) > SMALL_SHARED:
+            # the 32-row tile that GPUs with less shared memory get (sm_86 / sm_89: 99 KiB)
+            funcs["attention_kc32"] = tk.make_paged_mla(attn, dataclasses.replace(sched, dynamic_shared_bytes=SMALL_SHARED))
     return {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
 
 
@@ -56,7 +62,8 @@ def mla(request):
         import gpu_kernel_libs
 
         mod = gpu_kernel_libs.load_mla(dtype, os.environ["RELAX_KVCACHE_TEST_LIBS"])
-        names = ("append", "copy", "gather") + (("attention",) if gpu_kernel_libs.mla_has_attention(dtype) else ())
+        names = ("append", "copy", "gather") + (("attention", "attention_kc32")
+                                                 if gpu_kernel_libs.mla_has_attention(dtype) else ())
         return dtype, {k: mod[k] for k in names}
     from relax_kvcache import runtime
     from relax_kvcache.tir_kernels import schedule_for
@@ -67,10 +74,12 @@ def mla(request):
     return dtype, {k: mod[k] for k in funcs}
 
 
-def _attention(kernels):
+def _attention(kernels, variant="attention"):
     if "attention" not in kernels:
         pytest.skip("GPU MLA attention runs on tensor cores: float16 / bfloat16 only")
-    return kernels["attention"]
+    if variant not in kernels:
+        pytest.skip("the 32-row GPU tile is built for CUDA targets only")
+    return kernels[variant]
 
 
 def _t(x):
@@ -114,9 +123,11 @@ def test_append_copy_gather(mla):
     np.testing.assert_array_equal(_bits(out_t.numpy()), _bits(expect_out))
 
 
+@pytest.mark.parametrize("variant", ["attention", "attention_kc32"])
 @pytest.mark.parametrize("case", ["decode", "prefill", "chunk_on_context"])
-def test_absorbed_attention(mla, case):
+def test_absorbed_attention(mla, case, variant):
     dtype, k = mla
+    kernel = _attention(k, variant)
     rng = np.random.default_rng(hash(case) % 2**32)
     batch = 3
     if case == "decode":
@@ -139,8 +150,7 @@ def test_absorbed_attention(mla, case):
     lse = _t(np.full((len(q), HEADS), np.nan, np.float32))
     sm_scale = (128 + ROPE) ** -0.5  # DeepSeek scales by the original qk head dim
     causal = int(case != "decode")
-    _attention(k)(_t(q), _t(qo_indptr), _t(pages), _t(page_indptr), _t(page_indices), _t(last_len), o, lse,
-                   causal, sm_scale)
+    kernel(_t(q), _t(qo_indptr), _t(pages), _t(page_indptr), _t(page_indices), _t(last_len), o, lse, causal, sm_scale)
     o, lse = o.numpy().astype(np.float64), lse.numpy()
     for b in range(batch):
         rows = pages[page_indices[page_indptr[b]:page_indptr[b + 1]]].reshape(-1, WIDTH)[: kv_lens[b]]

@@ -3,27 +3,38 @@
 The algorithm is the one of :func:`.attention.make_paged_mla`: every query head attends to the
 one latent head, score = q . latent row (``W = kv_lora_rank + rope dim`` features), output =
 softmax @ latent[:, :v_head_dim], folded chunk by chunk into an online-softmax state in log2
-units. MLA's shapes change the schedule: the 16 query rows of a tile all read the same latent
-rows (as in MQA) and v_head_dim is 512 wide, too wide for one warp's accumulators.
+units. MLA's shapes set the schedule: the 16 query rows of a tile all read the same latent
+rows (as in MQA), the latent rows are K and V at once, and v_head_dim (512) is too wide for
+one warp's accumulators. Decode reads the whole latent cache once, so the kernel is built to
+keep memory busy:
 
-* A block is 4 warps over 16 query rows (16 heads of one token, or ``16 / Hq`` tokens of
-  ``Hq < 16`` heads) and one split of the sequence's KV range (flash-decoding: splits keep the
-  GPU busy when the batch is small, as many as fill one wave of resident blocks; a second
-  kernel merges them by LSE).
-* Each KV chunk of 16 latent rows is staged once in shared memory (16-byte loads, fetched into
-  registers one chunk ahead, XOR-swizzled pieces so fragment reads hit distinct banks); K and V
-  are the same rows, so the chunk is read from memory once.
-* ``Q K^T`` is split over the 576 features: warp w multiplies its quarter of them (query
-  tile staged once in shared memory) and the four partial 16 x 16 score tiles are summed
-  through shared memory. ``P V`` is split over the output columns: warp w owns
-  columns ``[w DV/4, (w + 1) DV/4)``. Every warp keeps the (identical) softmax state of all 16
-  rows, so no further exchange is needed.
+* A block is 8 warps over 16 query rows (16 heads of one token, or ``16 / Hq`` tokens of
+  ``Hq < 16`` heads) and one split of the sequence's KV range (flash-decoding: as many splits
+  as fill one wave of blocks, one block per SM; a second kernel merges them by LSE).
+* KV chunks of ``kv_chunk`` latent rows (64 where shared memory allows, else 32) stream into
+  a two-stage ring of shared memory with ``cp.async`` (rows past the end zero-filled): while
+  the warps work on one chunk the next is in flight. The page lookups of a chunk are made once
+  per row into shared memory, not once per 16-byte piece. Three barriers per chunk.
+* Only chunks that reach past the end or the causal diagonal are masked; the online softmax
+  has no branches (a row with nothing visible yet subtracts 0 from -inf scores).
+* ``Q K^T``: warp ``w`` computes score columns ``[16 (w % C), 16 (w % C) + 16)`` (C = kv_chunk /
+  16 column groups) over feature slice ``w // C`` of ``8 / C``; its query fragments stay in
+  registers for the whole sequence, its K fragments come from ``ldmatrix``. The slices'
+  partial scores are summed through shared memory, after which every warp holds the whole
+  16 x kv_chunk score tile and keeps the (identical) softmax state of all 16 rows.
+* ``P V``: P goes from the score registers into the A operand; warp w owns output columns
+  ``[w DV / 8, (w + 1) DV / 8)``; its V fragments come from ``ldmatrix.trans`` of the same
+  shared rows.
+* Shared tiles are XOR-swizzled in 16-byte pieces per row (:func:`.attention_gpu.swizzled`),
+  so every ``ldmatrix`` phase and the partial-score exchange hit distinct banks.
 
 Fragment layouts are PTX's ``mma.m16n8k16`` ones: lane ``4 g + t`` holds rows ``g`` and
 ``g + 8``, columns ``2 t`` and ``2 t + 1`` of each 16 x 8 accumulator tile.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from tvm.script import tirx as T
 
@@ -34,9 +45,43 @@ from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
 ROWS = 16  # query rows of a block: one mma tile
-WARPS = 4
-KC = 16  # latent rows per chunk: one mma k-step of P V
-BLOCKS_PER_SM = 2  # resident blocks per SM (ptxas: 211 registers per thread, 40 KB shared a block)
+WARPS = 8
+NT = 32 * WARPS
+STAGES = 2  # shared-memory ring of KV chunks
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlaTile:
+    """KV rows per pipeline stage and how the warps split ``Q K^T``: ``col_groups`` groups of
+    16 score columns times ``k_slices`` feature slices (``col_groups * k_slices`` = 8 warps)."""
+
+    kv_chunk: int
+    width: int
+
+    @property
+    def col_groups(self) -> int:
+        return self.kv_chunk // 16
+
+    @property
+    def k_slices(self) -> int:
+        return WARPS // self.col_groups
+
+    def shared_bytes(self, elem_bytes: int = 2) -> int:
+        """KV ring + query tile + partial scores (float32) + the chunk's pool rows (int32)."""
+        return ((STAGES * self.kv_chunk + ROWS) * self.width * elem_bytes
+                + (self.k_slices * ROWS + 1) * self.kv_chunk * 4)
+
+    @staticmethod
+    def choose(spec: AttentionSpec, sched: GpuSchedule) -> "MlaTile":
+        """The largest chunk (64, then 32 rows) whose tile fits the target's shared memory."""
+        check_mla_gpu(spec, sched)
+        for chunk in (64, 32):
+            tile = MlaTile(kv_chunk=chunk, width=spec.qk_head_dim)
+            if tile.shared_bytes() <= sched.dynamic_shared_bytes:
+                return tile
+        raise NotImplementedError(f"GPU MLA attention: a {spec.qk_head_dim}-wide latent tile of 32 rows "
+                                  f"needs {MlaTile(kv_chunk=32, width=spec.qk_head_dim).shared_bytes()} bytes "
+                                  f"of shared memory; the target allows {sched.dynamic_shared_bytes}")
 
 
 def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
@@ -45,41 +90,48 @@ def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
     if not sched.mma or spec.dtype not in ("float16", "bfloat16"):
         raise NotImplementedError(f"GPU MLA attention runs on tensor cores: float16 / bfloat16 on CUDA sm_80+, "
                                   f"got {spec.dtype} (mma={sched.mma})")
-    if (Hq % ROWS and ROWS % Hq) or W % (16 * WARPS) or DV % (8 * WARPS):
+    if (Hq % ROWS and ROWS % Hq) or W % 64 or DV % (16 * WARPS):
         raise NotImplementedError(f"GPU MLA attention needs num_qo_heads dividing or divisible by {ROWS}, "
-                                  f"qk_head_dim a multiple of {16 * WARPS} and v_head_dim of {8 * WARPS}; "
+                                  f"qk_head_dim a multiple of 64 and v_head_dim of {16 * WARPS}; "
                                   f"got {Hq}, {W}, {DV}")
 
 
 def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     """Macro running absorbed MLA attention over a batch on CUDA tensor cores: the body of
     :func:`.attention.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``)."""
-    check_mla_gpu(spec, sched)
+    tile = MlaTile.choose(spec, sched)
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
+    KC, CG, KS = tile.kv_chunk, tile.col_groups, tile.k_slices
     HG = min(Hq, ROWS)  # heads of a row tile
     TQ, NHG = ROWS // HG, Hq // HG  # tokens of a tile, head groups
-    KSW = W // 16 // WARPS  # k-steps of Q K^T per warp
+    KSW = W // 16 // KS  # k-steps of Q K^T per warp
+    NS = KC // 8  # score n-tiles of the whole chunk
     CW = DV // WARPS  # output columns per warp
     NO = CW // 8  # output n-tiles per warp
-    NT = 32 * WARPS
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
-    NSPLIT = sched.decode_splits
-    RESIDENT = sched.min_blocks // 2 * BLOCKS_PER_SM  # min_blocks: two per SM
+    SMS = sched.min_blocks // 2  # min_blocks: two per SM; this kernel runs one block per SM
     merge = merge_splits(spec, sched)
-    mma, shfl, fold = mma_m16n8k16(dtype), shfl_xor, online_fold(2, NO)
+    mma, shfl, fold = mma_m16n8k16(dtype), shfl_xor, online_fold(NS, NO)
 
     def col(row, d):
         return swizzled(row, d, W)
 
+    def scol(row, j):
+        return swizzled(row, j, KC)
+
+    def ldmatrix(frag, at, smem, offset, *, trans: bool):
+        return T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, at, smem.access_ptr("r"), offset, dtype=dtype)
+
     def splits(tiles):
-        """Splits per tile: as many as fit in one wave of resident blocks (a second, partial
-        wave would idle most SMs), at least one."""
-        return T.min(NSPLIT, T.max(1, RESIDENT // (tiles * NHG)))
+        """Splits per tile: as many as fill one wave of blocks (a second, partial wave would
+        idle most SMs), at least one."""
+        return T.min(sched.decode_splits, T.max(1, SMS // (tiles * NHG)))
 
     @T.macro
-    def load_q(qs, q, qo_indptr, b, tile0, nq, hg, tx):
-        """qs = the tile's 16 query rows (zeros past nq tokens), 16-byte pieces, swizzled."""
+    def load_q(qs, qf, q, qo_indptr, b, tile0, nq, hg, ks, tx):
+        """qs = the tile's 16 query rows (zeros past nq tokens); qf = this warp's A fragments of
+        its feature slice ``ks``."""
         for it in T.unroll(ceildiv(ROWS * NVEC, NT)):
             if it * NT + tx < ROWS * NVEC:
                 r: T.let[T.int32] = (it * NT + tx) // NVEC
@@ -90,74 +142,92 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 else:
                     for x in T.vectorized(8):
                         qs[r, col(r, d0) + x] = T.Cast(dtype, ZERO)
+        T.evaluate(T.tvm_storage_sync("shared"))
+        for kk in T.unroll(KSW):
+            # matrices: rows 0-7 / 8-15 x features lo / hi of the k-step (lane 8 m + i: row i of m)
+            T.evaluate(ldmatrix(qf, kk * 8, qs, tx % 32 % 16 * W + col(tx % 32 % 16, (ks * KSW + kk) * 16
+                                                                         + tx % 32 // 16 * 8), trans=False))
 
     @T.macro
-    def fetch(kreg, pages, page_indices, page0, j0, row_hi, tx):
-        """Registers of this thread's 16-byte pieces of latent rows j0 .. j0 + KC (zeros at and
-        past row_hi)."""
-        for it in T.unroll(K_IT):
-            if T.And(it * NT + tx < KC * NVEC, j0 + (it * NT + tx) // NVEC < row_hi):
-                for x in T.vectorized(8):
-                    kreg[it, x] = pages[page_indices[page0 + (j0 + (it * NT + tx) // NVEC) // ps],
-                                        (j0 + (it * NT + tx) // NVEC) % ps, (it * NT + tx) % NVEC * 8 + x]
-            else:
-                for x in T.vectorized(8):
-                    kreg[it, x] = T.Cast(dtype, ZERO)
+    def plan_rows(rows, page_indices, page0, j0, row_hi, tx):
+        """rows[r] = pool row (page * page_size + slot) of latent row j0 + r (of row_hi - 1 past
+        the end; nothing for a chunk past the end): the page lookups of a chunk, once per row
+        instead of once per 16-byte piece."""
+        if T.And(tx < KC, j0 < row_hi):
+            j: T.let[T.int32] = T.min(j0 + tx, row_hi - 1)
+            rows[tx] = page_indices[page0 + j // ps] * ps + j % ps
 
     @T.macro
-    def stage(ks, kreg, tx):
+    def issue(kv, pages, rows, stage, j0, row_hi, tx):
+        """Start copying latent rows j0 .. j0 + KC (pool rows ``rows``) into ring stage ``stage``
+        (zeros at and past row_hi) and close the copy group."""
         for it in T.unroll(K_IT):
             if it * NT + tx < KC * NVEC:
-                for x in T.vectorized(8):
-                    ks[(it * NT + tx) // NVEC, col((it * NT + tx) // NVEC, (it * NT + tx) % NVEC * 8) + x] = kreg[it, x]
+                r: T.let[T.int32] = (it * NT + tx) // NVEC
+                p: T.let[T.int32] = (it * NT + tx) % NVEC
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    kv.ptr_to([stage, r, col(r, p * 8)]), pages.ptr_to([rows[r] // ps, rows[r] % ps, p * 8]), 16,
+                    T.Cast("uint32", T.if_then_else(j0 + r < row_hi, 16, 0))))
+        T.evaluate(T.ptx["cp.async.commit_group"]())
 
     @T.macro
-    def scores(sp, qs, ks, af, bf, sacc, w, g, t):
-        """sp[w] = this warp's quarter of Q K^T for the chunk (16 x 16, float32)."""
+    def scores(sp, qf, kv, stage, bf, sacc, ks, cg, tx):
+        """sp[ks] = Q K^T of score columns [16 cg, 16 cg + 16) over feature slice ks (float32)."""
         for x in T.unroll(8):
             sacc[x] = ZERO
         for kk in T.unroll(KSW):
-            for hr in T.unroll(2):
-                for half in T.unroll(2):
-                    for x in T.vectorized(2):
-                        af[half * 4 + hr * 2 + x] = qs[g + 8 * hr, col(g + 8 * hr, (w * KSW + kk) * 16 + half * 8 + 2 * t)
-                                                       + x]
-            for nn in T.unroll(2):
-                for x in T.vectorized(2):
-                    bf[x] = ks[nn * 8 + g, col(nn * 8 + g, (w * KSW + kk) * 16 + 2 * t) + x]
-                    bf[2 + x] = ks[nn * 8 + g, col(nn * 8 + g, (w * KSW + kk) * 16 + 8 + 2 * t) + x]
-                T.evaluate(mma(af, bf, sacc, nn))
+            # matrices: rows 0-7 of the group x features lo / hi, rows 8-15 x lo / hi
+            T.evaluate(ldmatrix(bf, 0, kv, (stage * KC + cg * 16 + tx % 32 // 16 * 8 + tx % 8) * W
+                                + col(cg * 16 + tx % 32 // 16 * 8 + tx % 8,
+                                      (ks * KSW + kk) * 16 + tx % 16 // 8 * 8), trans=False))
+            T.evaluate(mma(qf, bf, sacc, 0, a_at=kk * 8, b_at=0))
+            T.evaluate(mma(qf, bf, sacc, 1, a_at=kk * 8, b_at=4))
         for nn in T.unroll(2):
             for e in T.unroll(4):
-                sp[w, g + e // 2 * 8, nn * 8 + 2 * t + e % 2] = sacc[nn * 4 + e]
+                sp[ks, tx % 32 // 4 + e // 2 * 8,
+                   scol(tx % 32 // 4 + e // 2 * 8, cg * 16 + nn * 8 + tx % 4 * 2 + e % 2)] = sacc[nn * 4 + e]
 
     @T.macro
-    def softmax(sfull, sp, oacc, m2, l2, red, scale, j0, row_hi, nq, kv_len, q_len, tile0, causal, g, t):
-        """Sum the partial scores, mask, and fold the chunk into rows g and g + 8."""
-        for nn in T.unroll(2):
-            for e in T.unroll(4):
-                sfull[nn * 4 + e] = sp[0, g + e // 2 * 8, nn * 8 + 2 * t + e % 2] + \
-                    sp[1, g + e // 2 * 8, nn * 8 + 2 * t + e % 2] + sp[2, g + e // 2 * 8, nn * 8 + 2 * t + e % 2] + \
-                    sp[3, g + e // 2 * 8, nn * 8 + 2 * t + e % 2]
-                sfull[nn * 4 + e] = T.if_then_else(
-                    T.And(T.And(j0 + nn * 8 + 2 * t + e % 2 < row_hi, (g + e // 2 * 8) // HG < nq),
-                          T.Or(causal == 0, j0 + nn * 8 + 2 * t + e % 2
-                               <= kv_len - q_len + tile0 + (g + e // 2 * 8) // HG)),
-                    sfull[nn * 4 + e] * scale, NEG_INF)
+    def softmax(sfull, sp, oacc, m2, l2, red, scale, j0, row_hi, kv_len, q_len, tile0, causal, g, t):
+        """Sum the partial scores, scale, mask (only in chunks that reach past row_hi or the
+        causal diagonal of the tile's first token), and fold the chunk into rows g and g + 8.
+        Rows past the tile's tokens are not masked: their queries are zeros, their outputs
+        never stored."""
+        for nn in T.unroll(NS):
+            for hr in T.unroll(2):
+                for x in T.vectorized(2):
+                    sfull[nn * 4 + hr * 2 + x] = sp[0, g + hr * 8, scol(g + hr * 8, nn * 8 + 2 * t) + x]
+                for s in T.unroll(1, KS):
+                    for x in T.vectorized(2):
+                        sfull[nn * 4 + hr * 2 + x] = sfull[nn * 4 + hr * 2 + x] + \
+                            sp[s, g + hr * 8, scol(g + hr * 8, nn * 8 + 2 * t) + x]
+        if T.Or(j0 + KC > row_hi, T.And(causal != 0, j0 + KC - 1 > kv_len - q_len + tile0)):
+            for nn in T.unroll(NS):
+                for e in T.unroll(4):
+                    sfull[nn * 4 + e] = T.if_then_else(
+                        T.And(j0 + nn * 8 + 2 * t + e % 2 < row_hi,
+                              T.Or(causal == 0, j0 + nn * 8 + 2 * t + e % 2
+                                   <= kv_len - q_len + tile0 + (g + e // 2 * 8) // HG)),
+                        sfull[nn * 4 + e] * scale, NEG_INF)
+        else:
+            for x in T.unroll(NS * 4):
+                sfull[x] = sfull[x] * scale
         fold(sfull, oacc, m2, l2, red)
 
     @T.macro
-    def pv(oacc, sfull, ks, pf, vf, w, g, t):
-        """oacc += P (16 x 16) @ V_chunk[:, this warp's columns]."""
-        for e in T.unroll(4):
-            pf[e] = T.Cast(dtype, sfull[e])
-            pf[4 + e] = T.Cast(dtype, sfull[4 + e])
-        for nn in T.unroll(NO):
-            vf[0] = ks[2 * t, col(2 * t, w * CW + nn * 8 + g)]
-            vf[1] = ks[2 * t + 1, col(2 * t + 1, w * CW + nn * 8 + g)]
-            vf[2] = ks[8 + 2 * t, col(8 + 2 * t, w * CW + nn * 8 + g)]
-            vf[3] = ks[9 + 2 * t, col(9 + 2 * t, w * CW + nn * 8 + g)]
-            T.evaluate(mma(pf, vf, oacc, nn))
+    def pv(oacc, sfull, kv, stage, pf, vf, w, tx):
+        """oacc += P (16 x KC) @ V_chunk[:, this warp's columns]."""
+        for kk in T.unroll(KC // 16):
+            for e in T.unroll(4):
+                pf[e] = T.Cast(dtype, sfull[2 * kk * 4 + e])
+                pf[4 + e] = T.Cast(dtype, sfull[(2 * kk + 1) * 4 + e])
+            for pair in T.unroll(NO // 2):
+                # matrices: rows lo / hi of the k-step x columns of n-tile 2 pair, then 2 pair + 1
+                T.evaluate(ldmatrix(vf, 0, kv, (stage * KC + kk * 16 + tx % 16 // 8 * 8 + tx % 8) * W
+                                    + col(kk * 16 + tx % 16 // 8 * 8 + tx % 8,
+                                          w * CW + pair * 16 + tx % 32 // 16 * 8), trans=True))
+                T.evaluate(mma(pf, vf, oacc, 2 * pair, b_at=0))
+                T.evaluate(mma(pf, vf, oacc, 2 * pair + 1, b_at=4))
 
     @T.macro
     def store(ws_o, ws_lse, oacc, m2, l2, qrow0, sp_id, nq, hg, w, g, t):
@@ -187,55 +257,68 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                         with T.sblock("work"):
                             T.reads()
                             T.writes()
-                            ks = T.sblock_alloc_buffer((KC, W), dtype, scope="shared")
-                            sp = T.sblock_alloc_buffer((WARPS, ROWS, KC), "float32", scope="shared")
-                            kreg = T.sblock_alloc_buffer((K_IT, 8), dtype, scope="local")
-                            qs = T.sblock_alloc_buffer((ROWS, W), dtype, scope="shared")
-                            sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
-                            sfull = T.sblock_alloc_buffer((8,), "float32", scope="local")
-                            oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
-                            af = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            bf = T.sblock_alloc_buffer((4,), dtype, scope="local")
+                            kv = T.sblock_alloc_buffer((STAGES, KC, W), dtype, scope="shared.dyn")
+                            qs = T.sblock_alloc_buffer((ROWS, W), dtype, scope="shared.dyn")
+                            sp = T.sblock_alloc_buffer((KS, ROWS, KC), "float32", scope="shared.dyn")
+                            rows = T.sblock_alloc_buffer((KC,), "int32", scope="shared.dyn")
+                            qf = T.sblock_alloc_buffer((KSW * 8,), dtype, scope="local")
+                            bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                            vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
                             pf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            vf = T.sblock_alloc_buffer((4,), dtype, scope="local")
+                            sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
+                            sfull = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
+                            oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
                             m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
                             l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
                             red = T.sblock_alloc_buffer((2,), "float32", scope="local")
                             found = T.sblock_alloc_buffer((3,), "int32", scope="local")
                             find_tile(qo_indptr, B, bx, TQ, found)
-                            b: T.let[T.int32] = T.max(found[0], 0)
-                            w: T.let[T.int32] = tx // 32
-                            g: T.let[T.int32] = tx % 32 // 4
-                            t: T.let[T.int32] = tx % 4
-                            q_len: T.let[T.int32] = qo_indptr[b + 1] - qo_indptr[b]
-                            nq: T.let[T.int32] = T.if_then_else(found[0] >= 0, T.min(TQ, q_len - found[1]), 0)
-                            kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps,
-                                                                  length_info, b, False)
-                            per: T.let[T.int32] = ceildiv(ceildiv(kv_len, KC), nsplit)
-                            c_lo: T.let[T.int32] = T.min(by * per, ceildiv(kv_len, KC))
-                            c_hi: T.let[T.int32] = T.if_then_else(
-                                nq > 0, T.min(c_lo + per, ceildiv(kv_len, KC)), c_lo)
-                            row_hi: T.let[T.int32] = T.min(kv_len, c_hi * KC)
-                            load_q(qs, q, qo_indptr, b, found[1], nq, bz, tx)
-                            for hr in T.unroll(2):
-                                m2[hr] = NEG_INF
-                                l2[hr] = ZERO
-                            for x in T.unroll(NO * 4):
-                                oacc[x] = ZERO
-                            if c_lo < c_hi:
-                                fetch(kreg, pages, page_indices, page_indptr[b], c_lo * KC, row_hi, tx)
-                            for c in T.serial(c_lo, T.max(c_hi, c_lo)):
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                stage(ks, kreg, tx)
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                if c + 1 < c_hi:
-                                    fetch(kreg, pages, page_indices, page_indptr[b], (c + 1) * KC, row_hi, tx)
-                                scores(sp, qs, ks, af, bf, sacc, w, g, t)
-                                T.evaluate(T.tvm_storage_sync("shared"))
-                                softmax(sfull, sp, oacc, m2, l2, red, sm_scale * LOG2E, c * KC, row_hi, nq,
-                                        kv_len, q_len, found[1], causal, g, t)
-                                pv(oacc, sfull, ks, pf, vf, w, g, t)
-                            store(ws_o, ws_lse, oacc, m2, l2, qo_indptr[b] + found[1], by, nq, bz, w, g, t)
+                            # blocks past the last tile have nothing to do; a loop of 0 / 1 trips rather
+                            # than an `if`: TVM plans no barriers inside conditions, and its shared-memory
+                            # merge wants the tile's bindings in a scope of their own
+                            for _tile in T.serial(T.if_then_else(found[0] >= 0, 1, 0)):
+                                b: T.let[T.int32] = found[0]
+                                w: T.let[T.int32] = tx // 32
+                                g: T.let[T.int32] = tx % 32 // 4
+                                t: T.let[T.int32] = tx % 4
+                                q_len: T.let[T.int32] = qo_indptr[b + 1] - qo_indptr[b]
+                                nq: T.let[T.int32] = T.min(TQ, q_len - found[1])
+                                kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps,
+                                                                      length_info, b, False)
+                                per: T.let[T.int32] = ceildiv(ceildiv(kv_len, KC), nsplit)
+                                c_lo: T.let[T.int32] = T.min(by * per, ceildiv(kv_len, KC))
+                                c_hi: T.let[T.int32] = T.if_then_else(
+                                    nq > 0, T.min(c_lo + per, ceildiv(kv_len, KC)), c_lo)
+                                row_hi: T.let[T.int32] = T.min(kv_len, c_hi * KC)
+                                for s in T.unroll(STAGES):
+                                    plan_rows(rows, page_indices, page_indptr[b], (c_lo + s) * KC, row_hi, tx)
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                    if c_lo + s < c_hi:
+                                        issue(kv, pages, rows, s, (c_lo + s) * KC, row_hi, tx)
+                                    else:
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                load_q(qs, qf, q, qo_indptr, b, found[1], nq, bz, w // CG, tx)
+                                for hr in T.unroll(2):
+                                    m2[hr] = NEG_INF
+                                    l2[hr] = ZERO
+                                for x in T.unroll(NO * 4):
+                                    oacc[x] = ZERO
+                                for c in T.serial(c_lo, T.max(c_hi, c_lo)):
+                                    T.evaluate(T.ptx["cp.async.wait_group"](STAGES - 1))
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                    scores(sp, qf, kv, (c - c_lo) % STAGES, bf, sacc, w // CG, w % CG, tx)
+                                    plan_rows(rows, page_indices, page_indptr[b], (c + STAGES) * KC, row_hi, tx)
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                    softmax(sfull, sp, oacc, m2, l2, red, sm_scale * LOG2E, c * KC, row_hi,
+                                            kv_len, q_len, found[1], causal, g, t)
+                                    pv(oacc, sfull, kv, (c - c_lo) % STAGES, pf, vf, w, tx)
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                    if c + STAGES < c_hi:
+                                        issue(kv, pages, rows, (c - c_lo) % STAGES, (c + STAGES) * KC, row_hi, tx)
+                                    else:
+                                        T.evaluate(T.ptx["cp.async.commit_group"]())
+                                store(ws_o, ws_lse, oacc, m2, l2, qo_indptr[b] + found[1], by, nq, bz, w, g, t)
         merge(ws_o, ws_lse, o, lse, total_q * Hq, nsplit)
 
     return run

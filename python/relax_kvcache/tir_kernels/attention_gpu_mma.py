@@ -78,13 +78,15 @@ class MmaTileShape:
 
 
 def mma_m16n8k16(dtype: str):
-    """``mma(a, b, c, c_tile)``: c[4 c_tile : 4 c_tile + 4] += a (16 x 16) @ b (16 x 8) in float32,
-    operands of ``dtype`` (float16 / bfloat16) in per-lane fragment buffers. a and b start at
-    offset 0: TVM may retype a vector-accessed local buffer to half2 and scale offsets with it."""
+    """``mma(a, b, c, c_tile, a_at=0, b_at=0)``: c[4 c_tile : 4 c_tile + 4] += a (16 x 16) @ b
+    (16 x 8) in float32, operands of ``dtype`` (float16 / bfloat16) in per-lane fragment buffers
+    starting at elements ``a_at`` / ``b_at``. Offsets other than 0 are for fragments that are
+    only written through pointers (``ldmatrix``): TVM may retype a vector-accessed local buffer
+    to half2 and scale offsets with it."""
     operand = "fp16" if dtype == "float16" else "bf16"
 
-    def mma(a, b, c, c_tile):
-        return T.ptx_legacy.mma("m16n8k16", "row", "col", operand, operand, "fp32", a.data, 0, b.data, 0,
+    def mma(a, b, c, c_tile, a_at=0, b_at=0):
+        return T.ptx_legacy.mma("m16n8k16", "row", "col", operand, operand, "fp32", a.data, a_at, b.data, b_at,
                                 c.data, c_tile * 4, False, dtype="float32")
 
     return mma
@@ -111,12 +113,14 @@ def online_fold(ns: int, no: int):
                     red[0] = T.max(red[0], sacc[nn * 4 + hr * 2 + e])
             red[0] = T.max(red[0], shfl_xor(red[0], 1))
             red[0] = T.max(red[0], shfl_xor(red[0], 2))
-            red[1] = T.if_then_else(m2[hr] == red[0], ONE, T.exp2(m2[hr] - red[0]))
+            # a row with nothing visible yet has max -inf; it subtracts 0 instead, so that
+            # exp2(-inf) = 0 comes out without a branch
+            red[1] = T.exp2(m2[hr] - T.if_then_else(red[0] == NEG_INF, ZERO, red[0]))
             l2[hr] = l2[hr] * red[1]
             for nn in T.unroll(ns):
                 for e in T.unroll(2):
-                    sacc[nn * 4 + hr * 2 + e] = T.if_then_else(red[0] == NEG_INF, ZERO,
-                                                               T.exp2(sacc[nn * 4 + hr * 2 + e] - red[0]))
+                    sacc[nn * 4 + hr * 2 + e] = T.exp2(sacc[nn * 4 + hr * 2 + e]
+                                                       - T.if_then_else(red[0] == NEG_INF, ZERO, red[0]))
                     l2[hr] = l2[hr] + sacc[nn * 4 + hr * 2 + e]
             for nn in T.unroll(no):
                 for e in T.unroll(2):

@@ -72,6 +72,10 @@ class GpuSchedule:
         Most elements of one vector type (Metal and WebGPU have no 8-lane vectors).
     shared_bytes : int
         Shared (workgroup) memory one attention block may use, with room to spare.
+    dynamic_shared_bytes : int
+        Shared memory a block may use when it opts in to a larger dynamic allocation (CUDA:
+        227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on other sm_8x / sm_12x);
+        0 where no kernel opts in.
     warp_shuffle : bool
         Whether the kernels exchange registers between the threads of a warp (CUDA's
         ``__shfl_xor_sync``; TVM 0.27 lowers the intrinsic for CUDA only); otherwise cross-lane
@@ -91,6 +95,7 @@ class GpuSchedule:
     warp_size: int = 32
     max_lanes: int = 8
     shared_bytes: int = 46 * 1024
+    dynamic_shared_bytes: int = 0
     warp_shuffle: bool = True
     mma: bool = False
 
@@ -118,7 +123,8 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
         small = kind in ("metal", "webgpu", "opencl", "vulkan")
         return GpuSchedule(warp_size=warp, max_lanes=4 if kind in ("metal", "webgpu") else 8,
                            shared_bytes=(30 if small else 46) * 1024, warp_shuffle=kind == "cuda",
-                           mma=kind == "cuda" and _sm_version(target) >= 80)
+                           mma=kind == "cuda" and _sm_version(target) >= 80,
+                           dynamic_shared_bytes=_dynamic_shared_bytes(target))
     if kind != "llvm":
         raise NotImplementedError(
             f"relax_kvcache kernels are scheduled for llvm (CPU) and GPU targets {GPU_TARGET_KINDS}; "
@@ -128,6 +134,19 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
     mattr = [str(a) for a in attrs["mattr"]] if "mattr" in attrs else []
     avx512 = any("avx512f" in a for a in mattr) or mcpu in _AVX512_CPUS
     return CpuSchedule(vector_lanes=16 if avx512 else 8)
+
+
+def _dynamic_shared_bytes(target: tvm.target.Target) -> int:
+    """Opt-in shared memory per block of a CUDA target (CUDA programming guide, table of
+    technical specifications per compute capability); 0 for other targets and pre-sm_80."""
+    if target.kind.name != "cuda":
+        return 0
+    sm = _sm_version(target)
+    if sm in (80, 87):
+        return 163 * 1024
+    if sm in (90, 100, 101, 103, 110):
+        return 227 * 1024
+    return 99 * 1024 if sm >= 80 else 0
 
 
 def _sm_version(target: tvm.target.Target) -> int:
