@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import tvm
 
 import relax_kvcache as rk
+from cache_snapshot import assert_same as _assert_same, snapshot as _snapshot
 
 CFG = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8, max_num_seqs=8,
                        max_total_seq_len=200, prefill_chunk_size=64, rope_mode=rk.RopeMode.NORMAL, dtype="float32")
@@ -33,27 +35,6 @@ def _step(cache, rng, seq_ids, lengths):
         qkv = tvm.runtime.tensor(rng.standard_normal((n, 8, 32)).astype("float32"))
         cache.attention_with_fused_qkv(layer, qkv, tvm.runtime.empty((n, 4, 32), "float32"), 0.2)
     cache.end_forward()
-
-
-def _snapshot(cache):
-    contents = {}
-    for seq in cache._paging.seq_ids():
-        length = cache.get_sequence_length(seq)
-        if length:
-            k = tvm.runtime.empty((2, length, 2, 32), "float32")
-            v = tvm.runtime.empty((2, length, 2, 32), "float32")
-            cache.debug_get_kv(seq, 0, length, k, v)
-            contents[seq] = (k.numpy(), v.numpy())
-    return cache._paging.debug_snapshot(), cache._step is not None, contents
-
-
-def _assert_same(before, after):
-    assert before[0] == after[0], "paging state changed"
-    assert before[1] == after[1], "forward-step state changed"
-    assert before[2].keys() == after[2].keys()
-    for seq in before[2]:
-        for a, b in zip(before[2][seq], after[2][seq]):
-            np.testing.assert_array_equal(a, b)
 
 
 def _t(shape, dtype="float32"):
@@ -240,3 +221,99 @@ def test_mla_config_without_its_head_dims_cannot_build_kernels():
                            attn_kinds=[rk.AttnKind.MLA])
     with pytest.raises(rk.errors.ConfigError, match="mla_original_qk_head_dim"):
         rk.PagedAttentionKVCache(cfg, tvm.cpu())
+
+
+# ----------------------------------------------------------------- regressions found by test_property
+
+SLIDING_CFG = dataclasses.replace(CFG, support_sliding_window=True)
+
+
+def test_step_that_slides_every_new_token_out_succeeds():
+    """A window equal to the sequence's unslidable prefix keeps none of a step's tokens; when the
+    step fills whole pages, the last block ends with no page at all. begin_forward used to reserve
+    the pages, then crash with an IndexError building the append slots (cache left changed)."""
+    cache = rk.PagedAttentionKVCache(SLIDING_CFG, tvm.cpu())
+    rng = np.random.default_rng(7)
+    cache.add_sequence(0)
+    _step(cache, rng, [0], [16])
+    cache.fork_sequence(0, 1, 16)  # at the aligned end: sequence 0 gets an empty last block
+    cache.enable_sliding_window_for_seq(0, 16, 0)  # the 16-token prefix cannot slide: it is the sink
+    before = _snapshot(cache).contents
+    _step(cache, rng, [0], [CFG.page_size])  # all new tokens slide out at once
+    assert cache.get_sequence_length(0) == 16
+    after = _snapshot(cache).contents  # the kept tokens are the prefix, untouched
+    for seq in before:
+        for a, b in zip(before[seq], after[seq]):
+            np.testing.assert_array_equal(a, b)
+    _step(cache, rng, [0, 1], [1, 1])
+
+
+def test_failed_sliding_reservation_keeps_the_paging_version():
+    """A batch that cannot be reserved while windows slide used to bump the paging state's version
+    (which invalidates decode lanes) before raising; a failed request changes nothing."""
+    cache = rk.PagedAttentionKVCache(SLIDING_CFG, tvm.cpu())
+    rng = np.random.default_rng(8)
+    cache.add_sequence(0)
+    cache.add_sequence(1)
+    cache.enable_sliding_window_for_seq(0, 8, 2)
+    while cache.get_num_available_pages() * CFG.page_size > CFG.prefill_chunk_size:
+        _step(cache, rng, [1], [CFG.prefill_chunk_size])
+    before, version = _snapshot(cache), cache._paging.version
+    with pytest.raises(rk.CacheFullError):
+        cache.begin_forward([0, 1], [1, CFG.prefill_chunk_size - 1])
+    _assert_same(before, _snapshot(cache))
+    assert cache._paging.version == version
+
+
+def test_commit_failing_on_a_later_sequence_changes_nothing(cache):
+    """commit_accepted_token_tree_nodes is check-then-mutate across sequences: a pop that fails on
+    a later sequence (its last step's tokens were popped since) must not leave earlier sequences
+    popped (regression: the earlier sequences were popped before the later one raised)."""
+    rng = np.random.default_rng(3)
+    cache.add_sequence(2)
+    _step(cache, rng, [2], [6])
+    cache.popn(2, 5)  # length 1, but its last step appended 6
+    before = _snapshot(cache, pages=True)
+    with pytest.raises(rk.SequenceError, match="cannot pop 6"):
+        cache.commit_accepted_token_tree_nodes([1, 2], [-1, -1])
+    _assert_same(before, _snapshot(cache, pages=True))
+    # A tree with a non-chain accepted path (compaction) followed by a failing pop: no move either.
+    _step_tree = lambda seq, parents: (cache.begin_forward([seq], [len(parents)], parents),  # noqa: E731
+                                       [cache.attention_with_fused_qkv(l, _t((len(parents), 8, 32)),
+                                                                       tvm.runtime.empty((len(parents), 4, 32), "float32"),
+                                                                       0.2) for l in range(CFG.num_layers)],
+                                       cache.end_forward())
+    _step_tree(0, [-1, -1, 1])
+    before = _snapshot(cache, pages=True)
+    with pytest.raises(rk.SequenceError):
+        cache.commit_accepted_token_tree_nodes([0, 2], [2, -1])
+    _assert_same(before, _snapshot(cache, pages=True))
+    cache.commit_accepted_token_tree_nodes([0], [2])
+    assert cache.get_sequence_length(0) == 23
+    # A sequence committed without a pop (its tree cleared) before a later one fails: nothing changes.
+    _step_tree(0, [-1])
+    before = _snapshot(cache, pages=True)
+    with pytest.raises(rk.SequenceError, match="cannot pop"):
+        cache.commit_accepted_token_tree_nodes([0, 2], [0, -1])
+    _assert_same(before, _snapshot(cache, pages=True))
+    assert not cache._paging.sequence(0).accepted_indices_committed
+
+
+def test_commit_popping_into_a_shared_prefix_copies_the_partial_page(cache):
+    """A commit that pops into a shared prefix re-forks the sequence (popn semantics); the partial
+    page of the re-fork must be copied (regression: commit dropped popn's page copies, leaving the
+    re-forked sequence's last page unwritten)."""
+    rng = np.random.default_rng(5)
+    cache.fork_sequence(0, 2, 16)  # shares two whole pages with sequence 0
+    _step(cache, rng, [0], [3])    # sequence 0: length 24, last step appended 3
+    cache.popn(0, 7)               # length 17: the last step's tokens reach back into the shared pages
+    k = tvm.runtime.empty((2, 17, 2, 32), "float32")
+    v = tvm.runtime.empty((2, 17, 2, 32), "float32")
+    cache.debug_get_kv(0, 0, 17, k, v)
+    expected_k, expected_v = k.numpy()[:, :14], v.numpy()[:, :14]
+    cache.commit_accepted_token_tree_nodes([0], [-1])  # pops the last step's 3 tokens: into the share
+    assert cache.get_sequence_length(0) == 14
+    k, v = tvm.runtime.empty((2, 14, 2, 32), "float32"), tvm.runtime.empty((2, 14, 2, 32), "float32")
+    cache.debug_get_kv(0, 0, 14, k, v)
+    np.testing.assert_array_equal(k.numpy(), expected_k)
+    np.testing.assert_array_equal(v.numpy(), expected_v)

@@ -646,9 +646,10 @@ def test_popn_on_slid_window():
     assert state.popn(0, 3) == []
     assert window_of(state, 0) == ([0, 2, 3], 7, 2, 5, 7) and free_top(state, 1) == [4]
     assert pm(state, 0) == [0, 1] + arange(9, 14)
-    state.popn(0, 5)  # down to the sink: the offset stays
-    assert window_of(state, 0) == ([0, 2], 2, 2, 5, 2) and pm(state, 0) == [0, 1]
-    state.popn(0, 1)  # into the sink: the block is unslid, its page 0 keeps token 0
+    state.popn(0, 5)  # down to the sink: only sink tokens are left, the block is unslid
+    assert window_of(state, 0) == ([0], 2, 0, 0, 2) and free_top(state, 2) == [3, 2]
+    assert pm(state, 0) == [0, 1]
+    state.popn(0, 1)  # a plain pop now: page 0 keeps token 0
     assert window_of(state, 0) == ([0], 1, 0, 0, 1) and free_top(state, 2) == [3, 2]
     assert pm(state, 0) == [0]
     state.reserve_append([0], [13])  # grows from slot 1 again, then pins the sink anew

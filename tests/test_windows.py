@@ -188,3 +188,44 @@ def test_fork_outside_sink_and_windows_without_support_raise():
     plain.add_sequence(0)
     with pytest.raises(rk.KVCacheError, match="support_sliding_window"):
         plain.enable_sliding_window_for_seq(0, 20, 6)
+
+
+def test_slid_window_behind_two_prefix_blocks_attends_over_kept_tokens():
+    """A windowed sequence with two prefix blocks before its slid last block: the deepest level
+    attends over a chain of blocks, where the last block's sink and window offset must count from
+    the chain's start (they were applied to the chain's first page, dropping prefix tokens)."""
+    cfg = _seq_window_config(page_size=8)
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(6))
+    h.add(0)
+    h.step([(0, 16)])
+    h.fork(0, 1, 8)    # splits sequence 0's block: [0, 8) shared, [8, 16) its own
+    h.fork(0, 2, 16)   # at the aligned end: sequence 0 gets a third, empty block
+    h.cache.enable_sliding_window_for_seq(0, 24, 16)  # the sink is the 16-token prefix
+    h.ref.enable_window(0, 24, 16)
+    h.step([(0, 8)])
+    h.step([(0, 3)])   # slides: keeps tokens [0, 16) and the last 8
+    for _ in range(3):
+        h.step([(0, 1), (1, 2)])
+    h.step([(0, 5), (2, 1)])
+    h.check_contents()
+
+
+def test_fork_after_popping_a_slid_window_down_to_its_sink():
+    """Popping a slid block down to exactly its sink, then forking at the end, turns the block
+    into a prefix block. It used to stay slid (window offset, a page past its tokens), and a
+    chain of blocks at the deepest level then read that page as tokens."""
+    cfg = _seq_window_config(page_size=8, rope_mode=rk.RopeMode.NONE)
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(9))
+    h.add(0)
+    h.step([(0, 8)])
+    h.fork(0, 9, 8)    # sequence 0 gets a second, empty block at 8
+    h.cache.enable_sliding_window_for_seq(0, 20, 16)  # last-block sink: 8 tokens
+    h.ref.enable_window(0, 20, 16)
+    h.step([(0, 16)])  # 24 > 20: the last block slides (sink 8, window offset 12)
+    h.popn(0, 4)       # 20 -> 16: only the sink is left in the last block
+    h.fork(0, 1, -1)   # at the aligned end: the last block becomes a prefix block
+    h.step([(0, 8), (1, 3)])
+    h.step([(0, 1), (1, 1)])
+    h.check_contents()
+    block = h.cache._paging.trace_blocks(0)[1]
+    assert (block.sink_length, block.sliding_window_offset, len(block.page_ids)) == (0, 0, 1)

@@ -14,6 +14,7 @@ from .build import KERNEL_ROLES, build_kernels, export_kernels  # noqa: E402
 from .cache import PagedAttentionKVCache  # noqa: E402
 from .config import AttnKind, KVCacheConfig, RopeMode  # noqa: E402
 from .errors import (  # noqa: E402
+    ArgumentError,
     CacheFullError,
     ConfigError,
     ForwardError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 ffi_registry.register()
 
 __all__ = [
+    "ArgumentError",
     "AttnKind",
     "CacheFullError",
     "ConfigError",

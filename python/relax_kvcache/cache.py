@@ -9,14 +9,15 @@ before changing anything, so an exception leaves the cache as it was.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import operator
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
 
 from . import metadata as md
+from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args
 from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels
 from .config import AttnKind, KVCacheConfig, RopeMode
@@ -26,7 +27,7 @@ from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
 from .runtime import default_target
-from .tensors import check_tensor, view
+from .tensors import allocate, check_tensor, view
 from .token_tree import TokenTree
 
 
@@ -119,6 +120,7 @@ class PagedAttentionKVCache:
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
         device = tvm.cpu() if device is None else device
+        layer_offset = check_cache_args(device, kernels, layer_offset)
         if kernels is None:
             target = default_target(device) if target is None else target
             kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
@@ -131,15 +133,15 @@ class PagedAttentionKVCache:
                                    slide_windows=config.slides_sequences)
         page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if self._mla else
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
-        self._pages = [tvm.runtime.empty(page_shape, config.dtype, device) for _ in range(config.num_layers)]
+        self._pages = [allocate(page_shape, config.dtype, device, "page tensor") for _ in range(config.num_layers)]
         chunk, hq, hkv = config.prefill_chunk_size, config.num_qo_heads, config.num_kv_heads
         if not self._mla:  # MLA layers take q/k/v from the model: no split scratch
-            self._scratch_q = tvm.runtime.empty((chunk, hq, config.head_dim), config.dtype, device)
-            self._scratch_k = tvm.runtime.empty((chunk, hkv, config.head_dim), config.dtype, device)
-            self._scratch_v = tvm.runtime.empty((chunk, hkv, config.v_head_dim), config.dtype, device)
-        self._scratch_o = tvm.runtime.empty((chunk, hq, config.v_head_dim), config.dtype, device)
-        self._scratch_lse = tvm.runtime.empty((chunk, hq), "float32", device)
-        self._scratch_merged_lse = tvm.runtime.empty((chunk, hq), "float32", device)
+            self._scratch_q = allocate((chunk, hq, config.head_dim), config.dtype, device, "q scratch")
+            self._scratch_k = allocate((chunk, hkv, config.head_dim), config.dtype, device, "k scratch")
+            self._scratch_v = allocate((chunk, hkv, config.v_head_dim), config.dtype, device, "v scratch")
+        self._scratch_o = allocate((chunk, hq, config.v_head_dim), config.dtype, device, "o scratch")
+        self._scratch_lse = allocate((chunk, hq), "float32", device, "lse scratch")
+        self._scratch_merged_lse = allocate((chunk, hq), "float32", device, "lse scratch")
         self._dtype, self._float32 = self._scratch_o.dtype, self._scratch_lse.dtype
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
@@ -191,8 +193,8 @@ class PagedAttentionKVCache:
         if not (self.config.support_sliding_window or self.config.has_layer_windows):
             raise KVCacheError("enable_sliding_window_for_seq needs a cache created with support_sliding_window=True")
         self._paging.enable_sliding_window(_as_int("seq_id", seq_id),
-                                           _as_int("sliding_window_size", sliding_window_size),
-                                           _as_int("attn_sink_size", attn_sink_size))
+                                           as_int32("sliding_window_size", sliding_window_size),
+                                           as_int32("attn_sink_size", attn_sink_size))
 
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int], leaf_indices: Sequence[int]) -> None:
         """Keep, for each sequence, the token-tree path from the root to its accepted leaf.
@@ -213,13 +215,20 @@ class PagedAttentionKVCache:
         if len(set(seq_ids)) != len(seq_ids):
             raise SequenceError(f"seq_ids {seq_ids} name a sequence more than once")
         plans = [self._plan_commit(seq_id, leaf) for seq_id, leaf in zip(seq_ids, leaves)]
+        pops = [(seq_id, pop) for seq_id, _, pop in plans if pop]
+        if pops and (len(plans) > 1 or any(moves for _, moves, _ in plans)):
+            # Check-then-mutate: a later pop may fail (n past the length, a re-fork that cannot
+            # happen); try the pops on a copy of the paging state before compacting or popping.
+            trial = copy.deepcopy(self._paging)
+            for seq_id, pop in pops:
+                trial.popn(seq_id, pop)
         if any(moves for _, moves, _ in plans):
             if self._kernels.compact_copy is None:
                 raise KVCacheError("committing a token tree needs the compact_copy kernel, which this cache "
                                    "was created without")
             self._compact(plans)
         for seq_id, _, pop in plans:
-            self._paging.popn(seq_id, pop)
+            self._copy_pages(self._paging.popn(seq_id, pop))  # a re-fork copies its partial page
             self._paging.clear_token_tree(seq_id)
 
     def _plan_commit(self, seq_id: int, leaf: int) -> Tuple[int, List[Tuple[int, int]], int]:
@@ -863,27 +872,3 @@ class PagedAttentionKVCache:
                 f"head_dim={cfg.head_dim}, dtype={cfg.dtype}, pages={self.get_num_available_pages()}/"
                 f"{cfg.num_total_pages} free, device={self.device})")
 
-
-def _as_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise SequenceError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise SequenceError(f"{name} must be an integer, got {value!r}") from None
-
-
-def _as_int_list(name: str, values: Any) -> List[int]:
-    try:
-        items = list(values)
-    except TypeError:
-        raise ForwardError(f"{name} must be a sequence of integers, got {values!r}") from None
-    if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
-        return items
-    return [_as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
-
-
-def _as_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise ForwardError(f"{name} must be a number, got {value!r}")
-    return float(value)

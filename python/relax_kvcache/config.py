@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 from typing import Optional, Sequence, Tuple
 
 from .errors import ConfigError
@@ -13,6 +14,13 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEAD_DIM = 256
 #: Widest latent vector of an MLA cache (DeepSeek-V3: 512 + 64 = 576).
 MAX_LATENT_WIDTH = 1024
+#: Sizes are int32 in the kernels (and in TVM's creation convention).
+MAX_INT = 2**31 - 1
+#: Most memory the cache may allocate: beyond any device, far below where byte counts overflow.
+MAX_TENSOR_BYTES = 2**48
+#: Most layers per cache (one page tensor each; models have at most a few hundred).
+MAX_NUM_LAYERS = 2**16
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RopeMode(enum.IntEnum):
@@ -35,9 +43,27 @@ class AttnKind(enum.IntEnum):
     MHA_SLIDING = 3
 
 
+def _flag(name: str, value: object) -> bool:
+    """A bool, or the int 0 or 1 (not any truthy value: "no" would be True)."""
+    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    raise ConfigError(f"KVCacheConfig.{name} must be a bool, got {value!r:.80}")
+
+
+def _kind(value: object) -> int:
+    """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
+    if isinstance(value, bool):
+        raise ValueError(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(value) from None
+
+
 def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
+        raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {value!r:.80} (sizes are int32: "
+                          f"1 to {MAX_INT})")
     return value
 
 
@@ -117,6 +143,9 @@ class KVCacheConfig:
                      "max_num_seqs", "max_total_seq_len", "prefill_chunk_size",
                      "layer_sliding_window_size"):
             _positive(name, getattr(self, name))
+        if self.num_layers > MAX_NUM_LAYERS:
+            raise ConfigError(f"KVCacheConfig.num_layers {self.num_layers} is more than {MAX_NUM_LAYERS}, "
+                              "the most a cache holds (one page tensor per layer)")
         if self.num_qo_heads % self.num_kv_heads != 0:
             raise ConfigError(
                 f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a multiple of "
@@ -138,7 +167,8 @@ class KVCacheConfig:
             if self.rope_mode != RopeMode.NONE and not value > 0:
                 raise ConfigError(f"KVCacheConfig.{name} must be positive when RoPE is used, got {value!r}")
             object.__setattr__(self, name, float(value))
-        object.__setattr__(self, "support_sliding_window", bool(self.support_sliding_window))
+        sliding = _flag("support_sliding_window", self.support_sliding_window)
+        object.__setattr__(self, "support_sliding_window", sliding)
         object.__setattr__(self, "attn_kinds", self._validated_attn_kinds(self.attn_kinds))
         if self.is_mla:
             self._check_mla()
@@ -146,6 +176,25 @@ class KVCacheConfig:
             self._check_mha()
         chunk = self.prefill_chunk_size if self.context_chunk_size is None else self.context_chunk_size
         object.__setattr__(self, "context_chunk_size", _positive("context_chunk_size", chunk))
+        self._check_tensor_sizes()
+
+    def _check_tensor_sizes(self) -> None:
+        """Refuse configs whose page or scratch tensors no device holds (and whose byte counts
+        would overflow the allocator's arithmetic: a 2**62-element tensor allocates 0 bytes)."""
+        width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        dims = (self.head_dim, self.v_head_dim, self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0)
+        sizes = {
+            "page tensors": (self.num_layers * self.num_total_pages * self.page_size * width,
+                             ("num_layers", "max_total_seq_len", "page_size", "num_kv_heads", "head_dim")),
+            "per-step scratch tensors": (self.prefill_chunk_size * self.num_qo_heads * max(dims),
+                                         ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
+        }
+        for what, (elements, fields) in sizes.items():
+            nbytes = elements * _DTYPE_BYTES[self.dtype]
+            if nbytes > MAX_TENSOR_BYTES:
+                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
+                raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
+                                  f"{MAX_TENSOR_BYTES} ({given})")
 
     def _check_mha(self) -> None:
         if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:
@@ -187,12 +236,14 @@ class KVCacheConfig:
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:
             return (AttnKind.MHA,) * self.num_layers
+        if isinstance(kinds, (str, bytes)) or not hasattr(kinds, "__len__"):
+            raise ConfigError(f"KVCacheConfig.attn_kinds must be a sequence of ints, got {kinds!r:.80}")
         kinds = tuple(kinds)
         if len(kinds) != self.num_layers:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds has {len(kinds)} entries, expected num_layers={self.num_layers}")
         try:
-            return tuple(AttnKind(int(k)) for k in kinds)
+            return tuple(AttnKind(_kind(k)) for k in kinds)
         except ValueError:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA) or 3 (MHA_SLIDING), got {kinds}"

@@ -23,3 +23,9 @@ class CacheFullError(KVCacheError):
 
 class ForwardError(KVCacheError):
     """Misuse of the forward protocol or tensors of the wrong shape, dtype or device."""
+
+
+class ArgumentError(KVCacheError, TypeError):
+    """An argument of the wrong type (e.g. None or a float where an int is expected, a list
+    where a tensor is), or a ``vm.builtin`` function called with the wrong number of arguments.
+    Also a ``TypeError``; the cache state is unchanged."""

@@ -76,7 +76,7 @@ class KernelSet:
     @classmethod
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
         """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``."""
-        merges = list(args[23]) if args[23] is not None else []
+        merges = _list(args[23], 23)
         if not merges:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is empty; "
                               "at least one merge_inplace function is required")
@@ -86,8 +86,8 @@ class KernelSet:
             copy_single_page=_function(args[25], 25),
             compact_copy=_optional_function(args[27], 27),
             debug_get_kv=_optional_function(args[26], 26),
-            merge_inplace=merges[0],
-            merge_general=merges[1] if len(merges) > 1 else merges[0],
+            merge_inplace=_function(merges[0], 23),
+            merge_general=_function(merges[1] if len(merges) > 1 else merges[0], 23),
             attention_prefill_ragged=_attention(args[15], 15),
             attention_prefill=_attention(args[16], 16),
             attention_decode=_attention(args[17], 17),
@@ -98,6 +98,16 @@ class KernelSet:
             transpose_append_mla=_optional_function(args[14], 14),
             attention_prefill_mla=_attention(args[22], 22),
         )
+
+
+def _list(value: Any, index: int) -> list:
+    """A list argument (None: empty)."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a list, "
+                          f"got {type(value).__name__}")
+    return list(value)
 
 
 def _function(value: Any, index: int) -> Function:
@@ -113,7 +123,7 @@ def _optional_function(value: Any, index: int) -> Optional[Function]:
 
 def _attention(value: Any, index: int) -> Optional[Function]:
     """An attention backend entry: ``[]`` (absent) or ``["tirx", f]`` (also the older ``"tir"``)."""
-    entry = list(value) if value is not None else []
+    entry = _list(value, index)
     if not entry:
         return None
     backend = str(entry[0])

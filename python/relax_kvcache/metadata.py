@@ -256,7 +256,8 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
 
     Each chunk reads the pages of its block, or at the deepest level of its block followed by
     the sequence's trailing blocks; its last page length, window offset and sink size come from
-    the last block of that chain, its RoPE offset from the first block's start position.
+    the last block of that chain (see `_window_info`), its RoPE offset from the first block's
+    start position.
     With ``layer_window > 0`` each depth also carries the :class:`WindowPages` of
     ``MHA_SLIDING`` layers. (Scalar Python per chunk and one array per output: cheaper than
     numpy on small batches.)
@@ -277,8 +278,7 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
         last_page_len = [(n - b.sink_length + b.sliding_window_offset - 1) % page_size + 1 if n > 0 else 0
                          for n, b in zip(lengths, lasts)]
         if sliding_window:
-            length_info = np.array([last_page_len, [b.sliding_window_offset for b in lasts],
-                                    [b.sink_length for b in lasts]], dtype=np.int32)
+            length_info = np.array([last_page_len, *_window_info(lengths, lasts)], dtype=np.int32)
         else:
             length_info = np.array(last_page_len, dtype=np.int32)
         window = None
@@ -295,6 +295,22 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
             window=window,
         ))
     return tuple(depths)
+
+
+def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], List[int]]:
+    """(window offset, sink size) of each page list, in slots of the list.
+
+    A list is a block, or at the deepest level a chain of blocks whose last one alone may have
+    slid. The earlier blocks of a chain are whole pages read in full, so a slid last block's sink
+    and window offset move past them (the kernels skip slots ``[sink, offset)`` of the list); TVM
+    takes the last block's values as they are, which drops the chain's first tokens instead.
+    """
+    offsets, sinks = [], []
+    for n, block in zip(lengths, lasts):
+        before = n - block.seq_length if block.sliding_window_offset else 0
+        offsets.append(block.sliding_window_offset + before)
+        sinks.append(block.sink_length + before)
+    return offsets, sinks
 
 
 def _window_pages(page_lists, lengths, last_page_len, starts, min_positions, window: int,
@@ -412,10 +428,11 @@ def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, p
     pinned = ~in_sink & (in_block < block.sink_length)
     offset = np.where(in_sink, last_block_length_before + pos,
                       in_block - block.sink_length + block.sliding_window_offset)
-    offset = np.where(pinned, 0, offset)
+    slots = np.full(n, -1, dtype=np.int64)
+    kept = ~pinned  # a block whose window slid all its tokens out may have no page at all
     pages = np.asarray(block.page_ids, dtype=np.int64)
-    slots = pages[offset // page_size] * page_size + offset % page_size
-    return np.where(pinned, -1, slots)
+    slots[kept] = pages[offset[kept] // page_size] * page_size + offset[kept] % page_size
+    return slots
 
 
 def indptr(lengths: Sequence[int]) -> np.ndarray:

@@ -14,7 +14,7 @@ def register() -> None:
     """Register ``relax_kvcache.paged_attention_kv_cache_create``, the builtin dispatchers and our
     exception classes (so errors keep their Python type when raised through ``vm.builtin.*``)."""
     for error in (errors.KVCacheError, errors.ConfigError, errors.SequenceError, errors.CacheFullError,
-                  errors.ForwardError, NotImplementedError):
+                  errors.ForwardError, errors.ArgumentError, NotImplementedError):
         tvm_ffi.register_error(error)
     tvm_ffi.register_global_func(CREATE_FUNCTION, paged_attention_kv_cache_create, override=True)
     register_builtins()

@@ -10,11 +10,13 @@ unchanged, and TVM's native caches keep working in the same process.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import inspect
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import tvm_ffi
 
 from ..cache import PagedAttentionKVCache
+from ..errors import ArgumentError
 
 ORIGINAL_PREFIX = "relax_kvcache.original."
 
@@ -35,6 +37,7 @@ def _append_mla_kv(cache: PagedAttentionKVCache, layer_id, kv):
 def _unsupported(feature: str) -> Callable[..., Any]:
     def run(cache: PagedAttentionKVCache, *args: Any) -> Any:
         raise NotImplementedError(f"{feature} is not supported by relax_kvcache's PagedAttentionKVCache yet")
+    run.unsupported = feature  # type: ignore[attr-defined]
     return run
 
 
@@ -43,7 +46,8 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.kv_state_clear": lambda c: c.clear(),
     "vm.builtin.kv_state_add_sequence": lambda c, seq_id: c.add_sequence(seq_id),
     "vm.builtin.kv_state_remove_sequence": lambda c, seq_id: c.remove_sequence(seq_id),
-    "vm.builtin.kv_state_fork_sequence": lambda c, parent, child, pos: c.fork_sequence(parent, child, pos),
+    "vm.builtin.kv_state_fork_sequence":
+        lambda c, parent_seq_id, child_seq_id, fork_pos: c.fork_sequence(parent_seq_id, child_seq_id, fork_pos),
     "vm.builtin.kv_state_popn": lambda c, seq_id, n: c.popn(seq_id, n),
     "vm.builtin.kv_state_begin_forward": _begin_forward,
     "vm.builtin.kv_state_end_forward": lambda c: c.end_forward(),
@@ -52,23 +56,27 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.attention_kv_cache_get_total_sequence_length": lambda c: c.get_total_sequence_length(),
     "vm.builtin.attention_kv_cache_get_sequence_length": lambda c, seq_id: c.get_sequence_length(seq_id),
     "vm.builtin.attention_kv_cache_get_query_positions": lambda c: c.get_query_positions(),
-    "vm.builtin.attention_kv_cache_debug_get_kv": lambda c, s, b, e, k, v: c.debug_get_kv(s, b, e, k, v),
+    "vm.builtin.attention_kv_cache_debug_get_kv":
+        lambda c, seq_id, start_pos, end_pos, k_data, v_data: c.debug_get_kv(seq_id, start_pos, end_pos, k_data,
+                                                                             v_data),
     "vm.builtin.attention_kv_cache_attention_with_fused_qkv":
-        lambda c, layer, scale, qkv, o: c.attention_with_fused_qkv(layer, qkv, o, scale),
+        lambda c, layer_id, sm_scale, qkv, o: c.attention_with_fused_qkv(layer_id, qkv, o, sm_scale),
     "vm.builtin.attention_kv_cache_self_attention":
-        lambda c, layer, scale, q, k, v, o, lse: c.self_attention(layer, q, k, v, o, lse, scale),
+        lambda c, layer_id, sm_scale, q, k, v, o, lse: c.self_attention(layer_id, q, k, v, o, lse, sm_scale),
     "vm.builtin.attention_kv_cache_cross_attention":
-        lambda c, layer, scale, q, o, lse: c.cross_attention(layer, q, o, lse, scale),
+        lambda c, layer_id, sm_scale, q, o, lse: c.cross_attention(layer_id, q, o, lse, sm_scale),
     "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
     "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq":
-        lambda c, seq_id, window, sink: c.enable_sliding_window_for_seq(seq_id, window, sink),
+        lambda c, seq_id, sliding_window_size, attn_sink_size:
+            c.enable_sliding_window_for_seq(seq_id, sliding_window_size, attn_sink_size),
     "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes":
         lambda c, seq_ids, leaf_indices: c.commit_accepted_token_tree_nodes(seq_ids, leaf_indices),
     "vm.builtin.attention_kv_cache_attention_with_shared_kv":
-        lambda c, layer, scale, q, k, v, o: c.attention_with_shared_kv(layer, q, k, v, o, scale),
+        lambda c, source_layer_id, sm_scale, q, k, v, o: c.attention_with_shared_kv(source_layer_id, q, k, v, o,
+                                                                                     sm_scale),
     "vm.builtin.attention_kv_cache_append_mla_kv": _append_mla_kv,
     "vm.builtin.attention_kv_cache_debug_get_kv_mla":
-        lambda c, seq_id, start, end, kv: c.debug_get_kv_mla(seq_id, start, end, kv),
+        lambda c, seq_id, start_pos, end_pos, kv_data: c.debug_get_kv_mla(seq_id, start_pos, end_pos, kv_data),
     "vm.builtin.attention_kv_cache_get_checkpoint_metadata": _unsupported("checkpoint export/import"),
     "vm.builtin.attention_kv_cache_get_layout_hash": _unsupported("checkpoint export/import"),
     "vm.builtin.attention_kv_cache_export_page_group": _unsupported("checkpoint export/import"),
@@ -85,9 +93,26 @@ def original(name: str) -> Callable[..., Any]:
     return tvm_ffi.get_global_func(ORIGINAL_PREFIX + name)
 
 
-def _dispatcher(ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
+def _arity(name: str, ours: Callable[..., Any]) -> Optional[Tuple[int, int, str]]:
+    """(fewest, most) arguments after the cache that ``ours`` takes, and its signature for
+    messages; None when it takes any number."""
+    params = list(inspect.signature(ours).parameters.values())[1:]
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    fewest = sum(p.default is p.empty for p in params)
+    names = ", ".join(["cache"] + [p.name if p.default is p.empty else f"[{p.name}]" for p in params])
+    return fewest, len(params), f"{name}({names})"
+
+
+def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
+    arity = _arity(name, ours)
+    fewest, most, signature = arity if arity is not None else (0, 1 << 30, name)
+
     def dispatch(cache: Any, *args: Any) -> Any:
         if isinstance(cache, PagedAttentionKVCache):
+            if not fewest <= len(args) <= most:
+                raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "
+                                    f"argument(s) after the cache, got {len(args)}")
             return ours(cache, *args)
         return theirs(cache, *args)
     return dispatch
@@ -102,4 +127,4 @@ def register_builtins() -> None:
             if theirs is None:
                 continue  # not provided by this TVM build
             tvm_ffi.register_global_func(ORIGINAL_PREFIX + name, theirs)
-        tvm_ffi.register_global_func(name, _dispatcher(ours, theirs), override=True)
+        tvm_ffi.register_global_func(name, _dispatcher(name, ours, theirs), override=True)

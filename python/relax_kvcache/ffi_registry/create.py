@@ -22,49 +22,61 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tvm
 
+from ..args import as_int, as_int_list, describe
 from ..cache import PagedAttentionKVCache
 from ..config import KVCacheConfig
-from ..errors import ConfigError
+from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
 
 
 def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
-    """Create a :class:`PagedAttentionKVCache` from TVM's positional creation arguments."""
+    """Create a :class:`PagedAttentionKVCache` from TVM's positional creation arguments.
+
+    Every argument is checked before anything is built: ints must be ints (not floats, bools or
+    strings), flags bools or 0/1; a wrong type raises ``ArgumentError``, a bad value
+    ``ConfigError`` (``NotImplementedError`` for features relax_kvcache lacks).
+    """
     if len(args) not in (28, 29):
-        raise ConfigError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
-    cache_config = [int(x) for x in args[0]]
+        raise ArgumentError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
+    cache_config = as_int_list("cache_config (argument 0)", args[0])
     if len(cache_config) not in (5, 6):
         raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, prefill_chunk_size, "
                           f"page_size, support_sliding_window[, layer_sliding_window_size]), got {cache_config}")
-    layer_indptr = [int(x) for x in args[1]]
+    if cache_config[4] not in (0, 1):
+        raise ConfigError(f"cache_config[4] (support_sliding_window) must be 0 or 1, got {cache_config[4]}")
+    layer_indptr = as_int_list("layer_indptr (argument 1)", args[1])
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
-    if bool(args[7]):
+    if _flag("enable_kv_transfer (argument 7)", args[7]):
         raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
     if args[11] is not None:
         raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
     init = args[12]
     if not isinstance(init, tvm.runtime.Tensor):
-        raise ConfigError(f"argument 12 must be a tensor giving the cache dtype and device, got {type(init).__name__}")
+        raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
+                            f"{type(init).__name__}")
     begin, end = layer_indptr
-    attn_kinds = [int(x) for x in args[6]]
+    attn_kinds = as_int_list("attn_kinds (argument 6)", args[6])
     if len(attn_kinds) < end:
         raise ConfigError(f"attn_kinds has {len(attn_kinds)} entries, fewer than layer_end={end}")
+    names = ("num_qo_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")
+    heads = [as_int(f"{name} (argument {i})", args[i]) for i, name in enumerate(names, start=2)]
     config = KVCacheConfig(
         num_layers=end - begin,
-        num_qo_heads=int(args[2]),
-        num_kv_heads=int(args[3]),
-        head_dim=int(args[4]),
-        v_head_dim=int(args[5]),
+        num_qo_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=heads[2],
+        v_head_dim=heads[3],
         page_size=cache_config[3],
         max_num_seqs=cache_config[0],
         max_total_seq_len=cache_config[1],
         prefill_chunk_size=cache_config[2],
-        rope_mode=int(args[8]),
-        rope_scale=float(args[9]),
-        rope_theta=float(args[10]),
+        rope_mode=as_int("rope_mode (argument 8)", args[8]),
+        rope_scale=_number("rope_scale (argument 9)", args[9]),
+        rope_theta=_number("rope_theta (argument 10)", args[10]),
         dtype=str(init.dtype),
         support_sliding_window=bool(cache_config[4]),
         attn_kinds=attn_kinds[begin:end],
@@ -72,3 +84,21 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
                                  layer_offset=begin)
+
+
+def _flag(name: str, value: Any) -> bool:
+    """A bool, or the int 0 or 1 (what Relax passes for a boolean)."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise ArgumentError(f"{name} must be a bool (or 0 / 1), got {describe(value)}")
+
+
+def _number(name: str, value: Any) -> float:
+    """An int or float (not a bool or string); whether it is finite and positive is the
+    config's check."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ConfigError(f"{name} must be a finite number, got {describe(value)}") from None

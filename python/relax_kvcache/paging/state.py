@@ -412,10 +412,13 @@ class PagingState:
         count `reserve_append` uses, where TVM keeps ``ceil((seq_length - n) / page_size)``
         (the same unless the block has slid; after a slide TVM's count is wrong and leaves the
         position map pointing into freed pages, or keeps pages past the tokens). ``n`` may
-        reach into the sink of a slid block (TVM allows ``n`` up to the sequence length): the
-        tokens left are then all sink tokens, still at their original slots, and the block is
+        reach into the sink of a slid block (TVM allows ``n`` up to the sequence length): when
+        the tokens left are all sink tokens (still at their original slots), the block is
         reset to an unslid one (``sink_length = sliding_window_offset = 0``, keeping
         ``ceil(remaining / page_size)`` pages); the sink is pinned again when it next slides.
+        This keeps prefix blocks unslid: a fork at the end of a windowed sequence turns its
+        last block into a prefix block and must be within the sink, so the block then holds
+        sink tokens only, and a slid block left with sink tokens only is reset here.
         When popping frees whole blocks, the new last block inherits
         ``last_block_attn_sink_size`` unchanged, as in TVM.
 
@@ -487,8 +490,9 @@ class PagingState:
         """
         items, total = self._plan_reserve(seq_ids, lengths)
         if self._num_windowed and self._slide_windows:
-            self._version += 1  # _reserve_sliding checks everything before it changes anything
-            self._reserve_sliding(items)
+            plans = self._plan_sliding(items)
+            self._version += 1
+            self._apply_sliding(items, plans)
             self._record_appends(items)
             return
         self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
@@ -849,12 +853,14 @@ class PagingState:
 
     # ------------------------------------------------------- internals: sliding window
 
-    def _reserve_sliding(self, items: list[tuple[Sequence, Block, int, int]]) -> None:
-        """`reserve_append` when windows slide: plan the whole batch, then apply it in order.
+    def _plan_sliding(
+        self, items: list[tuple[Sequence, Block, int, int]]
+    ) -> list[_SlidePlan | None]:
+        """Plan `reserve_append` when windows slide, raising before anything changes.
 
         Sequences are processed in batch order as in TVM, so the pages a slide frees are the
         next ones handed out (LIFO), to the same sequence's borrowed pages or to the next
-        sequences of the batch.
+        sequences of the batch. Returns one plan per item (None: nothing slides or is borrowed).
         """
         free = self._pages.num_free
         taken = freed = 0  # pages taken from / returned to the pool so far in the batch
@@ -877,6 +883,12 @@ class PagingState:
                 )
             free += back - got
             plans.append(plan)
+        return plans
+
+    def _apply_sliding(
+        self, items: list[tuple[Sequence, Block, int, int]], plans: list[_SlidePlan | None]
+    ) -> None:
+        """Carry out `_plan_sliding`'s plans, in batch order."""
         for (seq, block, length, need), plan in zip(items, plans):
             if plan is None:
                 if need:
@@ -979,7 +991,9 @@ class PagingState:
                 idx = block.parent
                 continue
             left = block.seq_length - n
-            reset = left < block.sink_length  # popping into the sink of a slid block
+            # popping the whole window of a slid block, or into its sink: only sink tokens are
+            # left, at their original slots (a slid block never becomes a prefix block)
+            reset = left <= block.sink_length
             used = left if reset else left - block.sink_length + block.sliding_window_offset
             drop = max(0, len(block.page_ids) - ceil_div(used, self._page_size))
             return _PopPlan(tuple(freed), idx, drop, n, 0, -1, reset)

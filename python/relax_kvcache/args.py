@@ -1,0 +1,137 @@
+"""Argument checks at the cache's boundary: ints, lists of ints and floats, with clear errors.
+
+Every public entry point converts its arguments with these before changing anything. Wrong
+types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
+``KVCacheError``) naming the argument and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, List
+
+import numpy as np
+import tvm
+import tvm_ffi
+
+from .errors import ArgumentError, ForwardError, SequenceError
+
+INT32_MAX = 2**31 - 1
+
+#: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
+#: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
+_SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
+
+
+def describe(value: Any) -> str:
+    """A short, safe one-line description of ``value`` for error messages (a tensor's repr
+    copies its data, and fails for non-contiguous views)."""
+    if isinstance(value, tvm_ffi.Tensor):
+        return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+        return f"a {type(value).__name__} object"
+    return f"{text[:77]}..." if len(text) > 80 else text
+
+
+def as_int(name: str, value: Any) -> int:
+    """``value`` as a Python int: ints and numpy integers, not bools, floats or anything else.
+
+    Raises
+    ------
+    ArgumentError
+        If ``value`` is not an integer.
+    """
+    if type(value) is int:  # fast path
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        raise ArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type "
+                            f"{type(value).__name__}") from None
+
+
+def as_int32(name: str, value: Any) -> int:
+    """``value`` as an int within int32, TVM's type for sliding-window and attention-sink sizes
+    (they reach the kernels' int32 metadata).
+
+    Raises
+    ------
+    ArgumentError
+        If ``value`` is not an integer.
+    SequenceError
+        If it is outside int32.
+    """
+    result = as_int(name, value)
+    if not -INT32_MAX - 1 <= result <= INT32_MAX:
+        raise SequenceError(f"{name} {result} is out of range: expected an int32, at most {INT32_MAX}")
+    return result
+
+
+def as_int_list(name: str, values: Any) -> List[int]:
+    """``values`` (a list, tuple, ShapeTuple, tvm_ffi Array or 1-D integer numpy array) as a
+    list of Python ints.
+
+    Raises
+    ------
+    ArgumentError
+        If ``values`` is not such a container (a str, dict, set or generator is not) or an
+        element is not an integer.
+    """
+    if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
+        raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
+                            f"{describe(values)} of type {type(values).__name__}")
+    items = list(values)
+    if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
+        return items
+    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
+
+
+def as_float(name: str, value: Any) -> float:
+    """``value`` (an int, float or numpy number, not a bool) as a finite Python float.
+
+    Raises
+    ------
+    ArgumentError
+        If ``value`` is not a number.
+    ForwardError
+        If it is NaN, infinite or beyond the float range.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        raise ForwardError(f"{name} must be a finite number, got {describe(value)}")
+    return result
+
+
+def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:
+    """Check ``PagedAttentionKVCache``'s device, kernels and layer_offset; return the offset.
+
+    Raises
+    ------
+    ArgumentError
+        ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
+        or ``layer_offset`` not an int.
+    ConfigError
+        ``layer_offset`` is negative or beyond int32.
+    """
+    from .errors import ConfigError
+    from .kernel_set import KernelSet
+
+    if not isinstance(device, tvm.runtime.Device):
+        raise ArgumentError(f"device must be a tvm.runtime.Device or None, got {describe(device)} "
+                            f"of type {type(device).__name__}")
+    if kernels is not None and not isinstance(kernels, KernelSet):
+        raise ArgumentError(f"kernels must be a KernelSet or None, got {type(kernels).__name__}")
+    offset = as_int("layer_offset", layer_offset)
+    if not 0 <= offset <= INT32_MAX:
+        raise ConfigError(f"layer_offset must be in [0, {INT32_MAX}], got {offset}")
+    return offset

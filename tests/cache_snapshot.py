@@ -1,0 +1,59 @@
+"""Snapshots of a cache's state, to check that a call which raised changed nothing.
+
+A snapshot holds the paging state (``PagingState.debug_snapshot``), the current forward step
+(compared by identity) and the K/V contents of every sequence read back with ``debug_get_kv``
+(``debug_get_kv_mla`` for MLA caches); with ``pages=True`` also a copy of every layer's page
+tensor, which catches writes to slots no sequence reads yet (e.g. a step's reserved positions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import tvm
+
+
+@dataclasses.dataclass
+class Snapshot:
+    paging: dict
+    step: object
+    contents: Dict[int, Tuple[np.ndarray, ...]]
+    pages: Optional[Tuple[np.ndarray, ...]]
+
+
+def _read_kv(cache, seq_id: int, length: int) -> Tuple[np.ndarray, ...]:
+    cfg = cache.config
+    if cfg.is_mla:
+        kv = tvm.runtime.empty((cfg.num_layers, length, cfg.head_dim), cfg.dtype, cache.device)
+        cache.debug_get_kv_mla(seq_id, 0, length, kv)
+        return (kv.numpy(),)
+    k = tvm.runtime.empty((cfg.num_layers, length, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, cache.device)
+    v = tvm.runtime.empty((cfg.num_layers, length, cfg.num_kv_heads, cfg.v_head_dim), cfg.dtype, cache.device)
+    cache.debug_get_kv(seq_id, 0, length, k, v)
+    return k.numpy(), v.numpy()
+
+
+def snapshot(cache, *, pages: bool = False) -> Snapshot:
+    """The state of ``cache`` (see the module docstring)."""
+    contents = {}
+    for seq_id in cache._paging.seq_ids():
+        length = cache.get_sequence_length(seq_id)
+        if length:
+            contents[seq_id] = _read_kv(cache, seq_id, length)
+    raw = tuple(p.numpy() for p in cache._pages) if pages else None
+    return Snapshot(cache._paging.debug_snapshot(), cache._step, contents, raw)
+
+
+def assert_same(before: Snapshot, after: Snapshot) -> None:
+    """Assert that two snapshots of a cache are equal."""
+    assert before.paging == after.paging, "paging state changed"
+    assert before.step is after.step, "forward-step state changed"
+    assert before.contents.keys() == after.contents.keys(), "sequences changed"
+    for seq_id, arrays in before.contents.items():
+        for a, b in zip(arrays, after.contents[seq_id]):
+            np.testing.assert_array_equal(a, b, err_msg=f"K/V of sequence {seq_id} changed")
+    if before.pages is not None and after.pages is not None:
+        for layer, (a, b) in enumerate(zip(before.pages, after.pages)):
+            np.testing.assert_array_equal(a, b, err_msg=f"pages of layer {layer} changed")
