@@ -9,7 +9,6 @@ before changing anything, so an exception leaves the cache as it was.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -215,13 +214,9 @@ class PagedAttentionKVCache:
         if len(set(seq_ids)) != len(seq_ids):
             raise SequenceError(f"seq_ids {seq_ids} name a sequence more than once")
         plans = [self._plan_commit(seq_id, leaf) for seq_id, leaf in zip(seq_ids, leaves)]
-        pops = [(seq_id, pop) for seq_id, _, pop in plans if pop]
-        if pops and (len(plans) > 1 or any(moves for _, moves, _ in plans)):
-            # Check-then-mutate: a later pop may fail (n past the length, a re-fork that cannot
-            # happen); try the pops on a copy of the paging state before compacting or popping.
-            trial = copy.deepcopy(self._paging)
-            for seq_id, pop in pops:
-                trial.popn(seq_id, pop)
+        # check-then-mutate: every pop (a re-fork into a shared prefix may need a page) before
+        # compacting or popping any sequence
+        self._paging.check_pops([(seq_id, pop) for seq_id, _, pop in plans if pop])
         if any(moves for _, moves, _ in plans):
             if self._kernels.compact_copy is None:
                 raise KVCacheError("committing a token tree needs the compact_copy kernel, which this cache "

@@ -17,6 +17,7 @@ TVM's own bookkeeping would become inconsistent, are documented on `fork_sequenc
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
 import typing
 
@@ -452,6 +453,33 @@ class PagingState:
         if not plan.remaining:
             return []
         return self._refork(seq, seq.seq_length - plan.remaining)
+
+    def check_pops(self, pops: list[tuple[int, int]]) -> None:
+        """Raise what ``popn(seq_id, n)`` for each pair, in order, would raise; change nothing.
+
+        Pops that only trim their sequences' unshared blocks cannot fail once each is valid on
+        its own, nor change each other (no two sequences own the same unshared block); checking
+        each one is enough. A pop that reaches a shared prefix re-forks the sequence, which
+        depends on what the pops before it freed and unshared: those batches are tried on a
+        copy of this state.
+        """
+        refork = False
+        for seq_id, n in pops:
+            seq = self._seq(seq_id)
+            n = as_int("pop length", n)
+            if not 0 <= n <= seq.seq_length:
+                raise SequenceError(
+                    f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
+                    f"expected 0 <= n <= {seq.seq_length}"
+                )
+            refork = refork or (n > 0 and self._plan_pop(seq, n).remaining > 0)
+        if refork and len(pops) > 1:
+            trial = copy.deepcopy(self)
+            for seq_id, n in pops:
+                trial.popn(seq_id, n)
+        elif refork:
+            seq_id, n = pops[0]
+            self._check_pop_fork(self._seq(seq_id), self._plan_pop(self._seq(seq_id), n))
 
     def reserve_append(
         self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
