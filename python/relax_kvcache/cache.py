@@ -250,6 +250,9 @@ class PagedAttentionKVCache:
         """Move accepted nodes' K/V to their consecutive positions in every layer (compact_copy)."""
         lengths, src_dst = [], [[], []]
         for seq_id, moves, _ in plans:
+            if not moves:  # nothing to move (its last step's tokens may even be popped already)
+                lengths.append(0)
+                continue
             seq = self._paging.sequence(seq_id)
             slots = self._paging.position_map(seq_id, seq.seq_length - seq.last_append_length, seq.seq_length)
             for src, dst in moves:
