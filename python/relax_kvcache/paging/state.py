@@ -437,12 +437,7 @@ class PagingState:
             the trimming frees).
         """
         seq = self._seq(seq_id)
-        n = as_int("pop length", n)
-        if not 0 <= n <= seq.seq_length:
-            raise SequenceError(
-                f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
-                f"expected 0 <= n <= {seq.seq_length}"
-            )
+        n = self._pop_length(seq, n)
         if n == 0:
             return []
         plan = self._plan_pop(seq, n)
@@ -466,12 +461,7 @@ class PagingState:
         refork = False
         for seq_id, n in pops:
             seq = self._seq(seq_id)
-            n = as_int("pop length", n)
-            if not 0 <= n <= seq.seq_length:
-                raise SequenceError(
-                    f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
-                    f"expected 0 <= n <= {seq.seq_length}"
-                )
+            n = self._pop_length(seq, n)
             refork = refork or (n > 0 and self._plan_pop(seq, n).remaining > 0)
         if refork and len(pops) > 1:
             trial = copy.deepcopy(self)
@@ -1007,6 +997,17 @@ class PagingState:
                 page_ids[i] = page
 
     # ----------------------------------------------------------------- internals: popn
+
+    @staticmethod
+    def _pop_length(seq: Sequence, n) -> int:
+        """``n`` as an int in ``[0, seq.seq_length]``, else SequenceError / ArgumentError."""
+        n = as_int("pop length", n)
+        if not 0 <= n <= seq.seq_length:
+            raise SequenceError(
+                f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
+                f"expected 0 <= n <= {seq.seq_length}"
+            )
+        return n
 
     def _plan_pop(self, seq: Sequence, n: int) -> _PopPlan:
         freed: list[int] = []
