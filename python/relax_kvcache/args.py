@@ -91,7 +91,7 @@ def as_int_list(name: str, values: Any) -> List[int]:
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
 
 
-def as_float(name: str, value: Any) -> float:
+def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float:
     """``value`` (an int, float or numpy number, not a bool) as a finite Python float.
 
     Raises
@@ -99,7 +99,8 @@ def as_float(name: str, value: Any) -> float:
     ArgumentError
         If ``value`` is not a number.
     ForwardError
-        If it is NaN, infinite or beyond the float range.
+        If it is NaN, infinite or beyond the float range (``not_finite`` names another
+        ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
@@ -108,8 +109,22 @@ def as_float(name: str, value: Any) -> float:
     except OverflowError:
         result = math.inf
     if not math.isfinite(result):
-        raise ForwardError(f"{name} must be a finite number, got {describe(value)}")
+        raise not_finite(f"{name} must be a finite number, got {describe(value)}")
     return result
+
+
+def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
+    """``value`` as a bool: a bool (Python or numpy) or the integer 0 or 1 (what Relax passes for
+    a boolean), not any truthy value (the string "no" would be True).
+
+    Raises
+    ------
+    ArgumentError
+        Otherwise (``error`` names another ``KVCacheError`` class, e.g. ``ConfigError``).
+    """
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise error(f"{name} must be a bool (or 0 / 1), got {describe(value)}")
 
 
 def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:

@@ -8,6 +8,7 @@ import math
 import operator
 from typing import Optional, Sequence, Tuple
 
+from .args import as_bool
 from .errors import ConfigError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -41,13 +42,6 @@ class AttnKind(enum.IntEnum):
     MHA = 0
     MLA = 1
     MHA_SLIDING = 3
-
-
-def _flag(name: str, value: object) -> bool:
-    """A bool, or the int 0 or 1 (not any truthy value: "no" would be True)."""
-    if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
-        return bool(value)
-    raise ConfigError(f"KVCacheConfig.{name} must be a bool, got {value!r:.80}")
 
 
 def _kind(value: object) -> int:
@@ -167,7 +161,7 @@ class KVCacheConfig:
             if self.rope_mode != RopeMode.NONE and not value > 0:
                 raise ConfigError(f"KVCacheConfig.{name} must be positive when RoPE is used, got {value!r}")
             object.__setattr__(self, name, float(value))
-        sliding = _flag("support_sliding_window", self.support_sliding_window)
+        sliding = as_bool("KVCacheConfig.support_sliding_window", self.support_sliding_window, error=ConfigError)
         object.__setattr__(self, "support_sliding_window", sliding)
         object.__setattr__(self, "attn_kinds", self._validated_attn_kinds(self.attn_kinds))
         if self.is_mla:

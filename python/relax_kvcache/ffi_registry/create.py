@@ -22,10 +22,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import tvm
 
-from ..args import as_int, as_int_list, describe
+from ..args import as_bool, as_float, as_int, as_int_list, describe
 from ..cache import PagedAttentionKVCache
 from ..config import KVCacheConfig
 from ..errors import ArgumentError, ConfigError
@@ -50,7 +49,7 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1])
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
-    if _flag("enable_kv_transfer (argument 7)", args[7]):
+    if as_bool("enable_kv_transfer (argument 7)", args[7]):
         raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
     if args[11] is not None:
         raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
@@ -75,8 +74,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         max_total_seq_len=cache_config[1],
         prefill_chunk_size=cache_config[2],
         rope_mode=as_int("rope_mode (argument 8)", args[8]),
-        rope_scale=_number("rope_scale (argument 9)", args[9]),
-        rope_theta=_number("rope_theta (argument 10)", args[10]),
+        rope_scale=as_float("rope_scale (argument 9)", args[9], not_finite=ConfigError),
+        rope_theta=as_float("rope_theta (argument 10)", args[10], not_finite=ConfigError),
         dtype=str(init.dtype),
         support_sliding_window=bool(cache_config[4]),
         attn_kinds=attn_kinds[begin:end],
@@ -86,19 +85,3 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
                                  layer_offset=begin)
 
 
-def _flag(name: str, value: Any) -> bool:
-    """A bool, or the int 0 or 1 (what Relax passes for a boolean)."""
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
-        return bool(value)
-    raise ArgumentError(f"{name} must be a bool (or 0 / 1), got {describe(value)}")
-
-
-def _number(name: str, value: Any) -> float:
-    """An int or float (not a bool or string); whether it is finite and positive is the
-    config's check."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
-    try:
-        return float(value)
-    except OverflowError:
-        raise ConfigError(f"{name} must be a finite number, got {describe(value)}") from None
