@@ -17,9 +17,8 @@ Sliding windows, modelled as TVM's own test suite does:
 Token trees (speculative decoding, ``tree_step`` / ``commit``): a sequence's uncommitted tree
 nodes follow its committed prefix in the cache, in the order they were appended (over one or
 several steps). A node sits at RoPE position (tree start) + (its depth) and sees the committed
-prefix, its ancestors and itself. A commit keeps, after the tokens before the sequence's last
-step, the last step's tokens at the indices of the accepted path (node indices resolved against
-the last step's tokens, as TVM does; for a tree appended in one step this is the accepted path).
+prefix, its ancestors and itself. A commit keeps the committed prefix followed by the accepted
+path's nodes (indices in the whole uncommitted tree, all its steps); leaf -1 drops the tree.
 """
 
 from __future__ import annotations
@@ -221,12 +220,12 @@ class CacheModel:
         return outs
 
     def commit(self, seq_id: int, leaf: int) -> None:
-        """Keep the accepted path (see the module docstring); ``leaf == -1``: drop the last step."""
+        """Keep the accepted path (see the module docstring); ``leaf == -1``: drop the tree (on a
+        sequence without one, its last step)."""
         s = self.seqs[seq_id]
         assert leaf == -1 or s.tree is not None, "already committed"
         path = tree_path(s.tree, leaf) if leaf != -1 else []
-        base = s.length - s.last_append
-        assert all(p < s.last_append for p in path), "path reaches an earlier step's node"
+        base = s.length - (len(s.tree) if s.tree is not None else s.last_append)
         keep = np.r_[0:base, base + np.asarray(path, dtype=np.int64)].astype(np.int64)
         s.k, s.v = s.k[:, keep], s.v[:, keep]
         s.shared = min(s.shared, base + len(path))

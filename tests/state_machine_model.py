@@ -33,11 +33,10 @@ Token trees (``tree_step`` with ``token_tree_parent_ptr``, plain cache only: cac
 windows raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
 ``cache_model``'s semantics: a sequence's uncommitted tree nodes follow its tokens; a node attends to
 the tokens before its tree, its ancestors and itself; a commit keeps, after the tokens before the
-sequence's last step, the last step's tokens at the indices of the accepted path and pops the rest
-(``popn`` rules; leaf -1 on a committed sequence pops its last step). While a tree is uncommitted the
-sequence cannot be forked, stepped without a tree, or popped into a shared prefix (`SequenceError`).
-A sequence popped while uncommitted keeps exact K/V checks, but the attention of a later tree step
-extending that tree is not predicted (counted in ``Harness.unchecked_attention``).
+tree, the accepted path's nodes (indices in the whole tree, over all its steps) and pops the rest
+(``popn`` rules; leaf -1 drops the tree, and on a committed sequence pops its last step). While a
+tree is uncommitted the sequence cannot be forked, stepped without a tree, or popped
+(`SequenceError`).
 """
 
 from __future__ import annotations
@@ -334,14 +333,19 @@ class Model:
         """(tokens the commit pops, accepted path) of one sequence (leaf already validated)."""
         s = self.seqs[seq_id]
         path = tree_path(s.tree, leaf) if leaf != -1 else []
-        return s.last_append - len(path), path
+        return self.commit_span(seq_id) - len(path), path
+
+    def commit_span(self, seq_id: int) -> int:
+        """The tokens a commit of the sequence works on: its uncommitted tree, else its last step."""
+        s = self.seqs[seq_id]
+        return len(s.tree) if s.tree is not None else s.last_append
 
     def commit(self, seq_id: int, leaf: int) -> None:
-        """``cache_model.commit``: keep, after the tokens before the last step, the last step's
-        tokens at the indices of the accepted path; the rest is popped (``popn`` rules)."""
+        """``cache_model.commit``: keep, after the tokens before the tree, the accepted path's
+        nodes; the rest is popped (``popn`` rules)."""
         s = self.seqs[seq_id]
         pop, path = self.commit_pop(seq_id, leaf)
-        base = s.length - s.last_append
+        base = s.length - self.commit_span(seq_id)
         if base < 0:  # the last step's tokens were popped since: the commit is the pop (no moves)
             keep = np.arange(s.length - pop)
         else:
@@ -528,7 +532,7 @@ class Harness:
         return self._run(f"popn({seq_id!r}, {n!r})", self._expect_popn(seq_id, n),
                          lambda: self.cache.popn(seq_id, n), lambda _: self.model.popn(seq_id, n))
 
-    def _expect_popn(self, seq_id: Any, n: Any) -> Expect:
+    def _expect_popn(self, seq_id: Any, n: Any, *, in_commit: bool = False) -> Expect:
         seqs = self.model.seqs
         if not _is_int(seq_id) or seq_id not in seqs or not _is_int(n) or not 0 <= n <= seqs[seq_id].length:
             return _fail(KVCacheError)
@@ -536,6 +540,8 @@ class Harness:
         left, shared = s.length - n, self.model.max_share(seq_id)
         if n == 0:
             return Expect(free_delta=0)
+        if s.tree is not None and not in_commit:  # popn: not with uncommitted token-tree nodes
+            return _fail(SequenceError)
         if left >= shared:
             return Expect()
         if s.tree is not None:  # the re-fork is a fork: not with uncommitted token-tree nodes
@@ -729,17 +735,15 @@ class Harness:
             s = seqs.get(seq_id)
             if s is None or leaf < -1 or (leaf != -1 and (s.tree is None or leaf >= len(s.tree))):
                 return _fail(SequenceError)
-            if leaf != -1 and leaf >= s.last_append:  # resolved against the last step's tokens
-                return _fail(SequenceError)
         expects, independent = [], True
         for seq_id, leaf in zip(seq_ids, leaves):
             s = seqs[seq_id]
             pop, path = self.model.commit_pop(seq_id, leaf)
             if pop > s.length:
                 return _fail(SequenceError)  # whatever the other sequences do
-            if s.length < s.last_append and any(p != j for j, p in enumerate(path)):
+            if s.length < self.model.commit_span(seq_id) and any(p != j for j, p in enumerate(path)):
                 return _fail(KVCacheError)  # moves from positions popped since: out of range
-            e = self._expect_popn(seq_id, pop)
+            e = self._expect_popn(seq_id, pop, in_commit=True)
             independent &= pop == 0 or s.length - pop >= self.model.max_share(seq_id)
             expects.append(e)
         if len(expects) == 1:

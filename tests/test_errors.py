@@ -319,10 +319,11 @@ def test_commit_popping_into_a_shared_prefix_copies_the_partial_page(cache):
     np.testing.assert_array_equal(v.numpy(), expected_v)
 
 
-def test_commit_with_moves_next_to_a_sequence_whose_tree_was_popped(cache):
+def test_commit_with_moves_next_to_a_sequence_with_nothing_to_move(cache):
     """A commit that compacts one sequence's path succeeds next to a sequence with nothing to
-    move whose last step's tokens were popped since (regression, found by the soak run: the
-    compaction asked the paging state for that sequence's step positions, a negative range)."""
+    move (regression, found by the soak run when popn into a tree was allowed: the compaction
+    asked the paging state for that sequence's positions). popn into an uncommitted tree is
+    refused now; the tree is dropped by its commit (leaf -1)."""
     def tree_step(seq, parents):
         cache.begin_forward([seq], [len(parents)], parents)
         for layer in range(CFG.num_layers):
@@ -332,13 +333,14 @@ def test_commit_with_moves_next_to_a_sequence_whose_tree_was_popped(cache):
 
     cache.add_sequence(2)
     tree_step(2, [-1])
-    cache.popn(2, 1)  # length 0; its last step appended 1
+    with pytest.raises(rk.SequenceError, match="uncommitted token-tree"):
+        cache.popn(2, 1)
     tree_step(0, [-1, -1, 1])  # accepted path to node 2: nodes 1, 2 move to slots 0, 1
     k = tvm.runtime.empty((2, 24, 2, 32), "float32")
     v = tvm.runtime.empty((2, 24, 2, 32), "float32")
     cache.debug_get_kv(0, 0, 24, k, v)
     expect_k = np.concatenate([k.numpy()[:, :21], k.numpy()[:, 22:24]], axis=1)
-    cache.commit_accepted_token_tree_nodes([2, 0], [0, 2])
+    cache.commit_accepted_token_tree_nodes([2, 0], [-1, 2])
     assert (cache.get_sequence_length(2), cache.get_sequence_length(0)) == (0, 23)
     k = tvm.runtime.empty((2, 23, 2, 32), "float32")
     cache.debug_get_kv(0, 0, 23, k, tvm.runtime.empty((2, 23, 2, 32), "float32"))

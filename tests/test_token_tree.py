@@ -9,6 +9,7 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.token_tree import MAX_TREE_SIZE, TokenTree
 
+from cache_snapshot import assert_same, snapshot
 from test_cache import Harness, _config
 
 
@@ -90,8 +91,9 @@ def test_tree_grown_over_steps_then_committed():
     for level in range(4):
         lo, hi = 2 ** level - 1, 2 ** (level + 1) - 1
         h.tree_step([(seq, hi - lo) for seq in range(3)], {seq: full[lo:hi] for seq in range(3)})
-    # Commit leaves among the last step's nodes (what TVM's commit resolves indices against).
-    h.commit({0: 3, 1: 5, 2: -1})
+    # Leaves in the whole tree's numbering: paths [0, 2, 5, 11], [0, 1] and nothing.
+    h.commit({0: 11, 1: 1, 2: -1})
+    assert [h.cache.get_sequence_length(seq) for seq in range(3)] == [10 + 4, 17 + 2, 5]
     h.check_contents()
     h.step([(0, 1), (1, 1), (2, 1)])
     h.check_contents()
@@ -180,3 +182,29 @@ def test_trees_rejected_with_inline_rope_or_windows(config):
     with pytest.raises(rk.ForwardError):
         cache.begin_forward([0], [2], [-1, 0])
     assert cache.get_sequence_length(0) == 0 and cache._step is None
+
+
+def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
+    """Regressions (red-team): popn into an uncommitted tree is refused (a later commit would move
+    K/V of positions that no longer belong to the tree, even of another sequence's shared page);
+    a commit of a tree grown over two steps keeps exactly the accepted path (TVM resolves it
+    against the last step's tokens and keeps earlier steps' rejected nodes)."""
+    cfg = _config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
+    h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(11))
+    h.add(1)
+    h.step([(1, 8)])
+    h.fork(1, 0, 8)
+    h.step([(0, 2)])
+    h.tree_step([(0, 3)], {0: [-1, 0, 0]})
+    h.tree_step([(0, 2)], {0: [1, 3]})
+    before = snapshot(h.cache, pages=True)
+    with pytest.raises(rk.SequenceError, match="uncommitted token-tree"):
+        h.cache.popn(0, 4)
+    assert_same(before, snapshot(h.cache, pages=True))
+    h.commit({0: 1})  # path [0, 1]: both from the first tree step
+    assert h.cache.get_sequence_length(0) == 10 + 2 and h.cache.get_sequence_length(1) == 8
+    h.check_contents()
+    h.tree_step([(0, 2)], {0: [-1, 0]})
+    h.commit({0: -1})  # drops the whole tree
+    assert h.cache.get_sequence_length(0) == 12
+    h.check_contents()

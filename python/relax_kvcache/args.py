@@ -8,7 +8,6 @@ types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, List
 
 import numpy as np
@@ -18,6 +17,7 @@ import tvm_ffi
 from .errors import ArgumentError, ForwardError, SequenceError
 
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 #: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
 #: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
@@ -28,6 +28,8 @@ def describe(value: Any) -> str:
     """A short, safe one-line description of ``value`` for error messages (a tensor's repr
     copies its data, and fails for non-contiguous views)."""
     if isinstance(value, tvm_ffi.Tensor):
+        if not value.__chandle__():
+            return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     try:
         text = repr(value)
@@ -37,7 +39,9 @@ def describe(value: Any) -> str:
 
 
 def as_int(name: str, value: Any) -> int:
-    """``value`` as a Python int: ints and numpy integers, not bools, floats or anything else.
+    """``value`` as a Python int: ints, numpy integers and 0-d integer arrays; not bools,
+    floats or other objects (an object's own ``__index__`` is never called, so no user code
+    runs while the cache checks its arguments).
 
     Raises
     ------
@@ -48,11 +52,11 @@ def as_int(name: str, value: Any) -> int:
         return value
     if isinstance(value, (bool, np.bool_)):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type "
-                            f"{type(value).__name__}") from None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        return int(value)
+    raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type {type(value).__name__}")
 
 
 def as_int32(name: str, value: Any) -> int:
@@ -85,21 +89,29 @@ def as_int_list(name: str, values: Any) -> List[int]:
     if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
-    items = list(values)
+    if isinstance(values, list):  # base-class iteration: a subclass's own __iter__ never runs
+        items = list(list.__iter__(values))
+    elif isinstance(values, tuple):
+        items = list(tuple.__iter__(values))
+    elif isinstance(values, np.ndarray):
+        items = np.ndarray.tolist(values)
+    else:
+        items = list(values)
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
 
 
 def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float:
-    """``value`` (an int, float or numpy number, not a bool) as a finite Python float.
+    """``value`` (an int, float or numpy number, not a bool) as a Python float within float32's
+    finite range (kernels take their scalars as float32).
 
     Raises
     ------
     ArgumentError
         If ``value`` is not a number.
     ForwardError
-        If it is NaN, infinite or beyond the float range (``not_finite`` names another
+        If it is NaN, infinite or beyond float32's range (``not_finite`` names another
         ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
@@ -108,8 +120,9 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
         result = float(value)
     except OverflowError:
         result = math.inf
-    if not math.isfinite(result):
-        raise not_finite(f"{name} must be a finite number, got {describe(value)}")
+    if not (math.isfinite(result) and abs(result) <= FLOAT32_MAX):
+        raise not_finite(f"{name} must be a finite number within float32's range (the kernels' type), "
+                         f"got {describe(value)}")
     return result
 
 
@@ -136,7 +149,7 @@ def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:
         ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
         or ``layer_offset`` not an int.
     ConfigError
-        ``layer_offset`` is negative or beyond int32.
+        ``layer_offset`` is negative or beyond int32, or the device index is negative.
     """
     from .errors import ConfigError
     from .kernel_set import KernelSet
@@ -144,6 +157,8 @@ def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:
     if not isinstance(device, tvm.runtime.Device):
         raise ArgumentError(f"device must be a tvm.runtime.Device or None, got {describe(device)} "
                             f"of type {type(device).__name__}")
+    if device.index < 0:
+        raise ConfigError(f"device {device} has a negative index {device.index}; expected a device that exists")
     if kernels is not None and not isinstance(kernels, KernelSet):
         raise ArgumentError(f"kernels must be a KernelSet or None, got {type(kernels).__name__}")
     offset = as_int("layer_offset", layer_offset)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 
 import tvm
 
-from .config import KVCacheConfig
+from .config import SUPPORTED_DTYPES, KVCacheConfig
 from .errors import ConfigError
 from .targets import check_can_compile, describe_target
 
@@ -37,6 +37,14 @@ if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lack
     from . import tir_kernels as tk
 
 _KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
+#: Version of what a built library holds besides the kernels (2: ``kernel_spec_*`` functions).
+LIBRARY_FORMAT = 2
+#: Prefix of the functions of a built library that return its :func:`kernel_identity`.
+IDENTITY_PREFIX = "kernel_spec_"
+#: The fields of :func:`kernel_identity`, in order.
+IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
+                   "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
+                   "sliding_window", "layer_sliding_window_size")
 Progress = Optional[Callable[[str], None]]
 
 
@@ -243,8 +251,9 @@ def _kernel_source_digest() -> str:
 
 
 def build_key(spec: AnyKernelSetSpec, target: tvm.target.Target) -> str:
-    """Cache key of a kernel set: specs, target, TVM version and the kernel sources."""
-    text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest()])
+    """Cache key of a kernel set: specs, target, TVM version, the kernel sources and the
+    library format (:data:`LIBRARY_FORMAT`)."""
+    text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest(), str(LIBRARY_FORMAT)])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -284,13 +293,13 @@ def build_kernels(
     spec = _checked_spec(config, target)
     loadable = can_load_here(target)
     if not use_cache:
-        executable = _compile(spec, target, progress)
+        executable = _compile(spec, target, progress, kernel_identity(config))
         return executable.jit() if loadable else executable.mod
     path = cache_path(spec, target)
     if loadable and path.exists():
         _report(progress, f"loading cached kernels {path.name}")
         return tvm.runtime.load_module(str(path))
-    executable = _compile(spec, target, progress)
+    executable = _compile(spec, target, progress, kernel_identity(config))
     if not path.exists():
         _export_atomic(executable, path)
     return tvm.runtime.load_module(str(path)) if loadable else executable.mod
@@ -331,13 +340,13 @@ def export_kernels(
     dest = _checked_output(path)
     spec = _checked_spec(config, target)
     if not use_cache:
-        _export_atomic(_compile(spec, target, progress), dest)
+        _export_atomic(_compile(spec, target, progress, kernel_identity(config)), dest)
         return dest
     cached = cache_path(spec, target)
     if cached.exists():
         _report(progress, f"copying cached kernels {cached.name}")
     else:
-        _export_atomic(_compile(spec, target, progress), cached)
+        _export_atomic(_compile(spec, target, progress, kernel_identity(config)), cached)
     _copy_atomic(cached, dest)
     return dest
 
@@ -388,7 +397,47 @@ def _report(progress: Progress, message: str) -> None:
         progress(message)
 
 
-def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progress) -> Executable:
+def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
+    """What ``config``'s kernels depend on, by field: the fields of its kernel set spec
+    (:func:`kernel_set_spec`), read from the config itself so that a host with TVM's runtime
+    alone can compute them (the dtype as its index in ``SUPPORTED_DTYPES``, flags as 0 / 1,
+    fields that do not apply as 0). Libraries built here return each from a function
+    ``kernel_spec_<field>``; :class:`~relax_kvcache.PagedAttentionKVCache` refuses kernels built
+    for other values."""
+    mla, windows = config.is_mla, config.support_sliding_window or config.has_layer_windows
+    return {
+        "mla": int(mla), "dtype": SUPPORTED_DTYPES.index(config.dtype), "page_size": config.page_size,
+        "num_qo_heads": config.num_qo_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "v_head_dim": config.v_head_dim,
+        "mla_original_qk_head_dim": (config.mla_original_qk_head_dim or 0) if mla else 0,
+        "mla_original_v_head_dim": (config.mla_original_v_head_dim or 0) if mla else 0,
+        "rope_theta": 0.0 if mla else float(config.rope_theta),
+        "rope_scale": 0.0 if mla else float(config.rope_scale),
+        "sliding_window": int(not mla and windows),
+        "layer_sliding_window_size": config.layer_sliding_window_size if not mla and config.has_layer_windows else 0,
+    }
+
+
+def _identity_functions(identity: Dict[str, float]) -> Dict[str, tirx.PrimFunc]:
+    """``kernel_spec_<field>() -> int64 / float64`` for each field of :func:`kernel_identity`."""
+    from tvm.script import tirx as T
+
+    def constant(value):
+        if isinstance(value, float):
+            @T.prim_func(private=True, s_tir=True)
+            def field() -> T.float64:
+                return T.float64(value)
+        else:
+            @T.prim_func(private=True, s_tir=True)
+            def field() -> T.int64:
+                return T.int64(value)
+        return field
+
+    return {IDENTITY_PREFIX + name: constant(value) for name, value in identity.items()}
+
+
+def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progress,
+             identity: Dict[str, float]) -> Executable:
     from . import tir_kernels as tk
 
     check_can_compile(target)
@@ -396,6 +445,7 @@ def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progre
                       f"{spec.attention.num_qo_heads}/{spec.attention.num_kv_heads} heads, "
                       f"head_dim {spec.attention.qk_head_dim})")
     funcs = spec.kernel_functions(tk.schedule_for(target))
+    funcs.update(_identity_functions(identity))
     mod = tvm.IRModule({role: f.with_attr("global_symbol", role) for role, f in funcs.items()})
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
         return tvm.compile(mod, target=target)

@@ -18,15 +18,15 @@ import tvm
 from . import metadata as md
 from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args
 from .aux_buffer import AuxBuffer, SlotBuffer
-from .build import build_kernels
-from .config import AttnKind, KVCacheConfig, RopeMode
+from .build import build_kernels, kernel_identity
+from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
-from .errors import ForwardError, KVCacheError, SequenceError
+from .errors import ConfigError, ForwardError, KVCacheError, SequenceError
 from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
 from .runtime import default_target
-from .tensors import allocate, check_tensor, view
+from .tensors import allocate, check_disjoint, check_tensor, view
 from .token_tree import TokenTree
 
 
@@ -87,6 +87,44 @@ class _DeviceStep:
         return tuple((d, p) for d, p in views if p.has_pages)
 
 
+def _check_kernels_match(config: KVCacheConfig, built_for: Tuple[Tuple[str, float], ...]) -> None:
+    """Refuse kernels built for another configuration (they would read pages of another shape)."""
+    expected = kernel_identity(config)
+    differ = [f"{name} {value!r} (kernels) vs {expected[name]!r} (config)" for name, value in built_for
+              if value != expected[name]]
+    if differ:
+        raise ConfigError("the kernels were built for another configuration: " + "; ".join(differ)
+                          + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for this "
+                          "config with relax_kvcache.build_kernels(config, target)")
+
+
+def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
+    """Refuse a kernel set without a kernel every step of this config calls (e.g. TVM's creation
+    arguments with None), before any step could append K/V and then fail."""
+    if config.is_mla:
+        roles = ["transpose_append_mla", "attention_prefill_mla", "attention_prefill_ragged"]
+    else:
+        roles = ["transpose_append", "split_rotary", "attention_prefill_ragged", "attention_prefill",
+                 "attention_decode"]
+        if config.slides_sequences or config.has_layer_windows:
+            roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
+    missing = [role for role in roles if not callable(getattr(kernels, role))]
+    if missing:
+        raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
+                          "calls in every step; pass them (or let the cache build its own)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommitPlan:
+    """One sequence's commit: ``moves`` are (source, destination) indices among its last
+    ``span`` tokens (its uncommitted tree, or its last step without one); ``pop`` tokens go."""
+
+    seq_id: int
+    span: int
+    moves: Tuple[Tuple[int, int], ...]
+    pop: int
+
+
 class PagedAttentionKVCache:
     """A paged KV cache with prefix sharing, for TVM Relax LLM inference.
 
@@ -123,6 +161,9 @@ class PagedAttentionKVCache:
         if kernels is None:
             target = default_target(device) if target is None else target
             kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
+        elif kernels.identity is not None:
+            _check_kernels_match(config, kernels.identity)
+        _check_required_kernels(config, kernels)
         self.config = config
         self.device = device
         self.layer_offset = layer_offset
@@ -142,6 +183,7 @@ class PagedAttentionKVCache:
         self._scratch_lse = allocate((chunk, hq), "float32", device, "lse scratch")
         self._scratch_merged_lse = allocate((chunk, hq), "float32", device, "lse scratch")
         self._dtype, self._float32 = self._scratch_o.dtype, self._scratch_lse.dtype
+        self._itemsize = _DTYPE_BYTES[config.dtype]
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
         rope = config.effective_rope_mode
@@ -155,6 +197,7 @@ class PagedAttentionKVCache:
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
         self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
         self._context_workspace: Optional[ContextWorkspace] = None
+        self._busy: Optional[str] = None  # the callback of ours running now, if any
 
     # ------------------------------------------------------------------ sequences
 
@@ -164,22 +207,26 @@ class PagedAttentionKVCache:
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence, freeing the pages no other sequence shares."""
+        seq_id = _as_int("seq_id", seq_id)
         self._require_no_step("remove_sequence")
-        self._paging.remove_sequence(_as_int("seq_id", seq_id))
+        self._paging.remove_sequence(seq_id)
 
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
         """Create ``child_seq_id`` sharing the first ``fork_pos`` tokens of the parent (-1: all)."""
+        parent, child, pos = (_as_int("parent_seq_id", parent_seq_id), _as_int("child_seq_id", child_seq_id),
+                              _as_int("fork_pos", fork_pos))
         self._require_no_step("fork_sequence")
-        copies = self._paging.fork_sequence(_as_int("parent_seq_id", parent_seq_id),
-                                            _as_int("child_seq_id", child_seq_id),
-                                            _as_int("fork_pos", fork_pos))
-        self._copy_pages(copies)
+        self._copy_pages(self._paging.fork_sequence(parent, child, pos))
 
     def popn(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` tokens of a sequence."""
+        seq_id, n = _as_int("seq_id", seq_id), _as_int("n", n)
         self._require_no_step("popn")
-        copies = self._paging.popn(_as_int("seq_id", seq_id), _as_int("n", n))
-        self._copy_pages(copies)
+        tree = self._paging.sequence(seq_id).token_tree if self._paging.has_sequence(seq_id) else None
+        if tree is not None and n:
+            raise SequenceError(f"popn({seq_id}, {n}): sequence {seq_id} has {len(tree)} uncommitted token-tree "
+                                "nodes; commit them first (commit_accepted_token_tree_nodes, leaf -1 drops them)")
+        self._copy_pages(self._paging.popn(seq_id, n))
 
     def enable_sliding_window_for_seq(self, seq_id: int, sliding_window_size: int, attn_sink_size: int) -> None:
         """Keep only the first ``attn_sink_size`` and the last tokens of a sequence, up to
@@ -198,16 +245,19 @@ class PagedAttentionKVCache:
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int], leaf_indices: Sequence[int]) -> None:
         """Keep, for each sequence, the token-tree path from the root to its accepted leaf.
 
-        The path's K/V move to consecutive positions (``compact_copy``) and the other nodes are
-        dropped (``popn`` semantics, their pages freed); ``leaf_indices[i] == -1`` accepts nothing.
-        As in TVM, node indices are resolved against the tokens the sequence's last step
-        appended: for a tree appended in one step (the speculative-decoding protocol) this lays
-        the accepted path out right after the committed prefix. A path reaching a node appended
-        by an earlier step is rejected (TVM would read another sequence's slots).
+        Node indices are those of the sequence's uncommitted tree: the nodes of every tree step
+        since the last commit, in the order they were appended (``begin_forward``'s parent
+        pointers use the same numbering). The path's K/V move to consecutive positions right
+        after the committed prefix (``compact_copy``) and the other nodes are dropped (``popn``
+        semantics, their pages freed); ``leaf_indices[i] == -1`` accepts nothing. For a tree
+        appended in one step this is TVM's behaviour; for a tree grown over several steps TVM
+        resolves the indices against the last step's tokens only (and keeps earlier steps'
+        rejected nodes), we against the whole tree. On a sequence without an uncommitted tree,
+        leaf -1 pops its last step's tokens (TVM's rule for chains).
         """
-        self._require_no_step("commit_accepted_token_tree_nodes")
         seq_ids = _as_int_list("seq_ids", seq_ids)
         leaves = _as_int_list("leaf_indices", leaf_indices)
+        self._require_no_step("commit_accepted_token_tree_nodes")
         if len(seq_ids) != len(leaves):
             raise SequenceError(f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}; "
                                 "expected equal lengths")
@@ -216,18 +266,18 @@ class PagedAttentionKVCache:
         plans = [self._plan_commit(seq_id, leaf) for seq_id, leaf in zip(seq_ids, leaves)]
         # check-then-mutate: every pop (a re-fork into a shared prefix may need a page) before
         # compacting or popping any sequence
-        self._paging.check_pops([(seq_id, pop) for seq_id, _, pop in plans if pop])
-        if any(moves for _, moves, _ in plans):
+        self._paging.check_pops([(plan.seq_id, plan.pop) for plan in plans if plan.pop])
+        if any(plan.moves for plan in plans):
             if self._kernels.compact_copy is None:
                 raise KVCacheError("committing a token tree needs the compact_copy kernel, which this cache "
                                    "was created without")
             self._compact(plans)
-        for seq_id, _, pop in plans:
-            self._copy_pages(self._paging.popn(seq_id, pop))  # a re-fork copies its partial page
-            self._paging.clear_token_tree(seq_id)
+        for plan in plans:
+            self._copy_pages(self._paging.popn(plan.seq_id, plan.pop))  # a re-fork copies its partial page
+            self._paging.clear_token_tree(plan.seq_id)
 
-    def _plan_commit(self, seq_id: int, leaf: int) -> Tuple[int, List[Tuple[int, int]], int]:
-        """(seq_id, [(src, dst) positions in the last step's tokens], tokens to pop), all checked."""
+    def _plan_commit(self, seq_id: int, leaf: int) -> "_CommitPlan":
+        """The moves and the pop of one sequence's commit, all checked."""
         seq = self._paging.sequence(seq_id)
         tree = seq.token_tree
         if leaf < -1:
@@ -236,29 +286,24 @@ class PagedAttentionKVCache:
             raise SequenceError(f"the accepted nodes of sequence {seq_id} are already committed (leaf index {leaf})")
         if leaf != -1 and leaf >= len(tree):
             raise SequenceError(f"leaf index {leaf} of sequence {seq_id} is out of range [-1, {len(tree)})")
-        last = seq.last_append_length
+        span = len(tree) if tree is not None else seq.last_append_length
         path = tree.path_to(leaf) if leaf != -1 else []
-        if path and path[-1] >= last:
-            raise SequenceError(
-                f"the accepted path of sequence {seq_id} reaches node {path[-1]}, but its last step appended "
-                f"only {last} token(s); commits resolve nodes against the last step's tokens (as TVM does), "
-                "so commit before growing the tree further")
-        moves = [(src, dst) for dst, src in enumerate(path) if src != dst]
-        return seq_id, moves, last - len(path)
+        moves = tuple((src, dst) for dst, src in enumerate(path) if src != dst)
+        return _CommitPlan(seq_id=seq_id, span=span, moves=moves, pop=span - len(path))
 
-    def _compact(self, plans) -> None:
+    def _compact(self, plans: Sequence["_CommitPlan"]) -> None:
         """Move accepted nodes' K/V to their consecutive positions in every layer (compact_copy)."""
         lengths, src_dst = [], [[], []]
-        for seq_id, moves, _ in plans:
-            if not moves:  # nothing to move (its last step's tokens may even be popped already)
+        for plan in plans:
+            if not plan.moves:
                 lengths.append(0)
                 continue
-            seq = self._paging.sequence(seq_id)
-            slots = self._paging.position_map(seq_id, seq.seq_length - seq.last_append_length, seq.seq_length)
-            for src, dst in moves:
+            seq = self._paging.sequence(plan.seq_id)
+            slots = self._paging.position_map(plan.seq_id, seq.seq_length - plan.span, seq.seq_length)
+            for src, dst in plan.moves:
                 src_dst[0].append(int(slots[src]))
                 src_dst[1].append(int(slots[dst]))
-            lengths.append(len(moves))
+            lengths.append(len(plan.moves))
         indptr = tvm.runtime.tensor(md.indptr(lengths), self.device)
         positions = tvm.runtime.tensor(np.array(src_dst, dtype=np.int32), self.device)
         for pages in self._pages:
@@ -266,6 +311,7 @@ class PagedAttentionKVCache:
 
     def clear(self) -> None:
         """Remove every sequence and end any active step."""
+        self._check_not_busy("clear")
         self._paging.clear()
         self._step = None
         self._device_step = None
@@ -301,6 +347,7 @@ class PagedAttentionKVCache:
         Reserves pages for the new tokens and plans the step's attention (block depths, decode
         or prefill kernels); the metadata reaches the device before the first attention call.
         """
+        self._check_not_busy("begin_forward")
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
         step = None
@@ -355,6 +402,11 @@ class PagedAttentionKVCache:
                                "created with support_sliding_window)")
         if cfg.slides_sequences or cfg.has_layer_windows:
             raise ForwardError("token-tree attention does not support sliding windows")
+        missing = [role for role in ("attention_prefill_tree", "attention_prefill_ragged_tree")
+                   if not callable(getattr(self._kernels, role))]
+        if missing:
+            raise KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "
+                               "was created without")
         parents = _as_int_list("token_tree_parent_ptr", parent_ptr)
         if len(parents) != sum(append_lengths):
             raise ForwardError(f"token_tree_parent_ptr has {len(parents)} entries, expected the sum of "
@@ -402,11 +454,14 @@ class PagedAttentionKVCache:
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
+        self._check_not_busy("end_forward")
         self._step = None
         self._device_step = None
         self._context = None
 
     def _active_step(self, what: str) -> _DeviceStep:
+        if self._busy is not None:
+            self._check_not_busy(what)
         if self._step is None:
             raise ForwardError(f"{what} called without an active step; call begin_forward first")
         if self._device_step is None:
@@ -547,6 +602,10 @@ class PagedAttentionKVCache:
         check_tensor("k", k, shape=(n, cfg.num_kv_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
+        size, hq, hkv = self._itemsize, cfg.num_qo_heads, cfg.num_kv_heads
+        check_disjoint([("o", o, n * hq * cfg.v_head_dim * size)],
+                       [("q", q, n * hq * cfg.head_dim * size), ("k", k, n * hkv * cfg.head_dim * size),
+                        ("v", v, n * hkv * cfg.v_head_dim * size)])
         self._attend(step, layer, q, k, v, o, step.merged_lse, _as_float("sm_scale", sm_scale))
 
     def _attend(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
@@ -578,6 +637,9 @@ class PagedAttentionKVCache:
         dv = check_tensor("v", v, shape=(n, hkv, dv), dtype=cfg.dtype, device=self.device)[2]
         check_tensor("o", o, shape=(n, hq, dv), dtype=cfg.dtype, device=self.device)
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
+        size = self._itemsize
+        check_disjoint([("o", o, n * hq * dv * size), ("lse", lse, n * hq * 4)],
+                       [("q", q, n * hq * dqk * size), ("k", k, n * hkv * dqk * size), ("v", v, n * hkv * dv * size)])
         self._ragged_attention(step, layer, q, k, v, o, lse, _as_float("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
@@ -598,6 +660,9 @@ class PagedAttentionKVCache:
         check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
         check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
+        rows = n * cfg.num_qo_heads
+        check_disjoint([("o", o, rows * cfg.v_head_dim * self._itemsize), ("lse", lse, rows * 4)],
+                       [("q", q, rows * cfg.head_dim * self._itemsize)])
         self._paged_attention(step, layer, q, o, lse, _as_float("sm_scale", sm_scale), first=True,
                               write_empty=True)
 
@@ -685,6 +750,8 @@ class PagedAttentionKVCache:
         dv = check_tensor("o", o, shape=(n, hq, cfg.mla_original_v_head_dim), dtype=cfg.dtype,
                           device=self.device)[2]
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
+        check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)],
+                       [("q", q, n * hq * dqk * self._itemsize)])
         sm_scale = _as_float("sm_scale", sm_scale)
         if not callable(decompress):
             raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
@@ -699,7 +766,11 @@ class PagedAttentionKVCache:
             if chunk.rows:
                 gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
                 self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
-                decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
+                self._busy = "mla_context_attention's decompress callback"
+                try:
+                    decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
+                finally:
+                    self._busy = None
             out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
             self._kernels.attention_prefill_ragged(
                 q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
@@ -819,6 +890,8 @@ class PagedAttentionKVCache:
         shape = (cfg.num_layers, end_pos - start_pos, cfg.num_kv_heads, cfg.head_dim)
         check_tensor("k_data", k_data, shape=shape, dtype=cfg.dtype, device=self.device)
         check_tensor("v_data", v_data, shape=shape, dtype=cfg.dtype, device=self.device)
+        nbytes = int(np.prod(shape)) * self._itemsize
+        check_disjoint([("k_data", k_data, nbytes), ("v_data", v_data, nbytes)])
         positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self.device)
         for layer, pages in enumerate(self._pages):
             self._kernels.debug_get_kv(pages, positions, k_data, v_data, layer)
@@ -860,7 +933,15 @@ class PagedAttentionKVCache:
             need, have = ("MLA", "MHA") if mla else ("MHA", "MLA")
             raise KVCacheError(f"{what} needs {need} layers, but this cache's layers are {have}")
 
+    def _check_not_busy(self, what: str) -> None:
+        """Refuse calls made from inside a callback of ours (``mla_context_attention``'s
+        ``decompress``): they would change the step or the workspace the caller is using."""
+        if self._busy is not None:
+            raise ForwardError(f"{what} called from inside {self._busy}; the cache can be used again "
+                               "once the callback returns")
+
     def _require_no_step(self, what: str) -> None:
+        self._check_not_busy(what)
         if self._step is not None:
             raise ForwardError(f"{what} is not allowed while a forward step is active; call end_forward first")
 

@@ -36,7 +36,7 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--arch", help="CUDA architecture (default: the local GPU's, else sm_80)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                       help="model and cache dtype (default: float32 on llvm, float16 on cuda)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_seed, default=0, help="random seed, a non-negative int (default 0)")
     demo.add_argument("--export", metavar="PATH", help="compile the model for --target and write the library; do not run")
     demo.add_argument("--load", metavar="PATH", help="run a library written by --export (runtime-only TVM is enough)")
     demo.add_argument("--cache-only", action="store_true",
@@ -44,7 +44,24 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; expected a non-negative int")
+    return value
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    from .deploy import DeployError
+
+    try:
+        return _run_demo_checked(args)
+    except (FileNotFoundError, DeployError) as err:  # --load of a missing or unloadable library
+        print(f"relax-kvcache demo: error: {err}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run_demo_checked(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         if not args.quiet:
             print(message, flush=True)

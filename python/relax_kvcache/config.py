@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import operator
 from typing import Optional, Sequence, Tuple
+
+import numpy as np
+from tvm_ffi import dtype as DataType
 
 from .args import as_bool
 from .errors import ConfigError
@@ -46,19 +48,43 @@ class AttnKind(enum.IntEnum):
 
 def _kind(value: object) -> int:
     """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
-    if isinstance(value, bool):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise ValueError(value)
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ValueError(value) from None
+    return int(value)
 
 
 def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_INT:
+    """A positive int32 (Python or numpy integer) as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 < value <= MAX_INT:
         raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {value!r:.80} (sizes are int32: "
                           f"1 to {MAX_INT})")
-    return value
+    return int(value)
+
+
+def _dtype(value: object) -> str:
+    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype."""
+    name = value if isinstance(value, str) else str(value) if isinstance(value, (np.dtype, DataType)) else None
+    if name not in SUPPORTED_DTYPES:
+        raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {value!r:.80}")
+    return name
+
+
+def _rope_float(name: str, value: object, *, used: bool) -> float:
+    """RoPE theta / scale as a float the kernels' float32 arguments hold: finite, and where RoPE
+    is used positive and normal (a float32 underflowing to 0 or overflowing to inf gives NaN)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"KVCacheConfig.{name} must be a number, got {value!r:.80}")
+    try:
+        result = float(value)
+    except OverflowError:
+        result = math.inf
+    f32 = np.finfo(np.float32)
+    if not (math.isfinite(result) and abs(result) <= float(f32.max)):
+        raise ConfigError(f"KVCacheConfig.{name} must be a finite float32 number, got {value!r:.80}")
+    if used and not result >= float(f32.tiny):
+        raise ConfigError(f"KVCacheConfig.{name} must be positive (at least {f32.tiny:.3g}, float32's smallest "
+                          f"normal number) when RoPE is used, got {value!r:.80}")
+    return result
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -136,7 +162,7 @@ class KVCacheConfig:
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
                      "max_num_seqs", "max_total_seq_len", "prefill_chunk_size",
                      "layer_sliding_window_size"):
-            _positive(name, getattr(self, name))
+            object.__setattr__(self, name, _positive(name, getattr(self, name)))
         if self.num_layers > MAX_NUM_LAYERS:
             raise ConfigError(f"KVCacheConfig.num_layers {self.num_layers} is more than {MAX_NUM_LAYERS}, "
                               "the most a cache holds (one page tensor per layer)")
@@ -146,21 +172,16 @@ class KVCacheConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
         v_head_dim = self.head_dim if self.v_head_dim is None else _positive("v_head_dim", self.v_head_dim)
         object.__setattr__(self, "v_head_dim", v_head_dim)
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", _dtype(self.dtype))
         try:
-            object.__setattr__(self, "rope_mode", RopeMode(self.rope_mode))
+            object.__setattr__(self, "rope_mode", RopeMode(_kind(self.rope_mode)))
         except ValueError:
             raise ConfigError(
-                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {self.rope_mode!r}"
+                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {self.rope_mode!r:.80}"
             ) from None
         for name in ("rope_theta", "rope_scale"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ConfigError(f"KVCacheConfig.{name} must be a finite number, got {value!r}")
-            if self.rope_mode != RopeMode.NONE and not value > 0:
-                raise ConfigError(f"KVCacheConfig.{name} must be positive when RoPE is used, got {value!r}")
-            object.__setattr__(self, name, float(value))
+            value = _rope_float(name, getattr(self, name), used=self.rope_mode != RopeMode.NONE)
+            object.__setattr__(self, name, value)
         sliding = as_bool("KVCacheConfig.support_sliding_window", self.support_sliding_window, error=ConfigError)
         object.__setattr__(self, "support_sliding_window", sliding)
         object.__setattr__(self, "attn_kinds", self._validated_attn_kinds(self.attn_kinds))

@@ -102,17 +102,19 @@ def _load_module(library: pathlib.Path) -> tvm.runtime.Module:
     _CALLBACK.error = None
     try:
         return tvm.runtime.load_module(str(library))
-    except Exception:
+    except Exception as err:
         error, _CALLBACK.error = _CALLBACK.error, None
         if error is not None:
             raise error from None
-        raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise DeployError(f"could not load {str(library)!r}: {reason}; expected a shared library written by "
+                          "`relax-kvcache build` / export_kernels (or a model's export_library)") from err
 
 
 def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
-    if not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
-    library = pathlib.Path(path).expanduser()
+    library = pathlib.Path(os.fsdecode(path)).expanduser()
     if not library.is_file():
         what = "is a folder" if library.is_dir() else "does not exist"
         raise FileNotFoundError(

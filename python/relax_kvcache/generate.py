@@ -70,8 +70,10 @@ class Engine:
     """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache, device: tvm.runtime.Device, *,
-                 prefill_chunk_size: int, reference: Optional[Reference] = None) -> None:
+                 prefill_chunk_size: int, reference: Optional[Reference] = None,
+                 vocab_size: Optional[int] = None) -> None:
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
+        self.vocab_size = vocab_size  # token ids are checked against it (the model would read out of bounds)
         self.chunk, self.reference = prefill_chunk_size, reference
         self.requests: Dict[int, Request] = {}
         self.stats = Stats()
@@ -85,12 +87,13 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
-        """A new request; raises ValueError (nothing changed) on an empty prompt or a token
-        budget below 1."""
+        """A new request; raises ValueError (nothing changed) on an empty prompt, a token id
+        outside the vocabulary or a token budget below 1."""
+        prompt = self._tokens("add_request: prompt", prompt)
         if len(prompt) == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"add_request: max_new_tokens is {max_new_tokens}; expected >= 1")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"add_request: max_new_tokens is {max_new_tokens!r}; expected an int >= 1")
         req = Request(seq_id=self._new_id(), tokens=list(prompt), prompt_len=len(prompt),
                       max_new_tokens=max_new_tokens)
         self._add(self.cache, req.seq_id)
@@ -101,6 +104,7 @@ class Engine:
         """A second continuation of ``parent`` (prompt in, first token generated) sharing its
         cached prefix; it continues from ``alternative`` instead of the parent's first token
         (e.g. the runner-up of ``parent.last_logits``)."""
+        alternative = self._tokens("fork: alternative", [alternative])[0]
         if parent.prefilling or parent.generated != 1:
             raise ValueError(f"fork a request right after its first token; request {parent.seq_id} has "
                              f"{parent.cached}/{parent.prompt_len} prompt tokens cached, {parent.generated} generated")
@@ -119,6 +123,8 @@ class Engine:
         """One step: a token of every decoding request plus, within ``prefill_chunk_size``
         tokens, the next pieces of the prompts not in yet (chunked prefill mixed with decode).
         Returns the requests that finished (and were removed)."""
+        if not self.requests:
+            raise ValueError("step: there are no requests; add one with add_request")
         batch = [(r, 1) for r in self.requests.values() if not r.prefilling]
         budget = self.chunk - len(batch)
         for req in (r for r in self.requests.values() if r.prefilling):
@@ -136,9 +142,14 @@ class Engine:
         drafts were accepted."""
         if req.prefilling or req.cached != len(req.tokens) - 1:
             raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still prefilling")
+        drafts = self._tokens("speculate: drafts", drafts)
         base = len(req.tokens)
         req.tokens.extend(drafts)
-        logits = self._run([(req, 1 + len(drafts))], sample=False)[0]
+        try:
+            logits = self._run([(req, 1 + len(drafts))], sample=False)[0]
+        except Exception:
+            del req.tokens[base:]  # the request as it was (the cache is unchanged: its calls are transactional)
+            raise
         accepted = 0
         while accepted < len(drafts) and int(logits[accepted].argmax()) == drafts[accepted]:
             accepted += 1
@@ -161,8 +172,11 @@ class Engine:
                     tvm.runtime.ShapeTuple([n for _, n in batch]))
         fn = self.vm["decode"] if decode else self.vm["prefill"]
         inputs = ids.reshape(-1, 1) if decode else ids.reshape(1, -1)
-        logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy().reshape(len(ids), -1)
-        self._end(self.cache)
+        try:
+            logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy()
+        finally:
+            self._end(self.cache)
+        logits = logits.reshape(len(ids), -1)
         self.stats.model_seconds += time.perf_counter() - start
         self.stats.steps += 1
         per_request, row = [], 0
@@ -180,6 +194,19 @@ class Engine:
                 req.tokens.append(int(rows[-1].argmax()))
             per_request.append(rows)
         return per_request
+
+    def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
+        """Token ids as Python ints, each within ``[0, vocab_size)`` when the vocabulary is known."""
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise ValueError(f"{what} must be a sequence of token ids, got {tokens!r:.80}")
+        ids = list(tokens)
+        for tok in ids:
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+                raise ValueError(f"{what} holds {tok!r:.40}, not a token id (int)")
+            if tok < 0 or (self.vocab_size is not None and tok >= self.vocab_size):
+                bound = "vocab_size" if self.vocab_size is None else self.vocab_size
+                raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {bound})")
+        return [int(tok) for tok in ids]
 
     def _check(self, tokens: Sequence[int], rows: np.ndarray) -> None:
         if self.reference is None:

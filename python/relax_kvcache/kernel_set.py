@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import tvm
 
@@ -45,6 +45,9 @@ class KernelSet:
     attention_prefill_tree: Optional[Function] = None
     transpose_append_mla: Optional[Function] = None
     attention_prefill_mla: Optional[Function] = None
+    #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
+    #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it).
+    identity: Optional[Tuple[Tuple[str, float], ...]] = None
 
     @classmethod
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
@@ -71,6 +74,7 @@ class KernelSet:
             attention_prefill_tree=get("attention_prefill_tree"),
             transpose_append_mla=get("transpose_append_mla"),
             attention_prefill_mla=get("attention_prefill_mla"),
+            identity=_identity(get),
         )
 
     @classmethod
@@ -98,6 +102,16 @@ class KernelSet:
             transpose_append_mla=_optional_function(args[14], 14),
             attention_prefill_mla=_attention(args[22], 22),
         )
+
+
+def _identity(get) -> Optional[Tuple[Tuple[str, float], ...]]:
+    """The ``kernel_spec_<field>`` values of a library built by ``relax_kvcache.build``."""
+    from .build import IDENTITY_FIELDS, IDENTITY_PREFIX
+
+    functions = [(name, get(IDENTITY_PREFIX + name)) for name in IDENTITY_FIELDS]
+    if any(f is None for _, f in functions):
+        return None
+    return tuple((name, f()) for name, f in functions)
 
 
 def _list(value: Any, index: int) -> list:

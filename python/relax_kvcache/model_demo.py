@@ -90,7 +90,8 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     max_total = sum(PROMPTS) + sum(NEW_TOKENS) * 2 + 8 * PAGE_SIZE
     cache = vm["create_kv_cache"](shape([8]), shape([max_total]), shape([PREFILL_CHUNK]))
     engine = Engine(vm, [tvm.runtime.tensor(w.astype(dtype), device) for w in weights.values()], cache, device,
-                    prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits)
+                    prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits,
+                    vocab_size=cfg.vocab_size)
     pages_at_start = engine.free_pages()
     rng = np.random.default_rng(seed)
     requests = [engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), new)

@@ -138,16 +138,17 @@ class ReferenceCache:
         self.pos[seq_id] = self.pos[seq_id][:keep]
 
     def commit(self, seq_id: int, leaf: int) -> None:
-        """TVM's commit: the path root..leaf (node indices counted from the first token of the
-        sequence's last step) moves to consecutive positions there; the rest of the step is
-        dropped. ``leaf == -1`` drops the whole last step."""
+        """The path root..leaf of the sequence's uncommitted tree (node indices over all its tree
+        steps) moves to consecutive positions at the tree's start; the other nodes are dropped
+        (TVM's commit for a tree appended in one step). ``leaf == -1`` drops the whole tree, or
+        on a sequence without one its last step."""
         start, parents = self.trees.pop(seq_id, (None, ()))
         path = []
         while leaf != -1:
             path.append(leaf)
             leaf = parents[leaf]
         path.reverse()
-        base = self.length(seq_id) - self.last_append.get(seq_id, 0)
+        base = start if start is not None else self.length(seq_id) - self.last_append.get(seq_id, 0)
         keep = np.r_[0:base, [base + node for node in path]].astype(np.int64)
         self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, keep], self.v[seq_id][:, keep]
         # RoPE was applied at each node's depth: the path's node of depth d lands at base + d.

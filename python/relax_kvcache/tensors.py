@@ -86,6 +86,8 @@ def check_tensor(
     """
     if not isinstance(value, tvm.runtime.Tensor):
         raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {type(value).__name__}")
+    if not value.__chandle__():  # a Tensor object made without a tensor (Tensor.__new__)
+        raise ArgumentError(f"{name} is a tvm.runtime.Tensor object without a tensor (null handle)")
     got = tuple(value.shape)
     if len(got) != len(shape) or any(e is not None and g != e for g, e in zip(got, shape)):
         expected = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"
@@ -109,3 +111,21 @@ def _placement_error(name: str, value: tvm.runtime.Tensor) -> None:
                            "that start at their data pointer: pass a tensor of its own)")
     raise ForwardError(f"{name} data at {value.data_ptr():#x} is not aligned to {DATA_ALIGNMENT} bytes, as the "
                        "kernels expect")
+
+
+def check_disjoint(outputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]],
+                   inputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]] = ()) -> None:
+    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's.
+
+    Entries are ``(name, tensor, nbytes)`` of tensors already checked by :func:`check_tensor`
+    (no byte offset, so their data spans ``[data_ptr, data_ptr + nbytes)``). A kernel writing
+    an output that aliases what it still reads gives wrong results without an error.
+    """
+    spans = [(name, t.data_ptr(), n) for name, t, n in (*outputs, *inputs)]
+    for i in range(len(outputs)):
+        name, lo, n = spans[i]
+        for other, lo2, n2 in spans[i + 1:]:
+            if n and n2 and lo < lo2 + n2 and lo2 < lo + n:
+                raise ForwardError(f"{name} shares memory with {other}; expected separate tensors (the kernels "
+                                   f"write {name} while reading the others)")
+
