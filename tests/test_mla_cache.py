@@ -242,6 +242,46 @@ def test_bad_input_leaves_the_cache_unchanged(mla_cache):
     np.testing.assert_array_equal(after.numpy(), before.numpy())
 
 
+def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
+    """Regression (red-team): a ``decompress`` callback that ends the step and begins another, or
+    calls ``mla_context_attention`` again, made the outer call run kernels over the new step's
+    metadata (a crash) or clobber its workspace (wrong results). Calls from inside the callback
+    raise; the outer call then raises that error and the cache is as before; after it the same
+    step works normally and matches the float64 model."""
+    h = Harness(mla_cache, seed=6)
+    h.add(0)
+    h.step([(0, 50)])  # 50 cached rows: two chunks of 40
+    cache = mla_cache
+    cache.begin_forward([0], [2])
+    q, o, lse = _t(np.ones((2, HEADS, NOPE + ROPE))), _poisoned((2, HEADS, VDIM)), _poisoned((2, HEADS), "float32")
+    reentries = {
+        "end_forward": lambda: cache.end_forward(),
+        "begin_forward": lambda: cache.begin_forward([0], [1]),
+        "clear": lambda: cache.clear(),
+        "mla_context_attention": lambda: cache.mla_context_attention(0, q, _poisoned((2, HEADS, VDIM)),
+                                                                     _poisoned((2, HEADS), "float32"), 1.0,
+                                                                     h.decompress),
+        "append_mla_kv": lambda: cache.append_mla_kv(0, _t(np.ones((2, LORA + ROPE)))),
+        "popn": lambda: cache.popn(0, 1),
+    }
+    before = _poisoned((LAYERS, 50, LORA + ROPE))
+    cache.debug_get_kv_mla(0, 0, 50, before)
+    for what, call in reentries.items():
+        def reenter(latent, k, v, call=call):
+            h.decompress(latent, k, v)
+            call()
+
+        with pytest.raises(ForwardError, match=f"{what} called from inside mla_context_attention's decompress"):
+            cache.mla_context_attention(0, q, o, lse, SM_SCALE, reenter)
+    assert cache.get_sequence_length(0) == 52
+    after = _poisoned((LAYERS, 50, LORA + ROPE))
+    cache.debug_get_kv_mla(0, 0, 50, after)
+    np.testing.assert_array_equal(after.numpy(), before.numpy())
+    cache.end_forward()
+    cache.popn(0, 2)  # the step the model did not see
+    h.step([(0, 3)])  # the cache still works and agrees with the model
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(attn_kinds=[AttnKind.MLA, AttnKind.MHA]), "mixes MLA with other kinds"),
     (dict(num_kv_heads=2, num_qo_heads=4), "num_kv_heads must be 1 for MLA"),

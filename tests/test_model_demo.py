@@ -81,3 +81,24 @@ def test_engine_refuses_bad_requests_without_touching_the_cache():
     with pytest.raises(ValueError, match="right after its first token"):
         engine.fork(req, 5)
     assert list(engine.requests) == [req.seq_id] and cache.get_sequence_length(req.seq_id) == 0
+
+
+def test_engine_refuses_token_ids_outside_the_vocabulary():
+    """Regression (red-team): out-of-vocabulary ids reached the model's embedding gather (a
+    segfault); strings and fractional budgets were accepted."""
+    import relax_kvcache as rk
+    from relax_kvcache.generate import Engine
+
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                           max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
+    cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    engine = Engine(_NoVM(), [], cache, tvm.cpu(), prefill_chunk_size=64, vocab_size=100)
+    for prompt, message in [([1, 100], "token id 100"), ([-1], "token id -1"), ("hello", "sequence of token ids"),
+                            ([1.5], "not a token id")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, 2)
+    with pytest.raises(ValueError, match="max_new_tokens is 1.5"):
+        engine.add_request([1], 1.5)
+    with pytest.raises(ValueError, match="no requests"):
+        engine.step()
+    assert engine.requests == {} and cache.empty()

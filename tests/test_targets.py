@@ -334,7 +334,7 @@ def test_export_kernels_for_cuda_without_a_gpu(tmp_path, monkeypatch):
     tiny = _tiny_cuda_executable()
     compiles = []
 
-    def fake_compile(spec, target, progress):
+    def fake_compile(spec, target, progress, identity):
         compiles.append(str(target))
         return tiny
 

@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lack
     from . import tir_kernels as tk
 
 _KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
-#: Version of what a built library holds besides the kernels (2: ``kernel_spec_*`` functions).
-LIBRARY_FORMAT = 2
+#: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions).
+LIBRARY_FORMAT = 3
 #: Prefix of the functions of a built library that return its :func:`kernel_identity`.
 IDENTITY_PREFIX = "kernel_spec_"
 #: The fields of :func:`kernel_identity`, in order.

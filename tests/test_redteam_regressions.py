@@ -1,0 +1,159 @@
+"""Regressions of an independent red-team campaign against the public API (issue 9).
+
+Each case raised too late, raised the wrong exception, crashed, or silently accepted bad input
+before; each must now raise our exception naming the problem and leave the cache unchanged
+(full snapshots: paging state, raw pages, every sequence's K/V).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+
+import relax_kvcache as rk
+from cache_snapshot import assert_same, snapshot
+from relax_kvcache.kernel_set import KernelSet
+from test_errors import CFG, _step, _t
+
+
+@pytest.fixture()
+def cache():
+    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    c.add_sequence(0)
+    _step(c, np.random.default_rng(0), [0], [21])
+    return c
+
+
+def _unchanged(cache, call, error, match):
+    before = snapshot(cache, pages=True)
+    with pytest.raises(error, match=match):
+        call()
+    assert_same(before, snapshot(cache, pages=True))
+
+
+def test_kernels_built_for_another_config_are_refused(cache):
+    """Kernels of another page size used to run: fork then failed halfway (a child without its
+    page copy); other RoPE constants gave silently wrong K. Now the constructor names the field."""
+    for change, field in [(dict(page_size=16), "page_size"), (dict(rope_theta=500.0), "rope_theta"),
+                          (dict(head_dim=64, v_head_dim=64), "head_dim"), (dict(dtype="float16"), "dtype")]:
+        with pytest.raises(rk.ConfigError, match=f"{field} .* \\(kernels\\) vs"):
+            rk.PagedAttentionKVCache(dataclasses.replace(CFG, **change), tvm.cpu(), kernels=cache._kernels)
+    # the same spec with other sizes is fine (kernels do not depend on them)
+    rk.PagedAttentionKVCache(dataclasses.replace(CFG, max_num_seqs=3, max_total_seq_len=64), tvm.cpu(),
+                             kernels=cache._kernels)
+
+
+def test_kernel_sets_without_required_kernels_are_refused(cache):
+    """None in TVM's creation arguments used to fail at the first step, after appending K/V."""
+    for role in ("attention_decode", "attention_prefill", "split_rotary", "transpose_append"):
+        with pytest.raises(rk.ConfigError, match=role):
+            rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(cache._kernels, **{role: None}))
+    no_trees = rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(
+        cache._kernels, attention_prefill_tree=None))
+    no_trees.add_sequence(0)
+    _unchanged(no_trees, lambda: no_trees.begin_forward([0], [2], [-1, 0]), rk.KVCacheError,
+               "attention_prefill_tree")
+
+
+class _Sneaky:
+    """An integer-like argument whose __index__ / __iter__ would run a step while the cache
+    checks it (the cache used to call them after its protocol checks)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __index__(self):
+        self.cache.begin_forward([0], [1])
+        return 0
+
+
+class _SneakyList(list):
+    def __iter__(self):
+        self.cache.begin_forward([0], [1])
+        return super().__iter__()
+
+
+def test_arguments_run_no_user_code(cache):
+    sneaky = _Sneaky(cache)
+    for call in (lambda: cache.remove_sequence(sneaky), lambda: cache.popn(sneaky, 1),
+                 lambda: cache.fork_sequence(0, sneaky, 3), lambda: cache.get_sequence_length(sneaky)):
+        _unchanged(cache, call, rk.ArgumentError, "must be an integer")
+    ids = _SneakyList([0])
+    ids.cache = cache
+    before = snapshot(cache, pages=True)
+    with pytest.raises(rk.SequenceError):  # seq 0 has no tree: leaf 0 is refused, no step begun
+        cache.commit_accepted_token_tree_nodes(ids, [0])
+    assert_same(before, snapshot(cache, pages=True))
+
+
+def test_tensors_that_share_memory_are_refused(cache):
+    n = 2
+    cache.begin_forward([0], [n])
+    q = _t((n, 4, 32))
+    for call, what in [
+        (lambda: cache.cross_attention(0, q, q, _t((n, 4)), 0.2), "o shares memory with q"),
+        (lambda: cache.self_attention(0, q, _t((n, 2, 32)), _t((n, 2, 32)), q, _t((n, 4)), 0.2),
+         "o shares memory with q"),
+    ]:
+        _unchanged(cache, call, rk.ForwardError, what)
+    o = tvm.runtime.empty((n, 4, 32), "float32")
+    lse_over_o = tvm.runtime._ffi_api.TVMTensorCreateView(o, (n, 4), o.dtype, 0)
+    _unchanged(cache, lambda: cache.cross_attention(0, q, o, lse_over_o, 0.2), rk.ForwardError,
+               "o shares memory with lse")
+    cache.end_forward()
+    k = tvm.runtime.empty((2, 5, 2, 32), "float32")
+    _unchanged(cache, lambda: cache.debug_get_kv(0, 0, 5, k, k), rk.ForwardError, "k_data shares memory with v_data")
+
+
+def test_null_tensor_handles_and_float32_overflowing_scales(cache):
+    null = tvm.runtime.Tensor.__new__(tvm.runtime.Tensor)
+    k = tvm.runtime.empty((2, 5, 2, 32), "float32")
+    _unchanged(cache, lambda: cache.debug_get_kv(0, 0, 5, null, k), rk.ArgumentError, "null handle")
+    cache.begin_forward([0], [1])
+    for scale in (1e39, -1e39):
+        _unchanged(cache, lambda: cache.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), scale),
+                   rk.ForwardError, "float32")
+    cache.end_forward()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rope_theta=10**400), "rope_theta must be a finite float32"),
+    (dict(rope_theta=1e-320), "rope_theta must be positive"),
+    (dict(rope_scale=1e39), "rope_scale must be a finite float32"),
+    (dict(rope_mode=1.0), "rope_mode must be"),
+    (dict(rope_mode=True), "rope_mode must be"),
+    (dict(dtype=np.dtype("int8")), "dtype must be one of"),
+])
+def test_config_values_the_kernels_cannot_hold(changes, message):
+    with pytest.raises(rk.ConfigError, match=message):
+        dataclasses.replace(CFG, **changes)
+
+
+def test_config_accepts_numpy_and_dtype_objects():
+    cfg = dataclasses.replace(CFG, num_layers=np.int64(2), dtype=np.dtype("float32"), rope_theta=np.float32(1e4),
+                              rope_mode=np.int64(1))
+    assert (cfg.num_layers, cfg.dtype, cfg.rope_theta, cfg.rope_mode) == (2, "float32", 1e4, rk.RopeMode.NORMAL)
+    assert type(cfg.num_layers) is int and cfg == CFG
+
+
+def test_negative_device_index_is_refused():
+    with pytest.raises(rk.ConfigError, match="negative index"):
+        rk.PagedAttentionKVCache(CFG, tvm.cpu(-1))
+
+
+def test_cli_demo_and_deploy_errors_are_one_line(tmp_path):
+    from relax_kvcache import deploy
+
+    bogus = tmp_path / "bogus.so"
+    bogus.write_bytes(b"not a library")
+    with pytest.raises(deploy.DeployError, match="could not load"):
+        deploy.load(bogus)
+    for args in (["--load", str(tmp_path / "missing.so")], ["--load", str(bogus)]):
+        run = subprocess.run([sys.executable, "-m", "relax_kvcache.cli", "demo", *args], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and "error:" in run.stderr, run.stderr
