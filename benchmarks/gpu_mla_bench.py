@@ -65,7 +65,7 @@ def prepare(out: pathlib.Path, heads, arch: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for h in heads:
         path = out / f"ours-h{h}.so"
-        ours = build._compile(build.kernel_set_spec(config(h)), target, None)
+        ours = build._compile(build.kernel_set_spec(config(h)), target, None, build.kernel_identity(config(h)))
         ours.export_library(str(path))
         gpu_prepare.precompile(gpu_prepare.cuda_source(ours.mod), arch, out)
         funcs = {

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     target = make_target("cuda", arch=args.arch)
     pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
     for name, config in ({} if args.only_mla else CONFIGS).items():
-        _export(build._compile(build.KernelSetSpec.from_config(config), target, None),
+        _export(build._compile(build.KernelSetSpec.from_config(config), target, None, build.kernel_identity(config)),
                 _file(config, args.directory), args.arch)
         print(f"{name}: {_file(config, args.directory)}", flush=True)
     import test_mla_kernels as mla
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
         _export(executable, _mla_file(dtype, args.directory), args.arch)
         print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
     config = mla_cache_config()
-    _export(build._compile(build.kernel_set_spec(config), target, None), _file(config, args.directory), args.arch)
+    _export(build._compile(build.kernel_set_spec(config), target, None, build.kernel_identity(config)),
+            _file(config, args.directory), args.arch)
     print(f"mla cache: {_file(config, args.directory)}", flush=True)
     return 0
 
