@@ -130,6 +130,7 @@ class CacheModel:
         keep = s.length - n
         s.k, s.v = s.k[:, :keep], s.v[:, :keep]
         s.shared = min(s.shared, keep)
+        s.last_append = max(0, s.last_append - n)
 
     def clear(self) -> None:
         self.seqs.clear()
@@ -229,7 +230,7 @@ class CacheModel:
         keep = np.r_[0:base, base + np.asarray(path, dtype=np.int64)].astype(np.int64)
         s.k, s.v = s.k[:, keep], s.v[:, keep]
         s.shared = min(s.shared, base + len(path))
-        s.tree = None
+        s.tree, s.last_append = None, 0
 
     def tree_positions(self, batch: Sequence[Tuple[int, int]],
                        trees: Dict[int, Sequence[int]]) -> np.ndarray:

@@ -216,7 +216,6 @@ class SeqModel:
     slid: bool = False  # has slid: its last block's page count depends on the window offset
     tree: Optional[List[int]] = None  # parents of the uncommitted token tree (accumulated), None: committed
     tree_start: int = 0  # position of the uncommitted tree's roots
-    tree_dirty: bool = False  # popped while uncommitted: the tree's attention is not modelled
     last_append: int = 0  # tokens the sequence's last step appended (what commits resolve against)
 
     @property
@@ -304,7 +303,7 @@ class Model:
             s.last_append = 0  # a fresh record (never with an uncommitted tree: that raises)
         else:  # unshared blocks are trimmed; the last block keeps its sink
             s.bounds = {b for b in s.bounds if b <= left}
-            s.tree_dirty |= s.tree is not None and n > 0
+            s.last_append = max(0, s.last_append - n)
         s.k, s.v = s.k[:, :left], s.v[:, :left]
 
     def enable_window(self, seq_id: int, window: int, sink: int) -> None:
@@ -354,7 +353,7 @@ class Model:
         self.popn(seq_id, pop)
         s = self.seqs[seq_id]
         s.k, s.v = k, v
-        s.tree, s.tree_dirty = None, False
+        s.tree, s.last_append = None, 0
 
 
 def check_against_model(cache: rk.PagedAttentionKVCache, model: Model) -> Dict[int, tuple]:
@@ -429,7 +428,6 @@ class Harness:
         self.outcomes: collections.Counter = collections.Counter()  # (operation, "ok" or error type)
         self.undecided = 0  # operations the model allowed both to succeed and to fail
         self.last_batch: Optional[List[int]] = None
-        self.unchecked_attention = 0  # tree steps whose attention the model does not predict
         self._kv: Optional[dict] = {}  # debug_get_kv contents of the current state, when known
         self.history: Optional[list] = [] if record else None  # (method, args) of every operation
 
@@ -680,10 +678,6 @@ class Harness:
             if parents is None:
                 expected = attend(rows[:, :hq], k, v, SM_SCALE, causal_offset=s.length)[0]
             else:
-                if s.tree_dirty:  # popped while uncommitted: attention not modelled (K/V still are)
-                    self.unchecked_attention += 1
-                    off += m
-                    continue
                 old = s.tree or []
                 start = s.tree_start if s.tree is not None else s.length
                 vis = tree_visible(old + list(parents[off:off + m]))[len(old):]

@@ -266,18 +266,17 @@ def test_failed_sliding_reservation_keeps_the_paging_version():
 
 
 def test_commit_failing_on_a_later_sequence_changes_nothing(cache):
-    """commit_accepted_token_tree_nodes is check-then-mutate across sequences: a pop that fails on
-    a later sequence (its last step's tokens were popped since) must not leave earlier sequences
-    popped (regression: the earlier sequences were popped before the later one raised)."""
+    """commit_accepted_token_tree_nodes is check-then-mutate across sequences: a commit that fails
+    on a later sequence must not leave earlier sequences popped, compacted or committed
+    (regression: the earlier sequences were popped before the later one raised)."""
     rng = np.random.default_rng(3)
     cache.add_sequence(2)
-    _step(cache, rng, [2], [6])
-    cache.popn(2, 5)  # length 1, but its last step appended 6
+    _step(cache, rng, [2], [6])  # no tree: a leaf other than -1 is refused
     before = _snapshot(cache, pages=True)
-    with pytest.raises(rk.SequenceError, match="cannot pop 6"):
-        cache.commit_accepted_token_tree_nodes([1, 2], [-1, -1])
+    with pytest.raises(rk.SequenceError, match="already committed"):
+        cache.commit_accepted_token_tree_nodes([1, 2], [-1, 3])
     _assert_same(before, _snapshot(cache, pages=True))
-    # A tree with a non-chain accepted path (compaction) followed by a failing pop: no move either.
+    # A tree with a non-chain accepted path (compaction) followed by a failing sequence: no move either.
     _step_tree = lambda seq, parents: (cache.begin_forward([seq], [len(parents)], parents),  # noqa: E731
                                        [cache.attention_with_fused_qkv(l, _t((len(parents), 8, 32)),
                                                                        tvm.runtime.empty((len(parents), 4, 32), "float32"),
@@ -286,17 +285,42 @@ def test_commit_failing_on_a_later_sequence_changes_nothing(cache):
     _step_tree(0, [-1, -1, 1])
     before = _snapshot(cache, pages=True)
     with pytest.raises(rk.SequenceError):
-        cache.commit_accepted_token_tree_nodes([0, 2], [2, -1])
+        cache.commit_accepted_token_tree_nodes([0, 2], [2, 0])
     _assert_same(before, _snapshot(cache, pages=True))
     cache.commit_accepted_token_tree_nodes([0], [2])
     assert cache.get_sequence_length(0) == 23
     # A sequence committed without a pop (its tree cleared) before a later one fails: nothing changes.
     _step_tree(0, [-1])
     before = _snapshot(cache, pages=True)
-    with pytest.raises(rk.SequenceError, match="cannot pop"):
-        cache.commit_accepted_token_tree_nodes([0, 2], [0, -1])
+    with pytest.raises(rk.SequenceError, match="already committed"):
+        cache.commit_accepted_token_tree_nodes([0, 2], [0, 1])
     _assert_same(before, _snapshot(cache, pages=True))
     assert not cache._paging.sequence(0).accepted_indices_committed
+
+
+def test_commit_minus_one_pops_only_what_the_last_step_left():
+    """Regression (red-team round 2): leaf -1 on a sequence without a tree popped the remembered
+    last-step length again and again (a second commit, or one after popn, ate committed tokens)."""
+    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    rng = np.random.default_rng(5)
+    c.add_sequence(0)
+    _step(c, rng, [0], [20])
+    _step(c, rng, [0], [5])
+    c.commit_accepted_token_tree_nodes([0], [-1])  # TVM's rule for chains: the last step goes
+    assert c.get_sequence_length(0) == 20
+    c.commit_accepted_token_tree_nodes([0], [-1])  # consumed: nothing more
+    assert c.get_sequence_length(0) == 20
+    _step(c, rng, [0], [5])
+    c.popn(0, 3)
+    c.commit_accepted_token_tree_nodes([0], [-1])  # the 2 tokens of the last step that are left
+    assert c.get_sequence_length(0) == 20
+    c.begin_forward([0], [4], [-1, 0, 0, 1])
+    for layer in range(CFG.num_layers):
+        c.attention_with_fused_qkv(layer, _t((4, 8, 32)), tvm.runtime.empty((4, 4, 32), "float32"), 0.2)
+    c.end_forward()
+    c.commit_accepted_token_tree_nodes([0], [1])  # path [0, 1]
+    c.commit_accepted_token_tree_nodes([0], [-1])
+    assert c.get_sequence_length(0) == 22
 
 
 def test_commit_popping_into_a_shared_prefix_copies_the_partial_page(cache):
@@ -304,17 +328,16 @@ def test_commit_popping_into_a_shared_prefix_copies_the_partial_page(cache):
     page of the re-fork must be copied (regression: commit dropped popn's page copies, leaving the
     re-forked sequence's last page unwritten)."""
     rng = np.random.default_rng(5)
-    cache.fork_sequence(0, 2, 16)  # shares two whole pages with sequence 0
     _step(cache, rng, [0], [3])    # sequence 0: length 24, last step appended 3
-    cache.popn(0, 7)               # length 17: the last step's tokens reach back into the shared pages
-    k = tvm.runtime.empty((2, 17, 2, 32), "float32")
-    v = tvm.runtime.empty((2, 17, 2, 32), "float32")
-    cache.debug_get_kv(0, 0, 17, k, v)
-    expected_k, expected_v = k.numpy()[:, :14], v.numpy()[:, :14]
+    cache.fork_sequence(0, 2)      # sequence 2 shares all 24 tokens, the last step's too
+    k = tvm.runtime.empty((2, 24, 2, 32), "float32")
+    v = tvm.runtime.empty((2, 24, 2, 32), "float32")
+    cache.debug_get_kv(0, 0, 24, k, v)
+    expected_k, expected_v = k.numpy()[:, :21], v.numpy()[:, :21]
     cache.commit_accepted_token_tree_nodes([0], [-1])  # pops the last step's 3 tokens: into the share
-    assert cache.get_sequence_length(0) == 14
-    k, v = tvm.runtime.empty((2, 14, 2, 32), "float32"), tvm.runtime.empty((2, 14, 2, 32), "float32")
-    cache.debug_get_kv(0, 0, 14, k, v)
+    assert cache.get_sequence_length(0) == 21 and cache.get_sequence_length(2) == 24
+    k, v = tvm.runtime.empty((2, 21, 2, 32), "float32"), tvm.runtime.empty((2, 21, 2, 32), "float32")
+    cache.debug_get_kv(0, 0, 21, k, v)
     np.testing.assert_array_equal(k.numpy(), expected_k)
     np.testing.assert_array_equal(v.numpy(), expected_v)
 

@@ -128,6 +128,12 @@ class Ctx:
             lengths = [1, 1] if self.rng.random() < 0.5 else [3, 2]
             self.cache.begin_forward([0, 1], lengths)
             self.n = sum(lengths)
+            cfg = self.cache.config
+            if not cfg.is_mla:  # the layers' K/V appended (what attention_with_shared_kv reads)
+                for layer in range(cfg.num_layers):
+                    qkv = _data(self.rng, (self.n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim))
+                    self.cache.attention_with_fused_qkv(layer, qkv, tvm.runtime.empty(
+                        (self.n, cfg.num_qo_heads, cfg.head_dim), cfg.dtype), 0.2)
 
     def usable(self) -> None:
         """The cache still serves a complete step (after all the errors)."""

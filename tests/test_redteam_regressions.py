@@ -157,3 +157,109 @@ def test_cli_demo_and_deploy_errors_are_one_line(tmp_path):
         run = subprocess.run([sys.executable, "-m", "relax_kvcache.cli", "demo", *args], capture_output=True,
                              text=True, timeout=120)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and "error:" in run.stderr, run.stderr
+
+
+# ---------------------------------------------------------------------------- second round
+
+
+def test_more_kernels_are_required(cache):
+    """copy_single_page and the merges are called halfway through forks and prefix steps."""
+    for role in ("copy_single_page", "merge_inplace", "merge_general"):
+        with pytest.raises(rk.ConfigError, match=role):
+            rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(cache._kernels, **{role: None}))
+
+
+def test_creation_refuses_a_null_init_tensor(cache):
+    from relax_kvcache.ffi_registry.create import paged_attention_kv_cache_create
+
+    args = [tvm.runtime.ShapeTuple([4, 128, 32, 8, 0]), tvm.runtime.ShapeTuple([0, 2]), 4, 2, 32, 32,
+            tvm.runtime.ShapeTuple([0, 0]), False, 1, 1.0, 1e4, None, tvm.runtime.Tensor.__new__(tvm.runtime.Tensor)]
+    args += [None] * (28 - len(args))
+    with pytest.raises(rk.ArgumentError, match="argument 12 .*null handle"):
+        paged_attention_kv_cache_create(*args)
+
+
+class _Int(int):
+    """An int whose conversions and repr would start a step (the cache must use the base value)."""
+
+    cache = None
+
+    def _side_effect(self):
+        _Int.cache.begin_forward([0], [1])
+        return 0
+
+    __int__ = __index__ = _side_effect
+
+    def __repr__(self):
+        self._side_effect()
+        return "_Int"
+
+
+class _Float(float):
+    def __float__(self):
+        _Int.cache.begin_forward([0], [1])
+        return 0.0
+
+
+class _Opaque:
+    def __repr__(self):
+        _Int.cache.begin_forward([0], [1])
+        return "_Opaque"
+
+
+def test_subclass_conversions_and_reprs_never_run(cache):
+    _Int.cache = cache
+    before = snapshot(cache, pages=True)
+    assert cache.get_sequence_length(_Int(0)) == 21
+    with pytest.raises(rk.SequenceError):
+        cache.popn(_Int(0), _Int(22))
+    with pytest.raises(rk.ArgumentError, match="_Opaque object"):
+        cache.popn(_Opaque(), 1)
+    with pytest.raises(rk.ArgumentError, match=r"seq_ids\[1\] must be an integer, got a _Opaque object"):
+        cache.begin_forward([0, _Opaque()], [1, 1])
+    assert_same(before, snapshot(cache, pages=True))
+    cache.begin_forward([0], [1])
+    cache.attention_with_fused_qkv(0, _t((1, 8, 32)), tvm.runtime.empty((1, 4, 32), "float32"), _Float(0.2))
+
+
+def test_shared_kv_needs_the_source_layer_appended_first(cache):
+    """Before the source layer's attention a decode step read the stale slot of its new token."""
+    cache.begin_forward([0], [1])
+    args = (_t((1, 4, 32)), _t((1, 2, 32)), _t((1, 2, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
+    _unchanged(cache, lambda: cache.attention_with_shared_kv(1, *args), rk.ForwardError, "not appended yet")
+    cache.attention_with_fused_qkv(1, _t((1, 8, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
+    cache.attention_with_shared_kv(1, *args)
+
+
+def test_window_changes_and_partial_merges_are_refused_mid_step():
+    win_cfg = dataclasses.replace(CFG, support_sliding_window=True, rope_mode=rk.RopeMode.INLINE)
+    c = rk.PagedAttentionKVCache(win_cfg, tvm.cpu())
+    c.add_sequence(0)
+    c.begin_forward([0], [4])
+    _unchanged(c, lambda: c.enable_sliding_window_for_seq(0, 16, 4), rk.ForwardError, "step is active")
+    c.end_forward()
+    o = tvm.runtime.tensor(np.random.default_rng(2).standard_normal((8, 4, 32)).astype("float32"))
+    lse = tvm.runtime.tensor(np.zeros((4, 4), "float32"))
+    view = tvm.runtime._ffi_api.TVMTensorCreateView
+    o_self, o_cross = view(o, (4, 4, 32), o.dtype, 0), view(o, (4, 4, 32), o.dtype, 0)
+    with pytest.raises(rk.ForwardError, match="shares memory"):  # lse_cross is a different tensor
+        c.merge_attn_output_inplace(o_self, lse, o_cross, tvm.runtime.tensor(np.zeros((4, 4), "float32")))
+
+
+def test_layer_windows_without_the_windowed_ragged_kernel_limit_the_chunk():
+    """TVM's creation arguments have no windowed ragged kernel: the new tokens of a chunk longer
+    than the window would see each other unwindowed. Such steps are refused; the frontend passes
+    ours as a 29th creation argument."""
+    from test_windows import _layer_window_config
+
+    cfg = _layer_window_config()
+    full = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu(), kernels=dataclasses.replace(
+        full._kernels, attention_prefill_ragged_sliding_window=None))
+    c.add_sequence(0)
+    window = cfg.layer_sliding_window_size
+    _unchanged(c, lambda: c.begin_forward([0], [window + 1]), rk.ForwardError, "windowed ragged kernel")
+    c.begin_forward([0], [window])
+    c.end_forward()
+    full.add_sequence(0)
+    full.begin_forward([0], [min(window + 1, cfg.prefill_chunk_size)])

@@ -8,6 +8,7 @@ types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, List
 
 import numpy as np
@@ -18,6 +19,12 @@ from .errors import ArgumentError, ForwardError, SequenceError
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: numpy's own scalar types (exact types: a subclass could override its conversions)
+_NUMPY_INTS = frozenset(t for t in set(np.sctypeDict.values()) if isinstance(t, type) and issubclass(t, np.integer)
+                        and not issubclass(t, np.timedelta64))
+_NUMPY_NUMBERS = _NUMPY_INTS | frozenset(t for t in set(np.sctypeDict.values())
+                                         if isinstance(t, type) and issubclass(t, (np.floating, np.bool_)))
+_PLAIN_TYPES = frozenset((int, float, str, bytes, bool, type(None), complex))
 
 #: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
 #: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
@@ -25,17 +32,32 @@ _SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
 
 
 def describe(value: Any) -> str:
-    """A short, safe one-line description of ``value`` for error messages (a tensor's repr
-    copies its data, and fails for non-contiguous views)."""
+    """A short, safe one-line description of ``value`` for error messages: the repr of plain
+    values (numbers, strings, None, and lists / tuples of them), otherwise the type's name. No
+    user code runs (an object's own ``__repr__`` could call back into the cache), and a tensor's
+    repr (which copies its data) is never taken."""
     if isinstance(value, tvm_ffi.Tensor):
         if not value.__chandle__():
             return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
+    text = _plain_repr(value, depth=2)
+    if text is None:
         return f"a {type(value).__name__} object"
     return f"{text[:77]}..." if len(text) > 80 else text
+
+
+def _plain_repr(value: Any, depth: int):
+    """``repr(value)`` for exact builtin scalars and numpy scalars, and lists / tuples of them
+    (up to ``depth`` levels, 20 items); None for anything else."""
+    if type(value) in _PLAIN_TYPES or type(value) in _NUMPY_NUMBERS:
+        return repr(value)
+    if type(value) in (list, tuple) and depth > 0:
+        items = [_plain_repr(v, depth - 1) for v in value[:20]]
+        if any(item is None for item in items):
+            return None
+        inner = ", ".join(items) + (", ..." if len(value) > 20 else "")
+        return f"[{inner}]" if type(value) is list else f"({inner}{',' if len(value) == 1 else ''})"
+    return None
 
 
 def as_int(name: str, value: Any) -> int:
@@ -52,9 +74,9 @@ def as_int(name: str, value: Any) -> int:
         return value
     if isinstance(value, (bool, np.bool_)):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+    if isinstance(value, int):
+        return operator.index(value)  # an int subclass's value; its own __index__ / __int__ do not run
+    if type(value) in _NUMPY_INTS or (type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "iu"):
         return int(value)
     raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type {type(value).__name__}")
 
@@ -114,10 +136,11 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
         If it is NaN, infinite or beyond float32's range (``not_finite`` names another
         ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float)) or type(value) in _NUMPY_NUMBERS):
         raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
-    try:
-        result = float(value)
+    try:  # the base types' conversions: a subclass's own __float__ / __index__ does not run
+        result = float.__float__(value) if isinstance(value, float) else \
+            float(operator.index(value)) if isinstance(value, int) else float(value)
     except OverflowError:
         result = math.inf
     if not (math.isfinite(result) and abs(result) <= FLOAT32_MAX):

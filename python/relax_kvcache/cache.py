@@ -108,6 +108,7 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
                  "attention_decode"]
         if config.slides_sequences or config.has_layer_windows:
             roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
+    roles += ["copy_single_page", "merge_inplace", "merge_general"]
     missing = [role for role in roles if not callable(getattr(kernels, role))]
     if missing:
         raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
@@ -198,6 +199,11 @@ class PagedAttentionKVCache:
         self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
         self._context_workspace: Optional[ContextWorkspace] = None
         self._busy: Optional[str] = None  # the callback of ours running now, if any
+        self._appended_layers: set = set()  # layers whose K/V this step has appended
+        # most tokens a sequence may append per step: MHA_SLIDING layers without the windowed
+        # ragged kernel are exact only while the new tokens fit in the window (0: no limit)
+        self._unwindowed_chunk_limit = (config.layer_sliding_window_size if config.has_layer_windows and
+                                        kernels.attention_prefill_ragged_sliding_window is None else 0)
 
     # ------------------------------------------------------------------ sequences
 
@@ -236,11 +242,12 @@ class PagedAttentionKVCache:
         where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
         of the kept tokens in the cache (StreamingLLM style), as in TVM.
         """
+        seq_id, size = _as_int("seq_id", seq_id), as_int32("sliding_window_size", sliding_window_size)
+        sink = as_int32("attn_sink_size", attn_sink_size)
+        self._require_no_step("enable_sliding_window_for_seq")
         if not (self.config.support_sliding_window or self.config.has_layer_windows):
             raise KVCacheError("enable_sliding_window_for_seq needs a cache created with support_sliding_window=True")
-        self._paging.enable_sliding_window(_as_int("seq_id", seq_id),
-                                           as_int32("sliding_window_size", sliding_window_size),
-                                           as_int32("attn_sink_size", attn_sink_size))
+        self._paging.enable_sliding_window(seq_id, size, sink)
 
     def commit_accepted_token_tree_nodes(self, seq_ids: Sequence[int], leaf_indices: Sequence[int]) -> None:
         """Keep, for each sequence, the token-tree path from the root to its accepted leaf.
@@ -356,6 +363,7 @@ class PagedAttentionKVCache:
         if step is None:
             step = self._plan_checked(seq_ids, append_lengths, token_tree_parent_ptr)
         self._step = step
+        self._appended_layers.clear()
         # asynchronous devices: issue the metadata copy now, wait for it at the first kernel
         self._device_step = self._upload(self._step) if self._aux.asynchronous else None
 
@@ -372,6 +380,13 @@ class PagedAttentionKVCache:
         for seq_id, n in zip(seq_ids, append_lengths):
             if n < 1:
                 raise ForwardError(f"append length {n} of sequence {seq_id} must be at least 1")
+        window = self._unwindowed_chunk_limit
+        if window and max(append_lengths) > window:
+            raise ForwardError(
+                f"a sequence appends {max(append_lengths)} tokens in one step, more than the MHA_SLIDING layers' "
+                f"window ({window}), and this cache has no windowed ragged kernel (TVM's creation arguments lack "
+                "it): the new tokens would not be windowed among themselves; append at most the window per "
+                "step, or pass the kernel (29th creation argument, as relax_kvcache.frontend does)")
         total = sum(append_lengths)
         if total > self.config.prefill_chunk_size:
             raise ForwardError(f"the step appends {total} tokens, more than prefill_chunk_size="
@@ -455,6 +470,7 @@ class PagedAttentionKVCache:
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
         self._check_not_busy("end_forward")
+        self._appended_layers.clear()
         self._step = None
         self._device_step = None
         self._context = None
@@ -582,6 +598,7 @@ class PagedAttentionKVCache:
         self._attend(step, layer, step.q, step.k, step.v, o, step.merged_lse, sm_scale)
         if not self._step.append_before_attn:
             k.transpose_append(pages, step.k, step.v, step.append_position)
+        self._appended_layers.add(layer)
 
     def attention_with_shared_kv(self, source_layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
                                  v: tvm.runtime.Tensor, o: tvm.runtime.Tensor, sm_scale: float) -> None:
@@ -606,7 +623,11 @@ class PagedAttentionKVCache:
         check_disjoint([("o", o, n * hq * cfg.v_head_dim * size)],
                        [("q", q, n * hq * cfg.head_dim * size), ("k", k, n * hkv * cfg.head_dim * size),
                         ("v", v, n * hkv * cfg.v_head_dim * size)])
-        self._attend(step, layer, q, k, v, o, step.merged_lse, _as_float("sm_scale", sm_scale))
+        sm_scale = _as_float("sm_scale", sm_scale)
+        if layer not in self._appended_layers:
+            raise ForwardError(f"attention_with_shared_kv reads layer {source_layer_id}'s KV, which this step has not "
+                               "appended yet; call it after that layer's attention_with_fused_qkv")
+        self._attend(step, layer, q, k, v, o, step.merged_lse, sm_scale)
 
     def _attend(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
@@ -681,6 +702,13 @@ class PagedAttentionKVCache:
         check_tensor("lse_self_attn", lse_self_attn, shape=shape[:2], dtype="float32", device=self.device)
         check_tensor("o_cross_attn", o_cross_attn, shape=shape, dtype=cfg.dtype, device=self.device)
         check_tensor("lse_cross_attn", lse_cross_attn, shape=shape[:2], dtype="float32", device=self.device)
+        rows = shape[0] * shape[1]
+        o_bytes, lse_bytes = rows * shape[2] * self._itemsize, rows * 4
+        exact = o_self_attn.data_ptr() == o_cross_attn.data_ptr() and \
+            lse_self_attn.data_ptr() == lse_cross_attn.data_ptr()  # a state merged with itself: elementwise
+        if not exact:
+            check_disjoint([("o_self_attn", o_self_attn, o_bytes), ("lse_self_attn", lse_self_attn, lse_bytes)],
+                           [("o_cross_attn", o_cross_attn, o_bytes), ("lse_cross_attn", lse_cross_attn, lse_bytes)])
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
         return o_self_attn, lse_self_attn
 

@@ -164,6 +164,8 @@ class PagedKVCache(nn.Object):
             rx.Tuple(merges),
             function("split_rotary"), kernels["copy_single_page"], kernels["debug_get_kv"],
             function("compact_copy"),
+            # 29th argument (TVM's creation ignores it): the windowed ragged kernel of MHA_SLIDING layers
+            attention("attention_prefill_ragged_sliding_window"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
 

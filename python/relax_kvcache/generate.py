@@ -203,7 +203,7 @@ class Engine:
         for tok in ids:
             if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
                 raise ValueError(f"{what} holds {tok!r:.40}, not a token id (int)")
-            if tok < 0 or (self.vocab_size is not None and tok >= self.vocab_size):
+            if tok < 0 or tok >= (self.vocab_size if self.vocab_size is not None else 2**31):  # int32 ids
                 bound = "vocab_size" if self.vocab_size is None else self.vocab_size
                 raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {bound})")
         return [int(tok) for tok in ids]

@@ -79,7 +79,9 @@ class KernelSet:
 
     @classmethod
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
-        """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``."""
+        """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``, and
+        the optional 29th (index 28; TVM's creation ignores it): ``["tirx", f]``, the windowed
+        ragged kernel of ``MHA_SLIDING`` layers (``relax_kvcache.frontend`` passes ours)."""
         merges = _list(args[23], 23)
         if not merges:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is empty; "
@@ -99,6 +101,7 @@ class KernelSet:
             attention_decode_sliding_window=_attention(args[19], 19),
             attention_prefill_tree=_attention(args[20], 20),
             attention_prefill_ragged_tree=_attention(args[21], 21),
+            attention_prefill_ragged_sliding_window=_attention(args[28], 28) if len(args) > 28 else None,
             transpose_append_mla=_optional_function(args[14], 14),
             attention_prefill_mla=_attention(args[22], 22),
         )

@@ -136,6 +136,7 @@ class ReferenceCache:
         keep = self.length(seq_id) - n
         self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, :keep], self.v[seq_id][:, :keep]
         self.pos[seq_id] = self.pos[seq_id][:keep]
+        self.last_append[seq_id] = max(0, self.last_append.get(seq_id, 0) - n)
 
     def commit(self, seq_id: int, leaf: int) -> None:
         """The path root..leaf of the sequence's uncommitted tree (node indices over all its tree
@@ -153,6 +154,7 @@ class ReferenceCache:
         self.k[seq_id], self.v[seq_id] = self.k[seq_id][:, keep], self.v[seq_id][:, keep]
         # RoPE was applied at each node's depth: the path's node of depth d lands at base + d.
         self.pos[seq_id] = self.pos[seq_id][keep]
+        self.last_append[seq_id] = 0  # consumed: a second commit with leaf -1 pops nothing
 
     def length(self, seq_id: int) -> int:
         return self.k[seq_id].shape[1]

@@ -54,9 +54,9 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     if args[11] is not None:
         raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
     init = args[12]
-    if not isinstance(init, tvm.runtime.Tensor):
+    if not isinstance(init, tvm.runtime.Tensor) or not init.__chandle__():
         raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
-                            f"{type(init).__name__}")
+                            f"{describe(init)} of type {type(init).__name__}")
     begin, end = layer_indptr
     attn_kinds = as_int_list("attn_kinds (argument 6)", args[6])
     if len(attn_kinds) < end:

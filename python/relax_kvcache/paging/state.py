@@ -445,6 +445,7 @@ class PagingState:
             self._check_pop_fork(seq, plan)
         self._version += 1
         self._apply_trim(seq, plan)
+        seq.last_append_length = max(0, seq.last_append_length - n)  # popped tokens of the last step
         if not plan.remaining:
             return []
         return self._refork(seq, seq.seq_length - plan.remaining)
@@ -602,11 +603,13 @@ class PagingState:
         seq.accepted_indices_committed = False
 
     def clear_token_tree(self, seq_id: int) -> None:
-        """Mark the token tree of ``seq_id`` committed (TVM's ``accepted_indices_committed``)."""
+        """Mark the token tree of ``seq_id`` committed (TVM's ``accepted_indices_committed``); the
+        commit consumed the last step, so a second commit with leaf -1 pops nothing."""
         seq = self._seq(seq_id)
         self._version += 1
         seq.token_tree = None
         seq.accepted_indices_committed = True
+        seq.last_append_length = 0
 
     @staticmethod
     def _record_appends(items) -> None:
