@@ -39,7 +39,8 @@ def main() -> None:
     shape = tvm.runtime.ShapeTuple
     cache = vm["create_kv_cache"](shape([8]), shape([2048]), shape([128]))
     engine = Engine(vm, [tvm.runtime.tensor(w.astype(cfg.dtype), device) for w in weights.values()], cache,
-                    device, prefill_chunk_size=128, reference=LlamaNumpy(cfg, weights).logits)
+                    device, prefill_chunk_size=128, reference=LlamaNumpy(cfg, weights).logits,
+                    vocab_size=cfg.vocab_size)
 
     rng = np.random.default_rng(1)
     requests = [engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), max_new_tokens=10)
