@@ -300,7 +300,7 @@ class Model:
                 self.set_share(seq_id, other, min(shared, cut))
             s.bounds = {b for b in s.bounds if b < cut} | {cut}
             s.window, s.lbass, s.slid = -1, 0, False
-            s.last_append = 0  # a fresh record (never with an uncommitted tree: that raises)
+            s.last_append = max(0, s.last_append - n)  # a fresh record, the last step's count kept
         else:  # unshared blocks are trimmed; the last block keeps its sink
             s.bounds = {b for b in s.bounds if b <= left}
             s.last_append = max(0, s.last_append - n)

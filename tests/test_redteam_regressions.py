@@ -263,3 +263,45 @@ def test_layer_windows_without_the_windowed_ragged_kernel_limit_the_chunk():
     c.end_forward()
     full.add_sequence(0)
     full.begin_forward([0], [min(window + 1, cfg.prefill_chunk_size)])
+
+
+# ---------------------------------------------------------------------------- third round
+
+
+def test_commit_minus_one_after_a_popn_into_a_shared_prefix(cache):
+    """popn into tokens a fork shares re-forks the sequence; the count of its last step's tokens
+    that a commit with leaf -1 pops must survive that (it was reset to 0: nothing popped)."""
+    rng = np.random.default_rng(7)
+    _step(cache, rng, [0], [5])  # length 26, last step 5
+    cache.fork_sequence(0, 1)
+    cache.popn(0, 2)  # into the shared tokens: a re-fork
+    cache.commit_accepted_token_tree_nodes([0], [-1])
+    assert cache.get_sequence_length(0) == 21 and cache.get_sequence_length(1) == 26
+
+
+def test_merge_with_itself_still_checks_o_against_lse(cache):
+    o = tvm.runtime.tensor(np.random.default_rng(2).standard_normal((8, 4, 32)).astype("float32"))
+    lse = tvm.runtime._ffi_api.TVMTensorCreateView(o, (8, 4), o.dtype, 0)
+    with pytest.raises(rk.ForwardError, match="o_self_attn shares memory with lse_self_attn"):
+        cache.merge_attn_output_inplace(o, lse, o, lse)
+
+
+class _EqInt(int):
+    cache = None
+
+    def __eq__(self, other):
+        _EqInt.cache.add_sequence(7)
+        return int.__eq__(self, other)
+
+    __hash__ = int.__hash__
+
+
+def test_repeated_decode_batches_run_no_user_eq(cache):
+    """The decode fast path compared the batch with the remembered one before checking types."""
+    rng = np.random.default_rng(8)
+    _step(cache, rng, [0], [1])
+    _step(cache, rng, [0], [1])  # the decode lane is open now
+    _EqInt.cache = cache
+    cache.begin_forward([_EqInt(0)], [1])  # an int subclass: planned in full, its __eq__ never called
+    cache.end_forward()
+    assert not cache._paging.has_sequence(7) and cache.get_sequence_length(0) == 24

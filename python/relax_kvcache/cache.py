@@ -706,7 +706,9 @@ class PagedAttentionKVCache:
         o_bytes, lse_bytes = rows * shape[2] * self._itemsize, rows * 4
         exact = o_self_attn.data_ptr() == o_cross_attn.data_ptr() and \
             lse_self_attn.data_ptr() == lse_cross_attn.data_ptr()  # a state merged with itself: elementwise
-        if not exact:
+        if exact:
+            check_disjoint([("o_self_attn", o_self_attn, o_bytes), ("lse_self_attn", lse_self_attn, lse_bytes)])
+        else:
             check_disjoint([("o_self_attn", o_self_attn, o_bytes), ("lse_self_attn", lse_self_attn, lse_bytes)],
                            [("o_cross_attn", o_cross_attn, o_bytes), ("lse_cross_attn", lse_cross_attn, lse_bytes)])
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)

@@ -124,5 +124,6 @@ def _is_int_tuple(values: Any, expected: tuple) -> bool:
         return values == expected
     if type(values) not in (tuple, list) or len(values) != len(expected):
         return False
-    # bool and float compare equal to ints; the full planner rejects them with a message
-    return tuple(values) == expected and set(map(type, values)) <= {int}
+    # types first (no user __eq__ runs); bool and float compare equal to ints, and the full
+    # planner rejects them with a message
+    return all(type(v) is int for v in values) and tuple(values) == expected

@@ -445,10 +445,13 @@ class PagingState:
             self._check_pop_fork(seq, plan)
         self._version += 1
         self._apply_trim(seq, plan)
-        seq.last_append_length = max(0, seq.last_append_length - n)  # popped tokens of the last step
+        left_of_last_step = max(0, seq.last_append_length - n)  # what commit's leaf -1 would pop
+        seq.last_append_length = left_of_last_step
         if not plan.remaining:
             return []
-        return self._refork(seq, seq.seq_length - plan.remaining)
+        copies = self._refork(seq, seq.seq_length - plan.remaining)
+        self._seqs[seq.seq_id].last_append_length = left_of_last_step
+        return copies
 
     def check_pops(self, pops: list[tuple[int, int]]) -> None:
         """Raise what ``popn(seq_id, n)`` for each pair, in order, would raise; change nothing.
