@@ -48,6 +48,27 @@ def test_kernels_built_for_another_config_are_refused(cache):
                              kernels=cache._kernels)
 
 
+def test_kernel_identity_follows_the_kernel_set_spec():
+    """``build.kernel_identity`` reads the config (a runtime-only host cannot make specs); it must
+    tell two configs apart exactly when their kernel set specs differ."""
+    from relax_kvcache.build import kernel_identity, kernel_set_spec
+    from test_windows import _layer_window_config
+
+    mla = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=576, v_head_dim=512,
+                           mla_original_qk_head_dim=192, mla_original_v_head_dim=128, page_size=16,
+                           rope_mode=rk.RopeMode.NONE, dtype="float16", attn_kinds=[rk.AttnKind.MLA])
+    configs = [CFG, _layer_window_config(), mla]
+    changes = [dict(page_size=16), dict(rope_theta=500.0), dict(rope_scale=0.5), dict(dtype="bfloat16"),
+               dict(num_qo_heads=8), dict(num_kv_heads=1), dict(support_sliding_window=True),
+               dict(rope_mode=rk.RopeMode.NONE), dict(max_total_seq_len=64, max_num_seqs=2, prefill_chunk_size=16)]
+    configs += [dataclasses.replace(CFG, **change) for change in changes]
+    configs += [dataclasses.replace(mla, **change) for change in (dict(mla_original_v_head_dim=64), dict(rope_theta=5.0),
+                                                                  dict(num_qo_heads=8))]
+    for a in configs:
+        for b in configs:
+            assert (kernel_identity(a) == kernel_identity(b)) == (kernel_set_spec(a) == kernel_set_spec(b)), (a, b)
+
+
 def test_kernel_sets_without_required_kernels_are_refused(cache):
     """None in TVM's creation arguments used to fail at the first step, after appending K/V."""
     for role in ("attention_decode", "attention_prefill", "split_rotary", "transpose_append"):

@@ -109,7 +109,7 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
         if config.slides_sequences or config.has_layer_windows:
             roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
     roles += ["copy_single_page", "merge_inplace", "merge_general"]
-    missing = [role for role in roles if not callable(getattr(kernels, role))]
+    missing = kernels.missing(roles)
     if missing:
         raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
                           "calls in every step; pass them (or let the cache build its own)")
@@ -417,8 +417,7 @@ class PagedAttentionKVCache:
                                "created with support_sliding_window)")
         if cfg.slides_sequences or cfg.has_layer_windows:
             raise ForwardError("token-tree attention does not support sliding windows")
-        missing = [role for role in ("attention_prefill_tree", "attention_prefill_ragged_tree")
-                   if not callable(getattr(self._kernels, role))]
+        missing = self._kernels.missing(("attention_prefill_tree", "attention_prefill_ragged_tree"))
         if missing:
             raise KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "
                                "was created without")

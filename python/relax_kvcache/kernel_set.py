@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tvm
 
@@ -48,6 +48,10 @@ class KernelSet:
     #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
     #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it).
     identity: Optional[Tuple[Tuple[str, float], ...]] = None
+
+    def missing(self, roles: Sequence[str]) -> List[str]:
+        """The roles among ``roles`` this set has no kernel for."""
+        return [role for role in roles if not callable(getattr(self, role))]
 
     @classmethod
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
