@@ -23,8 +23,9 @@ need at most are free and may raise `CacheFullError` otherwise.
 
 Sliding-window model (caches with ``support_sliding_window``): a windowed sequence keeps its first
 ``sink_limit = prefix + last-block sink`` tokens (``prefix``: start of its last block; the blocks
-before it cannot slide) and its most recent ``window - sink_limit`` ones; a step that must slide a
-sequence whose window is smaller than ``sink_limit`` raises `SequenceError`; forks must be within
+before it cannot slide) and its most recent ``window - sink_limit`` ones; a window smaller than
+``prefix`` is refused (``SequenceError``), and a step that must slide a sequence whose window is
+smaller than ``sink_limit`` raises `SequenceError`; forks must be within
 ``sink_limit``; a fork keeps ``sink_limit`` (the last block's sink shrinks by what the fork moves into
 prefix blocks); ``popn`` that frees whole blocks keeps the last block's sink (``sink_limit`` shrinks
 with the prefix), and a ``popn`` into a shared prefix re-forks the sequence without its window.
@@ -567,6 +568,8 @@ class Harness:
         if not self.sliding or not all(map(_is_int, (seq_id, window, sink))):
             return _fail(KVCacheError)
         if seq_id not in seqs or not 0 <= sink < window or seqs[seq_id].window != -1:
+            return _fail(SequenceError)
+        if window < seqs[seq_id].prefix:  # its prefix blocks cannot slide: every append would fail
             return _fail(SequenceError)
         return Expect(free_delta=0)
 

@@ -248,6 +248,23 @@ def test_step_that_slides_every_new_token_out_succeeds():
     _step(cache, rng, [0, 1], [1, 1])
 
 
+def test_window_smaller_than_the_shared_prefix_is_refused():
+    """TVM accepts a window smaller than the prefix in earlier (shared) blocks, which cannot
+    slide; every later append of the sequence then fails. It is refused when enabled."""
+    cache = rk.PagedAttentionKVCache(SLIDING_CFG, tvm.cpu())
+    rng = np.random.default_rng(11)
+    cache.add_sequence(0)
+    _step(cache, rng, [0], [20])
+    cache.fork_sequence(0, 1, 16)  # sequence 1's last block starts after a 16-token shared prefix
+    before = _snapshot(cache)
+    with pytest.raises(rk.SequenceError, match="window size 15 for sequence 1 is smaller than its 16-token prefix"):
+        cache.enable_sliding_window_for_seq(1, 15, 2)
+    _assert_same(before, _snapshot(cache))
+    cache.enable_sliding_window_for_seq(1, 16, 2)  # the prefix is the sink; new tokens slide
+    _step(cache, rng, [1, 0], [5, 1])
+    assert cache.get_sequence_length(1) == 16
+
+
 def test_failed_sliding_reservation_keeps_the_paging_version():
     """A batch that cannot be reserved while windows slide used to bump the paging state's version
     (which invalidates decode lanes) before raising; a failed request changes nothing."""

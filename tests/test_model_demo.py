@@ -102,3 +102,31 @@ def test_engine_refuses_token_ids_outside_the_vocabulary():
     with pytest.raises(ValueError, match="no requests"):
         engine.step()
     assert engine.requests == {} and cache.empty()
+
+
+class _FailingVM:
+    """A compiled model that raises (e.g. device out of memory) after ``begin_forward``."""
+
+    def __getitem__(self, name):
+        def fail(*args):
+            raise RuntimeError(f"model {name} failed")
+        return fail
+
+
+def test_engine_rolls_back_the_step_when_the_model_raises():
+    """Regression (red-team): begin_forward had grown the sequences by the step's tokens, the
+    model raised, and the cache kept those tokens (garbage K/V) while the request did not count
+    them; the next step appended at the wrong positions."""
+    import relax_kvcache as rk
+    from relax_kvcache.generate import Engine
+
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                           max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
+    cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    engine = Engine(_FailingVM(), [], cache, tvm.cpu(), prefill_chunk_size=64)
+    free = cache.get_num_available_pages()
+    req = engine.add_request(list(range(1, 40)), 2)
+    with pytest.raises(RuntimeError, match="model prefill failed"):
+        engine.step()
+    assert cache.get_sequence_length(req.seq_id) == req.cached == 0
+    assert cache.get_num_available_pages() == free and cache._step is None

@@ -615,15 +615,16 @@ def test_window_on_forked_child_with_a_long_prefix():
     assert pm(state, 0) == arange(0, 16)
     assert state.fork_sequence(1, 2, 16) == []  # the prefix is the sink
     assert_rejected(state, SequenceError, "within 16 tokens", state.fork_sequence, 1, 3, 17)
-    # A window smaller than the prefix could only slide into the shared block: TVM fails.
+    # A window smaller than the prefix could only slide into the shared block (TVM accepts it,
+    # then fails at the next append): refused when enabled.
     state.fork_sequence(0, 4, 16)
-    state.enable_sliding_window(4, 10, 2)
     assert_rejected(
-        state, SequenceError,
-        r"cannot slide sequence 4 by 7 token\(s\): its window of 10 token\(s\) is smaller than "
-        r"its 16-token prefix",
-        state.reserve_append, [0, 4], [1, 1],
+        state, SequenceError, r"window size 10 for sequence 4 is smaller than its 16-token prefix",
+        state.enable_sliding_window, 4, 10, 2,
     )
+    state.enable_sliding_window(4, 16, 2)  # the prefix is the whole window: new tokens slide out
+    state.reserve_append([0, 4], [1, 1])
+    assert state.sequence(4).seq_length == 16
 
 
 def test_fork_at_the_aligned_end_keeps_the_sink_size():

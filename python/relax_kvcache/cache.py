@@ -115,6 +115,27 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
                           "calls in every step; pass them (or let the cache build its own)")
 
 
+def _probe_page_copies(kernels: KernelSet, pages: tvm.runtime.Tensor, device: tvm.runtime.Device) -> None:
+    """Run the page-copy kernels once on page 0 (free now, copied onto itself) when the kernel set
+    carries no record of the config it was built for (TVM's, through the creation arguments).
+
+    Forks, pops and token-tree commits call them after changing the paging state; one built for
+    pages of another shape or dtype must fail here, not halfway through such an operation."""
+    shape = "x".join(map(str, pages.shape))
+    probes = [("copy_single_page", lambda: kernels.copy_single_page(pages, 0, 0, 1))]
+    if kernels.compact_copy is not None:
+        indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), device)
+        positions = tvm.runtime.tensor(np.zeros((2, 1), dtype=np.int32), device)
+        probes.append(("compact_copy", lambda: kernels.compact_copy(pages, indptr, positions, 1)))
+    for role, probe in probes:
+        try:
+            probe()
+        except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
+            raise ConfigError(f"the {role} kernel fails on this cache's {pages.dtype} pages of shape {shape} "
+                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                              "expected kernels built for this config") from err
+
+
 @dataclasses.dataclass(frozen=True)
 class _CommitPlan:
     """One sequence's commit: ``moves`` are (source, destination) indices among its last
@@ -175,6 +196,8 @@ class PagedAttentionKVCache:
         page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if self._mla else
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
         self._pages = [allocate(page_shape, config.dtype, device, "page tensor") for _ in range(config.num_layers)]
+        if kernels.identity is None:
+            _probe_page_copies(kernels, self._pages[0], device)
         chunk, hq, hkv = config.prefill_chunk_size, config.num_qo_heads, config.num_kv_heads
         if not self._mla:  # MLA layers take q/k/v from the model: no split scratch
             self._scratch_q = allocate((chunk, hq, config.head_dim), config.dtype, device, "q scratch")
@@ -442,11 +465,11 @@ class PagedAttentionKVCache:
         extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
         append_before_attn = (not sliding and structure.use_decode_kernel[-1]) or extends_tree
         if append_before_attn:
-            paging.reserve_append(seq_ids, append_lengths)
+            reused = paging.reserve_append(seq_ids, append_lengths)
             depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
         else:
             depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
-            paging.reserve_append(seq_ids, append_lengths)
+            reused = paging.reserve_append(seq_ids, append_lengths)
         if trees is not None:
             for seq_id, tree in zip(seq_ids, trees):
                 paging.set_token_tree(seq_id, tree)
@@ -462,6 +485,7 @@ class PagedAttentionKVCache:
             depths=tuple(dataclasses.replace(d, tree=t) if t is not None else d for d, t in zip(depths, depth_trees)),
             append_before_attn=append_before_attn,
             ragged_tree=ragged_tree,
+            reused_pages=tuple(reused),
         )
         self._decode_planner.start(paging, step, structure.last_depths)
         return step
@@ -589,6 +613,9 @@ class PagedAttentionKVCache:
             qkv = view(qkv, (n,) + shape[1:], 0, self._dtype)
             o = view(o, (n, cfg.num_qo_heads, cfg.head_dim), 0, self._dtype)
         sm_scale = _as_float("sm_scale", sm_scale)
+        if self._step.reused_pages and layer in self._appended_layers:
+            raise ForwardError(self._reused_pages_message(f"attention_with_fused_qkv({layer_id}) a second time",
+                                                          layer_id))
         k = self._kernels
         k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_applies_rope)
         pages = self._pages[layer]
@@ -626,7 +653,16 @@ class PagedAttentionKVCache:
         if layer not in self._appended_layers:
             raise ForwardError(f"attention_with_shared_kv reads layer {source_layer_id}'s KV, which this step has not "
                                "appended yet; call it after that layer's attention_with_fused_qkv")
+        if self._step.reused_pages:
+            raise ForwardError(self._reused_pages_message("attention_with_shared_kv", source_layer_id))
         self._attend(step, layer, q, k, v, o, step.merged_lse, sm_scale)
+
+    def _reused_pages_message(self, what: str, layer_id: int) -> str:
+        return (f"{what} would read layer {layer_id}'s KV after its append overwrote page(s) "
+                f"{list(self._step.reused_pages)[:8]}: in this step they slid out of a sequence's window, "
+                "whose attention reads their old tokens, and hold new tokens of this step. Steps where "
+                "windows slide attend before appending, so a layer's KV can be read only by its own "
+                "attention_with_fused_qkv call (a batch whose windows free no page for others avoids this)")
 
     def _attend(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""

@@ -148,7 +148,7 @@ class Engine:
         try:
             logits = self._run([(req, 1 + len(drafts))], sample=False)[0]
         except Exception:
-            del req.tokens[base:]  # the request as it was (the cache is unchanged: its calls are transactional)
+            del req.tokens[base:]  # the request as it was (_run rolled the cache back)
             raise
         accepted = 0
         while accepted < len(drafts) and int(logits[accepted].argmax()) == drafts[accepted]:
@@ -174,8 +174,12 @@ class Engine:
         inputs = ids.reshape(-1, 1) if decode else ids.reshape(1, -1)
         try:
             logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy()
-        finally:
+        except BaseException:
             self._end(self.cache)
+            for req, n in batch:  # begin_forward grew the sequences: drop the tokens never computed
+                self._popn(self.cache, req.seq_id, n)
+            raise
+        self._end(self.cache)
         logits = logits.reshape(len(ids), -1)
         self.stats.model_seconds += time.perf_counter() - start
         self.stats.steps += 1

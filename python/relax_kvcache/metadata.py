@@ -143,6 +143,9 @@ class StepMetadata:
     ragged_tree : TreeMask, optional
         Token-tree masks of the ragged kernel (a step appending non-chain trees, not appended
         before attention).
+    reused_pages : tuple of int
+        Pages that slid out of a window in this step and hold some of its new tokens: attention
+        reads their old contents, which each layer's append then overwrites.
     """
 
     seq_ids: Tuple[int, ...]
@@ -154,6 +157,7 @@ class StepMetadata:
     depths: Tuple[DepthMetadata, ...]
     append_before_attn: bool
     ragged_tree: Optional[TreeMask] = None
+    reused_pages: Tuple[int, ...] = ()
 
     @property
     def batch_size(self) -> int:

@@ -74,6 +74,28 @@ class _SlidePlan(typing.NamedTuple):
     seq_length: int  # the sequence's length after sliding
 
 
+class _BatchPages:
+    """The page pool as one `reserve_append` batch uses it while windows slide: records the
+    pages that slide out holding earlier tokens and are handed to new tokens of the same batch
+    (``reused``), whose old contents the step's appends overwrite."""
+
+    def __init__(self, pages: PagePool) -> None:
+        self._pages = pages
+        self._fresh: set[int] = set()  # allocated in this batch: no earlier tokens
+        self._slid_out: set[int] = set()
+        self.reused: list[int] = []
+
+    def allocate(self, n: int) -> list[int]:
+        pages = self._pages.allocate(n)
+        self.reused.extend(p for p in pages if p in self._slid_out)
+        self._fresh.update(pages)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        self._pages.release(pages)
+        self._slid_out.update(p for p in pages if p not in self._fresh)
+
+
 class PagingState:
     """Paging bookkeeping of a paged KV cache: the façade the cache uses.
 
@@ -320,7 +342,8 @@ class PagingState:
         Raises
         ------
         SequenceError
-            Unknown sequence, sizes out of range, or a window already enabled.
+            Unknown sequence, sizes out of range, a window already enabled, or (when windows
+            slide) a window smaller than the sequence's prefix in earlier blocks.
         """
         seq = self._seq(seq_id)
         window_size = as_int("sliding window size", window_size)
@@ -346,6 +369,12 @@ class PagingState:
                 f"{seq.sliding_window_size}); it cannot be enabled twice"
             )
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
+        if self._slide_windows and window_size < prefix:
+            raise SequenceError(
+                f"sliding window size {window_size} for sequence {seq.seq_id} is smaller than its "
+                f"{prefix}-token prefix in shared blocks, which cannot slide: expected a window "
+                f">= {prefix} (every later append would fail)"
+            )
         self._version += 1
         seq.last_block_attn_sink_size = max(sink_size - prefix, 0)
         seq.sliding_window_size = window_size
@@ -477,7 +506,7 @@ class PagingState:
 
     def reserve_append(
         self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Make room for ``lengths[i]`` new tokens at the end of each sequence ``seq_ids[i]``.
 
         TVM's ``ReserveAppendLengthInSeq`` over a batch (plus the ``Sequence.seq_length`` bump
@@ -509,14 +538,21 @@ class PagingState:
             a window that cannot slide (smaller than the sequence's shared prefix plus sink).
         CacheFullError
             The batch needs more pages than are free (counting the pages sliding frees).
+
+        Returns
+        -------
+        tuple of int
+            Pages that slid out of a window and were handed to new tokens in the same batch
+            (their old contents are overwritten by this step's appends), in allocation order;
+            empty when nothing slides.
         """
         items, total = self._plan_reserve(seq_ids, lengths)
         if self._num_windowed and self._slide_windows:
             plans = self._plan_sliding(items)
             self._version += 1
-            self._apply_sliding(items, plans)
+            reused = self._apply_sliding(items, plans)
             self._record_appends(items)
-            return
+            return reused
         self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         self._version += 1
         pages = self._pages.allocate(total)
@@ -528,6 +564,7 @@ class PagingState:
             block.seq_length += length
             seq.seq_length += length
             seq.last_append_length = length
+        return ()
 
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
         """Snapshot a batch for `advance_lane`, or None when a sequence cannot use one.
@@ -911,16 +948,19 @@ class PagingState:
 
     def _apply_sliding(
         self, items: list[tuple[Sequence, Block, int, int]], plans: list[_SlidePlan | None]
-    ) -> None:
-        """Carry out `_plan_sliding`'s plans, in batch order."""
+    ) -> tuple[int, ...]:
+        """Carry out `_plan_sliding`'s plans, in batch order; return the slid-out pages that
+        were allocated again in the batch."""
+        pool = _BatchPages(self._pages)
         for (seq, block, length, need), plan in zip(items, plans):
             if plan is None:
                 if need:
-                    block.page_ids.extend(self._pages.allocate(need))
+                    block.page_ids.extend(pool.allocate(need))
                 block.seq_length += length
                 seq.seq_length += length
             else:
-                self._apply_slide(seq, block, plan)
+                self._apply_slide(seq, block, plan, pool)
+        return tuple(pool.reused)
 
     def _plan_slide(
         self, seq: Sequence, block: Block, length: int, need: int, free: int
@@ -981,25 +1021,26 @@ class PagingState:
             block_length, offset, seq_length,
         )
 
-    def _apply_slide(self, seq: Sequence, block: Block, plan: _SlidePlan) -> None:
+    @staticmethod
+    def _apply_slide(seq: Sequence, block: Block, plan: _SlidePlan, pool: _BatchPages) -> None:
         """Carry out a `_plan_slide` plan, in TVM's order of page operations."""
         page_ids = block.page_ids
         if plan.real:
-            page_ids.extend(self._pages.allocate(plan.real))
+            page_ids.extend(pool.allocate(plan.real))
         if plan.temp:
             page_ids.extend([_TEMP_PAGE] * plan.temp)
         if plan.dropped:
             first, last = plan.first_slid, plan.first_slid + plan.dropped
-            slid_out = page_ids[first:last]
+            released = [p for p in page_ids[first:last] if p != _TEMP_PAGE]
             del page_ids[first:last]
-            self._pages.release([p for p in slid_out if p != _TEMP_PAGE])
+            pool.release(released)
         block.sink_length = plan.sink_length
         block.sliding_window_offset = plan.window_offset
         block.seq_length = plan.block_length
         seq.seq_length = plan.seq_length
         if plan.temps_left:
             temps = [i for i, p in enumerate(page_ids) if p == _TEMP_PAGE]
-            for i, page in zip(temps, self._pages.allocate(len(temps))):
+            for i, page in zip(temps, pool.allocate(len(temps))):
                 page_ids[i] = page
 
     # ----------------------------------------------------------------- internals: popn
