@@ -326,3 +326,88 @@ def test_repeated_decode_batches_run_no_user_eq(cache):
     cache.begin_forward([_EqInt(0)], [1])  # an int subclass: planned in full, its __eq__ never called
     cache.end_forward()
     assert not cache._paging.has_sequence(7) and cache.get_sequence_length(0) == 24
+
+
+# ---------------------------------------------------------------------------- fourth round
+
+
+def test_shared_kv_is_refused_when_slid_out_pages_hold_new_tokens():
+    """Steps where windows slide attend before appending. When a page slides out of one sequence's
+    window and takes another sequence's new tokens in the same step, the source layer's append
+    overwrites what attention_with_shared_kv (and a second call of the same layer) would read:
+    they returned wrong attention silently. Now they raise; steps without such pages still work
+    and match the layer's own attention."""
+    from relax_kvcache.reference import ReferenceCache
+
+    cfg = rk.KVCacheConfig(num_layers=2, num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=4, max_num_seqs=4,
+                           max_total_seq_len=84, prefill_chunk_size=32, rope_mode=rk.RopeMode.NONE,
+                           dtype="float32", support_sliding_window=True)
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    ref = ReferenceCache(2, 2, 1, 16, 0)
+    rng = np.random.default_rng(0)
+    for s in (0, 1):
+        c.add_sequence(s)
+        ref.add(s)
+    c.enable_sliding_window_for_seq(0, 8, 0)
+    ref.enable_window(0, 8, 0)
+    T = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a))  # noqa: E731
+    out = lambda n: tvm.runtime.tensor(np.full((n, 2, 16), np.nan, np.float32))  # noqa: E731
+    for ids, lens, reused in [([0, 1], [8, 4], False), ([0, 1], [4, 1], True)]:
+        n = sum(lens)
+        qkv = rng.standard_normal((n, 4, 16)).astype(np.float32)
+        c.begin_forward(ids, lens)
+        assert bool(c._step.reused_pages) == reused
+        own = out(n)
+        c.attention_with_fused_qkv(0, T(qkv), own, 0.3)
+        shared_args = (T(qkv[:, :2].copy()), T(qkv[:, 2:3].copy()), T(qkv[:, 3:4].copy()), out(n), 0.3)
+        if reused:
+            _unchanged(c, lambda: c.attention_with_shared_kv(0, *shared_args), rk.ForwardError, "overwrote page")
+            _unchanged(c, lambda: c.attention_with_fused_qkv(0, T(qkv), out(n), 0.3), rk.ForwardError,
+                       "a second time")
+        else:
+            c.attention_with_shared_kv(0, *shared_args)
+            np.testing.assert_allclose(shared_args[3].numpy(), own.numpy(), atol=1e-5)
+        c.attention_with_fused_qkv(1, T(qkv), out(n), 0.3)
+        c.end_forward()
+        expected = ref.step(list(zip(ids, lens)), [qkv, qkv], 0.3)[0]
+        np.testing.assert_allclose(own.numpy(), expected, atol=1e-4)
+
+
+def test_reserve_append_reports_slid_out_pages_handed_to_new_tokens():
+    from relax_kvcache.paging import PagingState
+
+    state = PagingState(4, 4, slide_windows=True)
+    state.add_sequence(0)
+    state.add_sequence(1)
+    state.enable_sliding_window(0, 8, 0)
+    assert state.reserve_append([0, 1], [8, 4]) == ()  # pages 0, 1 | 2
+    assert state.reserve_append([0], [4]) == ()  # page 3 allocated, page 0 slides out: nobody takes it
+    assert state.num_free_pages == 1
+    # seq 0 needs a page (none free but page 0): it takes page 0, then page 1 slides out and is
+    # handed to seq 1's new token
+    assert state.reserve_append([0, 1], [4, 1]) == (1,)
+
+
+def test_sequence_ids_beyond_int64_raise_sequence_error(cache):
+    for bad in (2**63, -(2**63) - 1):
+        _unchanged(cache, lambda: cache.add_sequence(bad), rk.SequenceError, "outside the int64 range")
+
+
+def test_creation_arguments_with_kernels_of_another_config_are_refused(cache):
+    """The creation function (the frontend's path) has no record of its kernels' config: kernels
+    of another page size, head count or dtype failed at the first step with TVM's TypeError, and
+    another rope_theta was silently ignored. A probe at creation now names the kernel."""
+    import relax_kvcache.ffi_registry.create as create_module
+    from test_hostile_input import _create_args
+
+    for index, value, match in [(0, tvm.runtime.ShapeTuple([8, 200, 64, 16, 0]), "copy_single_page kernel fails"),
+                                (2, 8, "split_rotary kernel fails"),
+                                (12, tvm.runtime.empty((), "float16"), "copy_single_page kernel fails"),
+                                (10, 5e5, "split_rotary kernel does not compute this config's q"),
+                                (9, 0.5, "split_rotary kernel does not compute")]:
+        args = _create_args(cache._kernels)
+        args[index] = value
+        with pytest.raises(rk.ConfigError, match=match):
+            create_module.paged_attention_kv_cache_create(*args)
+    created = create_module.paged_attention_kv_cache_create(*_create_args(cache._kernels))
+    assert created.config.rope_theta == 1e4

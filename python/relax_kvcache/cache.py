@@ -22,6 +22,7 @@ from .build import build_kernels, kernel_identity
 from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ConfigError, ForwardError, KVCacheError, SequenceError
+from .kernel_probe import probe_foreign_kernels
 from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
@@ -115,27 +116,6 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
                           "calls in every step; pass them (or let the cache build its own)")
 
 
-def _probe_page_copies(kernels: KernelSet, pages: tvm.runtime.Tensor, device: tvm.runtime.Device) -> None:
-    """Run the page-copy kernels once on page 0 (free now, copied onto itself) when the kernel set
-    carries no record of the config it was built for (TVM's, through the creation arguments).
-
-    Forks, pops and token-tree commits call them after changing the paging state; one built for
-    pages of another shape or dtype must fail here, not halfway through such an operation."""
-    shape = "x".join(map(str, pages.shape))
-    probes = [("copy_single_page", lambda: kernels.copy_single_page(pages, 0, 0, 1))]
-    if kernels.compact_copy is not None:
-        indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), device)
-        positions = tvm.runtime.tensor(np.zeros((2, 1), dtype=np.int32), device)
-        probes.append(("compact_copy", lambda: kernels.compact_copy(pages, indptr, positions, 1)))
-    for role, probe in probes:
-        try:
-            probe()
-        except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
-            raise ConfigError(f"the {role} kernel fails on this cache's {pages.dtype} pages of shape {shape} "
-                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                              "expected kernels built for this config") from err
-
-
 @dataclasses.dataclass(frozen=True)
 class _CommitPlan:
     """One sequence's commit: ``moves`` are (source, destination) indices among its last
@@ -197,7 +177,7 @@ class PagedAttentionKVCache:
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
         self._pages = [allocate(page_shape, config.dtype, device, "page tensor") for _ in range(config.num_layers)]
         if kernels.identity is None:
-            _probe_page_copies(kernels, self._pages[0], device)
+            probe_foreign_kernels(config, kernels, self._pages[0], device)
         chunk, hq, hkv = config.prefill_chunk_size, config.num_qo_heads, config.num_kv_heads
         if not self._mla:  # MLA layers take q/k/v from the model: no split scratch
             self._scratch_q = allocate((chunk, hq, config.head_dim), config.dtype, device, "q scratch")
@@ -260,6 +240,10 @@ class PagedAttentionKVCache:
     def enable_sliding_window_for_seq(self, seq_id: int, sliding_window_size: int, attn_sink_size: int) -> None:
         """Keep only the first ``attn_sink_size`` and the last tokens of a sequence, up to
         ``sliding_window_size`` in all; pages that slide out return to the pool.
+
+        Tokens in the sequence's earlier blocks (a prefix shared through a fork) cannot slide
+        and count as sink, as in TVM: the tokens kept at the start are
+        ``max(attn_sink_size, prefix)``; a window smaller than that prefix is refused.
 
         Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` layers,
         where, as in TVM, the sequence is marked but does not slide). RoPE positions are those

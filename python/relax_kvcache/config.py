@@ -106,7 +106,10 @@ class KVCacheConfig:
     page_size : int
         Tokens per page.
     max_num_seqs : int
-        Sequences the cache reserves metadata room for (TVM's ``reserved_num_seqs``).
+        Sequences the cache reserves metadata room for (TVM's ``reserved_num_seqs``), and with
+        ``support_sliding_window`` the spare pages (2 each) that windows borrow while sliding.
+        As in TVM it sizes, it does not limit: more sequences, or larger batches, grow the
+        metadata buffer, and a batch whose windows find no spare page raises `CacheFullError`.
     max_total_seq_len : int
         Token capacity over all sequences; the page pool holds
         ``ceil(max_total_seq_len / page_size) + 1`` pages (+ 2 per sequence with sliding windows).
