@@ -29,6 +29,7 @@ from mla_model import MLAModel, MLAWeights
 from relax_kvcache import AttnKind, KVCacheConfig, PagedAttentionKVCache, RopeMode
 from relax_kvcache.errors import ConfigError, ForwardError, KVCacheError
 from relax_kvcache.kernel_set import KernelSet
+from cache_snapshot import assert_same, snapshot
 
 ON_GPU = os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda"
 DEV = tvm.cuda() if ON_GPU else tvm.cpu()
@@ -280,6 +281,61 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
     cache.end_forward()
     cache.popn(0, 2)  # the step the model did not see
     h.step([(0, 3)])  # the cache still works and agrees with the model
+
+
+def test_decompress_callbacks_that_do_not_write_and_workspace_aliases_are_refused(mla_cache):
+    """Regression (red-team): a ``decompress`` that never wrote k / v (or only k, or returned new
+    tensors) let the kernels read stale workspace rows (outputs off by 1e19 or quietly wrong); an
+    ``o`` or ``q`` aliasing the context workspace (a view kept from a callback) was accepted and
+    gave wrong results. Both raise now, the cache unchanged; a correct call afterwards matches the
+    float64 model."""
+    h = Harness(mla_cache, seed=8)
+    h.add(0)
+    h.step([(0, 50)])  # two chunks of 40 rows
+    cache = mla_cache
+    cache.begin_forward([0], [2])
+    q, lse = _t(np.random.default_rng(1).standard_normal((2, HEADS, NOPE + ROPE))), _poisoned((2, HEADS), "float32")
+    kept = {}
+
+    def keeps_k(latent, k, v):  # a correct callback that keeps a view of the workspace
+        h.decompress(latent, k, v)
+        kept["k"] = k
+
+    lazy = {"nothing": lambda latent, k, v: None,
+            "only k": lambda latent, k, v: k.copyfrom(np.ones(tuple(k.shape), NP_DTYPE)),
+            "new tensors": lambda latent, k, v: (_t(np.ones(tuple(k.shape))), _t(np.ones(tuple(v.shape))))}
+    before = snapshot(cache, pages=True)
+    for what, callback in lazy.items():
+        with pytest.raises(ForwardError, match="decompress did not write"):
+            cache.mla_context_attention(0, q, _poisoned((2, HEADS, VDIM)), lse, SM_SCALE, callback)
+    assert_same(before, snapshot(cache, pages=True))
+    cache.mla_context_attention(0, q, _poisoned((2, HEADS, VDIM)), lse, SM_SCALE, keeps_k)
+    from relax_kvcache.tensors import view
+
+    o_alias = view(kept["k"], (2, HEADS, VDIM), 0)
+    with pytest.raises(ForwardError, match="o shares memory with the context workspace's k"):
+        cache.mla_context_attention(0, q, o_alias, lse, SM_SCALE, h.decompress)
+    q_alias = view(kept["k"], (2, HEADS, NOPE + ROPE), 0)
+    with pytest.raises(ForwardError, match="q shares memory with the context workspace's k"):
+        cache.mla_context_attention(0, q_alias, _poisoned((2, HEADS, VDIM)), lse, SM_SCALE, h.decompress)
+    assert_same(before, snapshot(cache, pages=True))
+    cache.end_forward()
+    cache.popn(0, 2)
+    h.step([(0, 3)])
+
+
+def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
+    """Regression (red-team): the workspace was allocated at the first mla_context_attention;
+    an absurd context_chunk_size then raised TVM's bad_alloc mid-step. It is sized at
+    construction (never beyond the pages' rows) and checked with the config."""
+    import dataclasses
+
+    fields = {f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG)}
+    with pytest.raises(ConfigError, match="MLA context workspace would take"):
+        KVCacheConfig(**{**fields, "context_chunk_size": 10**9, "max_total_seq_len": 2**31 - 1, "num_qo_heads": 256})
+    huge_chunk = KVCacheConfig(**{**fields, "context_chunk_size": 10**9})  # capped by the 2048-token pool
+    cache = PagedAttentionKVCache(huge_chunk, DEV, kernels=mla_kernels)
+    assert cache._context_workspace.k.shape[0] == huge_chunk.num_total_pages * huge_chunk.page_size
 
 
 @pytest.mark.parametrize("changes, message", [

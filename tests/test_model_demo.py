@@ -57,6 +57,22 @@ def test_model_compiles_for_cuda():
     assert "relax_kvcache_attention_decode" in source and "mma.sync" in source
 
 
+def test_model_compiles_for_ampere_cuda(tmp_path):
+    """Regression (red-team): ``demo --target cuda`` for sm_80 / sm_89 segfaulted in TVM's
+    ``Tensorize`` (dlight's tensor-core matmul rule on the model's fp16 matmuls). Compiled in a
+    subprocess so a regression cannot take pytest down."""
+    import subprocess
+    import sys
+
+    script = ("from relax_kvcache import model_demo; from relax_kvcache.models import LlamaConfig; "
+              "from relax_kvcache.targets import make_target; "
+              "ex = model_demo.compile_model(LlamaConfig(dtype='float16'), make_target('cuda', arch='sm_80')); "
+              "src = next(m for m in ex.mod.imports[0].imports if m.kind == 'cuda').inspect_source(); "
+              "print('relax_kvcache_attention_decode' in src)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("True"), done.stderr[-2000:]
+
+
 class _NoVM:
     """Stands in for the compiled model: requests that are refused never reach it."""
 
@@ -68,7 +84,7 @@ def test_engine_refuses_bad_requests_without_touching_the_cache():
     cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
                            max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
-    engine = Engine(_NoVM(), [], cache, tvm.cpu(), prefill_chunk_size=64)
+    engine = Engine(_NoVM(), [], cache, tvm.cpu(), prefill_chunk_size=64, vocab_size=100)
     free = cache.get_num_available_pages()
     with pytest.raises(ValueError, match="prompt is empty"):
         engine.add_request([], 4)
@@ -123,7 +139,7 @@ def test_engine_rolls_back_the_step_when_the_model_raises():
     cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
                            max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
-    engine = Engine(_FailingVM(), [], cache, tvm.cpu(), prefill_chunk_size=64)
+    engine = Engine(_FailingVM(), [], cache, tvm.cpu(), prefill_chunk_size=64, vocab_size=100)
     free = cache.get_num_available_pages()
     req = engine.add_request(list(range(1, 40)), 2)
     with pytest.raises(RuntimeError, match="model prefill failed"):

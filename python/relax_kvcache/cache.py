@@ -201,6 +201,9 @@ class PagedAttentionKVCache:
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
         self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
         self._context_workspace: Optional[ContextWorkspace] = None
+        if self._mla and config.mla_original_qk_head_dim:
+            self._context_workspace = self._new_context_workspace(config.mla_original_qk_head_dim,
+                                                                  config.mla_original_v_head_dim)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._appended_layers: set = set()  # layers whose K/V this step has appended
         # most tokens a sequence may append per step: MHA_SLIDING layers without the windowed
@@ -799,15 +802,19 @@ class PagedAttentionKVCache:
         dv = check_tensor("o", o, shape=(n, hq, cfg.mla_original_v_head_dim), dtype=cfg.dtype,
                           device=self.device)[2]
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
+        ws = self._context_workspace
+        if ws is None or ws.dims != (dqk, dv):  # a config without the decompressed head dims
+            ws = self._context_workspace = self._new_context_workspace(dqk, dv)
         check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)],
-                       [("q", q, n * hq * dqk * self._itemsize)])
+                       [("q", q, n * hq * dqk * self._itemsize), *ws.spans()])
+        check_disjoint([("q", q, n * hq * dqk * self._itemsize)], ws.spans())  # the workspace is written
         sm_scale = _as_float("sm_scale", sm_scale)
         if not callable(decompress):
             raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
         if self._kernels.debug_get_kv is None:
             raise KVCacheError("mla_context_attention gathers latent rows with the debug_get_kv kernel, which "
                                "this cache was created without")
-        plan, ws = self._context_plan(), self._context_buffers(dqk, dv)
+        plan = self._context_plan()
         tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
         for i, chunk in enumerate(plan.chunks):
             rows = max(chunk.rows, 1)
@@ -815,17 +822,29 @@ class PagedAttentionKVCache:
             if chunk.rows:
                 gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
                 self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
+                ws.poison_edges(k, v)
                 self._busy = "mla_context_attention's decompress callback"
                 try:
                     decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
                 finally:
                     self._busy = None
+                unwritten = ws.unwritten(k, v)
+                if unwritten:
+                    raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {i} "
+                                       f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "
+                                       "in place (their first / last rows still hold the cache's poison NaN)")
             out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
             self._kernels.attention_prefill_ragged(
                 q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
                 out, out_lse, 0, 0, cfg.rope_scale, cfg.rope_theta, sm_scale)
             if i:
                 self._kernels.merge_general(o, lse, tmp_o, tmp_lse)
+
+    def _new_context_workspace(self, dqk: int, dv: int) -> ContextWorkspace:
+        cfg = self.config
+        rows = min(cfg.context_chunk_size, cfg.num_total_pages * cfg.page_size)  # a chunk never holds more
+        return ContextWorkspace(rows, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
+                                self.device)
 
     def _context_plan(self) -> ContextPlan:
         """The current step's chunked context, planned on first use and kept for the step."""
@@ -834,15 +853,6 @@ class PagedAttentionKVCache:
             self._context = ContextPlan.build(self._paging, step.seq_ids, step.append_lengths,
                                               self.config.context_chunk_size, self.device)
         return self._context
-
-    def _context_buffers(self, dqk: int, dv: int) -> ContextWorkspace:
-        ws = self._context_workspace
-        if ws is None or ws.dims != (dqk, dv):
-            cfg = self.config
-            ws = self._context_workspace = ContextWorkspace(
-                cfg.context_chunk_size, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
-                self.device)
-        return ws
 
     def _ragged_attention(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Causal attention of the step's queries over the step's k/v (windowed on MHA_SLIDING
@@ -964,7 +974,7 @@ class PagedAttentionKVCache:
                                       _as_int("end_pos", end_pos))
         length = self._paging.sequence_length(seq_id)
         if not 0 <= start_pos < end_pos <= length:
-            raise KVCacheError(f"{what} range [{start_pos}, {end_pos}) is invalid for sequence "
+            raise SequenceError(f"{what} range [{start_pos}, {end_pos}) is invalid for sequence "
                                f"{seq_id} of length {length}; expected 0 <= start < end <= length")
         return seq_id, start_pos, end_pos
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 import time
 from typing import List, Optional
@@ -51,14 +53,47 @@ def _seed(text: str) -> int:
     return value
 
 
+class _UsageError(Exception):
+    """A command line that cannot work (reported in one line, exit code 2)."""
+
+
+def _one_line(err: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from .deploy import DeployError
 
     try:
         return _run_demo_checked(args)
-    except (FileNotFoundError, DeployError) as err:  # --load of a missing or unloadable library
-        print(f"relax-kvcache demo: error: {err}", file=sys.stderr, flush=True)
+    except (FileNotFoundError, DeployError, _UsageError) as err:  # bad options, a missing or unloadable library
+        print(f"relax-kvcache demo: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
+
+
+def _check_demo_args(args: argparse.Namespace) -> None:
+    """Refuse option combinations and --export destinations that cannot work, before compiling."""
+    if args.cache_only and (args.load or args.export):
+        option = "--load" if args.load else "--export"
+        raise _UsageError(f"--cache-only runs the cache without a model; it cannot be combined with {option} "
+                          f"{(args.load or args.export)!r} (expected one of them)")
+    if args.export:
+        _check_output_path(args.export, "--export")
+
+
+def _check_output_path(path: str, option: str) -> None:
+    """Raise _UsageError unless ``path`` names a file that can be written (in an existing folder)."""
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise _UsageError(f"{option} {path!r} ends with a path separator; expected a file path such as "
+                          f"{path.rstrip(os.sep + (os.altsep or '')) or 'model'}.so")
+    dest = pathlib.Path(path).expanduser()
+    if dest.is_dir():
+        raise _UsageError(f"{option} {path!r} is a folder; expected a file path such as {str(dest / 'model.so')!r}")
+    folder = dest.parent
+    if not folder.is_dir():
+        raise _UsageError(f"{option} {path!r}: folder {str(folder)!r} does not exist; expected an existing folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise _UsageError(f"{option} {path!r}: folder {str(folder)!r} is not writable")
 
 
 def _run_demo_checked(args: argparse.Namespace) -> int:
@@ -66,6 +101,7 @@ def _run_demo_checked(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(message, flush=True)
 
+    _check_demo_args(args)
     if args.cache_only:
         from .demo import run_demo
 
@@ -96,9 +132,15 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
                   f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
             return 0
     if args.load:
-        from .deploy import load
+        import tvm
 
-        executable = load(args.load)
+        from .deploy import DeployError, load
+
+        # with --target cuda, prepare (and check) the CUDA runtime and GPU before loading
+        executable = load(args.load, device=tvm.cuda(0) if args.target == "cuda" else None)
+        if not executable.implements_function("vm_load_executable", query_imports=True):
+            raise DeployError(f"{args.load!r} holds no Relax model (no vm_load_executable: a kernel library?); "
+                              "expected a library written by `relax-kvcache demo --export`")
     result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log)
     status = "OK" if result.ok else "FAILED"
     print(f"demo {status}: Llama (2 layers) on {result.target} {result.dtype}: {result.requests} requests "
@@ -165,11 +207,12 @@ def _run_build(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     try:
+        _check_output_path(args.output, "--output")
         config = build_config(args)
         target = make_target(args.target, arch=args.arch)
         path = export_kernels(config, target, args.output, use_cache=not args.no_cache, progress=log)
-    except (ValueError, TypeError, NotImplementedError, OSError, TargetUnavailableError) as err:
-        print(f"relax-kvcache build: error: {err}", file=sys.stderr, flush=True)
+    except (ValueError, TypeError, NotImplementedError, OSError, TargetUnavailableError, _UsageError) as err:
+        print(f"relax-kvcache build: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
     roles = kernel_set_spec(config).roles()
     print(f"built {path} ({path.stat().st_size / 2**20:.2f} MiB) in {time.perf_counter() - start:.1f} s: "

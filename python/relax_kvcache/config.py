@@ -207,6 +207,12 @@ class KVCacheConfig:
             "per-step scratch tensors": (self.prefill_chunk_size * self.num_qo_heads * max(dims),
                                          ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
         }
+        if self.is_mla and self.mla_original_qk_head_dim:
+            rows = min(self.context_chunk_size, self.num_total_pages * self.page_size)
+            dims = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
+            sizes["MLA context workspace"] = (rows * (self.num_qo_heads * dims + self.head_dim),
+                                              ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
+                                               "mla_original_v_head_dim"))
         for what, (elements, fields) in sizes.items():
             nbytes = elements * _DTYPE_BYTES[self.dtype]
             if nbytes > MAX_TENSOR_BYTES:

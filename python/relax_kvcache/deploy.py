@@ -24,7 +24,8 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
-from typing import Any, List, Optional, Union
+import struct
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import tvm
 import tvm_ffi
@@ -60,6 +61,9 @@ class _CallbackState:
 
 _CALLBACK = _CallbackState()
 _LOADED_LIBRARIES: List[ctypes.CDLL] = []  # keep ctypes handles (and so the libraries) alive
+#: (st_ino, st_size, st_mtime_ns) of each library path loaded: dlopen returns the library it
+#: loaded first for a path, so a file replaced since is loaded from a copy of a new name
+_LOADED_FILES: Dict[str, Tuple[int, int, int]] = {}
 
 
 def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.Device] = None) -> tvm.runtime.Module:
@@ -85,20 +89,43 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     FileNotFoundError
         ``path`` is not a file.
     DeployError
-        The CUDA runtime library, the GPU, or nvcc is missing, or nvcc failed.
+        The file is not a complete 64-bit ELF shared library (checked before loading: a
+        truncated one would crash the process), or the CUDA runtime library, the GPU, or nvcc
+        is missing, or nvcc failed.
+
+    A path loaded before whose file has changed since (rebuilt, replaced) is loaded from a
+    temporary copy, so that the new file is the one loaded (the dynamic loader keeps the first
+    library it loaded under a path).
     """
     library = _checked_library(path)
     if device is not None and not isinstance(device, tvm.runtime.Device):
         raise TypeError(f"device must be a tvm.runtime.Device or None, got {type(device).__name__}")
+    check_elf(library)  # before anything maps it (also checked again on what is loaded)
     if device is None and library_holds_cuda(library):
         device = tvm.cuda(0)
     if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
         prepare_cuda(device)
-    return _load_module(library)
+    key = str(library.resolve())
+    stat = library.stat()
+    identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    previous = _LOADED_FILES.get(key)
+    if previous is None or previous == identity:
+        module = _load_module(library)
+        _LOADED_FILES[key] = identity  # what the dynamic loader holds under this path
+        return module
+    # the file changed since it was loaded under this path: load a copy of a new name (the
+    # record keeps the first file's identity: that is the one a load by the path would get)
+    with tempfile.TemporaryDirectory(prefix="relax_kvcache_reload_") as tmp:
+        copy = pathlib.Path(tmp) / library.name
+        shutil.copyfile(library, copy)
+        return _load_module(copy, shown=library)
 
 
-def _load_module(library: pathlib.Path) -> tvm.runtime.Module:
-    """``tvm.runtime.load_module``, re-raising our callback's error (TVM turns it into a RuntimeError)."""
+def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
+    """``tvm.runtime.load_module`` of a checked ELF file, re-raising our callback's error (TVM
+    turns it into a RuntimeError). ``shown``: the path named in errors (default ``library``)."""
+    shown = library if shown is None else shown
+    check_elf(library, shown=shown)
     _CALLBACK.error = None
     try:
         return tvm.runtime.load_module(str(library))
@@ -107,7 +134,7 @@ def _load_module(library: pathlib.Path) -> tvm.runtime.Module:
         if error is not None:
             raise error from None
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1]
-        raise DeployError(f"could not load {str(library)!r}: {reason}; expected a shared library written by "
+        raise DeployError(f"could not load {str(shown)!r}: {reason}; expected a shared library written by "
                           "`relax-kvcache build` / export_kernels (or a model's export_library)") from err
 
 
@@ -121,6 +148,52 @@ def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
             f"kernel library {str(path)!r} {what}; expected a .so file written by "
             "`relax-kvcache build --output FILE.so` or relax_kvcache.build.export_kernels")
     return library
+
+
+_ELF_MAGIC = b"\x7fELF"
+_ELF_HEADER = 64  # bytes, 64-bit
+_ELF_PHDR = 56  # bytes of a 64-bit program header
+_ELF_SHDR = 64  # bytes of a 64-bit section header
+
+
+def check_elf(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
+    """Raise DeployError unless ``path`` is a complete 64-bit ELF file: the magic, the class,
+    and the section header table and every segment (program header) within the file. The
+    dynamic loader maps a truncated library and crashes (SIGBUS) reading past its end.
+    ``shown``: the path named in the error (default ``path``)."""
+    shown = str(path if shown is None else shown)
+
+    def bad(what: str) -> DeployError:
+        return DeployError(f"could not load {shown!r}: {what}; expected a complete 64-bit ELF shared library "
+                           "written by `relax-kvcache build` / export_kernels (or a model's export_library)")
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        header = f.read(_ELF_HEADER)
+        if header[:4] != _ELF_MAGIC:
+            raise bad(f"not an ELF file (starts with {header[:4]!r}, expected {_ELF_MAGIC!r})")
+        if len(header) < _ELF_HEADER:
+            raise bad(f"the file is {size} bytes, shorter than an ELF header ({_ELF_HEADER} bytes)")
+        if header[4] != 2:
+            raise bad(f"ELF class {header[4]} (expected 2, 64-bit)")
+        if header[5] not in (1, 2):
+            raise bad(f"ELF data encoding {header[5]} (expected 1 or 2)")
+        order = "<" if header[5] == 1 else ">"
+        phoff, shoff = struct.unpack_from(order + "QQ", header, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x36)
+        if shoff and shoff + shnum * shentsize > size:
+            raise bad(f"the section header table (offset {shoff}, {shnum} x {shentsize} bytes) ends past the end "
+                      f"of the file ({size} bytes): the file is truncated")
+        if phnum and (phentsize < _ELF_PHDR or phoff + phnum * phentsize > size):
+            raise bad(f"the program header table (offset {phoff}, {phnum} x {phentsize} bytes) does not fit in "
+                      f"the file ({size} bytes): the file is truncated or corrupt")
+        for i in range(phnum):
+            f.seek(phoff + i * phentsize)
+            entry = f.read(_ELF_PHDR)
+            offset, filesz = struct.unpack_from(order + "Q", entry, 8)[0], struct.unpack_from(order + "Q", entry, 32)[0]
+            if offset + filesz > size:
+                raise bad(f"segment {i} (file offset {offset}, {filesz} bytes) ends past the end of the file "
+                          f"({size} bytes): the file is truncated")
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:

@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import tvm
 from tvm import relax as rx
+from tvm.s_tir import dlight as dl
 from tvm.relax.frontend import nn
 
 from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
@@ -231,8 +232,41 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kw
     """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
     kernels need (see :mod:`relax_kvcache.build`)."""
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
+        kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
         return tvm.compile(mod, target=target, **kwargs)
+
+
+def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's default CUDA Relax pipeline, except that the model's own matmuls are scheduled
+    without tensor cores: TVM 0.27's ``MatmulTensorization`` (which dlight's ``Matmul`` rule
+    tries for sm_70 and later, except "sm_90a"-style archs) segfaults in ``Tensorize`` on the
+    fp16 matmuls of a model. The cache's kernels are scheduled already and are not affected."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+
+    legalize = [rx.transform.LegalizeOps(), rx.transform.AnnotateTIROpPattern(), rx.transform.FoldConstant(),
+                rx.transform.FuseOps(), rx.transform.FuseTIR(),
+                dl.ApplyDefaultSchedule(_MatmulWithoutTensorCores(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                        dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+
+    @tvm.transform.module_pass(opt_level=0)
+    def pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            passes = (cuda.library_dispatch_passes(target) + legalize + cuda.dataflow_lower_passes(target)
+                      + cuda.finalize_passes(target))
+            return tvm.transform.Sequential(passes)(mod)
+
+    return pipeline
+
+
+class _MatmulWithoutTensorCores(dl.gpu.Matmul):
+    """dlight's Matmul rule, deciding as for an sm_50 GPU (no tensor-core path)."""
+
+    def apply(self, func, target, tunable):  # noqa: D102
+        config = dict(target.export())
+        config["arch"] = "sm_50"
+        return super().apply(func, tvm.target.Target(config), tunable)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -11,7 +11,8 @@ through TVM's ``vm.builtin.kv_state_*`` functions, as MLC-LLM's engine does:
 * :meth:`Engine.speculate`: a speculative step (draft tokens appended and verified in one call);
   the rejected tail is rolled back with ``popn``;
 * requests that reach their token budget are removed and their pages return to the pool while
-  others continue.
+  others continue; :meth:`Engine.cancel` removes one early (e.g. after a step raised
+  :class:`relax_kvcache.CacheFullError`, which leaves everything as it was).
 
 Every step's logits can be checked against a reference (``check(tokens) -> logits of every
 position``, e.g. :class:`relax_kvcache.models.LlamaNumpy`).
@@ -70,11 +71,25 @@ class Engine:
     """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache, device: tvm.runtime.Device, *,
-                 prefill_chunk_size: int, reference: Optional[Reference] = None,
-                 vocab_size: Optional[int] = None) -> None:
+                 prefill_chunk_size: int, vocab_size: int, reference: Optional[Reference] = None) -> None:
+        """``vocab_size`` (required): token ids are checked against it, as the model would read
+        its embedding out of bounds (a crash). ``prefill_chunk_size``: the most tokens one step
+        feeds; at most the cache's ``prefill_chunk_size`` where the cache is a
+        :class:`relax_kvcache.PagedAttentionKVCache`. Raises ValueError on a bad value."""
+        if not _is_int(vocab_size) or vocab_size < 1 or vocab_size > 2**31:
+            raise ValueError(f"Engine: vocab_size is {vocab_size!r}; expected an int in [1, 2**31] (the model's "
+                             "vocabulary size; token ids are checked against it)")
+        if not _is_int(prefill_chunk_size) or prefill_chunk_size < 1:
+            raise ValueError(f"Engine: prefill_chunk_size is {prefill_chunk_size!r}; expected an int >= 1")
+        config = _cache_config(cache)
+        if config is not None and prefill_chunk_size > config.prefill_chunk_size:
+            raise ValueError(f"Engine: prefill_chunk_size is {prefill_chunk_size}; expected at most the cache's "
+                             f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that many tokens)")
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
-        self.vocab_size = vocab_size  # token ids are checked against it (the model would read out of bounds)
-        self.chunk, self.reference = prefill_chunk_size, reference
+        self.vocab_size = int(vocab_size)
+        self.chunk, self.reference = int(prefill_chunk_size), reference
+        #: the most tokens one sequence can hold (None: unknown, not checked)
+        self.max_seq_tokens: Optional[int] = None if config is None else int(config.max_total_seq_len)
         self.requests: Dict[int, Request] = {}
         self.stats = Stats()
         self._next_id = 0
@@ -87,23 +102,39 @@ class Engine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
-        """A new request; raises ValueError (nothing changed) on an empty prompt, a token id
-        outside the vocabulary or a token budget below 1."""
+        """A new request; raises ValueError (nothing changed) on an empty prompt or one that is
+        not a list, tuple, range or 1-D integer numpy array, a token id outside the vocabulary,
+        a token budget below 1, or a prompt plus budget longer than the cache can hold (a
+        request that could never finish would block the others)."""
         prompt = self._tokens("add_request: prompt", prompt)
         if len(prompt) == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"add_request: max_new_tokens is {max_new_tokens!r}; expected an int >= 1")
+        if self.max_seq_tokens is not None and len(prompt) + max_new_tokens > self.max_seq_tokens:
+            raise ValueError(f"add_request: the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) "
+                             f"is {len(prompt) + max_new_tokens} tokens; expected at most the cache's capacity, "
+                             f"max_total_seq_len={self.max_seq_tokens}")
         req = Request(seq_id=self._new_id(), tokens=list(prompt), prompt_len=len(prompt),
-                      max_new_tokens=max_new_tokens)
+                      max_new_tokens=int(max_new_tokens))
         self._add(self.cache, req.seq_id)
         self.requests[req.seq_id] = req
         return req
+
+    def cancel(self, request: Request) -> None:
+        """Remove a live request and its sequence (its pages return to the pool). Use it e.g.
+        after :meth:`step` raised :class:`relax_kvcache.CacheFullError`: a step that raises
+        leaves the engine and the cache as they were, so cancelling (or finishing) requests
+        frees room and the next step goes on."""
+        self._live("cancel", request)
+        self._remove(self.cache, request.seq_id)
+        del self.requests[request.seq_id]
 
     def fork(self, parent: Request, alternative: int) -> Request:
         """A second continuation of ``parent`` (prompt in, first token generated) sharing its
         cached prefix; it continues from ``alternative`` instead of the parent's first token
         (e.g. the runner-up of ``parent.last_logits``)."""
+        self._live("fork", parent)
         alternative = self._tokens("fork: alternative", [alternative])[0]
         if parent.prefilling or parent.generated != 1:
             raise ValueError(f"fork a request right after its first token; request {parent.seq_id} has "
@@ -122,10 +153,15 @@ class Engine:
     def step(self) -> List[Request]:
         """One step: a token of every decoding request plus, within ``prefill_chunk_size``
         tokens, the next pieces of the prompts not in yet (chunked prefill mixed with decode).
-        Returns the requests that finished (and were removed)."""
+        Returns the requests that finished (and were removed).
+
+        A step that raises (e.g. :class:`relax_kvcache.CacheFullError` when the pages run out,
+        or an error of the model) leaves the requests and the cache as they were: the caller
+        can :meth:`cancel` requests to make room and step again."""
         if not self.requests:
             raise ValueError("step: there are no requests; add one with add_request")
-        batch = [(r, 1) for r in self.requests.values() if not r.prefilling]
+        # (a request finished by a speculative step is only retired: it gets no more tokens)
+        batch = [(r, 1) for r in self.requests.values() if not r.prefilling and not r.finished]
         budget = self.chunk - len(batch)
         for req in (r for r in self.requests.values() if r.prefilling):
             if budget <= 0:
@@ -133,16 +169,25 @@ class Engine:
             n = min(req.prompt_len - req.cached, budget)
             batch.append((req, n))
             budget -= n
-        self._run(batch)
+        if batch:
+            self._run(batch)
         return self._retire()
 
     def speculate(self, req: Request, drafts: Sequence[int]) -> int:
         """Append ``req``'s pending token and ``drafts`` in one call, keep the drafts the model
         itself would have produced (greedy), roll the rest back with ``popn``. Returns how many
-        drafts were accepted."""
+        drafts were accepted. Raises ValueError (nothing changed) unless ``req`` is a live
+        decoding request of this engine with room for ``drafts`` and the token after them
+        within its ``max_new_tokens``."""
+        self._live("speculate", req)
         if req.prefilling or req.cached != len(req.tokens) - 1:
             raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still prefilling")
         drafts = self._tokens("speculate: drafts", drafts)
+        if req.generated + len(drafts) + 1 > req.max_new_tokens:
+            raise ValueError(f"speculate: {len(drafts)} drafts would take request {req.seq_id} to "
+                             f"{req.generated + len(drafts) + 1} generated tokens; expected at most "
+                             f"max_new_tokens={req.max_new_tokens} (it has {req.generated}; at most "
+                             f"{max(req.max_new_tokens - req.generated - 1, 0)} drafts)")
         base = len(req.tokens)
         req.tokens.extend(drafts)
         try:
@@ -200,17 +245,29 @@ class Engine:
         return per_request
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
-        """Token ids as Python ints, each within ``[0, vocab_size)`` when the vocabulary is known."""
-        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
-            raise ValueError(f"{what} must be a sequence of token ids, got {tokens!r:.80}")
+        """Token ids as Python ints, each within ``[0, vocab_size)``: from a list, tuple, range
+        or 1-D integer numpy array (not an unordered container such as a dict or a set)."""
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+                raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
+                                 "expected a 1-D integer array of token ids")
+        elif not isinstance(tokens, (list, tuple, range)):
+            raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
+                             f"array), got {type(tokens).__name__} {tokens!r:.80}")
         ids = list(tokens)
         for tok in ids:
-            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+            if not _is_int(tok):
                 raise ValueError(f"{what} holds {tok!r:.40}, not a token id (int)")
-            if tok < 0 or tok >= (self.vocab_size if self.vocab_size is not None else 2**31):  # int32 ids
-                bound = "vocab_size" if self.vocab_size is None else self.vocab_size
-                raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {bound})")
+            if tok < 0 or tok >= self.vocab_size:
+                raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {self.vocab_size})")
         return [int(tok) for tok in ids]
+
+    def _live(self, what: str, req: Request) -> None:
+        """Raise ValueError unless ``req`` is a request of this engine that is still running."""
+        if not isinstance(req, Request) or self.requests.get(req.seq_id) is not req:
+            state = "not a Request" if not isinstance(req, Request) else "finished, cancelled or of another engine"
+            raise ValueError(f"{what}: {req!r:.100} is {state}; expected a running request of this engine "
+                             f"(running: {sorted(self.requests)})")
 
     def _check(self, tokens: Sequence[int], rows: np.ndarray) -> None:
         if self.reference is None:
@@ -230,3 +287,14 @@ class Engine:
     def _new_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _cache_config(cache):
+    """The :class:`relax_kvcache.KVCacheConfig` of one of our caches, else None (not checked)."""
+    from .cache import PagedAttentionKVCache
+
+    return cache.config if isinstance(cache, PagedAttentionKVCache) else None

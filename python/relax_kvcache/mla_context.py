@@ -17,6 +17,7 @@ import numpy as np
 import tvm
 
 from .paging import PagingState
+from .tensors import allocate, view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +79,56 @@ class ContextPlan:
 class ContextWorkspace:
     """Buffers for one chunk: latent rows ``(1, C, W)``, decompressed K ``(C, H, Dqk)`` and
     V ``(C, H, Dv)``, and a chunk's attention output ``(n_max, H, Dv)`` (``n_max``: the
-    prefill chunk size); allocated once per head dims."""
+    prefill chunk size); allocated once, with the cache."""
 
     def __init__(self, rows: int, max_tokens: int, width: int, heads: int, qk_head_dim: int, v_head_dim: int,
                  dtype: str, device: tvm.runtime.Device) -> None:
         self.dims = (qk_head_dim, v_head_dim)
-        self.latent = tvm.runtime.empty((1, rows, width), dtype, device)
-        self.k = tvm.runtime.empty((rows, heads, qk_head_dim), dtype, device)
-        self.v = tvm.runtime.empty((rows, heads, v_head_dim), dtype, device)
-        self.o = tvm.runtime.empty((max_tokens, heads, v_head_dim), dtype, device)
+        self.latent = allocate((1, rows, width), dtype, device, "MLA context latent workspace")
+        self.k = allocate((rows, heads, qk_head_dim), dtype, device, "MLA context K workspace")
+        self.v = allocate((rows, heads, v_head_dim), dtype, device, "MLA context V workspace")
+        self.o = allocate((max_tokens, heads, v_head_dim), dtype, device, "MLA context output workspace")
+
+        self._poison = {name: _poison_row(t.shape[1:], dtype) for name, t in (("k", self.k), ("v", self.v))}
+
+    def poison_edges(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> None:
+        """Fill the first and last row of a chunk's ``k`` / ``v`` views with a NaN of a payload
+        no arithmetic produces, so `unwritten` can tell whether the callback wrote them."""
+        for name, t in (("k", k), ("v", v)):
+            for row in _edge_rows(t):
+                row.copyfrom(self._poison[name])
+
+    def unwritten(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> Tuple[str, ...]:
+        """Names of the views whose first or last row still holds the poison bytes."""
+        def same(row: tvm.runtime.Tensor, poison: np.ndarray) -> bool:
+            return row.numpy().tobytes() == poison.tobytes()
+        return tuple(name for name, t in (("k", k), ("v", v))
+                     if any(same(row, self._poison[name]) for row in _edge_rows(t)))
+
+    def spans(self) -> Tuple[Tuple[str, tvm.runtime.Tensor, int], ...]:
+        """``(name, tensor, nbytes)`` of every buffer, for `tensors.check_disjoint`."""
+        return tuple((f"the context workspace's {name}", t, int(np.prod(t.shape)) * t.dtype.itemsize)
+                     for name, t in (("latent", self.latent), ("k", self.k), ("v", self.v), ("o", self.o)))
+
+
+# quiet-NaN bit patterns with a payload (0x5A...) that float arithmetic does not produce
+_POISON_BITS = {"float32": (np.uint32, 0x7FC05A5A), "float16": (np.uint16, 0x7E5A), "bfloat16": (np.uint16, 0x7FDA)}
+
+
+def _poison_row(shape: Tuple[int, ...], dtype: str) -> np.ndarray:
+    """One row ``(1, *shape)`` of the poison value, as a host array of ``dtype``."""
+    uint, bits = _POISON_BITS[dtype]
+    row = np.full((1,) + tuple(shape), bits, dtype=uint)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return row.view(ml_dtypes.bfloat16)
+    return row.view(dtype)
+
+
+def _edge_rows(t: tvm.runtime.Tensor) -> Tuple[tvm.runtime.Tensor, ...]:
+    """Views of the first and (if different) last row of ``t (rows, H, D)``."""
+    rows, shape = t.shape[0], (1,) + tuple(t.shape[1:])
+    row_bytes = int(np.prod(t.shape[1:])) * t.dtype.itemsize
+    first = view(t, shape, 0)
+    return (first,) if rows == 1 else (first, view(t, shape, (rows - 1) * row_bytes))

@@ -1,0 +1,300 @@
+"""Regressions of a red-team round on the generation engine, ``deploy.load`` and the CLI.
+
+Engine: ``vocab_size`` is required; requests of another engine (or finished ones) are refused;
+a request that can never fit the cache is refused, ``cancel`` frees a request after a
+``CacheFullError``; prompts must be ordered sequences; speculation stays within the token budget.
+deploy.load: truncated libraries are refused before dlopen (it died of SIGBUS), a replaced
+library is loaded anew (dlopen caches by path). CLI: one-line errors, exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+import relax_kvcache as rk
+from relax_kvcache import deploy, model_demo
+from relax_kvcache.cli import main
+from relax_kvcache.generate import Engine
+from relax_kvcache.models import LlamaConfig, LlamaNumpy, random_weights
+
+SMALL = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                         max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
+
+
+class _NoVM:
+    """Stands in for the compiled model: what is refused never reaches it."""
+
+
+def _engine(cache=None, **kwargs):
+    cache = rk.PagedAttentionKVCache(SMALL, tvm.cpu()) if cache is None else cache
+    return Engine(_NoVM(), [], cache, tvm.cpu(), **{"prefill_chunk_size": 64, "vocab_size": 100, **kwargs})
+
+
+def run_cli(*argv: str):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def assert_one_line_error(code, out, err, message):
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and message in err, (code, err)
+    assert out == ""  # refused before compiling or running anything
+
+
+# ---------------------------------------------------------------------------- engine, no model
+
+
+@pytest.mark.parametrize("vocab_size", [None, 0, -3, True, 100.0, "100", 2**31 + 1])
+def test_engine_requires_a_positive_int_vocab_size(vocab_size):
+    with pytest.raises(ValueError, match=f"vocab_size is {vocab_size!r}; expected an int"):
+        _engine(vocab_size=vocab_size)
+    with pytest.raises(TypeError, match="vocab_size"):  # no default any more
+        Engine(_NoVM(), [], rk.PagedAttentionKVCache(SMALL, tvm.cpu()), tvm.cpu(), prefill_chunk_size=64)
+
+
+@pytest.mark.parametrize("chunk, message", [(0, "prefill_chunk_size is 0; expected an int >= 1"),
+                                            (-5, "prefill_chunk_size is -5"), (1.5, "prefill_chunk_size is 1.5"),
+                                            (65, "prefill_chunk_size is 65; expected at most the cache's "
+                                                 "prefill_chunk_size 64")])
+def test_engine_checks_prefill_chunk_size(chunk, message):
+    with pytest.raises(ValueError, match=message):
+        _engine(prefill_chunk_size=chunk)
+
+
+def test_add_request_refuses_what_can_never_fit_the_cache():
+    engine = _engine()
+    free = engine.cache.get_num_available_pages()
+    with pytest.raises(ValueError, match=r"is 257 tokens; expected at most .* max_total_seq_len=256"):
+        engine.add_request([1] * 200, 57)
+    with pytest.raises(ValueError, match="is 1000000000000000000001 tokens"):
+        engine.add_request([1], 10**21)
+    assert engine.requests == {} and engine.cache.empty() and engine.cache.get_num_available_pages() == free
+    req = engine.add_request([1] * 200, 56)  # exactly the capacity
+    assert engine.requests == {req.seq_id: req} and req.max_new_tokens == 56
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({1: 2, 3: 4}, "got dict"), ({1, 2}, "got set"), (frozenset([1]), "got frozenset"),
+    ((t for t in [1, 2]), "got generator"), (np.array([[1, 2]]), r"shape \(1, 2\) and dtype int64"),
+    (np.array([1.0, 2.0]), "dtype float64"), ("ab", "got str"),
+])
+def test_add_request_refuses_unordered_or_odd_prompts(prompt, message):
+    engine = _engine()
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, 2)
+    assert engine.requests == {} and engine.cache.empty()
+
+
+def test_add_request_accepts_ordered_prompts():
+    engine = _engine()
+    for prompt in ([3, 1, 2], (3, 1, 2), np.array([3, 1, 2], dtype="int32"), range(3, 0, -1)):
+        assert engine.add_request(prompt, 2).tokens == list(prompt)
+
+
+def test_fork_and_speculate_refuse_requests_not_running_here():
+    mine, other = _engine(), _engine()
+    foreign = other.add_request([1, 2, 3], 4)
+    own = mine.add_request([5, 6, 7], 4)  # same seq_id (0) as ``foreign``: the identity counts
+    assert own.seq_id == foreign.seq_id
+    for call in (lambda: mine.fork(foreign, 1), lambda: mine.speculate(foreign, [1]), lambda: mine.cancel(foreign)):
+        with pytest.raises(ValueError, match="finished, cancelled or of another engine"):
+            call()
+    with pytest.raises(ValueError, match="not a Request"):
+        mine.fork(0, 1)
+    assert mine.requests == {own.seq_id: own} and mine.cache.get_sequence_length(own.seq_id) == 0
+
+
+def test_cancel_removes_the_request_and_frees_its_sequence():
+    engine = _engine()
+    free = engine.cache.get_num_available_pages()
+    req = engine.add_request([1, 2, 3], 4)
+    engine.cancel(req)
+    assert engine.requests == {} and engine.cache.empty() and engine.cache.get_num_available_pages() == free
+    for call in (lambda: engine.cancel(req), lambda: engine.fork(req, 1), lambda: engine.speculate(req, [])):
+        with pytest.raises(ValueError, match="finished, cancelled or of another engine"):
+            call()
+
+
+# ---------------------------------------------------------------------------- engine with the model
+
+
+@pytest.fixture(scope="module")
+def model():
+    """``(executable, cfg, weights, numpy model)``: the demo's float32 Llama for llvm."""
+    cfg = LlamaConfig()
+    weights = random_weights(cfg, 0)
+    return model_demo.compile_model(cfg, tvm.target.Target("llvm")), cfg, weights, LlamaNumpy(cfg, weights)
+
+
+def _model_engine(model, max_total):
+    executable, cfg, weights, numpy_model = model
+    vm = VirtualMachine(executable, tvm.cpu())
+    shape = tvm.runtime.ShapeTuple
+    cache = vm["create_kv_cache"](shape([8]), shape([max_total]), shape([64]))
+    return Engine(vm, [tvm.runtime.tensor(w.astype("float32")) for w in weights.values()], cache, tvm.cpu(),
+                  prefill_chunk_size=64, vocab_size=cfg.vocab_size, reference=numpy_model.logits)
+
+
+def _greedy(numpy_model, prompt, n):
+    """``n`` greedy tokens of the float64 numpy model (the independent expectation)."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(numpy_model.logits(tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_cache_full_step_leaves_state_and_cancel_unblocks(model):
+    """Regression: a full cache wedged the engine (every step failed). Two requests that fit alone
+    but not together: the step that runs out of pages raises CacheFullError and changes nothing;
+    cancelling one lets the other finish with the right tokens."""
+    engine = _model_engine(model, max_total=128)  # 9 pages of 16 tokens
+    rng = np.random.default_rng(1)
+    a = engine.add_request(rng.integers(0, 512, 90).tolist(), 6)
+    b = engine.add_request(rng.integers(0, 512, 60).tolist(), 6)  # 90 + 60 + 12 tokens > 144
+    with pytest.raises(rk.CacheFullError):
+        for _ in range(10):
+            before = ([list(r.tokens) for r in (a, b)], [r.cached for r in (a, b)], engine.free_pages())
+            engine.step()
+    assert ([list(r.tokens) for r in (a, b)], [r.cached for r in (a, b)], engine.free_pages()) == before
+    assert [engine.cache.get_sequence_length(r.seq_id) for r in (a, b)] == [a.cached, b.cached]
+    free = engine.free_pages()
+    engine.cancel(b)
+    assert engine.free_pages() > free and list(engine.requests) == [a.seq_id]
+    done = []
+    while engine.requests:
+        done += engine.step()
+    assert done == [a] and a.tokens[a.prompt_len:] == _greedy(model[3], a.tokens[:a.prompt_len], 6)
+    assert engine.cache.empty()
+
+
+def test_speculate_stays_within_max_new_tokens(model):
+    engine = _model_engine(model, max_total=256)
+    prompt = [5, 9, 17, 3, 100]
+    req = engine.add_request(prompt, 4)
+    engine.step()  # prompt in, first token generated
+    expected = _greedy(model[3], prompt, 4)
+    with pytest.raises(ValueError, match="3 drafts would take request 0 to 5 generated tokens; expected at most "
+                                         "max_new_tokens=4"):
+        engine.speculate(req, expected[1:4])
+    assert req.tokens == prompt + expected[:1] and req.cached == len(prompt)
+    assert engine.speculate(req, expected[1:3]) == 2  # the model's own tokens: all accepted, + 1
+    assert engine.step() == [req] and req.tokens == prompt + expected  # retired, no token past the budget
+
+
+# ---------------------------------------------------------------------------- deploy.load
+
+
+@pytest.fixture(scope="module")
+def kernel_library(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lib") / "kernels.so"
+    return rk.export_kernels(SMALL, tvm.target.Target("llvm"), path)
+
+
+def _load_in_subprocess(path):
+    """deploy.load in a child process (a regression would kill it, not pytest)."""
+    code = "import sys; from relax_kvcache import deploy; deploy.load(sys.argv[1]); print('loaded')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def _patch_u64(data: bytes, offset: int, value: int) -> bytes:
+    return data[:offset] + struct.pack("<Q", value) + data[offset + 8:]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda data: data[:100000], "the section header table .* ends past the end of the file"),
+    # section headers dropped (e_shoff = 0): the segments still reach past the end
+    (lambda data: _patch_u64(data[:100000], 0x28, 0), "segment [0-9]+ .* ends past the end of the file"),
+    (lambda data: data[:4] + b"\x01" + data[5:], "ELF class 1"),
+])
+def test_load_refuses_a_truncated_or_corrupt_library(kernel_library, tmp_path, corrupt, message):
+    """Regression: dlopen of a truncated library crashed the process with SIGBUS."""
+    data = kernel_library.read_bytes()
+    assert len(data) > 100000
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(corrupt(data))
+    run = _load_in_subprocess(bad)
+    assert run.returncode == 1 and "DeployError: could not load" in run.stderr and str(bad) in run.stderr, run.stderr
+    with pytest.raises(deploy.DeployError, match=message):
+        deploy.check_elf(bad)
+    deploy.check_elf(kernel_library)  # the intact one passes
+
+
+def test_load_of_a_replaced_library_gets_the_new_one(kernel_library, tmp_path):
+    """Regression: dlopen returns the library first loaded under a path, so a rebuilt library
+    at the same path was ignored."""
+    path = tmp_path / "k.so"
+    shutil.copyfile(kernel_library, path)
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
+    other = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=16,
+                             dtype="float32")
+    rk.export_kernels(other, tvm.target.Target("llvm"), path)
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1  # again (still not the first file)
+    shutil.copyfile(kernel_library, tmp_path / "new.so")
+    os.replace(tmp_path / "new.so", path)  # back to (a copy of) the first one, as a new file
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_demo_load_of_a_kernel_library_is_one_line(kernel_library):
+    assert_one_line_error(*run_cli("demo", "--load", str(kernel_library)), "holds no Relax model")
+
+
+@pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")
+def test_cli_demo_cuda_load_without_cuda_is_one_line(kernel_library):
+    code, out, err = run_cli("demo", "--target", "cuda", "--load", str(kernel_library))
+    assert_one_line_error(code, out, err, "relax-kvcache demo: error:")
+
+
+def test_cli_demo_export_destination_checked_before_compiling(tmp_path):
+    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "missing" / "m.so")), "does not exist")
+    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path)), "is a folder")
+    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "m.so") + os.sep), "ends with a path separator")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option", ["--load", "--export"])
+def test_cli_demo_cache_only_refuses_load_and_export(tmp_path, option):
+    assert_one_line_error(*run_cli("demo", "--cache-only", option, str(tmp_path / "m.so")),
+                          f"cannot be combined with {option}")
+
+
+def test_cli_build_output_ending_in_a_separator(tmp_path):
+    output = str(tmp_path / "k.so") + os.sep
+    code, out, err = run_cli("build", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32",
+                             "--output", output)
+    assert_one_line_error(code, out, err, "ends with a path separator")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------- bfloat16 demo
+
+
+def test_demo_tolerance_scales_with_the_dtype():
+    assert model_demo.TOLERANCE["float16"] == pytest.approx(40 * 2.0**-11)
+    assert model_demo.TOLERANCE["bfloat16"] == pytest.approx(40 * 2.0**-8)
+    assert model_demo.TOLERANCE["float32"] == 1e-3
+
+
+def test_bfloat16_demo_passes_its_accuracy_check():
+    """Regression: `relax-kvcache demo --dtype bfloat16` failed its own check (7.7e-2 relative
+    against 5e-2); the error is bfloat16 rounding, 8x float16's."""
+    result = model_demo.run_model_demo(target="llvm", dtype="bfloat16", seed=0, log=lambda _: None)
+    assert result.ok and result.checked_rows > 0, result
+    assert 1e-3 < result.max_rel_error < model_demo.TOLERANCE["bfloat16"]  # bfloat16 really rounds
