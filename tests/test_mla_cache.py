@@ -332,7 +332,7 @@ def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
 
     fields = {f.name: getattr(CONFIG, f.name) for f in dataclasses.fields(CONFIG)}
     with pytest.raises(ConfigError, match="MLA context workspace would take"):
-        KVCacheConfig(**{**fields, "context_chunk_size": 10**9, "max_total_seq_len": 2**31 - 1, "num_qo_heads": 256})
+        KVCacheConfig(**{**fields, "context_chunk_size": 10**9, "max_total_seq_len": 2**31 - 1, "num_qo_heads": 512})
     huge_chunk = KVCacheConfig(**{**fields, "context_chunk_size": 10**9})  # capped by the 2048-token pool
     cache = PagedAttentionKVCache(huge_chunk, DEV, kernels=mla_kernels)
     assert cache._context_workspace.k.shape[0] == huge_chunk.num_total_pages * huge_chunk.page_size
