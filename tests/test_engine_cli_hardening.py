@@ -193,6 +193,47 @@ def test_speculate_stays_within_max_new_tokens(model):
     assert engine.step() == [req] and req.tokens == prompt + expected  # retired, no token past the budget
 
 
+def test_a_reference_check_that_raises_rolls_the_step_back(model):
+    """Regression (red-team): end_forward had committed the step before the reference check ran;
+    a check that raised (or Ctrl-C in the slow float64 model) left the cache a step ahead of the
+    request, and the next step fed the tokens again (wrong tokens, silently)."""
+    engine = _model_engine(model, max_total=256)
+    numpy_model = model[3]
+    calls = []
+
+    def flaky(tokens):
+        calls.append(len(tokens))
+        if len(calls) == 2:  # the second request's check of the first step
+            raise KeyboardInterrupt
+        return numpy_model.logits(tokens)
+
+    engine.reference = flaky
+    a, b = engine.add_request([7, 8, 9, 10], 3), engine.add_request([11, 12, 13], 3)
+    free = engine.free_pages()
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert (a.cached, b.cached, engine.free_pages()) == (0, 0, free)
+    assert [engine.cache.get_sequence_length(r.seq_id) for r in (a, b)] == [0, 0]
+    while engine.requests:
+        engine.step()
+    assert a.tokens[4:] == _greedy(numpy_model, [7, 8, 9, 10], 3)
+    assert b.tokens[3:] == _greedy(numpy_model, [11, 12, 13], 3)
+
+
+def test_cli_paths_that_cannot_be_written_or_are_empty(tmp_path):
+    """Regression (red-team): ``~unknown_user`` paths and over-long names gave tracebacks; empty
+    ``--export`` / ``--load`` values counted as absent (``--cache-only --export ""`` ran)."""
+    long_name = str(tmp_path / ("x" * 300 + ".so"))
+    for argv, message in [(("demo", "--cache-only", "--export", ""), "--export '' is empty"),
+                          (("demo", "--load", ""), "--load '' is empty"),
+                          (("demo", "--export", "~no_such_user_here/m.so"), "cannot be written"),
+                          (("demo", "--export", long_name), "longer than 255 bytes"),
+                          (("demo", "--load", "~no_such_user_here/m.so"), "cannot be opened"),
+                          (("build", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32",
+                            "--output", "~no_such_user_here/k.so"), "cannot be written")]:
+        assert_one_line_error(*run_cli(*argv), message)
+
+
 # ---------------------------------------------------------------------------- deploy.load
 
 

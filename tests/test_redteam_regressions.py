@@ -395,19 +395,24 @@ def test_sequence_ids_beyond_int64_raise_sequence_error(cache):
 
 def test_creation_arguments_with_kernels_of_another_config_are_refused(cache):
     """The creation function (the frontend's path) has no record of its kernels' config: kernels
-    of another page size, head count or dtype failed at the first step with TVM's TypeError, and
-    another rope_theta was silently ignored. A probe at creation now names the kernel."""
+    of another page size, head count or dtype, or in the wrong role, failed at the first step
+    (after begin_forward) with TVM's TypeError. A probe at creation now names the kernel. The
+    RoPE of ``split_rotary`` is the kernel's own, as in TVM (Llama-3 scaling or a partial rotary
+    dim are not in the config): only that it rotates is checked."""
     import relax_kvcache.ffi_registry.create as create_module
     from test_hostile_input import _create_args
 
+    k = cache._kernels
     for index, value, match in [(0, tvm.runtime.ShapeTuple([8, 200, 64, 16, 0]), "copy_single_page kernel fails"),
                                 (2, 8, "split_rotary kernel fails"),
                                 (12, tvm.runtime.empty((), "float16"), "copy_single_page kernel fails"),
-                                (10, 5e5, "split_rotary kernel does not compute this config's q"),
-                                (9, 0.5, "split_rotary kernel does not compute")]:
-        args = _create_args(cache._kernels)
+                                (13, k.copy_single_page, "transpose_append kernel fails"),
+                                (24, k.transpose_append, "split_rotary kernel fails")]:
+        args = _create_args(k)
         args[index] = value
         with pytest.raises(rk.ConfigError, match=match):
             create_module.paged_attention_kv_cache_create(*args)
-    created = create_module.paged_attention_kv_cache_create(*_create_args(cache._kernels))
-    assert created.config.rope_theta == 1e4
+    for index, value in [(10, 5e5), (9, 0.5)]:  # other RoPE constants: the kernel's rotation is used
+        args = _create_args(k)
+        args[index] = value
+        assert create_module.paged_attention_kv_cache_create(*args).empty()

@@ -73,20 +73,34 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _check_demo_args(args: argparse.Namespace) -> None:
     """Refuse option combinations and --export destinations that cannot work, before compiling."""
-    if args.cache_only and (args.load or args.export):
-        option = "--load" if args.load else "--export"
+    for option, value in (("--load", args.load), ("--export", args.export)):
+        if value is not None and not value.strip():
+            raise _UsageError(f"{option} {value!r} is empty; expected a file path")
+    if args.cache_only and (args.load is not None or args.export is not None):
+        option = "--load" if args.load is not None else "--export"
         raise _UsageError(f"--cache-only runs the cache without a model; it cannot be combined with {option} "
                           f"{(args.load or args.export)!r} (expected one of them)")
-    if args.export:
+    if args.export is not None:
         _check_output_path(args.export, "--export")
 
 
 def _check_output_path(path: str, option: str) -> None:
     """Raise _UsageError unless ``path`` names a file that can be written (in an existing folder)."""
+    if not path.strip():
+        raise _UsageError(f"{option} {path!r} is empty; expected a file path such as model.so")
+    try:
+        _check_writable(path, option)
+    except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
+        raise _UsageError(f"{option} {path!r} cannot be written: {_one_line(err)}") from None
+
+
+def _check_writable(path: str, option: str) -> None:
     if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
         raise _UsageError(f"{option} {path!r} ends with a path separator; expected a file path such as "
                           f"{path.rstrip(os.sep + (os.altsep or '')) or 'model'}.so")
-    dest = pathlib.Path(path).expanduser()
+    dest = pathlib.Path(os.path.realpath(pathlib.Path(path).expanduser()))  # a symlink: where it points
+    if len(dest.name.encode()) > 255:
+        raise _UsageError(f"{option} {path!r}: the file name is longer than 255 bytes")
     if dest.is_dir():
         raise _UsageError(f"{option} {path!r} is a folder; expected a file path such as {str(dest / 'model.so')!r}")
     folder = dest.parent
@@ -120,18 +134,21 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
 
     dtype = args.dtype or default_dtype(args.target)
     executable = None
-    if args.export or args.target == "cuda" and not args.load:
+    if args.export is not None or args.target == "cuda" and args.load is None:
         from .targets import make_target
 
         target = make_target(args.target, arch=args.arch)
         log(f"compiling the demo model for {target} ...")
         executable = compile_model(LlamaConfig(dtype=dtype), target)
         if args.export:
-            executable.export_library(args.export)
+            try:
+                executable.export_library(args.export)
+            except Exception as err:  # noqa: BLE001 - the linker or the file system; one line, exit 2
+                raise _UsageError(f"could not write --export {args.export!r}: {_one_line(err)[-300:]}") from None
             print(f"wrote {args.export}: the demo model ({dtype}) and the cache's kernels for {target}; run it "
                   f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
             return 0
-    if args.load:
+    if args.load is not None:
         import tvm
 
         from .deploy import DeployError, load

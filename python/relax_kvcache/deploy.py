@@ -141,8 +141,12 @@ def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) ->
 def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
-    library = pathlib.Path(os.fsdecode(path)).expanduser()
-    if not library.is_file():
+    try:
+        library = pathlib.Path(os.fsdecode(path)).expanduser()
+        is_file = library.is_file()
+    except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
+        raise FileNotFoundError(f"kernel library {str(path)!r} cannot be opened ({err}); expected a .so file") from None
+    if not is_file:
         what = "is a folder" if library.is_dir() else "does not exist"
         raise FileNotFoundError(
             f"kernel library {str(path)!r} {what}; expected a .so file written by "

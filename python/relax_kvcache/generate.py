@@ -219,20 +219,19 @@ class Engine:
         inputs = ids.reshape(-1, 1) if decode else ids.reshape(1, -1)
         try:
             logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy()
-        except BaseException:
             self._end(self.cache)
-            for req, n in batch:  # begin_forward grew the sequences: drop the tokens never computed
+            logits = logits.reshape(len(ids), -1)
+            per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
+            for (req, n), rows in zip(batch, per_request):  # the reference check may raise
+                self._check(req.tokens[:req.cached + n], rows)
+        except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
+            self._end(self.cache)
+            for req, n in batch:  # begin_forward grew the sequences: drop the step's tokens
                 self._popn(self.cache, req.seq_id, n)
             raise
-        self._end(self.cache)
-        logits = logits.reshape(len(ids), -1)
         self.stats.model_seconds += time.perf_counter() - start
         self.stats.steps += 1
-        per_request, row = [], 0
-        for req, n in batch:
-            rows = logits[row:row + n]
-            row += n
-            self._check(req.tokens[:req.cached + n], rows)
+        for (req, n), rows in zip(batch, per_request):
             if req.prefilling:
                 self.stats.prefill_tokens += n
             else:
@@ -241,7 +240,6 @@ class Engine:
             req.last_logits = rows[-1]
             if sample and req.cached == len(req.tokens):
                 req.tokens.append(int(rows[-1].argmax()))
-            per_request.append(rows)
         return per_request
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:

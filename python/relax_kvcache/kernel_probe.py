@@ -4,8 +4,8 @@ Our kernel libraries name the config they were built for (``build.kernel_identit
 passed through TVM's creation arguments (TVM's own, or ours compiled into a model's module by
 the frontend) do not. A cache built on them runs each kernel it calls in the middle of a
 mutating operation once at construction, on inputs where the right answer is known, so kernels
-of another shape, dtype or RoPE constant fail there with a `ConfigError` instead of halfway
-through a fork, a commit or a step (or not at all, giving wrong results).
+of another shape or dtype fail there with a `ConfigError` instead of halfway through a fork, a
+commit or a step.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import tvm
 from .config import KVCacheConfig, RopeMode
 from .errors import ConfigError
 from .kernel_set import KernelSet
-from .reference import rope
 
 # positions of the RoPE probe: a small one and one where other theta/scale values differ widely
 _PROBE_POSITIONS = (7, 1000)
@@ -26,14 +25,14 @@ _PROBE_POSITIONS = (7, 1000)
 
 def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
                           device: tvm.runtime.Device) -> None:
-    """Run the page copies (page 0, free now, onto itself) and ``split_rotary`` once.
+    """Run the page copies (page 0, free now, onto itself), the append (one token into page 0)
+    and ``split_rotary`` once.
 
     Raises
     ------
     ConfigError
-        A kernel raises on this cache's tensors, or ``split_rotary`` (RoPE applied at append
-        time, ``RopeMode.NORMAL``) rotates with other constants than ``config.rope_theta`` /
-        ``rope_scale``.
+        A kernel raises on this cache's tensors, or ``split_rotary`` does not copy v, or
+        changes the length of q / k head vectors (RoPE only rotates them).
     """
     probes: List[Tuple[str, Callable[[], None]]] = [
         ("copy_single_page", lambda: kernels.copy_single_page(pages, 0, 0, 1))]
@@ -41,7 +40,11 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
         indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), device)
         positions = tvm.runtime.tensor(np.zeros((2, 1), dtype=np.int32), device)
         probes.append(("compact_copy", lambda: kernels.compact_copy(pages, indptr, positions, 1)))
-    if not config.is_mla:
+    if config.is_mla:
+        if kernels.transpose_append_mla is not None:
+            probes.append(("transpose_append_mla", lambda: _probe_append_mla(config, kernels, pages, device)))
+    else:
+        probes.append(("transpose_append", lambda: _probe_append(config, kernels, pages, device)))
         probes.append(("split_rotary", lambda: _probe_split_rotary(config, kernels, device)))
     shape = "x".join(map(str, pages.shape))
     for role, probe in probes:
@@ -56,8 +59,26 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
                               "this config") from err
 
 
+def _probe_append(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
+                  device: tvm.runtime.Device) -> None:
+    """Append one token's K/V to slot 0 of page 0 (free now)."""
+    hkv = config.num_kv_heads
+    k = tvm.runtime.empty((1, hkv, config.head_dim), config.dtype, device)
+    v = tvm.runtime.empty((1, hkv, config.v_head_dim), config.dtype, device)
+    kernels.transpose_append(pages, k, v, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), device))
+
+
+def _probe_append_mla(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
+                      device: tvm.runtime.Device) -> None:
+    kv = tvm.runtime.empty((1, config.head_dim), config.dtype, device)
+    kernels.transpose_append_mla(pages, kv, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), device))
+
+
 def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> None:
-    """Split a random fused QKV of two tokens; with NORMAL RoPE, compare q/k with float64 RoPE."""
+    """Split a random fused QKV of two tokens: v must be copied; q and k copied (no RoPE at
+    append time) or rotated. Any rotation passes, each head vector keeping its length: with
+    RoPE at append time the kernel defines the rotation (as in TVM: it may implement Llama-3
+    frequency scaling or a partial rotary dim, which the config does not describe)."""
     hq, hkv, d = config.num_qo_heads, config.num_kv_heads, config.head_dim
     n = len(_PROBE_POSITIONS)
     # multiples of 1/8 in [-2, 2]: exact in every cache dtype
@@ -68,18 +89,21 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     applies_rope = config.effective_rope_mode == RopeMode.NORMAL
     kernels.split_rotary(*tensors, int(applies_rope))
     q, k, v = (t.numpy().astype(np.float64) for t in tensors[2:])
-    expect_q, expect_k, expect_v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-    if applies_rope:
-        expect_q, expect_k = (rope(x, np.array(_PROBE_POSITIONS), config.rope_theta, config.rope_scale)
-                              for x in (expect_q, expect_k))
+    given = {"q": qkv[:, :hq], "k": qkv[:, hq:hq + hkv], "v": qkv[:, hq + hkv:]}
     tol = 1e-3 if config.dtype == "float32" else 5e-2
-    for name, got, want in (("q", q, expect_q), ("k", k, expect_k), ("v", v, expect_v)):
-        err = float(np.abs(got - want).max())
-        if not err <= tol:
-            raise ConfigError(
-                f"the split_rotary kernel does not compute this config's {name}: max error {err:.3g} "
-                f"against RoPE with rope_theta {config.rope_theta}, rope_scale {config.rope_scale} "
-                f"(rope_mode {config.effective_rope_mode.name}); expected kernels built for this config")
+    for name, got in (("q", q), ("k", k), ("v", v)):
+        if name == "v" or not applies_rope:
+            _expect_close(f"{name} (a copy of the fused input)", got, given[name], tol)
+        else:  # a rotation: every head vector keeps its length
+            ratio = np.linalg.norm(got, axis=-1) / np.maximum(np.linalg.norm(given[name], axis=-1), 1e-6)
+            _expect_close(f"{name} as a rotation (head vectors keep their length)", ratio, np.ones_like(ratio), tol)
+
+
+def _expect_close(what: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:
+    err = float(np.abs(got - want).max())
+    if not err <= tol:
+        raise ConfigError(f"the split_rotary kernel does not compute {what}: max error {err:.3g}; expected kernels "
+                          "built for this config")
 
 
 def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
