@@ -842,8 +842,7 @@ class PagedAttentionKVCache:
 
     def _new_context_workspace(self, dqk: int, dv: int) -> ContextWorkspace:
         cfg = self.config
-        rows = min(cfg.context_chunk_size, cfg.num_total_pages * cfg.page_size)  # a chunk never holds more
-        return ContextWorkspace(rows, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
+        return ContextWorkspace(cfg.context_workspace_rows, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
                                 self.device)
 
     def _context_plan(self) -> ContextPlan:

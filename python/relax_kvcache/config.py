@@ -208,9 +208,8 @@ class KVCacheConfig:
                                          ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
         }
         if self.is_mla and self.mla_original_qk_head_dim:
-            rows = min(self.context_chunk_size, self.num_total_pages * self.page_size)
             dims = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
-            sizes["MLA context workspace"] = (rows * (self.num_qo_heads * dims + self.head_dim),
+            sizes["MLA context workspace"] = (self.context_workspace_rows * (self.num_qo_heads * dims + self.head_dim),
                                               ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
                                                "mla_original_v_head_dim"))
         for what, (elements, fields) in sizes.items():
@@ -280,6 +279,11 @@ class KVCacheConfig:
         if self.support_sliding_window:
             pages += 2 * self.max_num_seqs
         return pages
+
+    @property
+    def context_workspace_rows(self) -> int:
+        """Rows of the MLA context workspace: a chunk, never more than the pages hold."""
+        return min(self.context_chunk_size, self.num_total_pages * self.page_size)
 
     @property
     def is_mla(self) -> bool:

@@ -20,6 +20,7 @@ import tvm
 from .cache import PagedAttentionKVCache
 from .config import KVCacheConfig, RopeMode
 from .reference import ReferenceCache
+from .tensors import numpy_dtype
 
 _TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
@@ -93,7 +94,7 @@ class _Driver:
         cfg = self.cfg
         n = sum(length for _, length in batch)
         width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
-        np_dtype = _np_dtype(cfg.dtype)
+        np_dtype = numpy_dtype(cfg.dtype)
         qkv_dev = [tvm.runtime.tensor(self.rng.standard_normal((n, width, cfg.head_dim)).astype(np_dtype),
                                       self.cache.device) for _ in range(cfg.num_layers)]
         outs = [tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.head_dim), np.nan).astype(np_dtype),
@@ -126,13 +127,6 @@ class _Driver:
                         float(np.abs(v.numpy().astype(np.float64) - v_ref).max()))
             self.max_error = max(self.max_error, error)
         self.log(f"      read back K/V of {len(self.ref.k)} sequences with debug_get_kv")
-
-
-def _np_dtype(dtype: str):
-    if dtype == "bfloat16":
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
 
 
 def _schedule(requests: Dict[int, _Request], chunk_budget: int) -> Tuple[List[Tuple[int, int]], str]:

@@ -18,8 +18,9 @@ import tvm
 from .config import KVCacheConfig, RopeMode
 from .errors import ConfigError
 from .kernel_set import KernelSet
+from .tensors import numpy_dtype
 
-# positions of the RoPE probe: a small one and one where other theta/scale values differ widely
+# token positions of the split_rotary probe (rotations by different angles)
 _PROBE_POSITIONS = (7, 1000)
 
 
@@ -107,12 +108,6 @@ def _expect_close(what: str, got: np.ndarray, want: np.ndarray, tol: float) -> N
 
 
 def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        host = values.astype(ml_dtypes.bfloat16)
-    else:
-        host = values.astype(dtype)
     out = tvm.runtime.empty(values.shape, dtype, device)
-    out.copyfrom(host)
+    out.copyfrom(values.astype(numpy_dtype(dtype)))
     return out

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 
 from .paging import PagingState
-from .tensors import allocate, view
+from .tensors import allocate, numpy_dtype, view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +118,7 @@ _POISON_BITS = {"float32": (np.uint32, 0x7FC05A5A), "float16": (np.uint16, 0x7E5
 def _poison_row(shape: Tuple[int, ...], dtype: str) -> np.ndarray:
     """One row ``(1, *shape)`` of the poison value, as a host array of ``dtype``."""
     uint, bits = _POISON_BITS[dtype]
-    row = np.full((1,) + tuple(shape), bits, dtype=uint)
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return row.view(ml_dtypes.bfloat16)
-    return row.view(dtype)
+    return np.full((1,) + tuple(shape), bits, dtype=uint).view(numpy_dtype(dtype))
 
 
 def _edge_rows(t: tvm.runtime.Tensor) -> Tuple[tvm.runtime.Tensor, ...]:

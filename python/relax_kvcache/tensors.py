@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Optional, Sequence, Tuple
 
+import numpy as np
 import tvm
 from tvm.runtime import _ffi_api
 
@@ -32,6 +33,15 @@ def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 
     ``tensor.dtype`` builds a new one each time).
     """
     return _create_view(tensor, shape, tensor.dtype if dtype is None else dtype, byte_offset)
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a cache dtype name (bfloat16 through ``ml_dtypes``)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
 
 
 def allocate(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device, what: str) -> tvm.runtime.Tensor:
