@@ -793,9 +793,25 @@ class PagedAttentionKVCache:
             Python callable); ``c <= context_chunk_size``.
         """
         self._require_kind("mla_context_attention", mla=True)
-        cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("mla_context_attention")
+        ws = self._check_context_args(q, o, lse, decompress)
+        sm_scale = _as_float("sm_scale", sm_scale)
+        n, hq, dv = self._step.total_tokens, self.config.num_qo_heads, ws.dims[1]
+        plan = self._context_plan()
+        tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
+        for i, chunk in enumerate(plan.chunks):
+            k, v = self._decompressed_chunk(layer, ws, chunk, i, decompress)
+            out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
+            self._kernels.attention_prefill_ragged(
+                q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
+                out, out_lse, 0, 0, self.config.rope_scale, self.config.rope_theta, sm_scale)
+            if i:
+                self._kernels.merge_general(o, lse, tmp_o, tmp_lse)
+
+    def _check_context_args(self, q: Any, o: Any, lse: Any, decompress: Any) -> ContextWorkspace:
+        """Check :meth:`mla_context_attention`'s tensors and callback; the workspace for them."""
+        cfg = self.config
         n, hq = self._step.total_tokens, cfg.num_qo_heads
         dqk = check_tensor("q", q, shape=(n, hq, cfg.mla_original_qk_head_dim), dtype=cfg.dtype,
                            device=self.device)[2]
@@ -805,45 +821,44 @@ class PagedAttentionKVCache:
         ws = self._context_workspace
         if ws is None or ws.dims != (dqk, dv):  # a config without the decompressed head dims
             ws = self._context_workspace = self._new_context_workspace(dqk, dv)
-        check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)],
-                       [("q", q, n * hq * dqk * self._itemsize), *ws.spans()])
-        check_disjoint([("q", q, n * hq * dqk * self._itemsize)], ws.spans())  # the workspace is written
-        sm_scale = _as_float("sm_scale", sm_scale)
+        q_span = ("q", q, n * hq * dqk * self._itemsize)
+        check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)], [q_span, *ws.spans()])
+        check_disjoint([q_span], ws.spans())  # the workspace is written
         if not callable(decompress):
             raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
         if self._kernels.debug_get_kv is None:
             raise KVCacheError("mla_context_attention gathers latent rows with the debug_get_kv kernel, which "
                                "this cache was created without")
-        plan = self._context_plan()
-        tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
-        for i, chunk in enumerate(plan.chunks):
-            rows = max(chunk.rows, 1)
-            k, v = view(ws.k, (rows, hq, dqk), 0, self._dtype), view(ws.v, (rows, hq, dv), 0, self._dtype)
-            if chunk.rows:
-                gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
-                self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
-                ws.poison_edges(k, v)
-                self._busy = "mla_context_attention's decompress callback"
-                try:
-                    decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
-                finally:
-                    self._busy = None
-                unwritten = ws.unwritten(k, v)
-                if unwritten:
-                    raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {i} "
-                                       f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "
-                                       "in place (their first / last rows still hold the cache's poison NaN)")
-            out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
-            self._kernels.attention_prefill_ragged(
-                q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
-                out, out_lse, 0, 0, cfg.rope_scale, cfg.rope_theta, sm_scale)
-            if i:
-                self._kernels.merge_general(o, lse, tmp_o, tmp_lse)
+        return ws
+
+    def _decompressed_chunk(self, layer: int, ws: ContextWorkspace, chunk: Any, index: int,
+                            decompress: Any) -> Tuple[Any, Any]:
+        """Gather a context chunk's latent rows and let ``decompress`` fill its K/V (checked)."""
+        cfg = self.config
+        hq, (dqk, dv) = cfg.num_qo_heads, ws.dims
+        rows = max(chunk.rows, 1)
+        k, v = view(ws.k, (rows, hq, dqk), 0, self._dtype), view(ws.v, (rows, hq, dv), 0, self._dtype)
+        if not chunk.rows:
+            return k, v
+        gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
+        self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
+        ws.poison_edges(k, v)
+        self._busy = "mla_context_attention's decompress callback"
+        try:
+            decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
+        finally:
+            self._busy = None
+        unwritten = ws.unwritten(k, v)
+        if unwritten:
+            raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {index} "
+                               f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "
+                               "in place (their first / last rows still hold the cache's poison NaN)")
+        return k, v
 
     def _new_context_workspace(self, dqk: int, dv: int) -> ContextWorkspace:
         cfg = self.config
-        return ContextWorkspace(cfg.context_workspace_rows, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads, dqk, dv, cfg.dtype,
-                                self.device)
+        return ContextWorkspace(cfg.context_workspace_rows, cfg.prefill_chunk_size, cfg.head_dim, cfg.num_qo_heads,
+                                dqk, dv, cfg.dtype, self.device)
 
     def _context_plan(self) -> ContextPlan:
         """The current step's chunked context, planned on first use and kept for the step."""
