@@ -264,6 +264,10 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
                                                                      h.decompress),
         "append_mla_kv": lambda: cache.append_mla_kv(0, _t(np.ones((2, LORA + ROPE)))),
         "popn": lambda: cache.popn(0, 1),
+        "add_sequence": lambda: cache.add_sequence(77),  # seventh red-team round: was accepted
+        "fork_sequence": lambda: cache.fork_sequence(0, 78, 10),
+        "remove_sequence": lambda: cache.remove_sequence(0),
+        "commit_accepted_token_tree_nodes": lambda: cache.commit_accepted_token_tree_nodes([0], [-1]),
     }
     before = _poisoned((LAYERS, 50, LORA + ROPE))
     cache.debug_get_kv_mla(0, 0, 50, before)
@@ -274,7 +278,7 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
 
         with pytest.raises(ForwardError, match=f"{what} called from inside mla_context_attention's decompress"):
             cache.mla_context_attention(0, q, o, lse, SM_SCALE, reenter)
-    assert cache.get_sequence_length(0) == 52
+    assert cache.get_sequence_length(0) == 52 and cache._paging.seq_ids() == [0]
     after = _poisoned((LAYERS, 50, LORA + ROPE))
     cache.debug_get_kv_mla(0, 0, 50, after)
     np.testing.assert_array_equal(after.numpy(), before.numpy())

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 import relax_kvcache as rk
 from cache_snapshot import assert_same, snapshot
@@ -403,9 +404,9 @@ def test_creation_arguments_with_kernels_of_another_config_are_refused(cache):
     from test_hostile_input import _create_args
 
     k = cache._kernels
-    for index, value, match in [(0, tvm.runtime.ShapeTuple([8, 200, 64, 16, 0]), "copy_single_page kernel fails"),
+    for index, value, match in [(0, tvm.runtime.ShapeTuple([8, 200, 64, 16, 0]), "transpose_append kernel fails"),
                                 (2, 8, "split_rotary kernel fails"),
-                                (12, tvm.runtime.empty((), "float16"), "copy_single_page kernel fails"),
+                                (12, tvm.runtime.empty((), "float16"), "transpose_append kernel fails"),
                                 (13, k.copy_single_page, "transpose_append kernel fails"),
                                 (24, k.transpose_append, "split_rotary kernel fails")]:
         args = _create_args(k)
@@ -416,3 +417,68 @@ def test_creation_arguments_with_kernels_of_another_config_are_refused(cache):
         args = _create_args(k)
         args[index] = value
         assert create_module.paged_attention_kv_cache_create(*args).empty()
+
+
+# ---------------------------------------------------------------------------- seventh round
+
+
+def _create_with(kernels: KernelSet, **replaced):
+    """The creation function with some of the mha config's arguments replaced (index: value)."""
+    import relax_kvcache.ffi_registry.create as create_module
+    from test_hostile_input import _create_args
+
+    args = _create_args(kernels)
+    for index, value in replaced.items():
+        args[int(index.lstrip("a"))] = value
+    return create_module.paged_attention_kv_cache_create(*args)
+
+
+def test_creation_page_kernels_that_move_nothing_or_the_wrong_values_are_refused(cache):
+    """A do-nothing ``copy_single_page`` passed the probe (it copied page 0 onto itself) and a
+    later fork inside a page left the child's K/V garbage. The probe now fills two pages with
+    random values and requires each page kernel's exact result."""
+    k = cache._kernels
+    nothing = tvm_ffi.convert(lambda *args: None)
+    for index, value, match in [
+            (25, nothing, "copy_single_page kernel does not copy page 0 to page 1"),
+            (13, nothing, "transpose_append kernel does not write one token"),
+            (27, nothing, "compact_copy kernel does not move position 15 to position 0"),
+            # a copy of one slot less: page 1's last slot keeps its own values
+            (25, tvm_ffi.convert(lambda p, s, t, n: k.copy_single_page(p, s, t, n - 1)), "values of page 1 differ")]:
+        with pytest.raises(rk.ConfigError, match=match):
+            _create_with(k, **{f"a{index}": value})
+
+
+def test_creation_attention_kernels_in_the_wrong_role_or_writing_nothing_are_refused(cache):
+    """Attention kernels from the creation arguments ran unchecked until the first step; in a
+    decode step the append precedes the attention, so one that raised left K/V appended. The
+    cache now runs a probe sequence through each attention kernel at construction (outputs
+    poisoned with NaN) and clears itself."""
+    k = cache._kernels
+    nothing = tvm_ffi.convert(lambda *args: None)
+    for index, value, match in [(16, ["tirx", k.attention_decode], "attention kernel fails.*TypeError"),
+                                (15, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
+                                (16, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
+                                (17, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
+                                (23, [nothing], "merge_attn_output_inplace does not return the mean")]:
+        with pytest.raises(rk.ConfigError, match=match):
+            _create_with(k, **{f"a{index}": value})
+    fresh = _create_with(k)
+    assert fresh.empty() and fresh.get_num_available_pages() == CFG.num_total_pages
+    assert fresh._paging._pages.free_page_ids() == tuple(range(CFG.num_total_pages - 1, -1, -1))
+
+
+def test_huge_ranges_are_refused_before_they_are_expanded(cache):
+    """``range`` is an accepted id / length container; a huge one was expanded first (MemoryError
+    or OverflowError, not a KVCacheError; gigabytes for range(10**8))."""
+    _unchanged(cache, lambda: cache.begin_forward(range(10**15), [1]), rk.SequenceError,
+               r"seq_ids has 1000000000000000 entries, more than 1 \(the number of sequences")
+    _unchanged(cache, lambda: cache.begin_forward([0], range(2**70)), rk.SequenceError, "append_lengths has")
+    _unchanged(cache, lambda: cache.commit_accepted_token_tree_nodes(range(10**15), [0]), rk.SequenceError,
+               "seq_ids has")
+    begin = tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")
+    _unchanged(cache, lambda: begin(cache, range(10**15), [1]), rk.SequenceError, "seq_ids has")
+    with pytest.raises(rk.ConfigError, match="attn_kinds .argument 6. has 1000000000000000 entries"):
+        _create_with(cache._kernels, a6=range(10**15))
+    cache.begin_forward(range(1), range(4, 5))  # small ranges still work
+    cache.end_forward()

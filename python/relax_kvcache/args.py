@@ -98,19 +98,30 @@ def as_int32(name: str, value: Any) -> int:
     return result
 
 
-def as_int_list(name: str, values: Any) -> List[int]:
-    """``values`` (a list, tuple, ShapeTuple, tvm_ffi Array or 1-D integer numpy array) as a
-    list of Python ints.
+def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = "",
+                error: type = SequenceError) -> List[int]:
+    """``values`` (a list, tuple, range, ShapeTuple, tvm_ffi Array or 1-D integer numpy array)
+    as a list of Python ints.
+
+    A ``range``, the one lazy container, is expanded only when it has at most ``max_len``
+    entries (a huge one would take the memory a list of its size takes); the callers check
+    the lengths of the others against the cache's state afterwards.
 
     Raises
     ------
     ArgumentError
         If ``values`` is not such a container (a str, dict, set or generator is not) or an
         element is not an integer.
+    SequenceError
+        (or ``error``) If it is a range of more than ``max_len`` entries (``why`` says why
+        that is the most).
     """
     if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
+    if isinstance(values, range):  # lazy: its length is checked before it is expanded
+        _check_length(name, _range_length(values), max_len, why, error)
+        return list(values)
     if isinstance(values, list):  # base-class iteration: a subclass's own __iter__ never runs
         items = list(list.__iter__(values))
     elif isinstance(values, tuple):
@@ -122,6 +133,16 @@ def as_int_list(name: str, values: Any) -> List[int]:
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
+
+
+def _check_length(name: str, length: int, max_len: int, why: str, error: type) -> None:
+    if length > max_len:
+        raise error(f"{name} has {length} entries, more than {max_len}" + (f" ({why})" if why else ""))
+
+
+def _range_length(values: range) -> int:
+    """A range's length, also beyond ``sys.maxsize`` (where ``len`` raises ``OverflowError``)."""
+    return max(0, -((values.start - values.stop) // values.step))
 
 
 def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float:

@@ -22,7 +22,7 @@ from .build import build_kernels, kernel_identity
 from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ConfigError, ForwardError, KVCacheError, SequenceError
-from .kernel_probe import probe_foreign_kernels
+from .kernel_probe import probe_foreign_attention, probe_foreign_kernels
 from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
@@ -210,12 +210,17 @@ class PagedAttentionKVCache:
         # ragged kernel are exact only while the new tokens fit in the window (0: no limit)
         self._unwindowed_chunk_limit = (config.layer_sliding_window_size if config.has_layer_windows and
                                         kernels.attention_prefill_ragged_sliding_window is None else 0)
+        if kernels.identity is None:
+            probe_foreign_attention(self)
 
     # ------------------------------------------------------------------ sequences
 
     def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence ``seq_id`` (must be new)."""
-        self._paging.add_sequence(_as_int("seq_id", seq_id))
+        """Add an empty sequence ``seq_id`` (must be new). Allowed during a step, as in TVM (the
+        sequence joins later steps), but not from a callback of ours."""
+        seq_id = _as_int("seq_id", seq_id)
+        self._check_not_busy("add_sequence")
+        self._paging.add_sequence(seq_id)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence, freeing the pages no other sequence shares."""
@@ -272,8 +277,9 @@ class PagedAttentionKVCache:
         rejected nodes), we against the whole tree. On a sequence without an uncommitted tree,
         leaf -1 pops its last step's tokens (TVM's rule for chains).
         """
-        seq_ids = _as_int_list("seq_ids", seq_ids)
-        leaves = _as_int_list("leaf_indices", leaf_indices)
+        most, why = max(self._paging.num_sequences, 1), "the number of sequences in the cache"
+        seq_ids = _as_int_list("seq_ids", seq_ids, max_len=most, why=why)
+        leaves = _as_int_list("leaf_indices", leaf_indices, max_len=most, why=why)
         self._require_no_step("commit_accepted_token_tree_nodes")
         if len(seq_ids) != len(leaves):
             raise SequenceError(f"seq_ids has {len(seq_ids)} entries but leaf_indices has {len(leaves)}; "
@@ -380,8 +386,9 @@ class PagedAttentionKVCache:
     def _plan_checked(self, seq_ids: Any, append_lengths: Any,
                       token_tree_parent_ptr: Optional[Sequence[int]]) -> md.StepMetadata:
         """Validate a step's arguments and plan it in full."""
-        seq_ids = _as_int_list("seq_ids", seq_ids)
-        append_lengths = _as_int_list("append_lengths", append_lengths)
+        most, why = max(self._paging.num_sequences, 1), "the number of sequences in the cache"
+        seq_ids = _as_int_list("seq_ids", seq_ids, max_len=most, why=why)
+        append_lengths = _as_int_list("append_lengths", append_lengths, max_len=most, why=why)
         if len(seq_ids) != len(append_lengths):
             raise ForwardError(f"seq_ids has {len(seq_ids)} entries but append_lengths has "
                                f"{len(append_lengths)}; expected equal lengths")
@@ -419,19 +426,11 @@ class PagedAttentionKVCache:
                         f"sequence {seq_id} has uncommitted token-tree nodes: call commit_accepted_token_tree_nodes "
                         "before a step without a token tree")
             return None
-        if self._mla:
-            raise ForwardError("token-tree attention is not supported for MLA layers (as in TVM); got a "
-                               "token_tree_parent_ptr")
-        if cfg.effective_rope_mode == RopeMode.INLINE:
-            raise ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
-                               "created with support_sliding_window)")
-        if cfg.slides_sequences or cfg.has_layer_windows:
-            raise ForwardError("token-tree attention does not support sliding windows")
-        missing = self._kernels.missing(("attention_prefill_tree", "attention_prefill_ragged_tree"))
-        if missing:
-            raise KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "
-                               "was created without")
-        parents = _as_int_list("token_tree_parent_ptr", parent_ptr)
+        refusal = self._token_tree_refusal()
+        if refusal is not None:
+            raise refusal
+        parents = _as_int_list("token_tree_parent_ptr", parent_ptr, max_len=sum(append_lengths),
+                               why="the sum of append_lengths", error=ForwardError)
         if len(parents) != sum(append_lengths):
             raise ForwardError(f"token_tree_parent_ptr has {len(parents)} entries, expected the sum of "
                                f"append_lengths ({sum(append_lengths)})")
@@ -993,6 +992,23 @@ class PagedAttentionKVCache:
         return seq_id, start_pos, end_pos
 
     # ------------------------------------------------------------------ helpers
+
+    def _token_tree_refusal(self) -> Optional[KVCacheError]:
+        """Why this cache cannot take token-tree steps (the error to raise), or None."""
+        cfg = self.config
+        if self._mla:
+            return ForwardError("token-tree attention is not supported for MLA layers (as in TVM); got a "
+                                "token_tree_parent_ptr")
+        if cfg.effective_rope_mode == RopeMode.INLINE:
+            return ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
+                                "created with support_sliding_window)")
+        if cfg.slides_sequences or cfg.has_layer_windows:
+            return ForwardError("token-tree attention does not support sliding windows")
+        missing = self._kernels.missing(("attention_prefill_tree", "attention_prefill_ragged_tree"))
+        if missing:
+            return KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "
+                                "was created without")
+        return None
 
     def _local_layer(self, layer_id: int) -> int:
         layer = _as_int("layer_id", layer_id) - self.layer_offset

@@ -5,20 +5,22 @@ passed through TVM's creation arguments (TVM's own, or ours compiled into a mode
 the frontend) do not. A cache built on them runs each kernel it calls in the middle of a
 mutating operation once at construction, on inputs where the right answer is known, so kernels
 of another shape or dtype fail there with a `ConfigError` instead of halfway through a fork, a
-commit or a step.
+commit or a step; then it drives a probe sequence through a few steps, so that every attention
+kernel it calls has run on its tensors (and a decode step's attention, which follows the step's
+append, cannot fail later on a mismatched kernel), and clears itself.
 """
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
 
-from .config import KVCacheConfig, RopeMode
+from .config import AttnKind, KVCacheConfig, RopeMode
 from .errors import ConfigError
 from .kernel_set import KernelSet
-from .tensors import numpy_dtype
+from .tensors import numpy_dtype, view
 
 # token positions of the split_rotary probe (rotations by different angles)
 _PROBE_POSITIONS = (7, 1000)
@@ -26,53 +28,111 @@ _PROBE_POSITIONS = (7, 1000)
 
 def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
                           device: tvm.runtime.Device) -> None:
-    """Run the page copies (page 0, free now, onto itself), the append (one token into page 0)
-    and ``split_rotary`` once.
+    """Run the page kernels on pages 0 and 1 (free now) and ``split_rotary``, checking results.
+
+    Pages 0 and 1 are filled with random values; the append writes one token to slot 0 of
+    page 0, the single-page copy copies page 0 to page 1, the compact copy moves page 1's last
+    slot to page 0's slot 0; after each, both pages must hold exactly what that move gives.
 
     Raises
     ------
     ConfigError
-        A kernel raises on this cache's tensors, or ``split_rotary`` does not copy v, or
-        changes the length of q / k head vectors (RoPE only rotates them).
+        A kernel raises on this cache's tensors, or its result is wrong: a page kernel moves
+        other values (or none), ``split_rotary`` does not copy v or changes the length of q / k
+        head vectors (RoPE only rotates them).
     """
-    probes: List[Tuple[str, Callable[[], None]]] = [
-        ("copy_single_page", lambda: kernels.copy_single_page(pages, 0, 0, 1))]
-    if kernels.compact_copy is not None:
-        indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), device)
-        positions = tvm.runtime.tensor(np.zeros((2, 1), dtype=np.int32), device)
-        probes.append(("compact_copy", lambda: kernels.compact_copy(pages, indptr, positions, 1)))
+    probe = _PageProbe(config, kernels, pages, device)
+    probes: List[Tuple[str, Callable[[], None]]] = []
     if config.is_mla:
         if kernels.transpose_append_mla is not None:
-            probes.append(("transpose_append_mla", lambda: _probe_append_mla(config, kernels, pages, device)))
+            probes.append(("transpose_append_mla", probe.append))
     else:
-        probes.append(("transpose_append", lambda: _probe_append(config, kernels, pages, device)))
+        probes.append(("transpose_append", probe.append))
+    probes.append(("copy_single_page", probe.copy_page))
+    if kernels.compact_copy is not None:
+        probes.append(("compact_copy", probe.compact_copy))
+    if not config.is_mla:
         probes.append(("split_rotary", lambda: _probe_split_rotary(config, kernels, device)))
     shape = "x".join(map(str, pages.shape))
-    for role, probe in probes:
+    probe.fill()
+    for role, run in probes:
         try:
-            probe()
+            run()
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
-            first_line = str(err).splitlines()[0] if str(err) else ""
+            summary = _summary(err)
             raise ConfigError(f"the {role} kernel fails on this cache's tensors ({config.dtype} pages of shape "
-                              f"{shape}; {type(err).__name__}: {first_line}); expected kernels built for "
+                              f"{shape}; {type(err).__name__}: {summary}); expected kernels built for "
                               "this config") from err
 
 
-def _probe_append(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
-                  device: tvm.runtime.Device) -> None:
-    """Append one token's K/V to slot 0 of page 0 (free now)."""
-    hkv = config.num_kv_heads
-    k = tvm.runtime.empty((1, hkv, config.head_dim), config.dtype, device)
-    v = tvm.runtime.empty((1, hkv, config.v_head_dim), config.dtype, device)
-    kernels.transpose_append(pages, k, v, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), device))
+def _summary(err: Exception) -> str:
+    """An exception's message on one line, at most 200 characters (TVM's span several lines)."""
+    text = " ".join(str(err).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _probe_append_mla(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
-                      device: tvm.runtime.Device) -> None:
-    kv = tvm.runtime.empty((1, config.head_dim), config.dtype, device)
-    kernels.transpose_append_mla(pages, kv, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), device))
+class _PageProbe:
+    """Pages 0 and 1 of a layer's page tensor, their expected contents, and the page kernels'
+    probes (each runs a kernel, updates the expected contents and compares)."""
+
+    def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
+                 device: tvm.runtime.Device) -> None:
+        self.config, self.kernels, self.device = config, kernels, device
+        self.pages = pages
+        page_shape = tuple(pages.shape[1:])
+        page_bytes = int(np.prod(page_shape)) * numpy_dtype(config.dtype).itemsize
+        self.views = [view(pages, page_shape, i * page_bytes) for i in (0, 1)]
+        self.rng = np.random.default_rng(2)
+        self.want = [_exact_random(self.rng, page_shape) for _ in (0, 1)]
+
+    def fill(self) -> None:
+        for page, values in zip(self.views, self.want):
+            page.copyfrom(values.astype(numpy_dtype(self.config.dtype)))
+
+    def slot(self, page: np.ndarray, slot: int) -> np.ndarray:
+        """A slot's values in a page's array (latent ``(ps, W)``, MHA ``(2, H, ps, D)``)."""
+        return page[slot] if self.config.is_mla else page[:, :, slot]
+
+    def append(self) -> None:
+        """Append one token to position 0 (page 0, slot 0)."""
+        cfg, position = self.config, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), self.device)
+        if cfg.is_mla:
+            kv = _exact_random(self.rng, (1, cfg.head_dim))
+            self.kernels.transpose_append_mla(self.pages, _tensor(kv, cfg.dtype, self.device), position)
+            self.slot(self.want[0], 0)[...] = kv[0]
+        else:
+            k, v = (_exact_random(self.rng, (1, cfg.num_kv_heads, d)) for d in (cfg.head_dim, cfg.v_head_dim))
+            self.kernels.transpose_append(self.pages, _tensor(k, cfg.dtype, self.device),
+                                          _tensor(v, cfg.dtype, self.device), position)
+            self.slot(self.want[0], 0)[...] = np.stack([k[0], v[0]])
+        role = "transpose_append_mla" if cfg.is_mla else "transpose_append"
+        self.expect(role, "write one token's K/V to its position (and nothing else)")
+
+    def copy_page(self) -> None:
+        self.kernels.copy_single_page(self.pages, 0, 1, self.config.page_size)
+        self.want[1] = self.want[0].copy()
+        self.expect("copy_single_page", "copy page 0 to page 1")
+
+    def compact_copy(self) -> None:
+        """Move page 1's last slot to page 0's slot 0 (page 1 refilled first)."""
+        ps = self.config.page_size
+        self.want[1] = _exact_random(self.rng, self.want[1].shape)
+        self.views[1].copyfrom(self.want[1].astype(numpy_dtype(self.config.dtype)))
+        indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), self.device)
+        positions = tvm.runtime.tensor(np.array([[2 * ps - 1], [0]], dtype=np.int32), self.device)
+        self.kernels.compact_copy(self.pages, indptr, positions, 1)
+        self.slot(self.want[0], 0)[...] = self.slot(self.want[1], ps - 1)
+        self.expect("compact_copy", f"move position {2 * ps - 1} to position 0")
+
+    def expect(self, role: str, what: str) -> None:
+        for i, (page, want) in enumerate(zip(self.views, self.want)):
+            got = page.numpy().astype(np.float64)
+            if not np.array_equal(got, want):
+                wrong = int(np.count_nonzero(got != want))
+                raise ConfigError(f"the {role} kernel does not {what}: {wrong} values of page {i} differ from "
+                                  "the expected result; expected kernels built for this config")
 
 
 def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> None:
@@ -81,11 +141,10 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     RoPE at append time the kernel defines the rotation (as in TVM: it may implement Llama-3
     frequency scaling or a partial rotary dim, which the config does not describe)."""
     hq, hkv, d = config.num_qo_heads, config.num_kv_heads, config.head_dim
-    n = len(_PROBE_POSITIONS)
-    # multiples of 1/8 in [-2, 2]: exact in every cache dtype
-    qkv = np.random.default_rng(0).integers(-16, 17, size=(n, hq + 2 * hkv, d)) / 8.0
+    qkv = _exact_random(np.random.default_rng(0), (len(_PROBE_POSITIONS), hq + 2 * hkv, d))
     tensors = [_tensor(qkv, config.dtype, device)]
     tensors.append(tvm.runtime.tensor(np.array(_PROBE_POSITIONS, dtype=np.int32), device))
+    n = len(_PROBE_POSITIONS)
     tensors += [tvm.runtime.empty((n, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
     applies_rope = config.effective_rope_mode == RopeMode.NORMAL
     kernels.split_rotary(*tensors, int(applies_rope))
@@ -111,3 +170,131 @@ def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.r
     out = tvm.runtime.empty(values.shape, dtype, device)
     out.copyfrom(values.astype(numpy_dtype(dtype)))
     return out
+
+
+def probe_foreign_attention(cache: Any) -> None:
+    """Run the attention kernels of a fresh cache once, through its own API, then clear it.
+
+    A probe sequence takes a decode step of one token (whose output must be that token's v:
+    one key gets all the weight), a prefill step of two tokens over that prefix, a token-tree
+    step when the kernel set has the tree kernels, and another decode step, as far as the
+    page pool and ``prefill_chunk_size`` allow; one layer of each attention kind attends in
+    each, and ``merge_attn_output_inplace`` merges two states. ``clear()`` then restores the
+    fresh state (free list order included).
+
+    Raises
+    ------
+    ConfigError
+        A kernel raises on this cache's tensors, or writes a non-finite output or a wrong
+        one-token decode output.
+    """
+    cfg = cache.config
+    rng = np.random.default_rng(1)
+    steps = _probe_steps(cfg, tree=cache._token_tree_refusal() is None, max_length=cache._unwindowed_chunk_limit or 2)
+    layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
+    run = _probe_mla_step if cfg.is_mla else _probe_mha_step
+    cache.add_sequence(0)
+    try:
+        for i, (length, parents) in enumerate(steps):
+            cache.begin_forward([0], [length], parents)
+            try:
+                for layer in layers:
+                    _poison_scratch(cache, length)
+                    run(cache, rng, cache.layer_offset + layer, length, first=i == 0)
+            finally:
+                cache.end_forward()
+        _probe_merge(cache, rng)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
+        summary = _summary(err)
+        raise ConfigError(f"an attention kernel fails on this cache's tensors ({type(err).__name__}: {summary}); "
+                          "expected kernels built for this config") from err
+    finally:
+        cache.clear()
+
+
+def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tuple[int, Optional[Sequence[int]]]]:
+    """(length, token-tree parents) of the probe steps that fit in the pool, the chunk size
+    and ``max_length`` (the window of MHA_SLIDING layers without the windowed ragged kernel);
+    the tree (two roots) last, as it stays uncommitted."""
+    two = min(2, cfg.prefill_chunk_size, max_length)
+    steps = [(1, None), (two, None), (1, None)] + ([(2, [-1, -1])] if tree and two == 2 else [])
+    capacity, kept, total = cfg.num_total_pages * cfg.page_size, [], 0
+    for length, parents in steps:
+        total += length
+        if total <= capacity:
+            kept.append((length, parents))
+    return kept
+
+
+def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, first: bool) -> None:
+    cfg = cache.config
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = _exact_random(rng, (n, hq + 2 * hkv, d))
+    o = _poisoned((n, hq, d), cfg.dtype, cache.device)
+    cache.attention_with_fused_qkv(layer, _tensor(qkv, cfg.dtype, cache.device), o, d ** -0.5)
+    want = np.repeat(qkv[:, hq + hkv:], hq // hkv, axis=1) if first else None
+    _check_output("attention_with_fused_qkv", o, want, cfg.dtype)
+
+
+def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, first: bool) -> None:
+    cfg = cache.config
+    hq, width, lora = cfg.num_qo_heads, cfg.head_dim, cfg.v_head_dim
+    latent = _exact_random(rng, (n, width))
+    cache.append_mla_kv(layer, _tensor(latent, cfg.dtype, cache.device))
+    o, lse = _poisoned((n, hq, lora), cfg.dtype, cache.device), _poisoned((n, hq), "float32", cache.device)
+    cache.cross_attention(layer, _tensor(_exact_random(rng, (n, hq, width)), cfg.dtype, cache.device), o, lse,
+                          width ** -0.5)
+    want = np.broadcast_to(latent[:, None, :lora], (n, hq, lora)) if first else None  # a decode step
+    _check_output("cross_attention", o, want, cfg.dtype)
+    dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
+    if dqk is not None:
+        q, k, v = (_tensor(_exact_random(rng, (n, hq, dim)), cfg.dtype, cache.device) for dim in (dqk, dqk, dv))
+        o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
+        lse_self = _poisoned((n, hq), "float32", cache.device)
+        cache.self_attention(layer, q, k, v, o_self, lse_self, dqk ** -0.5)
+        _check_output("self_attention", o_self, v.numpy().astype(np.float64)[:1] if first else None, cfg.dtype)
+
+
+def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
+    cfg = cache.config
+    dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
+    if dv is None:
+        return
+    o = [_tensor(_exact_random(rng, (1, cfg.num_qo_heads, dv)), cfg.dtype, cache.device) for _ in range(2)]
+    lse = [_tensor(np.zeros((1, cfg.num_qo_heads)), "float32", cache.device) for _ in range(2)]
+    want = (o[0].numpy().astype(np.float64) + o[1].numpy().astype(np.float64)) / 2  # equal weights
+    cache.merge_attn_output_inplace(o[0], lse[0], o[1], lse[1])
+    _check_output("merge_attn_output_inplace", o[0], want, cfg.dtype, expected="the mean of two states of equal LSE")
+
+
+def _check_output(what: str, out: tvm.runtime.Tensor, want: Optional[np.ndarray], dtype: str, *,
+                  expected: str = "v for a token attending to itself alone") -> None:
+    got = out.numpy().astype(np.float64)
+    if not np.isfinite(got).all():
+        raise ConfigError(f"the kernel behind {what} writes non-finite values on a probe step; expected "
+                          "kernels built for this config")
+    if want is not None:
+        err = float(np.abs(got[:1] - want[:1]).max())
+        if not err <= (1e-3 if dtype == "float32" else 2e-2):
+            raise ConfigError(f"the kernel behind {what} does not return {expected} (max error {err:.3g}); "
+                              "expected kernels built for this config")
+
+
+def _poison_scratch(cache: Any, rows: int) -> None:
+    """NaN in the first rows of the cache's partial-state scratch, so that a paged kernel that
+    writes nothing makes the merged output non-finite instead of merging stale values."""
+    for scratch in (cache._scratch_o, cache._scratch_lse, cache._scratch_merged_lse):
+        shape = (rows,) + tuple(scratch.shape[1:])
+        view(scratch, shape).copyfrom(np.full(shape, np.nan, dtype=numpy_dtype(str(scratch.dtype))))
+
+
+def _poisoned(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
+    """An output tensor full of NaN: a kernel that writes nothing leaves it non-finite."""
+    return _tensor(np.full(shape, np.nan), dtype, device)
+
+
+def _exact_random(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:
+    """Multiples of 1/8 in [-2, 2]: exact in every cache dtype."""
+    return rng.integers(-16, 17, size=shape) / 8.0

@@ -26,7 +26,7 @@ import tvm
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe
 from ..cache import PagedAttentionKVCache
-from ..config import KVCacheConfig
+from ..config import MAX_NUM_LAYERS, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
 
@@ -40,13 +40,13 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     """
     if len(args) not in (28, 29):
         raise ArgumentError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
-    cache_config = as_int_list("cache_config (argument 0)", args[0])
+    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=6, error=ConfigError)
     if len(cache_config) not in (5, 6):
         raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, prefill_chunk_size, "
                           f"page_size, support_sliding_window[, layer_sliding_window_size]), got {cache_config}")
     if cache_config[4] not in (0, 1):
         raise ConfigError(f"cache_config[4] (support_sliding_window) must be 0 or 1, got {cache_config[4]}")
-    layer_indptr = as_int_list("layer_indptr (argument 1)", args[1])
+    layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
     if as_bool("enable_kv_transfer (argument 7)", args[7]):
@@ -58,7 +58,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
                             f"{describe(init)} of type {type(init).__name__}")
     begin, end = layer_indptr
-    attn_kinds = as_int_list("attn_kinds (argument 6)", args[6])
+    attn_kinds = as_int_list("attn_kinds (argument 6)", args[6], max_len=MAX_NUM_LAYERS,
+                             why="the most layers a cache holds", error=ConfigError)
     if len(attn_kinds) < end:
         raise ConfigError(f"attn_kinds has {len(attn_kinds)} entries, fewer than layer_end={end}")
     names = ("num_qo_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")

@@ -183,6 +183,11 @@ class PagingState:
         """Return the ids of the live sequences, in insertion order."""
         return list(self._seqs)
 
+    @property
+    def num_sequences(self) -> int:
+        """Number of live sequences."""
+        return len(self._seqs)
+
     def total_sequence_length(self) -> int:
         """Return the sum of the lengths of all sequences (TVM's ``GetTotalSequenceLength``)."""
         return sum(seq.seq_length for seq in self._seqs.values())
