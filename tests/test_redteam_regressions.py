@@ -460,8 +460,15 @@ def test_creation_attention_kernels_in_the_wrong_role_or_writing_nothing_are_ref
                                 (15, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
                                 (16, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
                                 (17, ["tirx", nothing], "attention_with_fused_qkv writes non-finite values"),
-                                (23, [nothing], "merge_attn_output_inplace does not return the mean")]:
+                                (23, [nothing], "attention_with_fused_qkv does not return float64 attention")]:
         with pytest.raises(rk.ConfigError, match=match):
+            _create_with(k, **{f"a{index}": value})
+    # eighth round: kernels wrong only in their arithmetic (sm_scale ignored) passed
+    unscaled = [(15, ["tirx", tvm_ffi.convert(lambda *a: k.attention_prefill_ragged(*a[:-1], 1.0))]),
+                (16, ["tirx", tvm_ffi.convert(lambda *a: k.attention_prefill(*a[:-1], 1.0))]),
+                (17, ["tirx", tvm_ffi.convert(lambda *a: k.attention_decode(*a[:-1], 1.0))])]
+    for index, value in unscaled:
+        with pytest.raises(rk.ConfigError, match="attention_with_fused_qkv does not return float64 attention"):
             _create_with(k, **{f"a{index}": value})
     fresh = _create_with(k)
     assert fresh.empty() and fresh.get_num_available_pages() == CFG.num_total_pages

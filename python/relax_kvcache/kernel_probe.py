@@ -175,32 +175,37 @@ def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.r
 def probe_foreign_attention(cache: Any) -> None:
     """Run the attention kernels of a fresh cache once, through its own API, then clear it.
 
-    A probe sequence takes a decode step of one token (whose output must be that token's v:
-    one key gets all the weight), a prefill step of two tokens over that prefix, a token-tree
-    step when the kernel set has the tree kernels, and another decode step, as far as the
-    page pool and ``prefill_chunk_size`` allow; one layer of each attention kind attends in
-    each, and ``merge_attn_output_inplace`` merges two states. ``clear()`` then restores the
-    fresh state (free list order included).
+    A probe sequence takes a decode step of one token, a prefill step over that prefix that
+    crosses into a second page (pages of at most 256 tokens), another decode step and, where the
+    cache takes them, a token-tree step, as far as the page pool and the chunk size allow; one
+    layer of each attention kind attends in each. Decode and prefill outputs must match float64
+    attention over the K/V stored in the pages where the host can tell the queries the kernels
+    see (RoPE NONE or NORMAL, MLA, and any one-key decode); the others must be finite. ``merge_attn_output_inplace`` merges two states of
+    different LSE. ``clear()`` then restores the fresh state (free list order included).
 
     Raises
     ------
     ConfigError
-        A kernel raises on this cache's tensors, or writes a non-finite output or a wrong
-        one-token decode output.
+        A kernel raises on this cache's tensors, writes a non-finite output, or a decode output
+        or the merge differs from float64.
     """
     cfg = cache.config
     rng = np.random.default_rng(1)
-    steps = _probe_steps(cfg, tree=cache._token_tree_refusal() is None, max_length=cache._unwindowed_chunk_limit or 2)
+    # TVM's windowed prefill kernel gives NaN for a query whose window holds no cached token (a
+    # chunk as long as the window over a prefix): keep the prefill step shorter than the window
+    window_limit = cache._unwindowed_chunk_limit
+    steps = _probe_steps(cfg, tree=cache._token_tree_refusal() is None,
+                         max_length=max(1, window_limit - 1) if window_limit else cfg.prefill_chunk_size)
     layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
     run = _probe_mla_step if cfg.is_mla else _probe_mha_step
     cache.add_sequence(0)
     try:
-        for i, (length, parents) in enumerate(steps):
+        for length, parents in steps:
             cache.begin_forward([0], [length], parents)
             try:
                 for layer in layers:
                     _poison_scratch(cache, length)
-                    run(cache, rng, cache.layer_offset + layer, length, first=i == 0)
+                    run(cache, rng, layer, length, tree=parents is not None)
             finally:
                 cache.end_forward()
         _probe_merge(cache, rng)
@@ -216,11 +221,13 @@ def probe_foreign_attention(cache: Any) -> None:
 
 def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tuple[int, Optional[Sequence[int]]]]:
     """(length, token-tree parents) of the probe steps that fit in the pool, the chunk size
-    and ``max_length`` (the window of MHA_SLIDING layers without the windowed ragged kernel);
-    the tree (two roots) last, as it stays uncommitted."""
-    two = min(2, cfg.prefill_chunk_size, max_length)
-    steps = [(1, None), (two, None), (1, None)] + ([(2, [-1, -1])] if tree and two == 2 else [])
-    capacity, kept, total = cfg.num_total_pages * cfg.page_size, [], 0
+    and ``max_length``; the tree (two roots) last, as it stays uncommitted."""
+    capacity, ps = cfg.num_total_pages * cfg.page_size, cfg.page_size
+    prefill = max(1, min(cfg.prefill_chunk_size, max_length, ps + 1 if ps <= 256 else 2, capacity - 2))
+    steps = [(1, None), (prefill, None), (1, None)]
+    if tree and min(cfg.prefill_chunk_size, max_length) >= 2:
+        steps.append((2, [-1, -1]))
+    kept, total = [], 0
     for length, parents in steps:
         total += length
         if total <= capacity:
@@ -228,55 +235,115 @@ def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tup
     return kept
 
 
-def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, first: bool) -> None:
+def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, tree: bool) -> None:
     cfg = cache.config
     hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = _exact_random(rng, (n, hq + 2 * hkv, d))
     o = _poisoned((n, hq, d), cfg.dtype, cache.device)
-    cache.attention_with_fused_qkv(layer, _tensor(qkv, cfg.dtype, cache.device), o, d ** -0.5)
-    want = np.repeat(qkv[:, hq + hkv:], hq // hkv, axis=1) if first else None
-    _check_output("attention_with_fused_qkv", o, want, cfg.dtype)
+    cache.attention_with_fused_qkv(cache.layer_offset + layer, _tensor(qkv, cfg.dtype, cache.device), o, d ** -0.5)
+    want = None
+    k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
+    rope = cfg.effective_rope_mode
+    window = cfg.layer_sliding_window_size if cache._windowed_layers[layer] else len(k)
+    if not tree and (len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k))):  # queries as the kernel sees
+        q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
+        group = hq // hkv
+        visible = np.arange(len(k) - n + 1, len(k) + 1)  # causal: query i sees the prefix and new tokens <= i
+        want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), d ** -0.5, visible)
+    _check_output("attention_with_fused_qkv", o, want, cfg.dtype, expected="float64 attention over the stored K/V")
 
 
-def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, first: bool) -> None:
+def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, tree: bool) -> None:
     cfg = cache.config
     hq, width, lora = cfg.num_qo_heads, cfg.head_dim, cfg.v_head_dim
-    latent = _exact_random(rng, (n, width))
-    cache.append_mla_kv(layer, _tensor(latent, cfg.dtype, cache.device))
+    cache.append_mla_kv(cache.layer_offset + layer, _tensor(_exact_random(rng, (n, width)), cfg.dtype, cache.device))
+    q = _exact_random(rng, (n, hq, width))
     o, lse = _poisoned((n, hq, lora), cfg.dtype, cache.device), _poisoned((n, hq), "float32", cache.device)
-    cache.cross_attention(layer, _tensor(_exact_random(rng, (n, hq, width)), cfg.dtype, cache.device), o, lse,
-                          width ** -0.5)
-    want = np.broadcast_to(latent[:, None, :lora], (n, hq, lora)) if first else None  # a decode step
-    _check_output("cross_attention", o, want, cfg.dtype)
+    cache.cross_attention(cache.layer_offset + layer, _tensor(q, cfg.dtype, cache.device), o, lse, width ** -0.5)
+    # absorbed attention over the stored latent rows: a decode step's include its new token, a
+    # prefill step's queries see the prefix only (self_attention covers the new tokens)
+    latent = _stored_rows(cache, layer)[0][:, 0]
+    keys = np.broadcast_to(latent[:, None], (len(latent), hq, width))
+    visible = np.full(n, len(latent) if n == 1 else len(latent) - n)
+    want = _attention(q, keys, keys[..., :lora], width ** -0.5, visible) if visible[0] else None
+    _check_output("cross_attention", o, want, cfg.dtype, expected="float64 attention over the stored latent rows")
     dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
     if dqk is not None:
-        q, k, v = (_tensor(_exact_random(rng, (n, hq, dim)), cfg.dtype, cache.device) for dim in (dqk, dqk, dv))
+        q, k, v = (_exact_random(rng, (n, hq, dim)) for dim in (dqk, dqk, dv))
         o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
         lse_self = _poisoned((n, hq), "float32", cache.device)
-        cache.self_attention(layer, q, k, v, o_self, lse_self, dqk ** -0.5)
-        _check_output("self_attention", o_self, v.numpy().astype(np.float64)[:1] if first else None, cfg.dtype)
+        cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
+                             o_self, lse_self, dqk ** -0.5)
+        want = _attention(q, k, v, dqk ** -0.5, np.arange(1, n + 1))  # causal over the step's tokens
+        _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
+
+
+def _stored_rows(cache: Any, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+    """The probe sequence's stored K and V ``(L, Hkv, D)`` of a layer, read from its pages
+    (MLA: the latent rows as K ``(L, 1, W)``, V empty)."""
+    cfg = cache.config
+    pages = cache._pages[layer]
+    page_shape = tuple(pages.shape[1:])
+    page_bytes = int(np.prod(page_shape)) * numpy_dtype(cfg.dtype).itemsize
+    read = {}
+    k, v = [], []
+    for position in cache._paging.position_map(0, 0, cache.get_sequence_length(0)):
+        page, slot = divmod(int(position), cfg.page_size)
+        if page not in read:
+            with np.errstate(invalid="ignore"):  # unused slots of the page may hold any bits
+                read[page] = view(pages, page_shape, page * page_bytes).numpy().astype(np.float64)
+        if cfg.is_mla:
+            k.append(read[page][slot][None])
+        else:
+            k.append(read[page][0, :, slot])
+            v.append(read[page][1, :, slot])
+    return np.stack(k), (np.stack(v) if v else np.zeros(0))
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
+    """Float64 attention of ``q (n, H, D)`` over ``k (L, H, D)``, ``v (L, H, Dv)``; query i sees
+    keys ``[0, visible[i])``."""
+    scores = np.einsum("nhd,lhd->nhl", q, k) * scale
+    scores = np.where(np.arange(len(k))[None, None, :] < visible[:, None, None], scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=2, keepdims=True))
+    weights /= weights.sum(axis=2, keepdims=True)
+    return np.einsum("nhl,lhd->nhd", weights, v)
+
+
+def _rows(tensor: tvm.runtime.Tensor, rows: int) -> np.ndarray:
+    """The first rows of a tensor, as float64 (without copying the rest to the host)."""
+    shape = (rows,) + tuple(tensor.shape[1:])
+    return view(tensor, shape).numpy().astype(np.float64)
 
 
 def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
+    """Merge two states whose base-2 LSEs differ: ``o = (2^a o_a + 2^b o_b) / (2^a + 2^b)``."""
     cfg = cache.config
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
     if dv is None:
         return
-    o = [_tensor(_exact_random(rng, (1, cfg.num_qo_heads, dv)), cfg.dtype, cache.device) for _ in range(2)]
-    lse = [_tensor(np.zeros((1, cfg.num_qo_heads)), "float32", cache.device) for _ in range(2)]
-    want = (o[0].numpy().astype(np.float64) + o[1].numpy().astype(np.float64)) / 2  # equal weights
-    cache.merge_attn_output_inplace(o[0], lse[0], o[1], lse[1])
-    _check_output("merge_attn_output_inplace", o[0], want, cfg.dtype, expected="the mean of two states of equal LSE")
+    hq = cfg.num_qo_heads
+    o = [_exact_random(rng, (1, hq, dv)) for _ in range(2)]
+    lse = [_exact_random(rng, (1, hq)) for _ in range(2)]
+    weights = [np.exp2(x)[..., None] for x in lse]
+    want_o = (weights[0] * o[0] + weights[1] * o[1]) / (weights[0] + weights[1])
+    want_lse = np.log2(np.exp2(lse[0]) + np.exp2(lse[1]))
+    tensors = [_tensor(o[0], cfg.dtype, cache.device), _tensor(lse[0], "float32", cache.device),
+               _tensor(o[1], cfg.dtype, cache.device), _tensor(lse[1], "float32", cache.device)]
+    cache.merge_attn_output_inplace(*tensors)
+    expected = "the LSE-weighted mean of two states"
+    _check_output("merge_attn_output_inplace", tensors[0], want_o, cfg.dtype, expected=expected)
+    _check_output("merge_attn_output_inplace", tensors[1], want_lse, "float32", expected=expected + " (its LSE)")
 
 
 def _check_output(what: str, out: tvm.runtime.Tensor, want: Optional[np.ndarray], dtype: str, *,
-                  expected: str = "v for a token attending to itself alone") -> None:
+                  expected: str) -> None:
     got = out.numpy().astype(np.float64)
     if not np.isfinite(got).all():
         raise ConfigError(f"the kernel behind {what} writes non-finite values on a probe step; expected "
                           "kernels built for this config")
     if want is not None:
-        err = float(np.abs(got[:1] - want[:1]).max())
+        err = float(np.abs(got - np.reshape(want, got.shape)).max())
         if not err <= (1e-3 if dtype == "float32" else 2e-2):
             raise ConfigError(f"the kernel behind {what} does not return {expected} (max error {err:.3g}); "
                               "expected kernels built for this config")
