@@ -180,14 +180,15 @@ def probe_foreign_attention(cache: Any) -> None:
     cache takes them, a token-tree step, as far as the page pool and the chunk size allow; one
     layer of each attention kind attends in each. Decode and prefill outputs must match float64
     attention over the K/V stored in the pages where the host can tell the queries the kernels
-    see (RoPE NONE or NORMAL, MLA, and any one-key decode); the others must be finite. ``merge_attn_output_inplace`` merges two states of
-    different LSE. ``clear()`` then restores the fresh state (free list order included).
+    see (RoPE NONE or NORMAL, MLA, and any one-key decode); the others must be finite.
+    ``merge_attn_output_inplace`` merges two states of different LSE. ``clear()`` then restores
+    the fresh state (free list order included).
 
     Raises
     ------
     ConfigError
-        A kernel raises on this cache's tensors, writes a non-finite output, or a decode output
-        or the merge differs from float64.
+        A kernel raises on this cache's tensors, writes a non-finite output, or an output
+        differs from float64 attention (or the merge from its float64 value).
     """
     cfg = cache.config
     rng = np.random.default_rng(1)
