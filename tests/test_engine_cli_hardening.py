@@ -307,6 +307,10 @@ def test_cli_demo_export_destination_checked_before_compiling(tmp_path):
     assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "missing" / "m.so")), "does not exist")
     assert_one_line_error(*run_cli("demo", "--export", str(tmp_path)), "is a folder")
     assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "m.so") + os.sep), "ends with a path separator")
+    # ninth round: a path without .so (/dev/null was "written") and --load with --export
+    assert_one_line_error(*run_cli("demo", "--export", os.devnull), "does not end in .so")
+    assert_one_line_error(*run_cli("demo", "--load", str(tmp_path / "a.so"), "--export", str(tmp_path / "b.so")),
+                          "expected one of them")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -339,3 +343,77 @@ def test_bfloat16_demo_passes_its_accuracy_check():
     result = model_demo.run_model_demo(target="llvm", dtype="bfloat16", seed=0, log=lambda _: None)
     assert result.ok and result.checked_rows > 0, result
     assert 1e-3 < result.max_rel_error < model_demo.TOLERANCE["bfloat16"]  # bfloat16 really rounds
+
+
+# ---------------------------------------------------------------------------- ninth red-team round
+
+
+def test_requests_are_read_only_handles():
+    """``add_request`` returned the engine's live state: ``r.tokens[1] = 10**9`` fed an unchecked id
+    to the model (a segfault) and ``r.cached = 0`` desynchronised the engine from the cache."""
+    engine = _engine()
+    req = engine.add_request([1, 2, 3], 4)
+    req.tokens[1] = 10**9  # a copy
+    assert req.tokens == [1, 2, 3] and engine.requests[req.seq_id].tokens == [1, 2, 3]
+    for name in ("cached", "tokens", "seq_id", "max_new_tokens", "prompt_len"):
+        with pytest.raises(AttributeError):
+            setattr(req, name, 0)
+    assert "Request(seq_id=0" in repr(req)
+
+
+@pytest.mark.parametrize("budget", [np.uint64(2**64 - 1), np.int16(32762), np.int32(2**31 - 5)])
+def test_numpy_token_budgets_do_not_overflow_the_capacity_check(budget):
+    engine = _engine()
+    with pytest.raises(ValueError, match="expected at most the cache's capacity"):
+        engine.add_request([1, 2, 3], budget)
+    assert not engine.requests and engine.cache.empty()
+
+
+def test_huge_prompts_are_refused_by_length_first():
+    """A 10**7-token prompt was converted element by element before the capacity check (10 s);
+    ``range(10**12)`` raised an empty MemoryError."""
+    engine = _engine()
+    for prompt in (range(10**12), np.zeros(10**7, dtype=np.int64), range(0, 2**70, 1)):
+        with pytest.raises(ValueError, match="plus max_new_tokens"):
+            engine.add_request(prompt, 1)
+    assert not engine.requests
+
+
+def test_failed_adds_and_forks_do_not_consume_ids(model):
+    engine = _model_engine(model, max_total=128)
+    other = Engine(engine.vm, engine.weights, engine.cache, tvm.cpu(), prefill_chunk_size=64,
+                   vocab_size=engine.vocab_size)
+    req = engine.add_request([5, 6, 7], 3)
+    with pytest.raises(rk.SequenceError):  # the second engine's id 0 is taken in the shared cache
+        other.add_request([1], 1)
+    assert other._next_id == 0 and not other.requests
+    engine.cancel(req)
+
+
+def test_forks_beyond_the_step_size_take_turns(model):
+    """More decoding requests than ``prefill_chunk_size`` made every step raise ForwardError (the
+    engine stuck); they now take turns, and every request still gets the greedy tokens."""
+    executable, cfg, weights, numpy_model = model
+    vm = VirtualMachine(executable, tvm.cpu())
+    shape = tvm.runtime.ShapeTuple
+    cache = vm["create_kv_cache"](shape([8]), shape([256]), shape([2]))
+    engine = Engine(vm, [tvm.runtime.tensor(w.astype("float32")) for w in weights.values()], cache, tvm.cpu(),
+                    prefill_chunk_size=2, vocab_size=cfg.vocab_size)
+    parent = engine.add_request([3, 4], 3)
+    engine.step()  # prompt in, first token
+    children = [engine.fork(parent, alt) for alt in (10, 11)]  # three decoding requests, steps of 2
+    done = []
+    while engine.requests:
+        done += engine.step()
+    for req in [parent] + children:
+        assert req in done and req.tokens[3:] == _greedy(numpy_model, req.tokens[:3], 2)
+    assert cache.empty()
+
+
+@pytest.mark.parametrize("name, args", [("vm.builtin.kv_state_begin_forward", ([0], [1])),
+                                        ("vm.builtin.attention_kv_cache_attention_with_fused_qkv", (0, 1.0, None, None)),
+                                        ("vm.builtin.kv_state_add_sequence", (0,))])
+def test_builtins_refuse_a_none_cache(name, args):
+    """TVM's own builtins dereference a None cache (a segfault); the dispatcher refuses it."""
+    with pytest.raises(rk.ArgumentError, match="the cache is None"):
+        tvm.get_global_func(name)(None, *args)

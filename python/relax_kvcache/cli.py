@@ -80,8 +80,14 @@ def _check_demo_args(args: argparse.Namespace) -> None:
         option = "--load" if args.load is not None else "--export"
         raise _UsageError(f"--cache-only runs the cache without a model; it cannot be combined with {option} "
                           f"{(args.load or args.export)!r} (expected one of them)")
+    if args.load is not None and args.export is not None:
+        raise _UsageError(f"--load {args.load!r} runs a library and --export {args.export!r} writes one; expected "
+                          "one of them")
     if args.export is not None:
         _check_output_path(args.export, "--export")
+        if not args.export.endswith(".so"):
+            raise _UsageError(f"--export {args.export!r} does not end in .so; expected a shared library path such "
+                              "as model.so")
 
 
 def _check_output_path(path: str, option: str) -> None:
@@ -158,7 +164,14 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
         if not executable.implements_function("vm_load_executable", query_imports=True):
             raise DeployError(f"{args.load!r} holds no Relax model (no vm_load_executable: a kernel library?); "
                               "expected a library written by `relax-kvcache demo --export`")
-    result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log)
+    try:
+        result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log)
+    except Exception as err:  # noqa: BLE001 - a loaded model of another shape or dtype than the demo's
+        if args.load is None:
+            raise
+        raise _UsageError(f"{args.load!r} does not run as the demo model ({dtype}): {type(err).__name__}: "
+                          f"{_one_line(err)[:300]}; expected a library written by `relax-kvcache demo --export` "
+                          "with the same --dtype") from None
     status = "OK" if result.ok else "FAILED"
     print(f"demo {status}: Llama (2 layers) on {result.target} {result.dtype}: {result.requests} requests "
           f"(1 forked), {result.steps} steps, {result.prefill_tokens} prefill + {result.decode_tokens} decode "

@@ -141,17 +141,28 @@ def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) ->
 def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
     if not isinstance(path, (str, bytes, os.PathLike)):
         raise TypeError(f"path must be a str or path-like, got {type(path).__name__}")
+    if not os.fsdecode(path).strip():
+        raise FileNotFoundError(f"kernel library path {str(path)!r} is empty; expected a .so file")
     try:
         library = pathlib.Path(os.fsdecode(path)).expanduser()
         is_file = library.is_file()
+        what = "is a folder" if library.is_dir() else _not_a_file(library)
     except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
         raise FileNotFoundError(f"kernel library {str(path)!r} cannot be opened ({err}); expected a .so file") from None
     if not is_file:
-        what = "is a folder" if library.is_dir() else "does not exist"
         raise FileNotFoundError(
             f"kernel library {str(path)!r} {what}; expected a .so file written by "
             "`relax-kvcache build --output FILE.so` or relax_kvcache.build.export_kernels")
     return library
+
+
+def _not_a_file(path: pathlib.Path) -> str:
+    """Why a path that is neither a regular file nor a folder cannot be loaded."""
+    if path.is_symlink() and not path.exists():
+        return "is a broken symbolic link (or a loop)"
+    if path.exists():
+        return "is not a regular file (a device, a pipe or a socket)"
+    return "does not exist"
 
 
 _ELF_MAGIC = b"\x7fELF"

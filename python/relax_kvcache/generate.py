@@ -30,30 +30,61 @@ import tvm
 Reference = Callable[[Sequence[int]], np.ndarray]
 
 
-@dataclasses.dataclass
 class Request:
-    """One sequence being generated. ``tokens`` = prompt + generated; the first ``cached`` are
-    in the cache."""
+    """One sequence being generated: a read-only handle (the engine owns the state; changing it
+    from outside would desynchronise the engine from the cache or feed unchecked token ids).
 
-    seq_id: int
-    tokens: List[int]
-    prompt_len: int
-    max_new_tokens: int
-    cached: int = 0
-    #: logits of the last token fed (what the next token was picked from)
-    last_logits: Optional[np.ndarray] = None
+    ``tokens`` (a copy) = prompt + generated; the first ``cached`` are in the cache."""
+
+    __slots__ = ("_seq_id", "_tokens", "_prompt_len", "_max_new_tokens", "_cached", "_last_logits")
+
+    def __init__(self, seq_id: int, tokens: List[int], prompt_len: int, max_new_tokens: int, cached: int = 0) -> None:
+        self._seq_id, self._tokens, self._prompt_len = seq_id, tokens, prompt_len
+        self._max_new_tokens, self._cached = max_new_tokens, cached
+        self._last_logits: Optional[np.ndarray] = None
+
+    @property
+    def seq_id(self) -> int:
+        return self._seq_id
+
+    @property
+    def tokens(self) -> List[int]:
+        """Prompt and generated tokens (a copy)."""
+        return list(self._tokens)
+
+    @property
+    def prompt_len(self) -> int:
+        return self._prompt_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self._max_new_tokens
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache."""
+        return self._cached
+
+    @property
+    def last_logits(self) -> Optional[np.ndarray]:
+        """Logits of the last token fed, what the next token was picked from (a copy)."""
+        return None if self._last_logits is None else self._last_logits.copy()
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
+        return len(self._tokens) - self._prompt_len
 
     @property
     def prefilling(self) -> bool:
-        return self.cached < self.prompt_len
+        return self._cached < self._prompt_len
 
     @property
     def finished(self) -> bool:
-        return self.generated >= self.max_new_tokens and self.cached == len(self.tokens) - 1
+        return self.generated >= self._max_new_tokens and self._cached == len(self._tokens) - 1
+
+    def __repr__(self) -> str:
+        return (f"Request(seq_id={self._seq_id}, prompt_len={self._prompt_len}, generated={self.generated}, "
+                f"cached={self._cached}, max_new_tokens={self._max_new_tokens})")
 
 
 @dataclasses.dataclass
@@ -106,18 +137,20 @@ class Engine:
         not a list, tuple, range or 1-D integer numpy array, a token id outside the vocabulary,
         a token budget below 1, or a prompt plus budget longer than the cache can hold (a
         request that could never finish would block the others)."""
-        prompt = self._tokens("add_request: prompt", prompt)
-        if len(prompt) == 0:
+        length = self._token_count("add_request: prompt", prompt)
+        if length == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"add_request: max_new_tokens is {max_new_tokens!r}; expected an int >= 1")
-        if self.max_seq_tokens is not None and len(prompt) + max_new_tokens > self.max_seq_tokens:
-            raise ValueError(f"add_request: the prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new_tokens}) "
-                             f"is {len(prompt) + max_new_tokens} tokens; expected at most the cache's capacity, "
+        max_new_tokens = int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
+        if self.max_seq_tokens is not None and length + max_new_tokens > self.max_seq_tokens:
+            raise ValueError(f"add_request: the prompt ({length} tokens) plus max_new_tokens ({max_new_tokens}) "
+                             f"is {length + max_new_tokens} tokens; expected at most the cache's capacity, "
                              f"max_total_seq_len={self.max_seq_tokens}")
-        req = Request(seq_id=self._new_id(), tokens=list(prompt), prompt_len=len(prompt),
-                      max_new_tokens=int(max_new_tokens))
+        prompt = self._tokens("add_request: prompt", prompt)
+        req = Request(seq_id=self._next_id, tokens=prompt, prompt_len=length, max_new_tokens=max_new_tokens)
         self._add(self.cache, req.seq_id)
+        self._next_id += 1  # only once the cache took the sequence
         self.requests[req.seq_id] = req
         return req
 
@@ -139,9 +172,10 @@ class Engine:
         if parent.prefilling or parent.generated != 1:
             raise ValueError(f"fork a request right after its first token; request {parent.seq_id} has "
                              f"{parent.cached}/{parent.prompt_len} prompt tokens cached, {parent.generated} generated")
-        child = Request(seq_id=self._new_id(), tokens=parent.tokens[:-1] + [alternative],
+        child = Request(seq_id=self._next_id, tokens=parent._tokens[:-1] + [alternative],
                         prompt_len=parent.prompt_len, max_new_tokens=parent.max_new_tokens, cached=parent.cached)
         self._fork(self.cache, parent.seq_id, child.seq_id, parent.cached)
+        self._next_id += 1  # only once the cache took the sequence
         self.requests[child.seq_id] = child
         return child
 
@@ -161,7 +195,11 @@ class Engine:
         if not self.requests:
             raise ValueError("step: there are no requests; add one with add_request")
         # (a request finished by a speculative step is only retired: it gets no more tokens)
-        batch = [(r, 1) for r in self.requests.values() if not r.prefilling and not r.finished]
+        decoding = [r for r in self.requests.values() if not r.prefilling and not r.finished]
+        if len(decoding) > self.chunk:  # more than a step holds (forks): take turns
+            start = self.stats.steps % len(decoding)
+            decoding = (decoding[start:] + decoding[:start])[:self.chunk]
+        batch = [(r, 1) for r in decoding]
         budget = self.chunk - len(batch)
         for req in (r for r in self.requests.values() if r.prefilling):
             if budget <= 0:
@@ -180,7 +218,7 @@ class Engine:
         decoding request of this engine with room for ``drafts`` and the token after them
         within its ``max_new_tokens``."""
         self._live("speculate", req)
-        if req.prefilling or req.cached != len(req.tokens) - 1:
+        if req.prefilling or req.cached != len(req._tokens) - 1:
             raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still prefilling")
         drafts = self._tokens("speculate: drafts", drafts)
         if req.generated + len(drafts) + 1 > req.max_new_tokens:
@@ -188,12 +226,12 @@ class Engine:
                              f"{req.generated + len(drafts) + 1} generated tokens; expected at most "
                              f"max_new_tokens={req.max_new_tokens} (it has {req.generated}; at most "
                              f"{max(req.max_new_tokens - req.generated - 1, 0)} drafts)")
-        base = len(req.tokens)
-        req.tokens.extend(drafts)
+        base = len(req._tokens)
+        req._tokens.extend(drafts)
         try:
             logits = self._run([(req, 1 + len(drafts))], sample=False)[0]
         except Exception:
-            del req.tokens[base:]  # the request as it was (_run rolled the cache back)
+            del req._tokens[base:]  # the request as it was (_run rolled the cache back)
             raise
         accepted = 0
         while accepted < len(drafts) and int(logits[accepted].argmax()) == drafts[accepted]:
@@ -202,15 +240,15 @@ class Engine:
         if rejected:
             self._popn(self.cache, req.seq_id, rejected)
             self.stats.rolled_back += rejected
-        del req.tokens[base + accepted:]
-        req.cached = len(req.tokens)
-        req.tokens.append(int(logits[accepted].argmax()))
+        del req._tokens[base + accepted:]
+        req._cached = len(req._tokens)
+        req._tokens.append(int(logits[accepted].argmax()))
         return accepted
 
     def _run(self, batch, *, sample: bool = True) -> List[np.ndarray]:
         """Feed each request's next ``n`` tokens in one model call; per request the logits of
         its tokens. With ``sample``, a request whose tokens are all in gets its greedy next token."""
-        ids = np.concatenate([r.tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
+        ids = np.concatenate([r._tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
         decode = all(n == 1 for _, n in batch)
         start = time.perf_counter()
         self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
@@ -223,7 +261,7 @@ class Engine:
             logits = logits.reshape(len(ids), -1)
             per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
             for (req, n), rows in zip(batch, per_request):  # the reference check may raise
-                self._check(req.tokens[:req.cached + n], rows)
+                self._check(req._tokens[:req.cached + n], rows)
         except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
             self._end(self.cache)
             for req, n in batch:  # begin_forward grew the sequences: drop the step's tokens
@@ -236,22 +274,31 @@ class Engine:
                 self.stats.prefill_tokens += n
             else:
                 self.stats.decode_tokens += n
-            req.cached += n
-            req.last_logits = rows[-1]
-            if sample and req.cached == len(req.tokens):
-                req.tokens.append(int(rows[-1].argmax()))
+            req._cached += n
+            req._last_logits = rows[-1]
+            if sample and req.cached == len(req._tokens):
+                req._tokens.append(int(rows[-1].argmax()))
         return per_request
 
-    def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
-        """Token ids as Python ints, each within ``[0, vocab_size)``: from a list, tuple, range
-        or 1-D integer numpy array (not an unordered container such as a dict or a set)."""
+    def _token_count(self, what: str, tokens: Sequence[int]) -> int:
+        """The number of tokens of a list, tuple, range or 1-D integer numpy array (not an
+        unordered container such as a dict or a set), read without touching the elements."""
         if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
                                  "expected a 1-D integer array of token ids")
-        elif not isinstance(tokens, (list, tuple, range)):
+            return int(tokens.shape[0])
+        if isinstance(tokens, range):
+            return max(0, -((tokens.start - tokens.stop) // tokens.step))  # len() overflows beyond 2**63
+        if not isinstance(tokens, (list, tuple)):
             raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
                              f"array), got {type(tokens).__name__} {tokens!r:.80}")
+        return list.__len__(tokens) if isinstance(tokens, list) else tuple.__len__(tokens)
+
+    def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
+        """Token ids as Python ints, each within ``[0, vocab_size)`` (containers as
+        :meth:`_token_count` takes them)."""
+        self._token_count(what, tokens)
         ids = list(tokens)
         for tok in ids:
             if not _is_int(tok):
@@ -281,11 +328,6 @@ class Engine:
             self._remove(self.cache, req.seq_id)
             del self.requests[req.seq_id]
         return done
-
-    def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id - 1
-
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import tvm_ffi
 
 from ..cache import PagedAttentionKVCache
+from ..args import describe
 from ..errors import ArgumentError
 
 ORIGINAL_PREFIX = "relax_kvcache.original."
@@ -114,6 +115,9 @@ def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any])
                 raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "
                                     f"argument(s) after the cache, got {len(args)}")
             return ours(cache, *args)
+        if not isinstance(cache, tvm_ffi.Object):  # None reaches TVM's functions as a null cache: a crash
+            raise ArgumentError(f"{name}: the cache is {describe(cache)} of type {type(cache).__name__}; expected a "
+                                "relax_kvcache.PagedAttentionKVCache or a TVM KV cache object")
         return theirs(cache, *args)
     return dispatch
 
