@@ -120,7 +120,7 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
     if isinstance(values, range):  # lazy: its length is checked before it is expanded
-        _check_length(name, _range_length(values), max_len, why, error)
+        _check_length(name, range_length(values), max_len, why, error)
         return list(values)
     if isinstance(values, list):  # base-class iteration: a subclass's own __iter__ never runs
         items = list(list.__iter__(values))
@@ -140,7 +140,7 @@ def _check_length(name: str, length: int, max_len: int, why: str, error: type) -
         raise error(f"{name} has {length} entries, more than {max_len}" + (f" ({why})" if why else ""))
 
 
-def _range_length(values: range) -> int:
+def range_length(values: range) -> int:
     """A range's length, also beyond ``sys.maxsize`` (where ``len`` raises ``OverflowError``)."""
     return max(0, -((values.start - values.stop) // values.step))
 

@@ -100,7 +100,7 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     library = _checked_library(path)
     if device is not None and not isinstance(device, tvm.runtime.Device):
         raise TypeError(f"device must be a tvm.runtime.Device or None, got {type(device).__name__}")
-    check_elf(library)  # before anything maps it (also checked again on what is loaded)
+    check_elf(library)  # before anything maps it
     if device is None and library_holds_cuda(library):
         device = tvm.cuda(0)
     if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
@@ -118,14 +118,14 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     with tempfile.TemporaryDirectory(prefix="relax_kvcache_reload_") as tmp:
         copy = pathlib.Path(tmp) / library.name
         shutil.copyfile(library, copy)
+        check_elf(copy, shown=library)  # the file may have changed again since its check
         return _load_module(copy, shown=library)
 
 
 def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
-    """``tvm.runtime.load_module`` of a checked ELF file, re-raising our callback's error (TVM
-    turns it into a RuntimeError). ``shown``: the path named in errors (default ``library``)."""
+    """``tvm.runtime.load_module`` of a file `check_elf` passed, re-raising our callback's error
+    (TVM turns it into a RuntimeError). ``shown``: the path named in errors (default ``library``)."""
     shown = library if shown is None else shown
-    check_elf(library, shown=shown)
     _CALLBACK.error = None
     try:
         return tvm.runtime.load_module(str(library))

@@ -27,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import tvm
 
+from .args import range_length
+
 Reference = Callable[[Sequence[int]], np.ndarray]
 
 
@@ -289,7 +291,7 @@ class Engine:
                                  "expected a 1-D integer array of token ids")
             return int(tokens.shape[0])
         if isinstance(tokens, range):
-            return max(0, -((tokens.start - tokens.stop) // tokens.step))  # len() overflows beyond 2**63
+            return range_length(tokens)  # len() overflows beyond 2**63
         if not isinstance(tokens, (list, tuple)):
             raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
                              f"array), got {type(tokens).__name__} {tokens!r:.80}")

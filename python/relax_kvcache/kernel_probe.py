@@ -17,10 +17,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import tvm
 
-from .config import AttnKind, KVCacheConfig, RopeMode
+from .config import KVCacheConfig, RopeMode
 from .errors import ConfigError
 from .kernel_set import KernelSet
-from .tensors import numpy_dtype, view
+from .tensors import numpy_dtype, row_view, view
 
 # token positions of the split_rotary probe (rotations by different angles)
 _PROBE_POSITIONS = (7, 1000)
@@ -81,19 +81,16 @@ class _PageProbe:
                  device: tvm.runtime.Device) -> None:
         self.config, self.kernels, self.device = config, kernels, device
         self.pages = pages
-        page_shape = tuple(pages.shape[1:])
-        page_bytes = int(np.prod(page_shape)) * numpy_dtype(config.dtype).itemsize
-        self.views = [view(pages, page_shape, i * page_bytes) for i in (0, 1)]
+        self.views = [row_view(pages, i) for i in (0, 1)]
         self.rng = np.random.default_rng(2)
-        self.want = [_exact_random(self.rng, page_shape) for _ in (0, 1)]
+        self.want = [_exact_random(self.rng, tuple(pages.shape[1:])) for _ in (0, 1)]
 
     def fill(self) -> None:
         for page, values in zip(self.views, self.want):
-            page.copyfrom(values.astype(numpy_dtype(self.config.dtype)))
+            _write(page, values, self.config.dtype)
 
     def slot(self, page: np.ndarray, slot: int) -> np.ndarray:
-        """A slot's values in a page's array (latent ``(ps, W)``, MHA ``(2, H, ps, D)``)."""
-        return page[slot] if self.config.is_mla else page[:, :, slot]
+        return _slot(page, slot, is_mla=self.config.is_mla)
 
     def append(self) -> None:
         """Append one token to position 0 (page 0, slot 0)."""
@@ -119,7 +116,7 @@ class _PageProbe:
         """Move page 1's last slot to page 0's slot 0 (page 1 refilled first)."""
         ps = self.config.page_size
         self.want[1] = _exact_random(self.rng, self.want[1].shape)
-        self.views[1].copyfrom(self.want[1].astype(numpy_dtype(self.config.dtype)))
+        _write(self.views[1], self.want[1], self.config.dtype)
         indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), self.device)
         positions = tvm.runtime.tensor(np.array([[2 * ps - 1], [0]], dtype=np.int32), self.device)
         self.kernels.compact_copy(self.pages, indptr, positions, 1)
@@ -168,8 +165,18 @@ def _expect_close(what: str, got: np.ndarray, want: np.ndarray, tol: float) -> N
 
 def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
     out = tvm.runtime.empty(values.shape, dtype, device)
-    out.copyfrom(values.astype(numpy_dtype(dtype)))
+    _write(out, values, dtype)
     return out
+
+
+def _write(tensor: tvm.runtime.Tensor, values: np.ndarray, dtype: str) -> None:
+    """Copy host ``values`` (any float dtype) into ``tensor`` of cache dtype ``dtype``."""
+    tensor.copyfrom(values.astype(numpy_dtype(dtype)))
+
+
+def _slot(page: np.ndarray, slot: int, *, is_mla: bool) -> np.ndarray:
+    """A slot's values in a page's host array (latent ``(ps, W)``, MHA ``(2, H, ps, D)``)."""
+    return page[slot] if is_mla else page[:, :, slot]
 
 
 def probe_foreign_attention(cache: Any) -> None:
@@ -283,21 +290,19 @@ def _stored_rows(cache: Any, layer: int) -> Tuple[np.ndarray, np.ndarray]:
     """The probe sequence's stored K and V ``(L, Hkv, D)`` of a layer, read from its pages
     (MLA: the latent rows as K ``(L, 1, W)``, V empty)."""
     cfg = cache.config
-    pages = cache._pages[layer]
-    page_shape = tuple(pages.shape[1:])
-    page_bytes = int(np.prod(page_shape)) * numpy_dtype(cfg.dtype).itemsize
     read = {}
     k, v = [], []
     for position in cache._paging.position_map(0, 0, cache.get_sequence_length(0)):
         page, slot = divmod(int(position), cfg.page_size)
         if page not in read:
             with np.errstate(invalid="ignore"):  # unused slots of the page may hold any bits
-                read[page] = view(pages, page_shape, page * page_bytes).numpy().astype(np.float64)
+                read[page] = row_view(cache._pages[layer], page).numpy().astype(np.float64)
+        values = _slot(read[page], slot, is_mla=cfg.is_mla)
         if cfg.is_mla:
-            k.append(read[page][slot][None])
+            k.append(values[None])
         else:
-            k.append(read[page][0, :, slot])
-            v.append(read[page][1, :, slot])
+            k.append(values[0])
+            v.append(values[1])
     return np.stack(k), (np.stack(v) if v else np.zeros(0))
 
 
@@ -355,7 +360,7 @@ def _poison_scratch(cache: Any, rows: int) -> None:
     writes nothing makes the merged output non-finite instead of merging stale values."""
     for scratch in (cache._scratch_o, cache._scratch_lse, cache._scratch_merged_lse):
         shape = (rows,) + tuple(scratch.shape[1:])
-        view(scratch, shape).copyfrom(np.full(shape, np.nan, dtype=numpy_dtype(str(scratch.dtype))))
+        _write(view(scratch, shape), np.full(shape, np.nan), str(scratch.dtype))
 
 
 def _poisoned(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:

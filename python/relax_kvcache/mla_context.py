@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 
 from .paging import PagingState
-from .tensors import allocate, numpy_dtype, view
+from .tensors import allocate, numpy_dtype, row_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +116,12 @@ _POISON_BITS = {"float32": (np.uint32, 0x7FC05A5A), "float16": (np.uint16, 0x7E5
 
 
 def _poison_row(shape: Tuple[int, ...], dtype: str) -> np.ndarray:
-    """One row ``(1, *shape)`` of the poison value, as a host array of ``dtype``."""
+    """One row ``shape`` of the poison value, as a host array of ``dtype``."""
     uint, bits = _POISON_BITS[dtype]
-    return np.full((1,) + tuple(shape), bits, dtype=uint).view(numpy_dtype(dtype))
+    return np.full(tuple(shape), bits, dtype=uint).view(numpy_dtype(dtype))
 
 
 def _edge_rows(t: tvm.runtime.Tensor) -> Tuple[tvm.runtime.Tensor, ...]:
     """Views of the first and (if different) last row of ``t (rows, H, D)``."""
-    rows, shape = t.shape[0], (1,) + tuple(t.shape[1:])
-    row_bytes = int(np.prod(t.shape[1:])) * t.dtype.itemsize
-    first = view(t, shape, 0)
-    return (first,) if rows == 1 else (first, view(t, shape, (rows - 1) * row_bytes))
+    rows = t.shape[0]
+    return tuple(row_view(t, i) for i in ((0,) if rows == 1 else (0, rows - 1)))

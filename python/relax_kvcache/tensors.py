@@ -35,6 +35,13 @@ def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 
     return _create_view(tensor, shape, tensor.dtype if dtype is None else dtype, byte_offset)
 
 
+def row_view(tensor: tvm.runtime.Tensor, index: int) -> tvm.runtime.Tensor:
+    """A view of ``tensor[index]`` (first axis) of a contiguous tensor; not for hot paths (it
+    reads ``tensor.dtype``)."""
+    shape = tuple(tensor.shape[1:])
+    return view(tensor, shape, index * int(np.prod(shape, dtype=np.int64)) * tensor.dtype.itemsize)
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     """The numpy dtype of a cache dtype name (bfloat16 through ``ml_dtypes``)."""
     if dtype == "bfloat16":

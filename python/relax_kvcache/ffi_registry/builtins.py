@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import tvm_ffi
 
-from ..cache import PagedAttentionKVCache
 from ..args import describe
+from ..cache import PagedAttentionKVCache
 from ..errors import ArgumentError
 
 ORIGINAL_PREFIX = "relax_kvcache.original."
