@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 import tvm
 
 from .config import SUPPORTED_DTYPES, KVCacheConfig
+from .deploy import DeployError, seal_library, verify_seal
 from .errors import ConfigError
 from .targets import check_can_compile, describe_target
 
@@ -296,11 +297,11 @@ def build_kernels(
         executable = _compile(spec, target, progress, kernel_identity(config))
         return executable.jit() if loadable else executable.mod
     path = cache_path(spec, target)
-    if loadable and path.exists():
+    if loadable and path.exists() and _cached_intact(path):
         _report(progress, f"loading cached kernels {path.name}")
         return tvm.runtime.load_module(str(path))
     executable = _compile(spec, target, progress, kernel_identity(config))
-    if not path.exists():
+    if not path.exists() or not _cached_intact(path):
         _export_atomic(executable, path)
     return tvm.runtime.load_module(str(path)) if loadable else executable.mod
 
@@ -343,12 +344,22 @@ def export_kernels(
         _export_atomic(_compile(spec, target, progress, kernel_identity(config)), dest)
         return dest
     cached = cache_path(spec, target)
-    if cached.exists():
+    if cached.exists() and _cached_intact(cached):
         _report(progress, f"copying cached kernels {cached.name}")
     else:
         _export_atomic(_compile(spec, target, progress, kernel_identity(config)), cached)
     _copy_atomic(cached, dest)
     return dest
+
+
+def _cached_intact(path: pathlib.Path) -> bool:
+    """Whether a cached library agrees with its seal (one written before seals existed counts as
+    intact); a corrupt one is compiled again and replaced."""
+    try:
+        verify_seal(path)
+    except DeployError:
+        return False
+    return True
 
 
 def cache_path(spec: AnyKernelSetSpec, target: tvm.target.Target) -> pathlib.Path:
@@ -470,6 +481,7 @@ def _export_atomic(executable: Executable, path: pathlib.Path) -> None:
         tmp_path = tmp.name
     try:
         executable.export_library(tmp_path)
+        seal_library(tmp_path)
         os.chmod(tmp_path, 0o755)  # a temporary file is private (0600); a library is not
         os.replace(tmp_path, path)
     finally:

@@ -22,14 +22,16 @@ import mmap
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
-import struct
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import tvm
 import tvm_ffi
 
+from . import elf_check
 from .targets import check_cuda_arch, cuda_arch
 
 #: File name of TVM's CUDA runtime library (device API, CUDA module loader).
@@ -89,9 +91,11 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     FileNotFoundError
         ``path`` is not a file.
     DeployError
-        The file is not a complete 64-bit ELF shared library (checked before loading: a
-        truncated one would crash the process), or the CUDA runtime library, the GPU, or nvcc
-        is missing, or nvcc failed.
+        The file is not a complete 64-bit ELF shared library, its bytes differ from its seal
+        (the SHA-256 appended to every library we write, :func:`seal_library`), or, for a
+        library without a seal, it crashes the dynamic loader in a trial load in a child
+        process (all checked before this process maps it: a truncated or corrupt library would
+        crash it); or the CUDA runtime library, the GPU, or nvcc is missing, or nvcc failed.
 
     A path loaded before whose file has changed since (rebuilt, replaced) is loaded from a
     temporary copy, so that the new file is the one loaded (the dynamic loader keeps the first
@@ -100,7 +104,7 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     library = _checked_library(path)
     if device is not None and not isinstance(device, tvm.runtime.Device):
         raise TypeError(f"device must be a tvm.runtime.Device or None, got {type(device).__name__}")
-    check_elf(library)  # before anything maps it
+    _check_library_file(library)  # before this process maps it
     if device is None and library_holds_cuda(library):
         device = tvm.cuda(0)
     if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
@@ -118,8 +122,17 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     with tempfile.TemporaryDirectory(prefix="relax_kvcache_reload_") as tmp:
         copy = pathlib.Path(tmp) / library.name
         shutil.copyfile(library, copy)
-        check_elf(copy, shown=library)  # the file may have changed again since its check
+        _check_library_file(copy, shown=library)  # the file may have changed again since its check
         return _load_module(copy, shown=library)
+
+
+def _check_library_file(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> None:
+    """Every check of a library file before this process maps it: its ELF headers, then its seal
+    (libraries we write) or, for a library without one, a trial load in a child process."""
+    shown = library if shown is None else shown
+    check_elf(library, shown=shown)
+    if not verify_seal(library, shown=shown):
+        check_loads(library, shown=shown)
 
 
 def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
@@ -165,50 +178,113 @@ def _not_a_file(path: pathlib.Path) -> str:
     return "does not exist"
 
 
-_ELF_MAGIC = b"\x7fELF"
-_ELF_HEADER = 64  # bytes, 64-bit
-_ELF_PHDR = 56  # bytes of a 64-bit program header
-_ELF_SHDR = 64  # bytes of a 64-bit section header
-
-
 def check_elf(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
-    """Raise DeployError unless ``path`` is a complete 64-bit ELF file: the magic, the class,
-    and the section header table and every segment (program header) within the file. The
-    dynamic loader maps a truncated library and crashes (SIGBUS) reading past its end.
-    ``shown``: the path named in the error (default ``path``)."""
-    shown = str(path if shown is None else shown)
+    """Raise DeployError unless ``path`` is a well-formed 64-bit ELF shared library
+    (:func:`relax_kvcache.elf_check.check_elf`: the header, segments within the file and the
+    tables the dynamic loader walks). ``shown``: the path named in the error (default ``path``)."""
+    try:
+        elf_check.check_elf(path)
+    except elf_check.ElfError as err:
+        raise DeployError(f"could not load {str(path if shown is None else shown)!r}: {err}; expected a complete, "
+                          "well-formed 64-bit ELF shared library written by `relax-kvcache build` / export_kernels "
+                          "(or a model's export_library)") from None
 
-    def bad(what: str) -> DeployError:
-        return DeployError(f"could not load {shown!r}: {what}; expected a complete 64-bit ELF shared library "
-                           "written by `relax-kvcache build` / export_kernels (or a model's export_library)")
 
+#: The seal appended to every library we write: this mark, then the SHA-256 of the bytes before
+#: the seal. The dynamic loader ignores bytes past what the ELF headers describe, and a copy of
+#: the file keeps its seal.
+SEAL_MARK = b"relax_kvcache-sha256:"
+_SEAL_BYTES = len(SEAL_MARK) + 32
+
+
+def seal_library(path: Union[str, "os.PathLike[str]"]) -> None:
+    """Append the seal (:data:`SEAL_MARK` and the SHA-256 of the file) to the library at
+    ``path`` unless it has one; :func:`load` then refuses any copy of it whose bytes changed."""
+    path = pathlib.Path(path)
+    if _read_seal(path) is not None:
+        return
+    digest = bytes.fromhex(_sha256_of(path))
+    with open(path, "ab") as f:
+        f.write(SEAL_MARK + digest)
+
+
+def verify_seal(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> bool:
+    """Check the seal of the library at ``path``.
+
+    Returns True when it has one and its bytes agree with it, False when it has none (a
+    library written by other tools); raises DeployError when they disagree. ``shown``: the
+    path named in the error (default ``path``)."""
+    path = pathlib.Path(path)
+    seal = _read_seal(path)
+    if seal is None:
+        return False
+    actual = _sha256_of(path, size=path.stat().st_size - _SEAL_BYTES)
+    if actual != seal.hex():
+        raise DeployError(f"could not load {str(path if shown is None else shown)!r}: its SHA-256 is {actual[:16]}..., "
+                          f"its seal (written with it) says {seal.hex()[:16]}...: the library is corrupt; expected "
+                          "the bytes `relax-kvcache build` / export_kernels wrote (build it again)")
+    return True
+
+
+def _read_seal(path: pathlib.Path) -> Optional[bytes]:
+    """The digest in the seal at the end of ``path``, or None when it ends otherwise."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        header = f.read(_ELF_HEADER)
-        if header[:4] != _ELF_MAGIC:
-            raise bad(f"not an ELF file (starts with {header[:4]!r}, expected {_ELF_MAGIC!r})")
-        if len(header) < _ELF_HEADER:
-            raise bad(f"the file is {size} bytes, shorter than an ELF header ({_ELF_HEADER} bytes)")
-        if header[4] != 2:
-            raise bad(f"ELF class {header[4]} (expected 2, 64-bit)")
-        if header[5] not in (1, 2):
-            raise bad(f"ELF data encoding {header[5]} (expected 1 or 2)")
-        order = "<" if header[5] == 1 else ">"
-        phoff, shoff = struct.unpack_from(order + "QQ", header, 0x20)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", header, 0x36)
-        if shoff and shoff + shnum * shentsize > size:
-            raise bad(f"the section header table (offset {shoff}, {shnum} x {shentsize} bytes) ends past the end "
-                      f"of the file ({size} bytes): the file is truncated")
-        if phnum and (phentsize < _ELF_PHDR or phoff + phnum * phentsize > size):
-            raise bad(f"the program header table (offset {phoff}, {phnum} x {phentsize} bytes) does not fit in "
-                      f"the file ({size} bytes): the file is truncated or corrupt")
-        for i in range(phnum):
-            f.seek(phoff + i * phentsize)
-            entry = f.read(_ELF_PHDR)
-            offset, filesz = struct.unpack_from(order + "Q", entry, 8)[0], struct.unpack_from(order + "Q", entry, 32)[0]
-            if offset + filesz > size:
-                raise bad(f"segment {i} (file offset {offset}, {filesz} bytes) ends past the end of the file "
-                          f"({size} bytes): the file is truncated")
+        if size < _SEAL_BYTES:
+            return None
+        f.seek(size - _SEAL_BYTES)
+        tail = f.read(_SEAL_BYTES)
+    return tail[len(SEAL_MARK):] if tail.startswith(SEAL_MARK) else None
+
+
+def _sha256_of(path: pathlib.Path, *, size: Optional[int] = None) -> str:
+    """SHA-256 (hex) of the first ``size`` bytes of ``path`` (default: all of them)."""
+    digest = hashlib.sha256()
+    left = os.path.getsize(path) if size is None else size
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 20))
+            if not block:
+                break
+            digest.update(block)
+            left -= len(block)
+    return digest.hexdigest()
+
+
+#: What the trial load runs in a child process: only the dynamic loader, no TVM.
+_TRIAL_LOAD = ("import ctypes, os, sys\n"
+               "try:\n"
+               "    ctypes.CDLL(sys.argv[1], mode=os.RTLD_LAZY | os.RTLD_LOCAL)\n"
+               "except OSError:\n"
+               "    pass  # missing dependencies etc.: TVM's own load reports them\n")
+_TRIAL_LOAD_TIMEOUT_S = 120.0
+
+
+def check_loads(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
+    """Open ``path`` with the dynamic loader in a child process (about 0.05 s) and raise
+    DeployError if that crashes or hangs: a corrupt library of the right size passes
+    :func:`check_elf` and can crash the loader (SIGSEGV) while it relocates the library.
+    Loader errors (an unresolved dependency) are left to the real load, which reports them.
+    ``shown``: the path named in the error (default ``path``)."""
+    shown = str(path if shown is None else shown)
+    if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
+        return  # an embedding program's executable is not a Python interpreter
+    cmd = [sys.executable, "-I", "-S", "-c", _TRIAL_LOAD, os.fspath(path)]
+    try:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              timeout=_TRIAL_LOAD_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise DeployError(f"could not load {shown!r}: opening it with the dynamic loader did not finish in "
+                          f"{_TRIAL_LOAD_TIMEOUT_S:.0f} s (in a child process); expected a shared library written "
+                          "by `relax-kvcache build` / export_kernels (or a model's export_library)") from None
+    if proc.returncode < 0:
+        try:
+            name = signal.Signals(-proc.returncode).name
+        except ValueError:
+            name = f"signal {-proc.returncode}"
+        raise DeployError(f"could not load {shown!r}: the dynamic loader crashed on it ({name}, in a child "
+                          "process): the library is corrupt; expected a shared library written by "
+                          "`relax-kvcache build` / export_kernels (or a model's export_library)")
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:
