@@ -210,3 +210,15 @@ def test_system_libraries_pass_the_structure_check():
     assert len(found) >= 3, found
     for path in found:
         deploy.check_elf(path)
+
+
+def test_a_huge_version_need_count_does_not_hang(unsealed, tmp_path):
+    """The loader follows the version-need chain's links, not its count; so does the check."""
+    import time
+
+    data = unsealed.read_bytes()
+    path = tmp_path / "verneednum.so"
+    path.write_bytes(_patched(data, _dynamic_entry_offset(data, 0x6FFFFFFF) + 8, "<Q", (1 << 32) - 1))
+    start = time.perf_counter()
+    deploy.check_elf(path)
+    assert time.perf_counter() - start < 5

@@ -240,15 +240,21 @@ def _check_gnu_hash(image: _Image, addr: int, nsyms: int) -> None:
 
 
 def _check_verneed(image: _Image, addr: int, count: int, strsz: int) -> None:
-    for _ in range(min(count, _MAX_ENTRIES)):
+    """The version-need chain, as the loader walks it: ``count`` entries (or until a zero link)."""
+    most = image.size // 16  # entries of 16 bytes: no chain is longer without repeating itself
+    for _ in range(min(count, most)):
         _, version_count, file, aux, nxt = struct.unpack(image.order + "HHIII",
                                                          image.table(addr, 16, "the version needs"))
         if file >= strsz:
             raise ElfError(f"a version need names file string {file}, past the string table ({strsz} bytes)")
         at = addr + aux
-        for _ in range(version_count):
+        for _ in range(min(version_count, most)):
             _, _, _, name, aux_next = struct.unpack(image.order + "IHHII", image.table(at, 16, "the version needs"))
             if name >= strsz:
                 raise ElfError(f"a version names string {name}, past the string table ({strsz} bytes)")
+            if not aux_next:
+                break
             at += aux_next
+        if not nxt:
+            break
         addr += nxt
