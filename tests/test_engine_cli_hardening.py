@@ -127,6 +127,18 @@ def test_cancel_removes_the_request_and_frees_its_sequence():
             call()
 
 
+def test_an_engine_cannot_be_copied_or_pickled():
+    import copy
+    import pickle
+
+    engine = _engine()
+    req = engine.add_request([1, 2, 3], 4)
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="an Engine cannot be copied or pickled"):
+            attempt(engine)
+    assert list(engine.requests.values()) == [req]
+
+
 # ---------------------------------------------------------------------------- engine with the model
 
 

@@ -489,3 +489,15 @@ def test_huge_ranges_are_refused_before_they_are_expanded(cache):
         _create_with(cache._kernels, a6=range(10**15))
     cache.begin_forward(range(1), range(4, 5))  # small ranges still work
     cache.end_forward()
+
+
+def test_a_cache_cannot_be_copied_or_pickled(cache):
+    """A shallow copy shared the pages but not the step state: a step begun on one copy let the
+    other remove the sequences it writes to."""
+    import copy
+    import pickle
+
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        _unchanged(cache, lambda: attempt(cache), rk.ArgumentError, "cannot be copied or pickled")
+    cache.begin_forward([0], [1])  # still usable
+    cache.end_forward()

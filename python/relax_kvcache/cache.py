@@ -21,7 +21,7 @@ from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels, kernel_identity
 from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
-from .errors import ConfigError, ForwardError, KVCacheError, SequenceError
+from .errors import ArgumentError, ConfigError, ForwardError, KVCacheError, SequenceError
 from .kernel_probe import probe_foreign_attention, probe_foreign_kernels
 from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
@@ -1033,6 +1033,20 @@ class PagedAttentionKVCache:
         self._check_not_busy(what)
         if self._step is not None:
             raise ForwardError(f"{what} is not allowed while a forward step is active; call end_forward first")
+
+    def __reduce_ex__(self, protocol):
+        """Refuse ``copy.copy``, ``copy.deepcopy`` and pickling: a copy would share this cache's
+        pages but not its step state (or hold device pages it cannot copy)."""
+        raise ArgumentError(f"a PagedAttentionKVCache cannot be copied or pickled (it owns "
+                            f"{self.config.num_total_pages} pages on {self.device} and the step in "
+                            "progress); expected one owner: fork_sequence shares a sequence's KV, a new "
+                            "cache of the same config starts empty")
+
+    def __copy__(self):
+        self.__reduce_ex__(0)
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(0)
 
     def __repr__(self) -> str:
         cfg = self.config

@@ -132,6 +132,17 @@ class Engine:
         self._begin, self._end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
 
+    def __reduce_ex__(self, protocol):
+        """Refuse copies and pickling: a copy would drive the same cache with its own requests."""
+        raise TypeError("an Engine cannot be copied or pickled (it drives one cache and owns its requests); "
+                        "expected one Engine per cache: fork a request for parallel samples")
+
+    def __copy__(self):
+        self.__reduce_ex__(0)
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(0)
+
     # ---------------------------------------------------------------- requests
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
