@@ -501,3 +501,122 @@ def test_a_cache_cannot_be_copied_or_pickled(cache):
         _unchanged(cache, lambda: attempt(cache), rk.ArgumentError, "cannot be copied or pickled")
     cache.begin_forward([0], [1])  # still usable
     cache.end_forward()
+
+
+# ------------------------------------------------------------------ tenth round
+
+def test_cross_attention_after_an_append_that_reused_a_slid_page_is_refused():
+    """A page that slid out of a window took new tokens in the step; cross_attention after the
+    layer's fused append read them as the window's old tokens (wrong output, no error)."""
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, max_num_seqs=8,
+                           max_total_seq_len=128, prefill_chunk_size=32, support_sliding_window=True,
+                           dtype="float32")
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    for seq in (0, 1, 2):
+        c.add_sequence(seq)
+    c.enable_sliding_window_for_seq(0, 10, 0)
+    rng = np.random.default_rng(3)
+    refused = 0
+    for lens in ([4, 3, 2], [2, 5, 2], [1, 2, 4], [2, 5, 4], [2, 2, 2], [5, 4, 5], [5, 1, 1], [4, 3, 3], [4, 1, 4]):
+        n = sum(lens)
+        c.begin_forward([0, 1, 2], lens)
+        q = tvm.runtime.tensor(rng.standard_normal((n, 4, 16)).astype("float32"))
+        o, lse = tvm.runtime.empty((n, 4, 16), "float32"), tvm.runtime.empty((n, 4), "float32")
+        c.cross_attention(0, q, o, lse, 0.3)  # before the append: allowed
+        qkv = tvm.runtime.tensor(rng.standard_normal((n, 8, 16)).astype("float32"))
+        c.attention_with_fused_qkv(0, qkv, tvm.runtime.empty((n, 4, 16), "float32"), 0.3)
+        if c._step.reused_pages:
+            _unchanged(c, lambda: c.cross_attention(0, q, o, lse, 0.3), rk.ForwardError,
+                       r"cross_attention\(0\) would read layer 0's KV after its append overwrote page")
+            refused += 1
+        else:
+            c.cross_attention(0, q, o, lse, 0.3)
+        c.end_forward()
+    assert refused
+
+
+def test_kernels_in_the_wrong_role_are_refused_at_creation(cache):
+    """The paged tree kernel (used when a tree grows over a second step) and debug_get_kv were
+    not probed: kernels of another role failed later, after K/V were appended."""
+    k = cache._kernels
+    ragged_tree = ["tirx", k.attention_prefill_ragged_tree]
+    assert _create_with(k, a20=["tirx", k.attention_prefill_tree], a21=ragged_tree).empty()
+    for replaced in [dict(a20=["tirx", k.attention_prefill], a21=ragged_tree), dict(a26=k.copy_single_page)]:
+        with pytest.raises(rk.ConfigError, match="fails on this cache's tensors"):
+            _create_with(k, **replaced)
+    # a debug_get_kv that writes nothing (or another layer's rows)
+    for fake in (tvm_ffi.convert(lambda *a: None),
+                 tvm_ffi.convert(lambda pages, pos, kd, vd, layer: k.debug_get_kv(pages, pos, kd, vd, 1 - layer))):
+        with pytest.raises(rk.ConfigError, match="debug_get_kv does not return the K/V stored"):
+            _create_with(k, a26=fake)
+    assert _create_with(k).empty()
+
+
+def test_a_changed_kernel_set_loses_its_identity_and_is_probed(cache):
+    """``dataclasses.replace`` kept the identity of our library, so a swapped kernel skipped the
+    probe and failed mid-step after appending."""
+    k = cache._kernels
+    assert k.identity is not None and dataclasses.replace(k).identity is None
+    with pytest.raises(rk.ConfigError, match="fails on this cache's tensors"):
+        rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(k, attention_decode=k.attention_prefill))
+    with pytest.raises(ValueError, match="init=False"):
+        dataclasses.replace(k, identity=k.identity)  # not settable
+    assert rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(k)).empty()
+
+
+class _LyingInt(int):
+    def __int__(self):
+        return 0
+
+    def __index__(self):
+        return 0
+
+    def __gt__(self, other):
+        return True
+
+    def __lt__(self, other):
+        return True
+
+
+class _AlwaysEqual(int):
+    __hash__ = int.__hash__
+
+    def __eq__(self, other):
+        return True
+
+    def __bool__(self):
+        return False
+
+
+def test_config_ints_and_bools_run_no_user_code():
+    """int() ran an int subclass's __int__ (num_layers=I(2) became 0; page_size 0 divided by
+    zero); ``value in (0, 1)`` ran __eq__ (support_sliding_window=B(7) accepted)."""
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, max_num_seqs=8,
+                max_total_seq_len=64, prefill_chunk_size=16)
+    for name, value in base.items():
+        cfg = rk.KVCacheConfig(**{**base, name: _LyingInt(value)})
+        assert getattr(cfg, name) == value and type(getattr(cfg, name)) is int
+    with pytest.raises(rk.ConfigError, match="support_sliding_window must be a bool .or 0 / 1., got a _AlwaysEqual"):
+        rk.KVCacheConfig(**base, support_sliding_window=_AlwaysEqual(7))
+    assert rk.KVCacheConfig(**base, support_sliding_window=_AlwaysEqual(1)).support_sliding_window is True
+    with pytest.raises(rk.ArgumentError, match="must be a bool"):
+        rk.args.as_bool("flag", _AlwaysEqual(7))
+
+
+def test_constructor_arguments_of_the_wrong_type_or_device_kind():
+    for config in (None, "cfg", CFG.__dict__):
+        with pytest.raises(rk.ArgumentError, match="config must be a KVCacheConfig"):
+            rk.PagedAttentionKVCache(config)
+    with pytest.raises(rk.ArgumentError, match="target must be a tvm.target.Target or None, got 'cuda'"):
+        rk.PagedAttentionKVCache(CFG, tvm.cpu(), target="cuda")
+    with pytest.raises(rk.ConfigError, match="target cuda compiles for another kind of device than cpu"):
+        rk.PagedAttentionKVCache(CFG, tvm.cpu(), target=tvm.target.Target("cuda"))
+
+
+def test_builtins_refuse_ffi_objects_that_are_not_caches(cache):
+    """Any tvm_ffi.Object went to TVM's function (TypeError / InternalError from TVM)."""
+    for obj in (tvm_ffi.Array([1]), tvm_ffi.Map({"a": 1}), tvm_ffi.convert(lambda: 1), tvm_ffi.Shape([1])):
+        for name, args in (("vm.builtin.kv_state_clear", ()), ("vm.builtin.kv_state_begin_forward", ([0], [1])),
+                           ("vm.builtin.attention_kv_cache_get_num_available_pages", ())):
+            with pytest.raises(rk.ArgumentError, match="expected a relax_kvcache.PagedAttentionKVCache or a TVM KV"):
+                tvm_ffi.get_global_func(name)(obj, *args)

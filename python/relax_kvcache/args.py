@@ -179,21 +179,28 @@ def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
     ArgumentError
         Otherwise (``error`` names another ``KVCacheError`` class, e.g. ``ConfigError``).
     """
-    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+    if type(value) in (bool, np.bool_):
         return bool(value)
+    try:
+        number = as_int(name, value)  # an int subclass's own __eq__ / __bool__ do not run
+    except ArgumentError:
+        number = None
+    if number in (0, 1):
+        return bool(number)
     raise error(f"{name} must be a bool (or 0 / 1), got {describe(value)}")
 
 
-def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:
-    """Check ``PagedAttentionKVCache``'s device, kernels and layer_offset; return the offset.
+def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any = None) -> int:
+    """Check ``PagedAttentionKVCache``'s device, kernels, layer_offset and target; return the offset.
 
     Raises
     ------
     ArgumentError
         ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
-        or ``layer_offset`` not an int.
+        ``layer_offset`` not an int, or ``target`` not a ``tvm.target.Target`` (or None).
     ConfigError
-        ``layer_offset`` is negative or beyond int32, or the device index is negative.
+        ``layer_offset`` is negative or beyond int32, the device index is negative, or
+        ``target`` compiles for another kind of device than ``device``.
     """
     from .errors import ConfigError
     from .kernel_set import KernelSet
@@ -208,4 +215,10 @@ def check_cache_args(device: Any, kernels: Any, layer_offset: Any) -> int:
     offset = as_int("layer_offset", layer_offset)
     if not 0 <= offset <= INT32_MAX:
         raise ConfigError(f"layer_offset must be in [0, {INT32_MAX}], got {offset}")
+    if target is not None and not isinstance(target, tvm.target.Target):
+        raise ArgumentError(f"target must be a tvm.target.Target or None, got {describe(target)} of type "
+                            f"{type(target).__name__} (e.g. relax_kvcache.targets.make_target('cuda'))")
+    if target is not None and target.get_target_device_type() != int(device.dlpack_device_type()):
+        raise ConfigError(f"target {target.kind.name} compiles for another kind of device than {device}; expected "
+                          "a target of the device's kind (or None: the device's default target)")
     return offset

@@ -16,7 +16,7 @@ import numpy as np
 import tvm
 
 from . import metadata as md
-from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args
+from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args, describe
 from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels, kernel_identity
 from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
@@ -157,9 +157,9 @@ class PagedAttentionKVCache:
                  target: Optional[tvm.target.Target] = None, kernels: Optional[KernelSet] = None,
                  progress=None, layer_offset: int = 0) -> None:
         if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+            raise ArgumentError(f"config must be a KVCacheConfig, got {describe(config)} of type {type(config).__name__}")
         device = tvm.cpu() if device is None else device
-        layer_offset = check_cache_args(device, kernels, layer_offset)
+        layer_offset = check_cache_args(device, kernels, layer_offset, target)
         if kernels is None:
             target = default_target(device) if target is None else target
             kernels = KernelSet.from_module(build_kernels(config, target, progress=progress))
@@ -705,8 +705,10 @@ class PagedAttentionKVCache:
         rows = n * cfg.num_qo_heads
         check_disjoint([("o", o, rows * cfg.v_head_dim * self._itemsize), ("lse", lse, rows * 4)],
                        [("q", q, rows * cfg.head_dim * self._itemsize)])
-        self._paged_attention(step, layer, q, o, lse, _as_float("sm_scale", sm_scale), first=True,
-                              write_empty=True)
+        sm_scale = _as_float("sm_scale", sm_scale)
+        if self._step.reused_pages and layer in self._appended_layers:
+            raise ForwardError(self._reused_pages_message(f"cross_attention({layer_id})", layer_id))
+        self._paged_attention(step, layer, q, o, lse, sm_scale, first=True, write_empty=True)
 
     def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
                                   o_cross_attn: tvm.runtime.Tensor, lse_cross_attn: tvm.runtime.Tensor

@@ -10,8 +10,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 from tvm_ffi import dtype as DataType
 
-from .args import as_bool
-from .errors import ConfigError
+from .args import as_bool, as_float, as_int, describe
+from .errors import ArgumentError, ConfigError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -46,44 +46,53 @@ class AttnKind(enum.IntEnum):
     MHA_SLIDING = 3
 
 
+def _exact_int(value: object) -> Optional[int]:
+    """``value`` as a Python int (ints, numpy integers; not bools, floats or strings, which
+    int() accepts), or None; an int subclass's own methods do not run."""
+    try:
+        return as_int("value", value)
+    except ArgumentError:
+        return None
+
+
 def _kind(value: object) -> int:
     """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    number = _exact_int(value)
+    if number is None:
         raise ValueError(value)
-    return int(value)
+    return number
 
 
 def _positive(name: str, value: object) -> int:
     """A positive int32 (Python or numpy integer) as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 < value <= MAX_INT:
-        raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {value!r:.80} (sizes are int32: "
+    number = _exact_int(value)
+    if number is None or not 0 < number <= MAX_INT:
+        raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {describe(value)} (sizes are int32: "
                           f"1 to {MAX_INT})")
-    return int(value)
+    return number
 
 
 def _dtype(value: object) -> str:
     """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype."""
     name = value if isinstance(value, str) else str(value) if isinstance(value, (np.dtype, DataType)) else None
     if name not in SUPPORTED_DTYPES:
-        raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {value!r:.80}")
+        raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {describe(value)}")
     return name
 
 
 def _rope_float(name: str, value: object, *, used: bool) -> float:
     """RoPE theta / scale as a float the kernels' float32 arguments hold: finite, and where RoPE
     is used positive and normal (a float32 underflowing to 0 or overflowing to inf gives NaN)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"KVCacheConfig.{name} must be a number, got {value!r:.80}")
-    try:
-        result = float(value)
-    except OverflowError:
-        result = math.inf
+    try:  # a subclass's own __float__ / __index__ do not run
+        result = as_float(f"KVCacheConfig.{name}", value, not_finite=ConfigError)
+    except ArgumentError:
+        raise ConfigError(f"KVCacheConfig.{name} must be a number, got {describe(value)}") from None
+    except ConfigError:
+        raise ConfigError(f"KVCacheConfig.{name} must be a finite float32 number, got {describe(value)}") from None
     f32 = np.finfo(np.float32)
-    if not (math.isfinite(result) and abs(result) <= float(f32.max)):
-        raise ConfigError(f"KVCacheConfig.{name} must be a finite float32 number, got {value!r:.80}")
     if used and not result >= float(f32.tiny):
         raise ConfigError(f"KVCacheConfig.{name} must be positive (at least {f32.tiny:.3g}, float32's smallest "
-                          f"normal number) when RoPE is used, got {value!r:.80}")
+                          f"normal number) when RoPE is used, got {describe(value)}")
     return result
 
 
@@ -183,7 +192,7 @@ class KVCacheConfig:
             object.__setattr__(self, "rope_mode", RopeMode(_kind(self.rope_mode)))
         except ValueError:
             raise ConfigError(
-                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {self.rope_mode!r:.80}"
+                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {describe(self.rope_mode)}"
             ) from None
         for name in ("rope_theta", "rope_scale"):
             value = _rope_float(name, getattr(self, name), used=self.rope_mode != RopeMode.NONE)
@@ -232,7 +241,7 @@ class KVCacheConfig:
                 "for MHA layers")
         for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
             if getattr(self, name) is not None:
-                raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {getattr(self, name)!r} "
+                raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {describe(getattr(self, name))} "
                                   f"with attn_kinds {[k.name for k in self.attn_kinds]}")
 
     def _check_mla(self) -> None:
@@ -263,7 +272,7 @@ class KVCacheConfig:
         if kinds is None:
             return (AttnKind.MHA,) * self.num_layers
         if isinstance(kinds, (str, bytes)) or not hasattr(kinds, "__len__"):
-            raise ConfigError(f"KVCacheConfig.attn_kinds must be a sequence of ints, got {kinds!r:.80}")
+            raise ConfigError(f"KVCacheConfig.attn_kinds must be a sequence of ints, got {describe(kinds)}")
         kinds = tuple(kinds)
         if len(kinds) != self.num_layers:
             raise ConfigError(
@@ -272,7 +281,7 @@ class KVCacheConfig:
             return tuple(AttnKind(_kind(k)) for k in kinds)
         except ValueError:
             raise ConfigError(
-                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA) or 3 (MHA_SLIDING), got {kinds}"
+                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA) or 3 (MHA_SLIDING), got {describe(kinds)}"
             ) from None
 
     @property

@@ -207,15 +207,20 @@ def probe_foreign_attention(cache: Any) -> None:
     layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
     run = _probe_mla_step if cfg.is_mla else _probe_mha_step
     cache.add_sequence(0)
+    tree: Optional[Tuple[int, List[int]]] = None  # (committed length, parents of every tree node so far)
     try:
         for length, parents in steps:
+            if parents is not None:
+                tree = (cache.get_sequence_length(0), []) if tree is None else tree
+                tree[1].extend(parents)
             cache.begin_forward([0], [length], parents)
             try:
                 for layer in layers:
                     _poison_scratch(cache, length)
-                    run(cache, rng, layer, length, tree=parents is not None)
+                    run(cache, rng, layer, _visible(cache.get_sequence_length(0), length, tree))
             finally:
                 cache.end_forward()
+        _probe_debug_get_kv(cache, layers)
         _probe_merge(cache, rng)
     except ConfigError:
         raise
@@ -229,12 +234,14 @@ def probe_foreign_attention(cache: Any) -> None:
 
 def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tuple[int, Optional[Sequence[int]]]]:
     """(length, token-tree parents) of the probe steps that fit in the pool, the chunk size
-    and ``max_length``; the tree (two roots) last, as it stays uncommitted."""
+    and ``max_length``; the tree last, as it stays uncommitted: two roots, then a child of the
+    first in a second step (whose paged part holds the first step's nodes: the paged tree
+    kernel)."""
     capacity, ps = cfg.num_total_pages * cfg.page_size, cfg.page_size
     prefill = max(1, min(cfg.prefill_chunk_size, max_length, ps + 1 if ps <= 256 else 2, capacity - 2))
     steps = [(1, None), (prefill, None), (1, None)]
     if tree and min(cfg.prefill_chunk_size, max_length) >= 2:
-        steps.append((2, [-1, -1]))
+        steps += [(2, [-1, -1]), (1, [0])]
     kept, total = [], 0
     for length, parents in steps:
         total += length
@@ -243,8 +250,25 @@ def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tup
     return kept
 
 
-def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, tree: bool) -> None:
+def _visible(length: int, n: int, tree: Optional[Tuple[int, List[int]]]) -> np.ndarray:
+    """Which of a sequence's ``length`` stored rows each of the step's ``n`` (last) tokens sees:
+    causal, or in a token tree the committed prefix and the node's ancestors and itself."""
+    rows = np.arange(length)
+    if tree is None:
+        return rows[None, :] < np.arange(length - n + 1, length + 1)[:, None]
+    base, parents = tree
+    mask = np.zeros((n, length), dtype=bool)
+    mask[:, :base] = True
+    for i, node in enumerate(range(len(parents) - n, len(parents))):
+        while node != -1:
+            mask[i, base + node] = True
+            node = parents[node]
+    return mask
+
+
+def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: np.ndarray) -> None:
     cfg = cache.config
+    n = len(visible)
     hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = _exact_random(rng, (n, hq + 2 * hkv, d))
     o = _poisoned((n, hq, d), cfg.dtype, cache.device)
@@ -253,16 +277,16 @@ def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *,
     k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
     rope = cfg.effective_rope_mode
     window = cfg.layer_sliding_window_size if cache._windowed_layers[layer] else len(k)
-    if not tree and (len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k))):  # queries as the kernel sees
+    if len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k)):  # queries as the kernel sees them
         q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
         group = hq // hkv
-        visible = np.arange(len(k) - n + 1, len(k) + 1)  # causal: query i sees the prefix and new tokens <= i
         want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), d ** -0.5, visible)
     _check_output("attention_with_fused_qkv", o, want, cfg.dtype, expected="float64 attention over the stored K/V")
 
 
-def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *, tree: bool) -> None:
+def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, visible: np.ndarray) -> None:
     cfg = cache.config
+    n = len(visible)
     hq, width, lora = cfg.num_qo_heads, cfg.head_dim, cfg.v_head_dim
     cache.append_mla_kv(cache.layer_offset + layer, _tensor(_exact_random(rng, (n, width)), cfg.dtype, cache.device))
     q = _exact_random(rng, (n, hq, width))
@@ -272,8 +296,9 @@ def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *,
     # prefill step's queries see the prefix only (self_attention covers the new tokens)
     latent = _stored_rows(cache, layer)[0][:, 0]
     keys = np.broadcast_to(latent[:, None], (len(latent), hq, width))
-    visible = np.full(n, len(latent) if n == 1 else len(latent) - n)
-    want = _attention(q, keys, keys[..., :lora], width ** -0.5, visible) if visible[0] else None
+    seen = len(latent) if n == 1 else len(latent) - n
+    want = (_attention(q, keys, keys[..., :lora], width ** -0.5, np.arange(len(latent))[None, :] < seen)
+            if seen else None)
     _check_output("cross_attention", o, want, cfg.dtype, expected="float64 attention over the stored latent rows")
     dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
     if dqk is not None:
@@ -282,7 +307,7 @@ def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, n: int, *,
         lse_self = _poisoned((n, hq), "float32", cache.device)
         cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
                              o_self, lse_self, dqk ** -0.5)
-        want = _attention(q, k, v, dqk ** -0.5, np.arange(1, n + 1))  # causal over the step's tokens
+        want = _attention(q, k, v, dqk ** -0.5, _visible(n, n, None))  # causal over the step's tokens
         _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
 
 
@@ -306,11 +331,34 @@ def _stored_rows(cache: Any, layer: int) -> Tuple[np.ndarray, np.ndarray]:
     return np.stack(k), (np.stack(v) if v else np.zeros(0))
 
 
+def _probe_debug_get_kv(cache: Any, layers: Sequence[int]) -> None:
+    """``debug_get_kv`` (MLA: ``debug_get_kv_mla``) of the probe sequence must return exactly
+    the rows stored in the pages of the probed layers (MLA's chunked context reads through it)."""
+    cfg = cache.config
+    if cache._kernels.debug_get_kv is None:
+        return
+    length = cache.get_sequence_length(0)
+    row = (cfg.head_dim,) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim)
+    outputs = [_poisoned((cfg.num_layers, length) + row, cfg.dtype, cache.device) for _ in range(1 if cfg.is_mla else 2)]
+    if cfg.is_mla:
+        cache.debug_get_kv_mla(0, 0, length, outputs[0])
+    else:
+        cache.debug_get_kv(0, 0, length, *outputs)
+    with np.errstate(invalid="ignore"):  # layers the probe did not write hold any bits
+        got = [out.numpy().astype(np.float64) for out in outputs]
+    for layer in layers:
+        stored = _stored_rows(cache, layer)
+        want = [stored[0][:, 0]] if cfg.is_mla else list(stored)
+        if not all(np.array_equal(g[layer], w) for g, w in zip(got, want)):
+            raise ConfigError("the kernel behind debug_get_kv does not return the K/V stored in the pages; "
+                              "expected kernels built for this config")
+
+
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
     """Float64 attention of ``q (n, H, D)`` over ``k (L, H, D)``, ``v (L, H, Dv)``; query i sees
-    keys ``[0, visible[i])``."""
+    the keys where ``visible[i]`` (a bool ``(n, L)`` or ``(1, L)`` mask) is true."""
     scores = np.einsum("nhd,lhd->nhl", q, k) * scale
-    scores = np.where(np.arange(len(k))[None, None, :] < visible[:, None, None], scores, -np.inf)
+    scores = np.where(visible[:, None, :], scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=2, keepdims=True))
     weights /= weights.sum(axis=2, keepdims=True)
     return np.einsum("nhl,lhd->nhd", weights, v)

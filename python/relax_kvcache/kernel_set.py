@@ -46,8 +46,10 @@ class KernelSet:
     transpose_append_mla: Optional[Function] = None
     attention_prefill_mla: Optional[Function] = None
     #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
-    #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it).
-    identity: Optional[Tuple[Tuple[str, float], ...]] = None
+    #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it). Set
+    #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
+    #: has none, so a cache probes its kernels as it does foreign ones.
+    identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
 
     def missing(self, roles: Sequence[str]) -> List[str]:
         """The roles among ``roles`` this set has no kernel for."""
@@ -60,7 +62,7 @@ class KernelSet:
             return mod.get_function(role, query_imports=True) if mod.implements_function(role, query_imports=True) else None
 
         merge = get("merge_inplace")
-        return cls(
+        kernels = cls(
             transpose_append=get("transpose_append"),
             split_rotary=get("split_rotary"),
             copy_single_page=get("copy_single_page"),
@@ -78,8 +80,9 @@ class KernelSet:
             attention_prefill_tree=get("attention_prefill_tree"),
             transpose_append_mla=get("transpose_append_mla"),
             attention_prefill_mla=get("attention_prefill_mla"),
-            identity=_identity(get),
         )
+        object.__setattr__(kernels, "identity", _identity(get))
+        return kernels
 
     @classmethod
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":

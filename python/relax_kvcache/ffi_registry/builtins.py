@@ -115,11 +115,28 @@ def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any])
                 raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "
                                     f"argument(s) after the cache, got {len(args)}")
             return ours(cache, *args)
-        if not isinstance(cache, tvm_ffi.Object):  # None reaches TVM's functions as a null cache: a crash
+        if not _is_tvm_state(cache):  # None reaches TVM's functions as a null cache: a crash
             raise ArgumentError(f"{name}: the cache is {describe(cache)} of type {type(cache).__name__}; expected a "
                                 "relax_kvcache.PagedAttentionKVCache or a TVM KV cache object")
         return theirs(cache, *args)
     return dispatch
+
+
+#: Type keys of TVM's state objects that TVM's own builtins take (its KV caches and RNN state
+#: derive from ``relax.vm.KVState``).
+_TVM_STATE_KEYS = frozenset({"relax.vm.KVState", "relax.vm.AttentionKVCacheLegacy"})
+
+
+def _is_tvm_state(obj: Any) -> bool:
+    """Whether ``obj`` is one of TVM's state objects (by its tvm-ffi type and its ancestors)."""
+    if not isinstance(obj, tvm_ffi.Object):
+        return False
+    info = getattr(type(obj), "__tvm_ffi_type_info__", None)
+    while info is not None:
+        if info.type_key in _TVM_STATE_KEYS:
+            return True
+        info = info.parent_type_info
+    return False
 
 
 def register_builtins() -> None:
