@@ -611,6 +611,12 @@ def test_constructor_arguments_of_the_wrong_type_or_device_kind():
         rk.PagedAttentionKVCache(CFG, tvm.cpu(), target="cuda")
     with pytest.raises(rk.ConfigError, match="target cuda compiles for another kind of device than cpu"):
         rk.PagedAttentionKVCache(CFG, tvm.cpu(), target=tvm.target.Target("cuda"))
+    # a device this process cannot use: refused before kernels are compiled for it (a bare
+    # RuntimeError from TVM's allocator after compiling, before)
+    absent = tvm.metal(0) if not tvm.metal(0).exist else tvm.vulkan(0)
+    for target in (None, tvm.target.Target("metal" if absent == tvm.metal(0) else "vulkan")):
+        with pytest.raises(rk.ConfigError, match=f"device {absent} does not exist in this process"):
+            rk.PagedAttentionKVCache(CFG, absent, target=target)
 
 
 def test_builtins_refuse_ffi_objects_that_are_not_caches(cache):

@@ -199,8 +199,9 @@ def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any =
         ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
         ``layer_offset`` not an int, or ``target`` not a ``tvm.target.Target`` (or None).
     ConfigError
-        ``layer_offset`` is negative or beyond int32, the device index is negative, or
-        ``target`` compiles for another kind of device than ``device``.
+        ``layer_offset`` is negative or beyond int32, the device index is negative or the
+        device does not exist here, or ``target`` compiles for another kind of device than
+        ``device``.
     """
     from .errors import ConfigError
     from .kernel_set import KernelSet
@@ -210,6 +211,10 @@ def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any =
                             f"of type {type(device).__name__}")
     if device.index < 0:
         raise ConfigError(f"device {device} has a negative index {device.index}; expected a device that exists")
+    if not device.exist:
+        raise ConfigError(f"device {device} does not exist in this process (no such GPU, driver or TVM runtime "
+                          "for it); expected a device this process can use (deploy.prepare_cuda loads TVM's "
+                          "CUDA runtime on a runtime-only install)")
     if kernels is not None and not isinstance(kernels, KernelSet):
         raise ArgumentError(f"kernels must be a KernelSet or None, got {type(kernels).__name__}")
     offset = as_int("layer_offset", layer_offset)
