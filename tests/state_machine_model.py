@@ -27,8 +27,10 @@ before it cannot slide) and its most recent ``window - sink_limit`` ones; a wind
 ``prefix`` is refused (``SequenceError``), and a step that must slide a sequence whose window is
 smaller than ``sink_limit`` raises `SequenceError`; forks must be within
 ``sink_limit``; a fork keeps ``sink_limit`` (the last block's sink shrinks by what the fork moves into
-prefix blocks); ``popn`` that frees whole blocks keeps the last block's sink (``sink_limit`` shrinks
-with the prefix), and a ``popn`` into a shared prefix re-forks the sequence without its window.
+prefix blocks); ``popn`` that frees whole blocks recomputes the last block's sink from the sink the
+window was enabled with (``max(sink - prefix, 0)``), and a ``popn`` into a shared prefix re-forks the
+sequence, keeping its window and sink the same way (no sink check: the re-fork is inside prefix
+blocks, which never slide).
 
 Token trees (``tree_step`` with ``token_tree_parent_ptr``, plain cache only: caches with sliding
 windows raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
@@ -214,6 +216,7 @@ class SeqModel:
     bounds: set  # start positions of the blocks of the sequence's path (multiples of the page size)
     window: int = -1  # sliding window size, -1: none
     lbass: int = 0  # sink of the last block (``last_block_attn_sink_size``)
+    sink: int = 0  # the sink the window was enabled with
     slid: bool = False  # has slid: its last block's page count depends on the window offset
     tree: Optional[List[int]] = None  # parents of the uncommitted token tree (accumulated), None: committed
     tree_start: int = 0  # position of the uncommitted tree's roots
@@ -300,16 +303,19 @@ class Model:
             for other, shared in self.shares_of(seq_id):
                 self.set_share(seq_id, other, min(shared, cut))
             s.bounds = {b for b in s.bounds if b < cut} | {cut}
-            s.window, s.lbass, s.slid = -1, 0, False
-            s.last_append = max(0, s.last_append - n)  # a fresh record, the last step's count kept
-        else:  # unshared blocks are trimmed; the last block keeps its sink
+            s.lbass, s.slid = max(s.sink - s.prefix, 0), False  # a fresh record keeping the window
+            s.last_append = max(0, s.last_append - n)  # the last step's count kept
+        else:  # unshared blocks are trimmed; a new last block's sink is recomputed
+            prefix = s.prefix
             s.bounds = {b for b in s.bounds if b <= left}
+            if s.prefix != prefix:
+                s.lbass = max(s.sink - s.prefix, 0)
             s.last_append = max(0, s.last_append - n)
         s.k, s.v = s.k[:, :left], s.v[:, :left]
 
     def enable_window(self, seq_id: int, window: int, sink: int) -> None:
         s = self.seqs[seq_id]
-        s.window, s.lbass = window, max(sink - s.prefix, 0)
+        s.window, s.sink, s.lbass = window, sink, max(sink - s.prefix, 0)
 
     def append(self, seq_id: int, k: np.ndarray, v: np.ndarray) -> None:
         """Append a step's K/V ``(layers, n, Hkv, D)``; slide a windowed sequence."""
@@ -545,10 +551,7 @@ class Harness:
             return Expect()
         if s.tree is not None:  # the re-fork is a fork: not with uncommitted token-tree nodes
             return _fail(SequenceError)
-        # Re-fork from the sequence's own prefix: after trimming its unshared blocks, its last block
-        # is the deepest shared one; a windowed sequence must be re-forked within the sink it has then.
-        if s.window != -1 and left > max(b for b in s.bounds if b < shared) + s.lbass:
-            return _fail(SequenceError)
+        # Re-fork from the sequence's own prefix (inside prefix blocks: no sink check)
         if left % PAGE_SIZE and self.free_pages() == 0:
             if s.slid:
                 return Expect((CacheFullError,))

@@ -229,3 +229,51 @@ def test_fork_after_popping_a_slid_window_down_to_its_sink():
     h.check_contents()
     block = h.cache._paging.trace_blocks(0)[1]
     assert (block.sink_length, block.sliding_window_offset, len(block.page_ids)) == (0, 0, 1)
+
+
+def _windowed_harness(seed):
+    cfg = _seq_window_config(page_size=4, rope_mode=rk.RopeMode.NONE, max_total_seq_len=256)
+    return Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(seed))
+
+
+def _enable(h, seq, window, sink):
+    h.cache.enable_sliding_window_for_seq(seq, window, sink)
+    h.ref.enable_window(seq, window, sink)
+
+
+def test_popping_a_prefix_back_into_the_last_block_keeps_the_sink():
+    """Enabled over an 8-token shared prefix, the last block's sink was 0 (the prefix acted as
+    the sink); once the prefix was unshared and popped into, the sequence slid with no sink at
+    all (kept tokens 12..23 instead of 0..3 and 16..23)."""
+    h = _windowed_harness(21)
+    h.add(0)
+    h.step([(0, 10)])
+    h.fork(0, 1, 8)
+    _enable(h, 0, 12, 4)
+    h.remove(1)
+    h.popn(0, 6)  # 4 tokens left, in what was the prefix block
+    assert h.cache._paging.sequence(0).last_block_attn_sink_size == 4
+    h.step([(0, 20)])
+    h.step([(0, 1)])
+    h.check_contents()
+
+
+@pytest.mark.parametrize("child_alive", [True, False])
+def test_popn_into_a_shared_prefix_keeps_the_window(child_alive):
+    """``popn`` into a prefix shared with a fork re-forks the sequence: it was refused inside
+    the prefix (checked against the last block's sink only), and where it worked it dropped the
+    window, so the same pop kept or lost the window depending on whether the fork still lived."""
+    h = _windowed_harness(22)
+    h.add(0)
+    _enable(h, 0, 10, 4)
+    h.step([(0, 4)])
+    h.fork(0, 1, 4)
+    h.step([(0, 3), (1, 2)])
+    if not child_alive:
+        h.remove(1)
+    h.popn(0, 5)  # down to 2 tokens, inside the (possibly shared) first block
+    assert h.cache._paging.sequence(0).sliding_window_size == 10
+    h.step([(0, 20)])  # slides: the sink of 4 and the last 6
+    h.step([(0, 2)] + ([(1, 1)] if child_alive else []))
+    h.check_contents()
+    assert h.cache.get_sequence_length(0) == 10

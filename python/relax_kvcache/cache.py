@@ -251,7 +251,10 @@ class PagedAttentionKVCache:
 
         Tokens in the sequence's earlier blocks (a prefix shared through a fork) cannot slide
         and count as sink, as in TVM: the tokens kept at the start are
-        ``max(attn_sink_size, prefix)``; a window smaller than that prefix is refused.
+        ``max(attn_sink_size, prefix)``; a window smaller than that prefix is refused. A
+        forked sequence's prefix is its whole shared pages (a partial page is copied into its
+        own block). The window stays through ``popn`` (also into a shared prefix), and the sink
+        follows the prefix there: ``max(attn_sink_size, new prefix)``.
 
         Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` layers,
         where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
@@ -645,7 +648,7 @@ class PagedAttentionKVCache:
 
     def _reused_pages_message(self, what: str, layer_id: int) -> str:
         return (f"{what} would read layer {layer_id}'s KV after its append overwrote page(s) "
-                f"{list(self._step.reused_pages)[:8]}: in this step they slid out of a sequence's window, "
+                f"{list(dict.fromkeys(self._step.reused_pages))[:8]}: in this step they slid out of a sequence's window, "
                 "whose attention reads their old tokens, and hold new tokens of this step. Steps where "
                 "windows slide attend before appending, so a layer's KV can be read only by its own "
                 "attention_with_fused_qkv call (a batch whose windows free no page for others avoids this)")

@@ -23,11 +23,14 @@ class Sequence:
         Sliding window size, or -1 when sliding window is not enabled. Once the sequence is
         longer than its window (and the cache slides windows), ``seq_length`` is the window
         size: the tokens kept are the sink tokens followed by the most recent ones.
+    attn_sink_size : int
+        The attention sink the window was enabled with (tokens from the sequence's start).
     last_block_attn_sink_size : int
-        Attention-sink tokens of the last block: ``max(sink - prefix_length, 0)`` when the
-        window is enabled (the prefix blocks cannot slide and act as a sink already); the last
-        block's ``sink_length`` once it has slid. Reduced when a fork moves tokens of the last
-        block into a prefix block (a split, or a new empty last block).
+        Attention-sink tokens of the last block: ``max(attn_sink_size - prefix_length, 0)``
+        (the prefix blocks cannot slide and act as a sink already); the last block's
+        ``sink_length`` once it has slid. Reduced when a fork moves tokens of the last block
+        into a prefix block (a split, or a new empty last block); recomputed when popping
+        makes an earlier block the last one.
     accepted_indices_committed : bool
         Whether the accepted token-tree nodes of the last forward step are committed.
     token_tree : object
@@ -41,6 +44,7 @@ class Sequence:
     last_block: int
     seq_length: int = 0
     sliding_window_size: int = -1
+    attn_sink_size: int = 0
     last_block_attn_sink_size: int = 0
     accepted_indices_committed: bool = True
     token_tree: object = None

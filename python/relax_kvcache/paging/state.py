@@ -381,6 +381,7 @@ class PagingState:
                 f">= {prefix} (every later append would fail)"
             )
         self._version += 1
+        seq.attn_sink_size = sink_size
         seq.last_block_attn_sink_size = max(sink_size - prefix, 0)
         seq.sliding_window_size = window_size
         self._num_windowed += 1
@@ -438,9 +439,11 @@ class PagingState:
 
         Unshared blocks are trimmed from the end. If tokens remain to pop once a shared block
         is reached, the sequence is re-forked from its own prefix of length ``length - n``
-        (TVM forks a temporary sequence, removes the original and renames it); the record is
-        then a fresh one, as in TVM (a sliding window is dropped with it, and such a re-fork
-        must be within the sink, as any fork of a windowed sequence).
+        (TVM forks a temporary sequence, removes the original and renames it). A sliding window
+        is kept through the re-fork with its sink (TVM drops it, so whether a pop keeps the
+        window depended on whether another sequence shared the prefix); the re-fork is inside
+        the sequence's prefix blocks, which never slide, so it needs no sink check (TVM applies
+        a fork's).
 
         Sliding windows: the trimmed block keeps
         ``ceil((seq_length - n - sink_length + sliding_window_offset) / page_size)`` pages, the
@@ -454,8 +457,9 @@ class PagingState:
         This keeps prefix blocks unslid: a fork at the end of a windowed sequence turns its
         last block into a prefix block and must be within the sink, so the block then holds
         sink tokens only, and a slid block left with sink tokens only is reset here.
-        When popping frees whole blocks, the new last block inherits
-        ``last_block_attn_sink_size`` unchanged, as in TVM.
+        When popping frees whole blocks, the new last block's sink is recomputed from the
+        sequence's ``attn_sink_size`` and its new prefix (TVM keeps the old last block's value,
+        which loses the sink when the window was enabled over a longer prefix).
 
         Returns
         -------
@@ -725,12 +729,15 @@ class PagingState:
         self._check_forkable(parent, parent.seq_length, self._blocks[parent.last_block], pos)
         return pos
 
-    def _check_forkable(self, seq: Sequence, seq_length: int, last: Block, pos: int) -> None:
-        """TVM's ForkSequence state checks on a parent of ``seq_length`` ending at ``last``."""
+    def _check_committed(self, seq: Sequence) -> None:
         if not seq.accepted_indices_committed:
             raise SequenceError(
                 f"sequence {seq.seq_id} has uncommitted token-tree nodes and cannot be forked"
             )
+
+    def _check_forkable(self, seq: Sequence, seq_length: int, last: Block, pos: int) -> None:
+        """TVM's ForkSequence state checks on a parent of ``seq_length`` ending at ``last``."""
+        self._check_committed(seq)
         if seq.sliding_window_size == -1:
             return
         sink_size = seq_length - last.seq_length + seq.last_block_attn_sink_size
@@ -1084,8 +1091,7 @@ class PagingState:
         """Check, before trimming, that the fork fallback of `popn` will succeed."""
         trimmed = sum(self._blocks[i].seq_length for i in plan.freed_blocks)
         pos = seq.seq_length - trimmed - plan.remaining
-        shared = self._blocks[plan.shared_block]
-        self._check_forkable(seq, seq.seq_length - trimmed, shared, pos)
+        self._check_committed(seq)  # a re-fork inside the prefix blocks: no sink check
         if self._locate(plan.shared_block, pos)[1] % self._page_size == 0:
             return
         freed_pages = sum(len(self._blocks[i].page_ids) for i in plan.freed_blocks)
@@ -1100,6 +1106,8 @@ class PagingState:
             seq.seq_length -= block.seq_length
             seq.last_block = block.parent  # the freed block's reference passes to the parent
             self._blocks.free(idx)
+        if plan.freed_blocks:
+            self._recompute_last_sink(seq)
         if plan.trim_block == -1:
             return
         block = self._blocks[plan.trim_block]
@@ -1113,12 +1121,19 @@ class PagingState:
             block.sink_length = 0
             block.sliding_window_offset = 0
 
+    def _recompute_last_sink(self, seq: Sequence) -> None:
+        """A windowed sequence's last-block sink from its ``attn_sink_size`` and prefix."""
+        if seq.sliding_window_size != -1:
+            prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
+            seq.last_block_attn_sink_size = max(seq.attn_sink_size - prefix, 0)
+
     def _refork(self, seq: Sequence, pos: int) -> list[PageCopy]:
         """Replace ``seq`` by a fork of its own prefix of length ``pos`` (PopN's fallback)."""
         child_block, copies = self._fork_blocks(seq, pos)
         self._blocks.retain(child_block)
         self._release_path(seq.last_block)
-        self._seqs[seq.seq_id] = Sequence(seq.seq_id, child_block, pos)
-        if seq.sliding_window_size != -1:
-            self._num_windowed -= 1
+        fresh = Sequence(seq.seq_id, child_block, pos, sliding_window_size=seq.sliding_window_size,
+                         attn_sink_size=seq.attn_sink_size)
+        self._seqs[seq.seq_id] = fresh
+        self._recompute_last_sink(fresh)  # the window is kept (see popn)
         return copies
