@@ -127,6 +127,34 @@ def test_cancel_removes_the_request_and_frees_its_sequence():
             call()
 
 
+def test_engine_takes_ids_and_sizes_by_their_base_values():
+    """``int()`` ran an int subclass's __int__ (vocab_size I(100) became 10**6), a token's own
+    comparisons let an out-of-vocabulary id in, and a list subclass was counted with list's
+    length but read with its own iteration (past the capacity check)."""
+    class Lying(int):
+        def __int__(self):
+            return 10**6
+
+        def __lt__(self, other):
+            return False
+
+        def __ge__(self, other):
+            return False
+
+    class Longer(list):
+        def __iter__(self):
+            return iter(range(100))
+
+    engine = _engine(vocab_size=Lying(100))
+    assert engine.vocab_size == 100 and type(engine.vocab_size) is int
+    with pytest.raises(ValueError, match="token id 1000, outside the vocabulary"):
+        engine.add_request([1, Lying(1000)], 4)
+    req = engine.add_request(Longer([1, 2]), 4)
+    assert req.tokens == [1, 2]
+    with pytest.raises(ValueError, match="not a token id"):
+        engine.add_request([1, 2.0], 4)
+
+
 def test_an_engine_cannot_be_copied_or_pickled():
     import copy
     import pickle

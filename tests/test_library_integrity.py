@@ -222,3 +222,95 @@ def test_a_huge_version_need_count_does_not_hang(unsealed, tmp_path):
     start = time.perf_counter()
     deploy.check_elf(path)
     assert time.perf_counter() - start < 5
+
+
+# -- eleventh red-team round ----------------------------------------------------------------------
+
+def _dynsym_names(data):
+    _, dynsym, size, _ = _sections(data)[".dynsym"]
+    _, dynstr, _, _ = _sections(data)[".dynstr"]
+    return [data[dynstr + struct.unpack_from("<I", data, dynsym + 24 * i)[0]:].split(b"\0")[0]
+            for i in range(size // 24)]
+
+
+def test_corruptions_the_loader_survives_until_a_call_are_refused(unsealed, sealed, tmp_path):
+    """The trial load bound symbols lazily and took only a signal as a failure: the loader's own
+    assertion (exit 127) killed the real load, and a symbol that cannot be bound crashed at the
+    first kernel call. A seal skipped the trial altogether (anyone can seal a file)."""
+    data = unsealed.read_bytes()
+    _, dynsym, _, _ = _sections(data)[".dynsym"]
+    _, dynstr, dynstr_size, _ = _sections(data)[".dynstr"]
+    _, versym, _, _ = _sections(data)[".gnu.version"]
+    memset = _dynsym_names(data).index(b"memset")
+    version_name = data[dynstr:dynstr + dynstr_size].index(b"GLIBC_2.")
+    cases = {
+        "relative relocation retyped": (_patched(data, _first_relocation(data) + 2 * 24 + 8, "<Q", 1),
+                                        "crashed on it .exit 127"),
+        "symbol renamed to a version": (_patched(data, dynsym + 24 * memset, "<I", version_name),
+                                        "refuses it: .*undefined symbol"),
+        "version index out of range": (_patched(data, versym + 2 * memset, "<H", 0x7FFF), "could not load"),
+    }
+    paths = []
+    for i, (name, (corrupt, message)) in enumerate(cases.items()):
+        path = tmp_path / f"case{i}.so"
+        path.write_bytes(corrupt)
+        with pytest.raises(deploy.DeployError, match=message):
+            deploy.check_loads(path)
+        paths.append(path)
+    sealed_bad = tmp_path / "sealed_bad.so"  # the init array pointed into data, then sealed
+    sealed_bad.write_bytes(_patched(data, _first_relocation(data) + 16, "<q", 0x1E000))
+    deploy.seal_library(sealed_bad)
+    assert deploy.verify_seal(sealed_bad)
+    paths.append(sealed_bad)
+    returncode, lines, stderr = _load_all_in_child(paths)
+    assert returncode == 0, stderr[-2000:]
+    assert sum(line.startswith("refused") for line in lines) == len(paths), lines
+
+
+def test_load_maps_the_bytes_it_checked(sealed, tmp_path, monkeypatch):
+    """The checks opened the file by its path and the loader opened it again: a file replaced
+    in between was mapped unchecked (a crash in the race). Now the checked copy is loaded."""
+    path = tmp_path / "k.so"
+    path.write_bytes(sealed.read_bytes())
+    real_check = deploy.check_loads
+
+    def check_then_replace(library, *, shown=None):
+        real_check(library, shown=shown)
+        path.write_bytes(b"\x7fELF" + b"\0" * 100)  # the original changes after the checks
+    monkeypatch.setattr(deploy, "check_loads", check_then_replace)
+    module = deploy.load(path)
+    assert module.implements_function("attention_decode", query_imports=True)
+
+
+def test_public_library_helpers_refuse_what_is_not_a_file(tmp_path):
+    """check_elf / verify_seal / seal_library blocked forever on a FIFO and raised bare
+    IsADirectoryError for folders."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code = ("import sys\nfrom relax_kvcache import deploy\n"
+            "for f in (deploy.check_elf, deploy.verify_seal, deploy.seal_library):\n"
+            "    for p in sys.argv[1:]:\n"
+            "        try:\n            f(p)\n        except FileNotFoundError:\n            print('ok')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", code, str(fifo), str(tmp_path), ""], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["ok"] * 9, run.stdout + run.stderr
+
+
+def test_a_long_version_chain_is_checked_in_linear_time(unsealed, tmp_path):
+    """A forward-chained version-need region (16-byte entries, each with a long version list)
+    took 25 s on a 300 KB file: the walk was quadratic."""
+    import time
+
+    data = bytearray(unsealed.read_bytes())
+    _, text_at, text_size, _ = _sections(bytes(data))[".text"]
+    text_addr = _sections(bytes(data))[".text"][0]
+    entries = text_size // 16
+    for i in range(entries):  # every entry: 0xFFFF versions, the first at the next entry, then the next entry
+        struct.pack_into("<HHIII", data, text_at + 16 * i, 1, 0xFFFF, 0, 16, 16)
+    path = tmp_path / "chain.so"
+    path.write_bytes(_patched(bytes(data), _dynamic_entry_offset(bytes(data), 0x6FFFFFFE) + 8, "<Q", text_addr))
+    start = time.perf_counter()
+    with pytest.raises(deploy.DeployError):
+        deploy.check_elf(path)
+    assert time.perf_counter() - start < 10

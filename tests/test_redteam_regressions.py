@@ -626,3 +626,87 @@ def test_builtins_refuse_ffi_objects_that_are_not_caches(cache):
                            ("vm.builtin.attention_kv_cache_get_num_available_pages", ())):
             with pytest.raises(rk.ArgumentError, match="expected a relax_kvcache.PagedAttentionKVCache or a TVM KV"):
                 tvm_ffi.get_global_func(name)(obj, *args)
+
+
+# ------------------------------------------------------------------ eleventh round
+
+def test_kernels_that_ignore_sm_scale_are_refused(cache):
+    """The probe used head_dim ** -0.5, so a kernel that used that value instead of its
+    ``sm_scale`` argument passed and was wrong for any other scale."""
+    k = cache._kernels
+    fixed = CFG.head_dim ** -0.5
+    for role in ("attention_decode", "attention_prefill", "attention_prefill_ragged"):
+        original = getattr(k, role)
+        ignoring = (lambda f: lambda *a: f(*a[:-1], fixed))(original)
+        with pytest.raises(rk.ConfigError, match="does not return float64 attention"):
+            rk.PagedAttentionKVCache(CFG, tvm.cpu(), kernels=dataclasses.replace(k, **{role: ignoring}))
+
+
+class _Claims:
+    """An object whose ``__class__`` claims another type (``isinstance`` believes it)."""
+
+    def __init__(self, claimed):
+        self._claimed = claimed
+
+    @property
+    def __class__(self):
+        return self._claimed
+
+    def __index__(self):
+        return 8
+
+
+def test_objects_claiming_a_type_through_class_are_refused(cache):
+    fake_int, fake_tensor = _Claims(int), _Claims(tvm.runtime.Tensor)
+    assert isinstance(fake_int, int) and isinstance(fake_tensor, tvm.runtime.Tensor)
+    _unchanged(cache, lambda: cache.add_sequence(fake_int), rk.ArgumentError, "must be an integer")
+    _unchanged(cache, lambda: cache.begin_forward([0], [fake_int]), rk.ArgumentError, "must be an integer")
+    with pytest.raises(rk.ConfigError, match="num_layers must be a positive int"):
+        rk.KVCacheConfig(num_layers=fake_int, num_qo_heads=4, num_kv_heads=2, head_dim=32)
+    cache.begin_forward([0], [1])
+    _unchanged(cache, lambda: cache.attention_with_fused_qkv(0, fake_tensor, _t((1, 4, 32)), 0.2),
+               rk.ArgumentError, "qkv must be a tvm.runtime.Tensor, got _Claims")
+    with pytest.raises(rk.ArgumentError, match="sm_scale must be a number"):
+        cache.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), _Claims(float))
+    cache.end_forward()
+    with pytest.raises(rk.ArgumentError, match="expected a relax_kvcache.PagedAttentionKVCache"):
+        tvm_ffi.get_global_func("vm.builtin.kv_state_clear")(_Claims(rk.PagedAttentionKVCache))
+
+
+def test_config_strings_containers_and_mla_dims_are_taken_exactly():
+    """A str subclass's __eq__ / __hash__ decided the dtype, a list subclass's __iter__ the
+    layer kinds, and numpy MLA dims stayed numpy (their size check wrapped around int64)."""
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+
+    class S(str):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = str.__hash__
+
+    class L(list):
+        def __iter__(self):
+            return iter([0])
+
+    with pytest.raises(rk.ConfigError, match="dtype must be one of .*got a S object"):
+        rk.KVCacheConfig(**base, dtype=S("bogus"))
+    with pytest.raises(rk.ConfigError, match="attn_kinds must be a list, tuple or 1-D array of ints, got a L"):
+        rk.KVCacheConfig(**base, attn_kinds=L([0, 0]))
+    mla = dict(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=576, v_head_dim=512, attn_kinds=[1],
+               rope_mode=0, dtype="float16")
+    cfg = rk.KVCacheConfig(**mla, mla_original_qk_head_dim=np.int64(192), mla_original_v_head_dim=np.int32(128))
+    assert (type(cfg.mla_original_qk_head_dim), type(cfg.mla_original_v_head_dim)) == (int, int)
+    huge = dict(mla, num_qo_heads=2**31 - 1, max_total_seq_len=2**25, context_chunk_size=2**25, prefill_chunk_size=1)
+    for dims in ((192, 128), (np.int64(192), np.int64(128))):
+        with pytest.raises(rk.ConfigError, match="MLA context workspace would take"):
+            rk.KVCacheConfig(**huge, mla_original_qk_head_dim=dims[0], mla_original_v_head_dim=dims[1])
+
+
+def test_kernel_sets_copy_as_themselves_and_refuse_pickling(cache):
+    import copy
+    import pickle
+
+    k = cache._kernels
+    assert copy.copy(k) is k and copy.deepcopy(k) is k
+    with pytest.raises(rk.ArgumentError, match="a KernelSet cannot be pickled"):
+        pickle.dumps(k)

@@ -16,6 +16,7 @@ import tvm
 import tvm_ffi
 
 from .errors import ArgumentError, ForwardError, SequenceError
+from .tensors import TENSOR_TYPES as _TENSOR_TYPES
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -36,7 +37,7 @@ def describe(value: Any) -> str:
     values (numbers, strings, None, and lists / tuples of them), otherwise the type's name. No
     user code runs (an object's own ``__repr__`` could call back into the cache), and a tensor's
     repr (which copies its data) is never taken."""
-    if isinstance(value, tvm_ffi.Tensor):
+    if type(value) in _TENSOR_TYPES:
         if not value.__chandle__():
             return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -72,9 +73,10 @@ def as_int(name: str, value: Any) -> int:
     """
     if type(value) is int:  # fast path
         return value
-    if isinstance(value, (bool, np.bool_)):
+    kind = type(value)  # not isinstance: an object can claim any class through __class__
+    if kind is bool or kind is np.bool_:
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, int):
+    if issubclass(kind, int):
         return operator.index(value)  # an int subclass's value; its own __index__ / __int__ do not run
     if type(value) in _NUMPY_INTS or (type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "iu"):
         return int(value)
@@ -116,17 +118,18 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         (or ``error``) If it is a range of more than ``max_len`` entries (``why`` says why
         that is the most).
     """
-    if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
+    kind = type(values)  # not isinstance: an object can claim any class through __class__
+    if not issubclass(kind, _SEQUENCE_TYPES) or (kind is np.ndarray and values.ndim != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
-    if isinstance(values, range):  # lazy: its length is checked before it is expanded
+    if kind is range:  # lazy: its length is checked before it is expanded
         _check_length(name, range_length(values), max_len, why, error)
         return list(values)
-    if isinstance(values, list):  # base-class iteration: a subclass's own __iter__ never runs
+    if issubclass(kind, list):  # base-class iteration: a subclass's own __iter__ never runs
         items = list(list.__iter__(values))
-    elif isinstance(values, tuple):
+    elif issubclass(kind, tuple):
         items = list(tuple.__iter__(values))
-    elif isinstance(values, np.ndarray):
+    elif issubclass(kind, np.ndarray):
         items = np.ndarray.tolist(values)
     else:
         items = list(values)
@@ -157,11 +160,12 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
         If it is NaN, infinite or beyond float32's range (``not_finite`` names another
         ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
-    if isinstance(value, (bool, np.bool_)) or not (isinstance(value, (int, float)) or type(value) in _NUMPY_NUMBERS):
-        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
+    kind = type(value)  # not isinstance: an object can claim any class through __class__
+    if kind is bool or kind is np.bool_ or not (issubclass(kind, (int, float)) or kind in _NUMPY_NUMBERS):
+        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {kind.__name__}")
     try:  # the base types' conversions: a subclass's own __float__ / __index__ does not run
-        result = float.__float__(value) if isinstance(value, float) else \
-            float(operator.index(value)) if isinstance(value, int) else float(value)
+        result = float.__float__(value) if issubclass(kind, float) else \
+            float(operator.index(value)) if issubclass(kind, int) else float(value)
     except OverflowError:
         result = math.inf
     if not (math.isfinite(result) and abs(result) <= FLOAT32_MAX):

@@ -8,6 +8,7 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
+import tvm_ffi
 from tvm_ffi import dtype as DataType
 
 from .args import as_bool, as_float, as_int, describe
@@ -72,9 +73,15 @@ def _positive(name: str, value: object) -> int:
     return number
 
 
+#: Containers accepted for ``attn_kinds`` (exact types: a subclass's own iteration is not run).
+_KIND_SEQUENCES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array)
+
+
 def _dtype(value: object) -> str:
-    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype."""
-    name = value if isinstance(value, str) else str(value) if isinstance(value, (np.dtype, DataType)) else None
+    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype (exact
+    types: a str subclass's own comparison is not run)."""
+    name = value if type(value) is str else str(value) if type(value) is DataType or isinstance(value, np.dtype) \
+        else None
     if name not in SUPPORTED_DTYPES:
         raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {describe(value)}")
     return name
@@ -260,19 +267,22 @@ class KVCacheConfig:
         dims = (self.mla_original_qk_head_dim, self.mla_original_v_head_dim)
         if (dims[0] is None) != (dims[1] is None):
             raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim and mla_original_v_head_dim must be given "
-                              f"together, got {dims}")
+                              f"together, got {describe(dims[0])} and {describe(dims[1])}")
         if dims[0] is not None:
             qk = _positive("mla_original_qk_head_dim", dims[0])
-            _positive("mla_original_v_head_dim", dims[1])
-            if qk % 2 != 0 or qk > MAX_HEAD_DIM or dims[1] > MAX_HEAD_DIM:
+            v = _positive("mla_original_v_head_dim", dims[1])
+            if qk % 2 != 0 or qk > MAX_HEAD_DIM or v > MAX_HEAD_DIM:
                 raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim must be even and both original head dims "
-                                  f"at most {MAX_HEAD_DIM}, got {dims}")
+                                  f"at most {MAX_HEAD_DIM}, got {qk} and {v}")
+            object.__setattr__(self, "mla_original_qk_head_dim", qk)  # Python ints: no int64 wraparound
+            object.__setattr__(self, "mla_original_v_head_dim", v)
 
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:
             return (AttnKind.MHA,) * self.num_layers
-        if isinstance(kinds, (str, bytes)) or not hasattr(kinds, "__len__"):
-            raise ConfigError(f"KVCacheConfig.attn_kinds must be a sequence of ints, got {describe(kinds)}")
+        if type(kinds) not in _KIND_SEQUENCES and not (type(kinds) is np.ndarray and kinds.ndim == 1):
+            raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints, got "
+                              f"{describe(kinds)} of type {type(kinds).__name__}")
         kinds = tuple(kinds)
         if len(kinds) != self.num_layers:
             raise ConfigError(

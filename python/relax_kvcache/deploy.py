@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Union
 
 import tvm
 import tvm_ffi
@@ -63,9 +63,6 @@ class _CallbackState:
 
 _CALLBACK = _CallbackState()
 _LOADED_LIBRARIES: List[ctypes.CDLL] = []  # keep ctypes handles (and so the libraries) alive
-#: (st_ino, st_size, st_mtime_ns) of each library path loaded: dlopen returns the library it
-#: loaded first for a path, so a file replaced since is loaded from a copy of a new name
-_LOADED_FILES: Dict[str, Tuple[int, int, int]] = {}
 
 
 def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.Device] = None) -> tvm.runtime.Module:
@@ -92,47 +89,39 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
         ``path`` is not a file.
     DeployError
         The file is not a complete 64-bit ELF shared library, its bytes differ from its seal
-        (the SHA-256 appended to every library we write, :func:`seal_library`), or, for a
-        library without a seal, it crashes the dynamic loader in a trial load in a child
-        process (all checked before this process maps it: a truncated or corrupt library would
-        crash it); or the CUDA runtime library, the GPU, or nvcc is missing, or nvcc failed.
+        (the SHA-256 appended to every library we write, :func:`seal_library`), or a trial
+        load in a child process (:func:`check_loads`) fails (all checked before this process
+        maps it: a truncated or corrupt library would crash it); or the CUDA runtime library,
+        the GPU, or nvcc is missing, or nvcc failed.
 
-    A path loaded before whose file has changed since (rebuilt, replaced) is loaded from a
-    temporary copy, so that the new file is the one loaded (the dynamic loader keeps the first
-    library it loaded under a path).
+    The file is copied to a private temporary folder first, and the copy is what is checked and
+    loaded: a file replaced or rewritten meanwhile cannot slip past the checks, and a library
+    rebuilt under the same path is loaded anew (the dynamic loader keeps the first library it
+    loaded under a path).
     """
     library = _checked_library(path)
     if device is not None and not isinstance(device, tvm.runtime.Device):
         raise TypeError(f"device must be a tvm.runtime.Device or None, got {type(device).__name__}")
-    _check_library_file(library)  # before this process maps it
-    if device is None and library_holds_cuda(library):
-        device = tvm.cuda(0)
-    if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
-        prepare_cuda(device)
-    key = str(library.resolve())
-    stat = library.stat()
-    identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    previous = _LOADED_FILES.get(key)
-    if previous is None or previous == identity:
-        module = _load_module(library)
-        _LOADED_FILES[key] = identity  # what the dynamic loader holds under this path
-        return module
-    # the file changed since it was loaded under this path: load a copy of a new name (the
-    # record keeps the first file's identity: that is the one a load by the path would get)
-    with tempfile.TemporaryDirectory(prefix="relax_kvcache_reload_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="relax_kvcache_load_") as tmp:
         copy = pathlib.Path(tmp) / library.name
-        shutil.copyfile(library, copy)
-        _check_library_file(copy, shown=library)  # the file may have changed again since its check
+        try:
+            shutil.copyfile(library, copy)
+        except OSError as err:
+            raise DeployError(f"could not read {str(library)!r} ({err}); expected a readable .so file") from None
+        _check_library_file(copy, shown=library)  # before this process maps it
+        if device is None and library_holds_cuda(copy):
+            device = tvm.cuda(0)
+        if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
+            prepare_cuda(device)
         return _load_module(copy, shown=library)
 
 
-def _check_library_file(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> None:
-    """Every check of a library file before this process maps it: its ELF headers, then its seal
-    (libraries we write) or, for a library without one, a trial load in a child process."""
-    shown = library if shown is None else shown
+def _check_library_file(library: pathlib.Path, shown: pathlib.Path) -> None:
+    """Every check of a library file before this process maps it: its ELF tables, its seal
+    (libraries we write), and a trial load in a child process."""
     check_elf(library, shown=shown)
-    if not verify_seal(library, shown=shown):
-        check_loads(library, shown=shown)
+    verify_seal(library, shown=shown)
+    check_loads(library, shown=shown)
 
 
 def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
@@ -182,8 +171,12 @@ def check_elf(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str
     """Raise DeployError unless ``path`` is a well-formed 64-bit ELF shared library
     (:func:`relax_kvcache.elf_check.check_elf`: the header, segments within the file and the
     tables the dynamic loader walks). ``shown``: the path named in the error (default ``path``)."""
+    path = _checked_library(path)
     try:
         elf_check.check_elf(path)
+    except OSError as err:
+        raise DeployError(f"could not read {str(path if shown is None else shown)!r} ({err}); expected a readable "
+                          "library file") from None
     except elf_check.ElfError as err:
         raise DeployError(f"could not load {str(path if shown is None else shown)!r}: {err}; expected a complete, "
                           "well-formed 64-bit ELF shared library written by `relax-kvcache build` / export_kernels "
@@ -200,12 +193,15 @@ _SEAL_BYTES = len(SEAL_MARK) + 32
 def seal_library(path: Union[str, "os.PathLike[str]"]) -> None:
     """Append the seal (:data:`SEAL_MARK` and the SHA-256 of the file) to the library at
     ``path`` unless it has one; :func:`load` then refuses any copy of it whose bytes changed."""
-    path = pathlib.Path(path)
-    if _read_seal(path) is not None:
-        return
-    digest = bytes.fromhex(_sha256_of(path))
-    with open(path, "ab") as f:
-        f.write(SEAL_MARK + digest)
+    path = _checked_library(path)
+    try:
+        if _read_seal(path) is not None:
+            return
+        digest = bytes.fromhex(_sha256_of(path))
+        with open(path, "ab") as f:
+            f.write(SEAL_MARK + digest)
+    except OSError as err:
+        raise DeployError(f"could not seal {str(path)!r} ({err}); expected a writable library file") from None
 
 
 def verify_seal(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> bool:
@@ -214,11 +210,15 @@ def verify_seal(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[s
     Returns True when it has one and its bytes agree with it, False when it has none (a
     library written by other tools); raises DeployError when they disagree. ``shown``: the
     path named in the error (default ``path``)."""
-    path = pathlib.Path(path)
-    seal = _read_seal(path)
-    if seal is None:
-        return False
-    actual = _sha256_of(path, size=path.stat().st_size - _SEAL_BYTES)
+    path = _checked_library(path)
+    try:
+        seal = _read_seal(path)
+        if seal is None:
+            return False
+        actual = _sha256_of(path, size=path.stat().st_size - _SEAL_BYTES)
+    except OSError as err:
+        raise DeployError(f"could not read {str(path if shown is None else shown)!r} ({err}); expected a readable "
+                          "library file") from None
     if actual != seal.hex():
         raise DeployError(f"could not load {str(path if shown is None else shown)!r}: its SHA-256 is {actual[:16]}..., "
                           f"its seal (written with it) says {seal.hex()[:16]}...: the library is corrupt; expected "
@@ -251,40 +251,76 @@ def _sha256_of(path: pathlib.Path, *, size: Optional[int] = None) -> str:
     return digest.hexdigest()
 
 
-#: What the trial load runs in a child process: only the dynamic loader, no TVM.
+#: What the trial load runs in a child process: tvm-ffi's library (what generated code calls
+#: back into) made global as in this process, then the library as TVM opens it (lazy binding:
+#: the loader sets up the PLT) and a copy of it with every symbol bound at once (what the
+#: first calls would bind). Exit 0: loaded; 3: the loader refused it (its message on stderr);
+#: anything else: it crashed.
 _TRIAL_LOAD = ("import ctypes, os, sys\n"
+               "for dep in sys.argv[3:]:\n"
+               "    try:\n"
+               "        ctypes.CDLL(dep, mode=os.RTLD_LAZY | os.RTLD_GLOBAL)\n"
+               "    except OSError:\n"
+               "        pass  # then the library's own error names what it misses\n"
                "try:\n"
                "    ctypes.CDLL(sys.argv[1], mode=os.RTLD_LAZY | os.RTLD_LOCAL)\n"
-               "except OSError:\n"
-               "    pass  # missing dependencies etc.: TVM's own load reports them\n")
+               "    ctypes.CDLL(sys.argv[2], mode=os.RTLD_NOW | os.RTLD_LOCAL)\n"
+               "except OSError as err:\n"
+               "    sys.stderr.write(str(err))\n"
+               "    sys.exit(3)\n")
 _TRIAL_LOAD_TIMEOUT_S = 120.0
 
 
 def check_loads(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
-    """Open ``path`` with the dynamic loader in a child process (about 0.05 s) and raise
-    DeployError if that crashes or hangs: a corrupt library of the right size passes
-    :func:`check_elf` and can crash the loader (SIGSEGV) while it relocates the library.
-    Loader errors (an unresolved dependency) are left to the real load, which reports them.
+    """Open ``path`` with the dynamic loader in a child process (about 0.05 s), binding every
+    symbol at once (``RTLD_NOW``), and raise DeployError unless that succeeds: a corrupt
+    library can crash the loader (SIGSEGV, or its own assertion: exit 127) while it relocates
+    the library, and a symbol that cannot be bound would crash the process at its first call.
     ``shown``: the path named in the error (default ``path``)."""
     shown = str(path if shown is None else shown)
     if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
         return  # an embedding program's executable is not a Python interpreter
-    cmd = [sys.executable, "-I", "-S", "-c", _TRIAL_LOAD, os.fspath(path)]
+    expected = ("expected a shared library written by `relax-kvcache build` / export_kernels (or a model's "
+                "export_library)")
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              timeout=_TRIAL_LOAD_TIMEOUT_S, check=False)
+        with tempfile.TemporaryDirectory(prefix="relax_kvcache_trial_") as tmp:
+            bound_now = pathlib.Path(tmp) / "bound_now.so"  # another file: the loader keeps one per file
+            shutil.copyfile(path, bound_now)
+            cmd = [sys.executable, "-I", "-S", "-c", _TRIAL_LOAD, os.fspath(path), str(bound_now), *_ffi_libraries()]
+            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  timeout=_TRIAL_LOAD_TIMEOUT_S, check=False)
+    except OSError as err:
+        raise DeployError(f"could not load {shown!r}: the trial load could not run ({err}); {expected}") from None
     except subprocess.TimeoutExpired:
         raise DeployError(f"could not load {shown!r}: opening it with the dynamic loader did not finish in "
-                          f"{_TRIAL_LOAD_TIMEOUT_S:.0f} s (in a child process); expected a shared library written "
-                          "by `relax-kvcache build` / export_kernels (or a model's export_library)") from None
+                          f"{_TRIAL_LOAD_TIMEOUT_S:.0f} s (in a child process); {expected}") from None
+    if proc.returncode == 0:
+        return
+    message = (proc.stderr.decode(errors="replace").replace(os.fspath(path), shown).replace(str(bound_now), shown)
+               .strip().splitlines())
+    detail = f": {message[-1][:300]}" if message and proc.returncode > 0 else ""  # the loader's own words
+    if proc.returncode == 3:
+        raise DeployError(f"could not load {shown!r}: the dynamic loader refuses it{detail}; {expected}")
     if proc.returncode < 0:
         try:
-            name = signal.Signals(-proc.returncode).name
+            how = signal.Signals(-proc.returncode).name
         except ValueError:
-            name = f"signal {-proc.returncode}"
-        raise DeployError(f"could not load {shown!r}: the dynamic loader crashed on it ({name}, in a child "
-                          "process): the library is corrupt; expected a shared library written by "
-                          "`relax-kvcache build` / export_kernels (or a model's export_library)")
+            how = f"signal {-proc.returncode}"
+    else:
+        how = f"exit {proc.returncode}"
+    raise DeployError(f"could not load {shown!r}: the dynamic loader crashed on it ({how}, in a child process"
+                      f"{detail}): the library is corrupt; {expected}")
+
+
+def _ffi_libraries() -> List[str]:
+    """tvm-ffi's library as mapped in this process (generated code binds to its symbols), for
+    the trial load."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "libtvm_ffi.so" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p) == "libtvm_ffi.so" and os.path.isfile(p))
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:

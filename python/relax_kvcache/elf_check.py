@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import struct
 from typing import BinaryIO, Dict, List, Optional, Tuple, Union
 
@@ -25,7 +26,7 @@ _MAX_RELOC_TYPE = 1100  # beyond every x86-64 / AArch64 relocation type
 _MAX_ENTRIES = 1 << 24  # no table of a library is longer; bounds the loops over a corrupt file
 
 # dynamic tags
-DT_NULL, DT_NEEDED, DT_PLTRELSZ, DT_STRTAB, DT_SYMTAB, DT_RELA, DT_RELASZ, DT_RELAENT = 0, 1, 2, 5, 6, 7, 8, 9
+DT_NULL, DT_NEEDED, DT_PLTRELSZ, DT_PLTGOT, DT_STRTAB, DT_SYMTAB, DT_RELA, DT_RELASZ, DT_RELAENT = 0, 1, 2, 3, 5, 6, 7, 8, 9
 DT_STRSZ, DT_SYMENT, DT_INIT, DT_FINI, DT_SONAME, DT_RPATH, DT_PLTREL, DT_JMPREL = 10, 11, 12, 13, 14, 15, 20, 23
 DT_INIT_ARRAY, DT_FINI_ARRAY, DT_INIT_ARRAYSZ, DT_FINI_ARRAYSZ, DT_RUNPATH = 25, 26, 27, 28, 29
 DT_GNU_HASH, DT_VERSYM, DT_VERNEED, DT_VERNEEDNUM = 0x6FFFFEF5, 0x6FFFFFF0, 0x6FFFFFFE, 0x6FFFFFFF
@@ -87,6 +88,8 @@ def check_elf(path: Union[str, "os.PathLike[str]"]) -> None:
 
 
 def _check(path: Union[str, "os.PathLike[str]"]) -> None:
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read, a device never end
+        raise ElfError("not a regular file")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         header = f.read(_EHDR)
@@ -163,6 +166,8 @@ def _check_dynamic(image: _Image, dynamic: _Segment, machine: bytes,
         for value in tags.get(tag, []):
             if value >= strsz:
                 raise ElfError(f"dynamic entry {tag} names string {value}, past the string table ({strsz} bytes)")
+    if DT_PLTGOT in one and not image.mapped(one[DT_PLTGOT], 24):  # lazy binding writes its first 3 slots
+        raise ElfError(f"the PLT's global offset table ({one[DT_PLTGOT]:#x}) is not in a loadable segment")
     for tag in (DT_INIT, DT_FINI):
         if tag in one and not image.mapped(one[tag], 1):
             raise ElfError(f"the {'init' if tag == DT_INIT else 'fini'} function ({one[tag]:#x}) is not in a loadable segment")
@@ -240,15 +245,24 @@ def _check_gnu_hash(image: _Image, addr: int, nsyms: int) -> None:
 
 
 def _check_verneed(image: _Image, addr: int, count: int, strsz: int) -> None:
-    """The version-need chain, as the loader walks it: ``count`` entries (or until a zero link)."""
-    most = image.size // 16  # entries of 16 bytes: no chain is longer without repeating itself
-    for _ in range(min(count, most)):
+    """The version-need chain, as glibc's loader walks it: entries until a zero link (``count``,
+    DT_VERNEEDNUM, is not what ends it), each with its versions. Every entry is 16 bytes of the
+    file and links only go forward, so the walk is linear in the file's size."""
+    del count  # the loader follows the links
+    budget = image.size // 16
+    while True:
+        budget -= 1
+        if budget < 0:
+            raise ElfError("the version-need chain is longer than the file can hold")
         _, version_count, file, aux, nxt = struct.unpack(image.order + "HHIII",
                                                          image.table(addr, 16, "the version needs"))
         if file >= strsz:
             raise ElfError(f"a version need names file string {file}, past the string table ({strsz} bytes)")
         at = addr + aux
-        for _ in range(min(version_count, most)):
+        for _ in range(version_count):
+            budget -= 1
+            if budget < 0:
+                raise ElfError("the version-need chain is longer than the file can hold")
             _, _, _, name, aux_next = struct.unpack(image.order + "IHHII", image.table(at, 16, "the version needs"))
             if name >= strsz:
                 raise ElfError(f"a version names string {name}, past the string table ({strsz} bytes)")

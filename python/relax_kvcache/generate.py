@@ -27,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import tvm
 
-from .args import range_length
+from .args import as_int, as_int_list, describe, range_length
+from .errors import ArgumentError
 
 Reference = Callable[[Sequence[int]], np.ndarray]
 
@@ -109,18 +110,20 @@ class Engine:
         its embedding out of bounds (a crash). ``prefill_chunk_size``: the most tokens one step
         feeds; at most the cache's ``prefill_chunk_size`` where the cache is a
         :class:`relax_kvcache.PagedAttentionKVCache`. Raises ValueError on a bad value."""
-        if not _is_int(vocab_size) or vocab_size < 1 or vocab_size > 2**31:
-            raise ValueError(f"Engine: vocab_size is {vocab_size!r}; expected an int in [1, 2**31] (the model's "
-                             "vocabulary size; token ids are checked against it)")
-        if not _is_int(prefill_chunk_size) or prefill_chunk_size < 1:
-            raise ValueError(f"Engine: prefill_chunk_size is {prefill_chunk_size!r}; expected an int >= 1")
+        vocab, chunk = _exact_int(vocab_size), _exact_int(prefill_chunk_size)
+        if vocab is None or not 1 <= vocab <= 2**31:
+            raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in [1, 2**31] (the "
+                             "model's vocabulary size; token ids are checked against it)")
+        if chunk is None or chunk < 1:
+            raise ValueError(f"Engine: prefill_chunk_size is {describe(prefill_chunk_size)}; expected an int >= 1")
+        vocab_size, prefill_chunk_size = vocab, chunk
         config = _cache_config(cache)
         if config is not None and prefill_chunk_size > config.prefill_chunk_size:
             raise ValueError(f"Engine: prefill_chunk_size is {prefill_chunk_size}; expected at most the cache's "
                              f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that many tokens)")
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
-        self.vocab_size = int(vocab_size)
-        self.chunk, self.reference = int(prefill_chunk_size), reference
+        self.vocab_size = vocab_size
+        self.chunk, self.reference = prefill_chunk_size, reference
         #: the most tokens one sequence can hold (None: unknown, not checked)
         self.max_seq_tokens: Optional[int] = None if config is None else int(config.max_total_seq_len)
         self.requests: Dict[int, Request] = {}
@@ -153,9 +156,10 @@ class Engine:
         length = self._token_count("add_request: prompt", prompt)
         if length == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
-        if not _is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"add_request: max_new_tokens is {max_new_tokens!r}; expected an int >= 1")
-        max_new_tokens = int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
+        budget = _exact_int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
+        if budget is None or budget < 1:
+            raise ValueError(f"add_request: max_new_tokens is {describe(max_new_tokens)}; expected an int >= 1")
+        max_new_tokens = budget
         if self.max_seq_tokens is not None and length + max_new_tokens > self.max_seq_tokens:
             raise ValueError(f"add_request: the prompt ({length} tokens) plus max_new_tokens ({max_new_tokens}) "
                              f"is {length + max_new_tokens} tokens; expected at most the cache's capacity, "
@@ -296,29 +300,32 @@ class Engine:
     def _token_count(self, what: str, tokens: Sequence[int]) -> int:
         """The number of tokens of a list, tuple, range or 1-D integer numpy array (not an
         unordered container such as a dict or a set), read without touching the elements."""
-        if isinstance(tokens, np.ndarray):
+        kind = type(tokens)  # not isinstance: an object can claim any class through __class__
+        if kind is np.ndarray:
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
                                  "expected a 1-D integer array of token ids")
             return int(tokens.shape[0])
-        if isinstance(tokens, range):
+        if kind is range:
             return range_length(tokens)  # len() overflows beyond 2**63
-        if not isinstance(tokens, (list, tuple)):
+        if not issubclass(kind, (list, tuple)):
             raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
-                             f"array), got {type(tokens).__name__} {tokens!r:.80}")
-        return list.__len__(tokens) if isinstance(tokens, list) else tuple.__len__(tokens)
+                             f"array), got {kind.__name__} ({describe(tokens)})")
+        return list.__len__(tokens) if issubclass(kind, list) else tuple.__len__(tokens)
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
         """Token ids as Python ints, each within ``[0, vocab_size)`` (containers as
         :meth:`_token_count` takes them)."""
-        self._token_count(what, tokens)
-        ids = list(tokens)
+        count = self._token_count(what, tokens)
+        # the containers' own iteration and the ids' own methods never run: base-class reads
+        try:
+            ids = as_int_list(what, tokens, max_len=max(count, 1), why="its length")
+        except ArgumentError as err:
+            raise ValueError(f"{err}: not a token id (int)") from None
         for tok in ids:
-            if not _is_int(tok):
-                raise ValueError(f"{what} holds {tok!r:.40}, not a token id (int)")
-            if tok < 0 or tok >= self.vocab_size:
+            if not 0 <= tok < self.vocab_size:
                 raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {self.vocab_size})")
-        return [int(tok) for tok in ids]
+        return ids
 
     def _live(self, what: str, req: Request) -> None:
         """Raise ValueError unless ``req`` is a request of this engine that is still running."""
@@ -342,8 +349,13 @@ class Engine:
             del self.requests[req.seq_id]
         return done
 
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+def _exact_int(value) -> Optional[int]:
+    """``value`` as a Python int (ints, numpy integers; not bools), or None; no method of
+    ``value`` runs (an int subclass's ``__int__`` / comparisons could lie)."""
+    try:
+        return as_int("value", value)
+    except ArgumentError:
+        return None
 
 
 def _cache_config(cache):

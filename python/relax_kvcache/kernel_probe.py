@@ -272,7 +272,8 @@ def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
     hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = _exact_random(rng, (n, hq + 2 * hkv, d))
     o = _poisoned((n, hq, d), cfg.dtype, cache.device)
-    cache.attention_with_fused_qkv(cache.layer_offset + layer, _tensor(qkv, cfg.dtype, cache.device), o, d ** -0.5)
+    scale = _scale(rng, d)
+    cache.attention_with_fused_qkv(cache.layer_offset + layer, _tensor(qkv, cfg.dtype, cache.device), o, scale)
     want = None
     k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
     rope = cfg.effective_rope_mode
@@ -280,7 +281,7 @@ def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
     if len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k)):  # queries as the kernel sees them
         q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
         group = hq // hkv
-        want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), d ** -0.5, visible)
+        want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), scale, visible)
     _check_output("attention_with_fused_qkv", o, want, cfg.dtype, expected="float64 attention over the stored K/V")
 
 
@@ -291,23 +292,25 @@ def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
     cache.append_mla_kv(cache.layer_offset + layer, _tensor(_exact_random(rng, (n, width)), cfg.dtype, cache.device))
     q = _exact_random(rng, (n, hq, width))
     o, lse = _poisoned((n, hq, lora), cfg.dtype, cache.device), _poisoned((n, hq), "float32", cache.device)
-    cache.cross_attention(cache.layer_offset + layer, _tensor(q, cfg.dtype, cache.device), o, lse, width ** -0.5)
+    scale = _scale(rng, width)
+    cache.cross_attention(cache.layer_offset + layer, _tensor(q, cfg.dtype, cache.device), o, lse, scale)
     # absorbed attention over the stored latent rows: a decode step's include its new token, a
     # prefill step's queries see the prefix only (self_attention covers the new tokens)
     latent = _stored_rows(cache, layer)[0][:, 0]
     keys = np.broadcast_to(latent[:, None], (len(latent), hq, width))
     seen = len(latent) if n == 1 else len(latent) - n
-    want = (_attention(q, keys, keys[..., :lora], width ** -0.5, np.arange(len(latent))[None, :] < seen)
+    want = (_attention(q, keys, keys[..., :lora], scale, np.arange(len(latent))[None, :] < seen)
             if seen else None)
     _check_output("cross_attention", o, want, cfg.dtype, expected="float64 attention over the stored latent rows")
     dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
     if dqk is not None:
         q, k, v = (_exact_random(rng, (n, hq, dim)) for dim in (dqk, dqk, dv))
+        scale = _scale(rng, dqk)
         o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
         lse_self = _poisoned((n, hq), "float32", cache.device)
         cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
-                             o_self, lse_self, dqk ** -0.5)
-        want = _attention(q, k, v, dqk ** -0.5, _visible(n, n, None))  # causal over the step's tokens
+                             o_self, lse_self, scale)
+        want = _attention(q, k, v, scale, _visible(n, n, None))  # causal over the step's tokens
         _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
 
 
@@ -414,6 +417,12 @@ def _poison_scratch(cache: Any, rows: int) -> None:
 def _poisoned(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
     """An output tensor full of NaN: a kernel that writes nothing leaves it non-finite."""
     return _tensor(np.full(shape, np.nan), dtype, device)
+
+
+def _scale(rng: np.random.Generator, head_dim: int) -> float:
+    """A softmax scale other than ``head_dim ** -0.5`` (a kernel that ignores its ``sm_scale``
+    argument for the usual value fails), a float32 value."""
+    return float(np.float32(rng.uniform(0.4, 0.8) * head_dim ** -0.5))
 
 
 def _exact_random(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tvm
 
-from .errors import ConfigError
+from .errors import ArgumentError, ConfigError
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
 
@@ -50,6 +50,16 @@ class KernelSet:
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
     #: has none, so a cache probes its kernels as it does foreign ones.
     identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
+
+    def __copy__(self) -> "KernelSet":
+        return self  # immutable, and compiled functions cannot be copied
+
+    def __deepcopy__(self, memo) -> "KernelSet":
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise ArgumentError("a KernelSet cannot be pickled (it holds compiled functions); expected a library "
+                            "written by export_kernels, loaded with deploy.load and KernelSet.from_module")
 
     def missing(self, roles: Sequence[str]) -> List[str]:
         """The roles among ``roles`` this set has no kernel for."""

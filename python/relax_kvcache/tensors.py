@@ -7,9 +7,14 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm.runtime import _ffi_api
 
 from .errors import ArgumentError, ConfigError, ForwardError
+
+#: Tensor types the cache reads (exact: a subclass's own properties would run during checks).
+TENSOR_TYPES = (tvm.runtime.Tensor, tvm_ffi.Tensor)
+_TENSOR_TYPES = TENSOR_TYPES
 
 _create_view = _ffi_api.TVMTensorCreateView
 
@@ -101,8 +106,9 @@ def check_tensor(
     Raises ``ArgumentError`` when ``value`` is not a tensor, otherwise ``ForwardError``, naming
     the argument, what it got and what was expected.
     """
-    if not isinstance(value, tvm.runtime.Tensor):
-        raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {type(value).__name__}")
+    if type(value) not in _TENSOR_TYPES:  # exact: a subclass's own shape / dtype would run here
+        kind = "a subclass of tvm.runtime.Tensor" if issubclass(type(value), tvm_ffi.Tensor) else type(value).__name__
+        raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {kind}")
     if not value.__chandle__():  # a Tensor object made without a tensor (Tensor.__new__)
         raise ArgumentError(f"{name} is a tvm.runtime.Tensor object without a tensor (null handle)")
     got = tuple(value.shape)

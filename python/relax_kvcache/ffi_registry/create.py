@@ -29,6 +29,7 @@ from ..cache import PagedAttentionKVCache
 from ..config import MAX_NUM_LAYERS, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
+from ..tensors import TENSOR_TYPES
 
 
 def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
@@ -54,7 +55,7 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     if args[11] is not None:
         raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
     init = args[12]
-    if not isinstance(init, tvm.runtime.Tensor) or not init.__chandle__():
+    if type(init) not in TENSOR_TYPES or not init.__chandle__():
         raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
                             f"{describe(init)} of type {type(init).__name__}")
     begin, end = layer_indptr
