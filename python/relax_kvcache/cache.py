@@ -253,8 +253,15 @@ class PagedAttentionKVCache:
         and count as sink, as in TVM: the tokens kept at the start are
         ``max(attn_sink_size, prefix)``; a window smaller than that prefix is refused. A
         forked sequence's prefix is its whole shared pages (a partial page is copied into its
-        own block). The window stays through ``popn`` (also into a shared prefix), and the sink
-        follows the prefix there: ``max(attn_sink_size, new prefix)``.
+        own block). Blocks are not merged back when the fork that split them is removed (as
+        in TVM): the prefix stays what forks made it until ``popn`` reaches into it. The window
+        stays through ``popn`` (also into a shared prefix), and the sink follows the prefix
+        there: ``max(attn_sink_size, new prefix)``.
+
+        The window bounds what is kept after each step; within a step, the queries attend to
+        the tokens kept before it and, causally, the step's own tokens, also when the step
+        appends more tokens than the window (as TVM does). Enabling a window on a sequence
+        longer than it frees pages at its next append.
 
         Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` layers,
         where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
