@@ -151,6 +151,8 @@ def test_engine_takes_ids_and_sizes_by_their_base_values():
         engine.add_request([1, Lying(1000)], 4)
     req = engine.add_request(Longer([1, 2]), 4)
     assert req.tokens == [1, 2]
+    masked = np.ma.masked_array(np.array([3, 4, 5], dtype=np.int32))  # an ndarray subclass
+    assert engine.add_request(masked[1:], 2).tokens == [4, 5]
     with pytest.raises(ValueError, match="not a token id"):
         engine.add_request([1, 2.0], 4)
 

@@ -690,8 +690,7 @@ def test_config_strings_containers_and_mla_dims_are_taken_exactly():
 
     with pytest.raises(rk.ConfigError, match="dtype must be one of .*got a S object"):
         rk.KVCacheConfig(**base, dtype=S("bogus"))
-    with pytest.raises(rk.ConfigError, match="attn_kinds must be a list, tuple or 1-D array of ints, got a L"):
-        rk.KVCacheConfig(**base, attn_kinds=L([0, 0]))
+    assert rk.KVCacheConfig(**base, attn_kinds=L([0, 0])).attn_kinds == (rk.AttnKind.MHA,) * 2  # list's own items
     mla = dict(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=576, v_head_dim=512, attn_kinds=[1],
                rope_mode=0, dtype="float16")
     cfg = rk.KVCacheConfig(**mla, mla_original_qk_head_dim=np.int64(192), mla_original_v_head_dim=np.int32(128))
@@ -710,3 +709,28 @@ def test_kernel_sets_copy_as_themselves_and_refuse_pickling(cache):
     assert copy.copy(k) is k and copy.deepcopy(k) is k
     with pytest.raises(rk.ArgumentError, match="a KernelSet cannot be pickled"):
         pickle.dumps(k)
+
+
+def test_valid_inputs_the_exact_type_checks_must_not_refuse(cache):
+    """Twelfth round (valid inputs): numpy scalar types as dtypes, list / tuple subclasses and
+    memmaps as attn_kinds, 0-d arrays as scales, a non-tensor rope_ext_factors (none, as TVM
+    reads it) were refused after the exact-type checks came in."""
+    import collections
+
+    import ml_dtypes
+
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    for dtype, name in ((np.float16, "float16"), (np.float32, "float32"), (ml_dtypes.bfloat16, "bfloat16"),
+                        (np.str_("float16"), "float16")):
+        assert rk.KVCacheConfig(**base, dtype=dtype).dtype == name
+    pair = collections.namedtuple("Pair", "a b")
+    for kinds in (pair(0, 3), np.array([0, 3], dtype=object), tvm_ffi.Array([0, 3])):
+        cfg = rk.KVCacheConfig(**base, attn_kinds=kinds, layer_sliding_window_size=8)
+        assert cfg.attn_kinds == (rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING)
+    assert rk.KVCacheConfig(**base, rope_theta=np.array(5e5)).rope_theta == 5e5
+    cache.begin_forward([0], [1])
+    cache.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), np.array(0.2))
+    cache.end_forward()
+    assert _create_with(cache._kernels, a11=0).empty()
+    with pytest.raises(NotImplementedError, match="rope_ext_factors"):
+        _create_with(cache._kernels, a11=_t((16,)))

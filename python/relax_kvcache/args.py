@@ -119,7 +119,8 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         that is the most).
     """
     kind = type(values)  # not isinstance: an object can claim any class through __class__
-    if not issubclass(kind, _SEQUENCE_TYPES) or (kind is np.ndarray and values.ndim != 1):
+    if not issubclass(kind, _SEQUENCE_TYPES) or (issubclass(kind, np.ndarray) and np.ndarray.__dict__["ndim"]
+                                                 .__get__(values) != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
     if kind is range:  # lazy: its length is checked before it is expanded
@@ -161,6 +162,8 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
         ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
     kind = type(value)  # not isinstance: an object can claim any class through __class__
+    if kind is np.ndarray and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array, as for ints
+        value, kind = value[()], type(value[()])
     if kind is bool or kind is np.bool_ or not (issubclass(kind, (int, float)) or kind in _NUMPY_NUMBERS):
         raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {kind.__name__}")
     try:  # the base types' conversions: a subclass's own __float__ / __index__ does not run

@@ -8,11 +8,10 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
-import tvm_ffi
 from tvm_ffi import dtype as DataType
 
-from .args import as_bool, as_float, as_int, describe
-from .errors import ArgumentError, ConfigError
+from .args import as_bool, as_float, as_int, as_int_list, describe
+from .errors import ArgumentError, ConfigError, KVCacheError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -73,15 +72,17 @@ def _positive(name: str, value: object) -> int:
     return number
 
 
-#: Containers accepted for ``attn_kinds`` (exact types: a subclass's own iteration is not run).
-_KIND_SEQUENCES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array)
-
-
 def _dtype(value: object) -> str:
     """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype (exact
     types: a str subclass's own comparison is not run)."""
-    name = value if type(value) is str else str(value) if type(value) is DataType or isinstance(value, np.dtype) \
-        else None
+    if issubclass(type(value), str):
+        name = str.__str__(value)  # the base type's copy: a subclass's own methods do not run
+    elif type(value) is DataType or issubclass(type(value), np.dtype):
+        name = str(value)
+    elif type(value) is type and issubclass(value, np.generic):  # np.float16, ml_dtypes.bfloat16
+        name = str(np.dtype(value))
+    else:
+        name = None
     if name not in SUPPORTED_DTYPES:
         raise ConfigError(f"KVCacheConfig.dtype must be one of {SUPPORTED_DTYPES}, got {describe(value)}")
     return name
@@ -280,10 +281,11 @@ class KVCacheConfig:
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:
             return (AttnKind.MHA,) * self.num_layers
-        if type(kinds) not in _KIND_SEQUENCES and not (type(kinds) is np.ndarray and kinds.ndim == 1):
-            raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints, got "
-                              f"{describe(kinds)} of type {type(kinds).__name__}")
-        kinds = tuple(kinds)
+        try:  # base-class reads: a subclass's own iteration does not run
+            kinds = tuple(as_int_list("KVCacheConfig.attn_kinds", kinds, max_len=MAX_NUM_LAYERS))
+        except KVCacheError:
+            raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints (0, 1 or 3), "
+                              f"got {describe(kinds)} of type {type(kinds).__name__}") from None
         if len(kinds) != self.num_layers:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds has {len(kinds)} entries, expected num_layers={self.num_layers}")

@@ -301,7 +301,7 @@ class Engine:
         """The number of tokens of a list, tuple, range or 1-D integer numpy array (not an
         unordered container such as a dict or a set), read without touching the elements."""
         kind = type(tokens)  # not isinstance: an object can claim any class through __class__
-        if kind is np.ndarray:
+        if issubclass(kind, np.ndarray):  # memmaps and masked arrays too: read as ndarray
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
                                  "expected a 1-D integer array of token ids")
