@@ -713,8 +713,9 @@ def test_kernel_sets_copy_as_themselves_and_refuse_pickling(cache):
 
 def test_valid_inputs_the_exact_type_checks_must_not_refuse(cache):
     """Twelfth round (valid inputs): numpy scalar types as dtypes, list / tuple subclasses and
-    memmaps as attn_kinds, 0-d arrays as scales, a non-tensor rope_ext_factors (none, as TVM
-    reads it) were refused after the exact-type checks came in."""
+    memmaps as attn_kinds, 0-d arrays as scales were refused after the exact-type checks came
+    in. (A rope_ext_factors other than None stays refused: TVM would read ``[1.0]`` or ``0`` as
+    no factors, silently; the frontends pass a null value.)"""
     import collections
 
     import ml_dtypes
@@ -731,6 +732,6 @@ def test_valid_inputs_the_exact_type_checks_must_not_refuse(cache):
     cache.begin_forward([0], [1])
     cache.attention_with_fused_qkv(0, _t((1, 8, 32)), _t((1, 4, 32)), np.array(0.2))
     cache.end_forward()
-    assert _create_with(cache._kernels, a11=0).empty()
-    with pytest.raises(NotImplementedError, match="rope_ext_factors"):
-        _create_with(cache._kernels, a11=_t((16,)))
+    for factors in (0, [1.0], _t((16,))):
+        with pytest.raises(NotImplementedError, match="rope_ext_factors .LongRoPE. is not supported"):
+            _create_with(cache._kernels, a11=factors)

@@ -10,7 +10,7 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
  6    attn_kinds (per layer, AttnKind values)
  7    enable_kv_transfer (must be False)
  8-10 rope_mode, rope_scale, rope_theta
- 11   rope_ext_factors (a tensor is not supported; anything else means none, as in TVM)
+ 11   rope_ext_factors (must be None: LongRoPE factors are not supported)
  12   a tensor whose dtype and device are the cache's
 13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
       decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
@@ -52,8 +52,9 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
     if as_bool("enable_kv_transfer (argument 7)", args[7]):
         raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
-    if issubclass(type(args[11]), TENSOR_TYPES):  # anything else means none, as TVM reads it
-        raise NotImplementedError("rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet")
+    if args[11] is not None:  # TVM reads any non-tensor as none; a list of factors would then be ignored
+        raise NotImplementedError(f"rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet; got "
+                                  f"{describe(args[11])}, expected None (the frontends pass a null value)")
     init = args[12]
     if type(init) not in TENSOR_TYPES or not init.__chandle__():
         raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
