@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, List
+from typing import Any, List, Optional
 
 import numpy as np
 import tvm
 import tvm_ffi
 
 from .errors import ArgumentError, ForwardError, SequenceError
-from .tensors import TENSOR_TYPES as _TENSOR_TYPES
+from .tensors import TENSOR_TYPES
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -37,7 +37,7 @@ def describe(value: Any) -> str:
     values (numbers, strings, None, and lists / tuples of them), otherwise the type's name. No
     user code runs (an object's own ``__repr__`` could call back into the cache), and a tensor's
     repr (which copies its data) is never taken."""
-    if type(value) in _TENSOR_TYPES:
+    if type(value) in TENSOR_TYPES:
         if not value.__chandle__():
             return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -83,6 +83,15 @@ def as_int(name: str, value: Any) -> int:
     raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type {type(value).__name__}")
 
 
+def exact_int(value: Any) -> Optional[int]:
+    """``value`` as :func:`as_int` takes it (no method of ``value`` runs), or None where it is
+    not an integer."""
+    try:
+        return as_int("value", value)
+    except ArgumentError:
+        return None
+
+
 def as_int32(name: str, value: Any) -> int:
     """``value`` as an int within int32, TVM's type for sliding-window and attention-sink sizes
     (they reach the kernels' int32 metadata).
@@ -119,8 +128,7 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         that is the most).
     """
     kind = type(values)  # not isinstance: an object can claim any class through __class__
-    if not issubclass(kind, _SEQUENCE_TYPES) or (issubclass(kind, np.ndarray) and np.ndarray.__dict__["ndim"]
-                                                 .__get__(values) != 1):
+    if not issubclass(kind, _SEQUENCE_TYPES) or (issubclass(kind, np.ndarray) and np.ndarray.ndim.__get__(values) != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
     if kind is range:  # lazy: its length is checked before it is expanded
@@ -163,7 +171,8 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
     """
     kind = type(value)  # not isinstance: an object can claim any class through __class__
     if kind is np.ndarray and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array, as for ints
-        value, kind = value[()], type(value[()])
+        value = value[()]
+        kind = type(value)
     if kind is bool or kind is np.bool_ or not (issubclass(kind, (int, float)) or kind in _NUMPY_NUMBERS):
         raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {kind.__name__}")
     try:  # the base types' conversions: a subclass's own __float__ / __index__ does not run
@@ -188,10 +197,7 @@ def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
     """
     if type(value) in (bool, np.bool_):
         return bool(value)
-    try:
-        number = as_int(name, value)  # an int subclass's own __eq__ / __bool__ do not run
-    except ArgumentError:
-        number = None
+    number = exact_int(value)  # an int subclass's own __eq__ / __bool__ do not run
     if number in (0, 1):
         return bool(number)
     raise error(f"{name} must be a bool (or 0 / 1), got {describe(value)}")

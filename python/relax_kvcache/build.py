@@ -297,11 +297,12 @@ def build_kernels(
         executable = _compile(spec, target, progress, kernel_identity(config))
         return executable.jit() if loadable else executable.mod
     path = cache_path(spec, target)
-    if loadable and path.exists() and _cached_intact(path):
+    cached = path.exists() and _cached_intact(path)  # hashed once
+    if loadable and cached:
         _report(progress, f"loading cached kernels {path.name}")
         return tvm.runtime.load_module(str(path))
     executable = _compile(spec, target, progress, kernel_identity(config))
-    if not path.exists() or not _cached_intact(path):
+    if not cached:
         _export_atomic(executable, path)
     return tvm.runtime.load_module(str(path)) if loadable else executable.mod
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 from tvm_ffi import dtype as DataType
 
-from .args import as_bool, as_float, as_int, as_int_list, describe
+from .args import as_bool, as_float, as_int_list, describe, exact_int
 from .errors import ArgumentError, ConfigError, KVCacheError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -46,18 +45,9 @@ class AttnKind(enum.IntEnum):
     MHA_SLIDING = 3
 
 
-def _exact_int(value: object) -> Optional[int]:
-    """``value`` as a Python int (ints, numpy integers; not bools, floats or strings, which
-    int() accepts), or None; an int subclass's own methods do not run."""
-    try:
-        return as_int("value", value)
-    except ArgumentError:
-        return None
-
-
 def _kind(value: object) -> int:
     """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
-    number = _exact_int(value)
+    number = exact_int(value)  # not int(): it accepts floats, bools and strings
     if number is None:
         raise ValueError(value)
     return number
@@ -65,7 +55,7 @@ def _kind(value: object) -> int:
 
 def _positive(name: str, value: object) -> int:
     """A positive int32 (Python or numpy integer) as a Python int."""
-    number = _exact_int(value)
+    number = exact_int(value)
     if number is None or not 0 < number <= MAX_INT:
         raise ConfigError(f"KVCacheConfig.{name} must be a positive int, got {describe(value)} (sizes are int32: "
                           f"1 to {MAX_INT})")

@@ -172,13 +172,13 @@ def check_elf(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str
     (:func:`relax_kvcache.elf_check.check_elf`: the header, segments within the file and the
     tables the dynamic loader walks). ``shown``: the path named in the error (default ``path``)."""
     path = _checked_library(path)
+    shown = str(path if shown is None else shown)
     try:
         elf_check.check_elf(path)
     except OSError as err:
-        raise DeployError(f"could not read {str(path if shown is None else shown)!r} ({err}); expected a readable "
-                          "library file") from None
+        raise DeployError(f"could not read {shown!r} ({err}); expected a readable library file") from None
     except elf_check.ElfError as err:
-        raise DeployError(f"could not load {str(path if shown is None else shown)!r}: {err}; expected a complete, "
+        raise DeployError(f"could not load {shown!r}: {err}; expected a complete, "
                           "well-formed 64-bit ELF shared library written by `relax-kvcache build` / export_kernels "
                           "(or a model's export_library)") from None
 
@@ -211,16 +211,16 @@ def verify_seal(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[s
     library written by other tools); raises DeployError when they disagree. ``shown``: the
     path named in the error (default ``path``)."""
     path = _checked_library(path)
+    shown = str(path if shown is None else shown)
     try:
         seal = _read_seal(path)
         if seal is None:
             return False
         actual = _sha256_of(path, size=path.stat().st_size - _SEAL_BYTES)
     except OSError as err:
-        raise DeployError(f"could not read {str(path if shown is None else shown)!r} ({err}); expected a readable "
-                          "library file") from None
+        raise DeployError(f"could not read {shown!r} ({err}); expected a readable library file") from None
     if actual != seal.hex():
-        raise DeployError(f"could not load {str(path if shown is None else shown)!r}: its SHA-256 is {actual[:16]}..., "
+        raise DeployError(f"could not load {shown!r}: its SHA-256 is {actual[:16]}..., "
                           f"its seal (written with it) says {seal.hex()[:16]}...: the library is corrupt; expected "
                           "the bytes `relax-kvcache build` / export_kernels wrote (build it again)")
     return True
@@ -272,8 +272,9 @@ _TRIAL_LOAD_TIMEOUT_S = 120.0
 
 
 def check_loads(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
-    """Open ``path`` with the dynamic loader in a child process (about 0.05 s), binding every
-    symbol at once (``RTLD_NOW``), and raise DeployError unless that succeeds: a corrupt
+    """Open ``path`` with the dynamic loader in a child process (about 0.05 s), as TVM opens it
+    (lazy binding) and, as a copy, binding every symbol at once (``RTLD_NOW``), and raise
+    DeployError unless both succeed: a corrupt
     library can crash the loader (SIGSEGV, or its own assertion: exit 127) while it relocates
     the library, and a symbol that cannot be bound would crash the process at its first call.
     ``shown``: the path named in the error (default ``path``)."""

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import tvm
 
-from .args import as_int, as_int_list, describe, range_length
+from .args import as_int_list, describe, exact_int, range_length
 from .errors import ArgumentError
 
 Reference = Callable[[Sequence[int]], np.ndarray]
@@ -110,7 +110,7 @@ class Engine:
         its embedding out of bounds (a crash). ``prefill_chunk_size``: the most tokens one step
         feeds; at most the cache's ``prefill_chunk_size`` where the cache is a
         :class:`relax_kvcache.PagedAttentionKVCache`. Raises ValueError on a bad value."""
-        vocab, chunk = _exact_int(vocab_size), _exact_int(prefill_chunk_size)
+        vocab, chunk = exact_int(vocab_size), exact_int(prefill_chunk_size)
         if vocab is None or not 1 <= vocab <= 2**31:
             raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in [1, 2**31] (the "
                              "model's vocabulary size; token ids are checked against it)")
@@ -156,7 +156,7 @@ class Engine:
         length = self._token_count("add_request: prompt", prompt)
         if length == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
-        budget = _exact_int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
+        budget = exact_int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
         if budget is None or budget < 1:
             raise ValueError(f"add_request: max_new_tokens is {describe(max_new_tokens)}; expected an int >= 1")
         max_new_tokens = budget
@@ -348,14 +348,6 @@ class Engine:
             self._remove(self.cache, req.seq_id)
             del self.requests[req.seq_id]
         return done
-
-def _exact_int(value) -> Optional[int]:
-    """``value`` as a Python int (ints, numpy integers; not bools), or None; no method of
-    ``value`` runs (an int subclass's ``__int__`` / comparisons could lie)."""
-    try:
-        return as_int("value", value)
-    except ArgumentError:
-        return None
 
 
 def _cache_config(cache):

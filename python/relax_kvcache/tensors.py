@@ -14,7 +14,6 @@ from .errors import ArgumentError, ConfigError, ForwardError
 
 #: Tensor types the cache reads (exact: a subclass's own properties would run during checks).
 TENSOR_TYPES = (tvm.runtime.Tensor, tvm_ffi.Tensor)
-_TENSOR_TYPES = TENSOR_TYPES
 
 _create_view = _ffi_api.TVMTensorCreateView
 
@@ -106,7 +105,7 @@ def check_tensor(
     Raises ``ArgumentError`` when ``value`` is not a tensor, otherwise ``ForwardError``, naming
     the argument, what it got and what was expected.
     """
-    if type(value) not in _TENSOR_TYPES:  # exact: a subclass's own shape / dtype would run here
+    if type(value) not in TENSOR_TYPES:  # exact: a subclass's own shape / dtype would run here
         kind = "a subclass of tvm.runtime.Tensor" if issubclass(type(value), tvm_ffi.Tensor) else type(value).__name__
         raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {kind}")
     if not value.__chandle__():  # a Tensor object made without a tensor (Tensor.__new__)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import tvm
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe
 from ..cache import PagedAttentionKVCache

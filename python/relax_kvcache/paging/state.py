@@ -382,8 +382,8 @@ class PagingState:
             )
         self._version += 1
         seq.attn_sink_size = sink_size
-        seq.last_block_attn_sink_size = max(sink_size - prefix, 0)
         seq.sliding_window_size = window_size
+        self._recompute_last_sink(seq)
         self._num_windowed += 1
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list[PageCopy]:
