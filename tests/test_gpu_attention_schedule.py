@@ -144,3 +144,42 @@ def test_swizzle_is_a_permutation_of_16_byte_pieces(width):
         assert all(cols[d] - cols[d - d % 8] == d % 8 for d in range(width))
     pieces = {col(row, 0) // 8 for row in range(8)}
     assert len(pieces) == min(8, 1 << ((width // 8) & -(width // 8)).bit_length() - 1)
+
+
+# ----------------------------------------------------------------------------- MLA tile
+
+
+def _dynamic_shared_allocation(func, target) -> int:
+    """Bytes of dynamic shared memory TVM allocates for ``func``'s kernel (after it merges the
+    shared buffers; read off the IR before the host / device split)."""
+    import re
+
+    seen = []
+
+    @tvm.ir.instrument.pass_instrument
+    class Grab:
+        def run_before_pass(self, mod, info):
+            if info.name == "tirx.SplitHostDevice":
+                seen.extend(int(n) for n in re.findall(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared.dyn"\)',
+                                                        str(mod)))
+
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target), instruments=[Grab()]):
+        tvm.tirx.build(func, target=target)
+    assert len(seen) == 1, seen
+    return seen[0]
+
+
+@pytest.mark.parametrize("arch,chunk", [("sm_90a", 64), ("sm_80", 64), ("sm_89", 32)])
+def test_mla_tile_fits_the_shared_memory_it_claims(arch, chunk):
+    """The absorbed MLA kernel picks its KV chunk from ``MlaTile.shared_bytes``; that estimate
+    must bound what TVM really allocates (else the launch fails on the GPU) and fit the target."""
+    from relax_kvcache.tir_kernels import make_paged_mla
+    from relax_kvcache.tir_kernels.attention_gpu_mla import MlaTile
+
+    target = make_target("cuda", arch=arch)
+    sched = schedule_for(target)
+    mla = spec("float16", heads=(16, 1), dim=576, v_dim=512)
+    tile = MlaTile.choose(mla, sched)
+    assert tile.kv_chunk == chunk
+    assert _dynamic_shared_allocation(make_paged_mla(mla, sched), target) <= tile.shared_bytes() \
+        <= sched.dynamic_shared_bytes

@@ -25,6 +25,8 @@ from relax_kvcache import reference as ref
 #: tensor cores, so float32 attention is skipped there.
 DEV = tvm.cuda() if os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda" else tvm.cpu()
 LORA, ROPE, HEADS, PAGE = 512, 64, 8, 16
+#: query heads of the ``attention_h32`` variant (on CUDA: two 16-head groups per token)
+MANY_HEADS = 32
 WIDTH = LORA + ROPE
 DTYPES = ["float32", "float16"]
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -47,6 +49,7 @@ def kernel_funcs(dtype: str, sched, *, attention: bool = True):
         attn = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=WIDTH, v_head_dim=LORA,
                                 dtype=dtype, page_size=PAGE)
         funcs["attention"] = tk.make_paged_mla(attn, sched)
+        funcs["attention_h32"] = tk.make_paged_mla(dataclasses.replace(attn, num_qo_heads=MANY_HEADS), sched)
         if getattr(sched, "dynamic_shared_bytes", 0) > SMALL_SHARED:
             # the 32-row tile that GPUs with less shared memory get (sm_86 / sm_89: 99 KiB)
             funcs["attention_kc32"] = tk.make_paged_mla(attn, dataclasses.replace(sched, dynamic_shared_bytes=SMALL_SHARED))
@@ -62,7 +65,7 @@ def mla(request):
         import gpu_kernel_libs
 
         mod = gpu_kernel_libs.load_mla(dtype, os.environ["RELAX_KVCACHE_TEST_LIBS"])
-        names = ("append", "copy", "gather") + (("attention", "attention_kc32")
+        names = ("append", "copy", "gather") + (("attention", "attention_kc32", "attention_h32")
                                                  if gpu_kernel_libs.mla_has_attention(dtype) else ())
         return dtype, {k: mod[k] for k in names}
     from relax_kvcache import runtime
@@ -123,11 +126,12 @@ def test_append_copy_gather(mla):
     np.testing.assert_array_equal(_bits(out_t.numpy()), _bits(expect_out))
 
 
-@pytest.mark.parametrize("variant", ["attention", "attention_kc32"])
+@pytest.mark.parametrize("variant", ["attention", "attention_kc32", "attention_h32"])
 @pytest.mark.parametrize("case", ["decode", "prefill", "chunk_on_context"])
 def test_absorbed_attention(mla, case, variant):
     dtype, k = mla
     kernel = _attention(k, variant)
+    heads = MANY_HEADS if variant == "attention_h32" else HEADS
     rng = np.random.default_rng(hash(case) % 2**32)
     batch = 3
     if case == "decode":
@@ -145,9 +149,9 @@ def test_absorbed_attention(mla, case, variant):
     page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
     last_len = (kv_lens - (npages - 1) * PAGE).astype(np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = _randn(rng, (int(q_lens.sum()), HEADS, WIDTH), dtype)
-    o = _t(np.full((len(q), HEADS, LORA), np.nan, NP_DTYPE[dtype]))
-    lse = _t(np.full((len(q), HEADS), np.nan, np.float32))
+    q = _randn(rng, (int(q_lens.sum()), heads, WIDTH), dtype)
+    o = _t(np.full((len(q), heads, LORA), np.nan, NP_DTYPE[dtype]))
+    lse = _t(np.full((len(q), heads), np.nan, np.float32))
     sm_scale = (128 + ROPE) ** -0.5  # DeepSeek scales by the original qk head dim
     causal = int(case != "decode")
     kernel(_t(q), _t(qo_indptr), _t(pages), _t(page_indptr), _t(page_indices), _t(last_len), o, lse, causal, sm_scale)

@@ -10,21 +10,25 @@ keep memory busy:
 
 * A block is 8 warps over 16 query rows (16 heads of one token, or ``16 / Hq`` tokens of
   ``Hq < 16`` heads) and one split of the sequence's KV range (flash-decoding: as many splits
-  as fill one wave of blocks, one block per SM; a second kernel merges them by LSE).
+  as fill one wave of blocks, one block per SM; a second kernel merges them by LSE). The head
+  groups of a token are neighbouring blocks, so with many heads the latent rows they all read
+  come from L2 rather than memory.
 * KV chunks of ``kv_chunk`` latent rows (64 where shared memory allows, else 32) stream into
   a two-stage ring of shared memory with ``cp.async`` (rows past the end zero-filled): while
   the warps work on one chunk the next is in flight. The page lookups of a chunk are made once
-  per row into shared memory, not once per 16-byte piece. Three barriers per chunk.
+  per row into shared memory, not once per 16-byte piece. Four barriers per chunk.
 * Only chunks that reach past the end or the causal diagonal are masked; the online softmax
   has no branches (a row with nothing visible yet subtracts 0 from -inf scores).
 * ``Q K^T``: warp ``w`` computes score columns ``[16 (w % C), 16 (w % C) + 16)`` (C = kv_chunk /
-  16 column groups) over feature slice ``w // C`` of ``8 / C``; its query fragments stay in
-  registers for the whole sequence, its K fragments come from ``ldmatrix``. The slices'
-  partial scores are summed through shared memory, after which every warp holds the whole
-  16 x kv_chunk score tile and keeps the (identical) softmax state of all 16 rows.
-* ``P V``: P goes from the score registers into the A operand; warp w owns output columns
+  16 column groups) over feature slice ``w // C`` of ``8 / C``; its query fragments are read
+  from global memory once and stay in registers for the whole sequence, its K fragments come
+  from ``ldmatrix``. The slices' partial scores go to shared memory.
+* Softmax: warp w owns rows ``2 w`` and ``2 w + 1`` (16 lanes a row): it sums the partial
+  scores, keeps the rows' running max and sum, and writes ``P`` (rounded to the dtype) and each
+  row's rescale factor to shared memory, so each score is exponentiated once.
+* ``P V``: warp w rescales its accumulators, reads P with ``ldmatrix`` and owns output columns
   ``[w DV / 8, (w + 1) DV / 8)``; its V fragments come from ``ldmatrix.trans`` of the same
-  shared rows.
+  shared rows as K.
 * Shared tiles are XOR-swizzled in 16-byte pieces per row (:func:`.attention_gpu.swizzled`),
   so every ``ldmatrix`` phase and the partial-score exchange hit distinct banks.
 
@@ -39,7 +43,7 @@ import dataclasses
 from tvm.script import tirx as T
 
 from .attention_gpu import find_tile, merge_splits, swizzled
-from .attention_gpu_mma import mma_m16n8k16, online_fold, shfl_xor
+from .attention_gpu_mma import mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -66,10 +70,16 @@ class MlaTile:
     def k_slices(self) -> int:
         return WARPS // self.col_groups
 
+    @property
+    def p_rows(self) -> int:
+        """Latent-wide rows after the ring that hold the P tile (ROWS x kv_chunk)."""
+        return -(-ROWS * self.kv_chunk // self.width)
+
     def shared_bytes(self, elem_bytes: int = 2) -> int:
-        """KV ring + query tile + partial scores (float32) + the chunk's pool rows (int32)."""
-        return ((STAGES * self.kv_chunk + ROWS) * self.width * elem_bytes
-                + (self.k_slices * ROWS + 1) * self.kv_chunk * 4)
+        """KV ring and P tile, partial scores (float32), the chunk's pool rows (int32), per-row
+        rescale factors and final (max, sum)."""
+        return ((STAGES * self.kv_chunk + self.p_rows) * self.width * elem_bytes
+                + (self.k_slices * ROWS + 1) * self.kv_chunk * 4 + 3 * ROWS * 4)
 
     @staticmethod
     def choose(spec: AttentionSpec, sched: GpuSchedule) -> "MlaTile":
@@ -105,19 +115,24 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     HG = min(Hq, ROWS)  # heads of a row tile
     TQ, NHG = ROWS // HG, Hq // HG  # tokens of a tile, head groups
     KSW = W // 16 // KS  # k-steps of Q K^T per warp
-    NS = KC // 8  # score n-tiles of the whole chunk
+    RPW = ROWS // WARPS  # rows whose softmax a warp keeps
+    P0, PROWS = STAGES * KC, tile.p_rows  # the P tile: ROWS x KC, row-major, after the ring
+    CPL = KC // (32 // RPW)  # columns per lane in the softmax
     CW = DV // WARPS  # output columns per warp
     NO = CW // 8  # output n-tiles per warp
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
     SMS = sched.min_blocks // 2  # min_blocks: two per SM; this kernel runs one block per SM
     merge = merge_splits(spec, sched)
-    mma, shfl, fold = mma_m16n8k16(dtype), shfl_xor, online_fold(NS, NO)
+    mma, shfl = mma_m16n8k16(dtype), shfl_xor
 
     def col(row, d):
         return swizzled(row, d, W)
 
     def scol(row, j):
+        return swizzled(row, j, KC)
+
+    def pcol(row, j):
         return swizzled(row, j, KC)
 
     def ldmatrix(frag, at, smem, offset, *, trans: bool):
@@ -129,24 +144,19 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
         return T.min(sched.decode_splits, T.max(1, SMS // (tiles * NHG)))
 
     @T.macro
-    def load_q(qs, qf, q, qo_indptr, b, tile0, nq, hg, ks, tx):
-        """qs = the tile's 16 query rows (zeros past nq tokens); qf = this warp's A fragments of
-        its feature slice ``ks``."""
-        for it in T.unroll(ceildiv(ROWS * NVEC, NT)):
-            if it * NT + tx < ROWS * NVEC:
-                r: T.let[T.int32] = (it * NT + tx) // NVEC
-                d0: T.let[T.int32] = (it * NT + tx) % NVEC * 8
-                if r // HG < nq:
-                    for x in T.vectorized(8):
-                        qs[r, col(r, d0) + x] = q[qo_indptr[b] + tile0 + r // HG, hg * HG + r % HG, d0 + x]
-                else:
-                    for x in T.vectorized(8):
-                        qs[r, col(r, d0) + x] = T.Cast(dtype, ZERO)
-        T.evaluate(T.tvm_storage_sync("shared"))
+    def load_q(qf, q, qo_indptr, b, tile0, nq, hg, ks, g, t):
+        """qf = this warp's A fragments of the tile's 16 query rows over feature slice ``ks``,
+        read straight from global memory (once per block; zeros past nq tokens): in k-step kk,
+        elements (0, 1) / (2, 3) / (4, 5) / (6, 7) are rows g / g + 8 / g / g + 8 at columns
+        2 t (+ 1) / 2 t (+ 1) / 2 t + 8 (+ 1) / 2 t + 8 (+ 1) of the step."""
         for kk in T.unroll(KSW):
-            # matrices: rows 0-7 / 8-15 x features lo / hi of the k-step (lane 8 m + i: row i of m)
-            T.evaluate(ldmatrix(qf, kk * 8, qs, tx % 32 % 16 * W + col(tx % 32 % 16, (ks * KSW + kk) * 16
-                                                                         + tx % 32 // 16 * 8), trans=False))
+            for e in T.unroll(8):
+                if (g + e // 2 % 2 * 8) // HG < nq:
+                    qf[kk * 8 + e] = q[qo_indptr[b] + tile0 + (g + e // 2 % 2 * 8) // HG,
+                                       hg * HG + (g + e // 2 % 2 * 8) % HG,
+                                       (ks * KSW + kk) * 16 + e // 4 * 8 + 2 * t + e % 2]
+                else:
+                    qf[kk * 8 + e] = T.Cast(dtype, ZERO)
 
     @T.macro
     def plan_rows(rows, page_indices, page0, j0, row_hi, tx):
@@ -166,7 +176,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 r: T.let[T.int32] = (it * NT + tx) // NVEC
                 p: T.let[T.int32] = (it * NT + tx) % NVEC
                 T.evaluate(T.ptx["cp.async.cg.shared.global"](
-                    kv.ptr_to([stage, r, col(r, p * 8)]), pages.ptr_to([rows[r] // ps, rows[r] % ps, p * 8]), 16,
+                    kv.ptr_to([stage * KC + r, col(r, p * 8)]), pages.ptr_to([rows[r] // ps, rows[r] % ps, p * 8]), 16,
                     T.Cast("uint32", T.if_then_else(j0 + r < row_hi, 16, 0))))
         T.evaluate(T.ptx["cp.async.commit_group"]())
 
@@ -188,39 +198,63 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                    scol(tx % 32 // 4 + e // 2 * 8, cg * 16 + nn * 8 + tx % 4 * 2 + e % 2)] = sacc[nn * 4 + e]
 
     @T.macro
-    def softmax(sfull, sp, oacc, m2, l2, red, scale, j0, row_hi, kv_len, q_len, tile0, causal, g, t):
-        """Sum the partial scores, scale, mask (only in chunks that reach past row_hi or the
-        causal diagonal of the tile's first token), and fold the chunk into rows g and g + 8.
-        Rows past the tile's tokens are not masked: their queries are zeros, their outputs
-        never stored."""
-        for nn in T.unroll(NS):
-            for hr in T.unroll(2):
-                for x in T.vectorized(2):
-                    sfull[nn * 4 + hr * 2 + x] = sp[0, g + hr * 8, scol(g + hr * 8, nn * 8 + 2 * t) + x]
-                for s in T.unroll(1, KS):
-                    for x in T.vectorized(2):
-                        sfull[nn * 4 + hr * 2 + x] = sfull[nn * 4 + hr * 2 + x] + \
-                            sp[s, g + hr * 8, scol(g + hr * 8, nn * 8 + 2 * t) + x]
+    def softmax(sp, kv, al, mrow, lrow, sv, red, scale, j0, row_hi, kv_len, q_len, tile0, causal, w, tx):
+        """Fold the chunk into the online-softmax state of row ``r = 2 w + lane // 16`` (16
+        lanes per row, CPL columns per lane; ``mrow`` / ``lrow``: the row's running max and sum,
+        the same in its 16 lanes): sum the partial scores, scale, mask (only in chunks that
+        reach past row_hi or the causal diagonal of the tile's first token), write p = exp2(s -
+        m) to the P tile and the row's rescale factor to ``al``. Rows past the tile's tokens are
+        not masked: their queries are zeros, their outputs never stored."""
+        r: T.let[T.int32] = w * RPW + tx % 32 // 16
+        u: T.let[T.int32] = tx % 16
+        for i in T.unroll(CPL):
+            sv[i] = sp[0, r, scol(r, u * CPL + i)]
+            for k in T.unroll(1, KS):
+                sv[i] = sv[i] + sp[k, r, scol(r, u * CPL + i)]
         if T.Or(j0 + KC > row_hi, T.And(causal != 0, j0 + KC - 1 > kv_len - q_len + tile0)):
-            for nn in T.unroll(NS):
-                for e in T.unroll(4):
-                    sfull[nn * 4 + e] = T.if_then_else(
-                        T.And(j0 + nn * 8 + 2 * t + e % 2 < row_hi,
-                              T.Or(causal == 0, j0 + nn * 8 + 2 * t + e % 2
-                                   <= kv_len - q_len + tile0 + (g + e // 2 * 8) // HG)),
-                        sfull[nn * 4 + e] * scale, NEG_INF)
+            for i in T.unroll(CPL):
+                sv[i] = T.if_then_else(
+                    T.And(j0 + u * CPL + i < row_hi,
+                          T.Or(causal == 0, j0 + u * CPL + i <= kv_len - q_len + tile0 + r // HG)),
+                    sv[i] * scale, NEG_INF)
         else:
-            for x in T.unroll(NS * 4):
-                sfull[x] = sfull[x] * scale
-        fold(sfull, oacc, m2, l2, red)
+            for i in T.unroll(CPL):
+                sv[i] = sv[i] * scale
+        red[0] = mrow[0]
+        for i in T.unroll(CPL):
+            red[0] = T.max(red[0], sv[i])
+        red[0] = T.max(red[0], shfl(red[0], 1))
+        red[0] = T.max(red[0], shfl(red[0], 2))
+        red[0] = T.max(red[0], shfl(red[0], 4))
+        red[0] = T.max(red[0], shfl(red[0], 8))
+        # a row with nothing visible yet has max -inf; it subtracts 0 instead, so that
+        # exp2(-inf) = 0 comes out without a branch
+        red[1] = T.if_then_else(red[0] == NEG_INF, ZERO, red[0])
+        red[2] = ZERO
+        for i in T.unroll(CPL):
+            sv[i] = T.exp2(sv[i] - red[1])
+            red[2] = red[2] + sv[i]
+            kv[P0 + (r * KC + pcol(r, u * CPL + i)) // W, (r * KC + pcol(r, u * CPL + i)) % W] = T.Cast(dtype, sv[i])
+        red[2] = red[2] + shfl(red[2], 1)
+        red[2] = red[2] + shfl(red[2], 2)
+        red[2] = red[2] + shfl(red[2], 4)
+        red[2] = red[2] + shfl(red[2], 8)
+        red[1] = T.exp2(mrow[0] - red[1])
+        lrow[0] = lrow[0] * red[1] + red[2]
+        mrow[0] = red[0]
+        if u == 0:
+            al[r] = red[1]
 
     @T.macro
-    def pv(oacc, sfull, kv, stage, pf, vf, w, tx):
-        """oacc += P (16 x KC) @ V_chunk[:, this warp's columns]."""
-        for kk in T.unroll(KC // 16):
+    def pv(oacc, al, kv, stage, pf, vf, w, g, tx):
+        """Rescale oacc by the rows' factors, then oacc += P (16 x KC) @ V_chunk[:, this warp's
+        columns]."""
+        for nn in T.unroll(NO):
             for e in T.unroll(4):
-                pf[e] = T.Cast(dtype, sfull[2 * kk * 4 + e])
-                pf[4 + e] = T.Cast(dtype, sfull[(2 * kk + 1) * 4 + e])
+                oacc[nn * 4 + e] = oacc[nn * 4 + e] * al[g + e // 2 * 8]
+        for kk in T.unroll(KC // 16):
+            # matrices: rows 0-7 / 8-15 x columns lo / hi of the k-step (as the query fragments)
+            T.evaluate(ldmatrix(pf, 0, kv, P0 * W + tx % 16 * KC + pcol(tx % 16, kk * 16 + tx % 32 // 16 * 8), trans=False))
             for pair in T.unroll(NO // 2):
                 # matrices: rows lo / hi of the k-step x columns of n-tile 2 pair, then 2 pair + 1
                 T.evaluate(ldmatrix(vf, 0, kv, (stage * KC + kk * 16 + tx % 16 // 8 * 8 + tx % 8) * W
@@ -230,95 +264,102 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 T.evaluate(mma(pf, vf, oacc, 2 * pair + 1, b_at=4))
 
     @T.macro
-    def store(ws_o, ws_lse, oacc, m2, l2, qrow0, sp_id, nq, hg, w, g, t):
-        for hr in T.unroll(2):
-            l2[hr] = l2[hr] + shfl(l2[hr], 1)
-            l2[hr] = l2[hr] + shfl(l2[hr], 2)
+    def store(ws_o, ws_lse, oacc, stat, mrow, lrow, qrow0, sp_id, nq, hg, w, g, t, tx):
+        """The rows' owners publish (max, sum); every warp scales and stores its columns."""
+        if tx % 16 == 0:
+            stat[w * RPW + tx % 32 // 16, 0] = mrow[0]
+            stat[w * RPW + tx % 32 // 16, 1] = lrow[0]
+        T.evaluate(T.tvm_storage_sync("shared"))
         for hr in T.unroll(2):
             if (g + hr * 8) // HG < nq:
                 for nn in T.unroll(NO):
                     for e in T.unroll(2):
                         ws_o[(qrow0 + (g + hr * 8) // HG) * Hq + hg * HG + (g + hr * 8) % HG, sp_id,
                              w * CW + nn * 8 + 2 * t + e] = oacc[nn * 4 + hr * 2 + e] * T.if_then_else(
-                                 l2[hr] > ZERO, ONE / l2[hr], ZERO)
+                                 stat[g + hr * 8, 1] > ZERO, ONE / stat[g + hr * 8, 1], ZERO)
                 if T.And(w == 0, t == 0):
                     ws_lse[(qrow0 + (g + hr * 8) // HG) * Hq + hg * HG + (g + hr * 8) % HG, sp_id] = T.if_then_else(
-                        l2[hr] > ZERO, m2[hr] + T.log2(l2[hr]), NEG_INF)
+                        stat[g + hr * 8, 1] > ZERO, stat[g + hr * 8, 0] + T.log2(stat[g + hr * 8, 1]), NEG_INF)
 
     @T.macro
     def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q):
         ws_o = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ)), DV), "float32")
         ws_lse = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ))), "float32")
         nsplit: T.let[T.int32] = splits(ceildiv(total_q, TQ))
-        for bx in T.thread_binding(ceildiv(total_q, TQ) + B, thread="blockIdx.x"):
+        # blockIdx.x = tile x NHG + head group: the head groups of a token run side by side,
+        # so that the latent rows they all read come from L2 rather than memory
+        for bx in T.thread_binding((ceildiv(total_q, TQ) + B) * NHG, thread="blockIdx.x"):
             for by in T.thread_binding(nsplit, thread="blockIdx.y"):
-                for bz in T.thread_binding(NHG, thread="blockIdx.z"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        with T.sblock("work"):
-                            T.reads()
-                            T.writes()
-                            kv = T.sblock_alloc_buffer((STAGES, KC, W), dtype, scope="shared.dyn")
-                            qs = T.sblock_alloc_buffer((ROWS, W), dtype, scope="shared.dyn")
-                            sp = T.sblock_alloc_buffer((KS, ROWS, KC), "float32", scope="shared.dyn")
-                            rows = T.sblock_alloc_buffer((KC,), "int32", scope="shared.dyn")
-                            qf = T.sblock_alloc_buffer((KSW * 8,), dtype, scope="local")
-                            bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            pf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-                            sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
-                            sfull = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
-                            oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
-                            m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            red = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            found = T.sblock_alloc_buffer((3,), "int32", scope="local")
-                            find_tile(qo_indptr, B, bx, TQ, found)
-                            # blocks past the last tile have nothing to do; a loop of 0 / 1 trips rather
-                            # than an `if`: TVM plans no barriers inside conditions, and its shared-memory
-                            # merge wants the tile's bindings in a scope of their own
-                            for _tile in T.serial(T.if_then_else(found[0] >= 0, 1, 0)):
-                                b: T.let[T.int32] = found[0]
-                                w: T.let[T.int32] = tx // 32
-                                g: T.let[T.int32] = tx % 32 // 4
-                                t: T.let[T.int32] = tx % 4
-                                q_len: T.let[T.int32] = qo_indptr[b + 1] - qo_indptr[b]
-                                nq: T.let[T.int32] = T.min(TQ, q_len - found[1])
-                                kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps,
-                                                                      length_info, b, False)
-                                per: T.let[T.int32] = ceildiv(ceildiv(kv_len, KC), nsplit)
-                                c_lo: T.let[T.int32] = T.min(by * per, ceildiv(kv_len, KC))
-                                c_hi: T.let[T.int32] = T.if_then_else(
-                                    nq > 0, T.min(c_lo + per, ceildiv(kv_len, KC)), c_lo)
-                                row_hi: T.let[T.int32] = T.min(kv_len, c_hi * KC)
-                                for s in T.unroll(STAGES):
-                                    plan_rows(rows, page_indices, page_indptr[b], (c_lo + s) * KC, row_hi, tx)
-                                    T.evaluate(T.tvm_storage_sync("shared"))
-                                    if c_lo + s < c_hi:
-                                        issue(kv, pages, rows, s, (c_lo + s) * KC, row_hi, tx)
-                                    else:
-                                        T.evaluate(T.ptx["cp.async.commit_group"]())
-                                    T.evaluate(T.tvm_storage_sync("shared"))
-                                load_q(qs, qf, q, qo_indptr, b, found[1], nq, bz, w // CG, tx)
-                                for hr in T.unroll(2):
-                                    m2[hr] = NEG_INF
-                                    l2[hr] = ZERO
-                                for x in T.unroll(NO * 4):
-                                    oacc[x] = ZERO
-                                for c in T.serial(c_lo, T.max(c_hi, c_lo)):
-                                    T.evaluate(T.ptx["cp.async.wait_group"](STAGES - 1))
-                                    T.evaluate(T.tvm_storage_sync("shared"))
-                                    scores(sp, qf, kv, (c - c_lo) % STAGES, bf, sacc, w // CG, w % CG, tx)
-                                    plan_rows(rows, page_indices, page_indptr[b], (c + STAGES) * KC, row_hi, tx)
-                                    T.evaluate(T.tvm_storage_sync("shared"))
-                                    softmax(sfull, sp, oacc, m2, l2, red, sm_scale * LOG2E, c * KC, row_hi,
-                                            kv_len, q_len, found[1], causal, g, t)
-                                    pv(oacc, sfull, kv, (c - c_lo) % STAGES, pf, vf, w, tx)
-                                    T.evaluate(T.tvm_storage_sync("shared"))
-                                    if c + STAGES < c_hi:
-                                        issue(kv, pages, rows, (c - c_lo) % STAGES, (c + STAGES) * KC, row_hi, tx)
-                                    else:
-                                        T.evaluate(T.ptx["cp.async.commit_group"]())
-                                store(ws_o, ws_lse, oacc, m2, l2, qo_indptr[b] + found[1], by, nq, bz, w, g, t)
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.sblock("work"):
+                        T.reads()
+                        T.writes()
+                        # the KV ring, then the P tile (a buffer of its own trips TVM 0.27's
+                        # lowering of access pointers into merged shared memory)
+                        kv = T.sblock_alloc_buffer((P0 + PROWS, W), dtype, scope="shared.dyn")
+                        sp = T.sblock_alloc_buffer((KS, ROWS, KC), "float32", scope="shared.dyn")
+                        rows = T.sblock_alloc_buffer((KC,), "int32", scope="shared.dyn")
+                        al = T.sblock_alloc_buffer((ROWS,), "float32", scope="shared.dyn")
+                        stat = T.sblock_alloc_buffer((ROWS, 2), "float32", scope="shared.dyn")
+                        qf = T.sblock_alloc_buffer((KSW * 8,), dtype, scope="local")
+                        bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        pf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+                        sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
+                        sv = T.sblock_alloc_buffer((CPL,), "float32", scope="local")
+                        oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
+                        mrow = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        lrow = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                        found = T.sblock_alloc_buffer((3,), "int32", scope="local")
+                        find_tile(qo_indptr, B, bx // NHG, TQ, found)
+                        # blocks past the last tile have nothing to do; a loop of 0 / 1 trips rather
+                        # than an `if`: TVM plans no barriers inside conditions, and its shared-memory
+                        # merge wants the tile's bindings in a scope of their own
+                        for _tile in T.serial(T.if_then_else(found[0] >= 0, 1, 0)):
+                            b: T.let[T.int32] = found[0]
+                            w: T.let[T.int32] = tx // 32
+                            g: T.let[T.int32] = tx % 32 // 4
+                            t: T.let[T.int32] = tx % 4
+                            q_len: T.let[T.int32] = qo_indptr[b + 1] - qo_indptr[b]
+                            nq: T.let[T.int32] = T.min(TQ, q_len - found[1])
+                            kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps,
+                                                                  length_info, b, False)
+                            per: T.let[T.int32] = ceildiv(ceildiv(kv_len, KC), nsplit)
+                            c_lo: T.let[T.int32] = T.min(by * per, ceildiv(kv_len, KC))
+                            c_hi: T.let[T.int32] = T.if_then_else(
+                                nq > 0, T.min(c_lo + per, ceildiv(kv_len, KC)), c_lo)
+                            row_hi: T.let[T.int32] = T.min(kv_len, c_hi * KC)
+                            for s in T.unroll(STAGES):
+                                plan_rows(rows, page_indices, page_indptr[b], (c_lo + s) * KC, row_hi, tx)
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                if c_lo + s < c_hi:
+                                    issue(kv, pages, rows, s, (c_lo + s) * KC, row_hi, tx)
+                                else:
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                            load_q(qf, q, qo_indptr, b, found[1], nq, bx % NHG, w // CG, g, t)
+                            mrow[0] = NEG_INF
+                            lrow[0] = ZERO
+                            for x in T.unroll(NO * 4):
+                                oacc[x] = ZERO
+                            for c in T.serial(c_lo, T.max(c_hi, c_lo)):
+                                T.evaluate(T.ptx["cp.async.wait_group"](STAGES - 1))
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                scores(sp, qf, kv, (c - c_lo) % STAGES, bf, sacc, w // CG, w % CG, tx)
+                                plan_rows(rows, page_indices, page_indptr[b], (c + STAGES) * KC, row_hi, tx)
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                softmax(sp, kv, al, mrow, lrow, sv, red, sm_scale * LOG2E, c * KC, row_hi,
+                                        kv_len, q_len, found[1], causal, w, tx)
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                pv(oacc, al, kv, (c - c_lo) % STAGES, pf, vf, w, g, tx)
+                                T.evaluate(T.tvm_storage_sync("shared"))
+                                if c + STAGES < c_hi:
+                                    issue(kv, pages, rows, (c - c_lo) % STAGES, (c + STAGES) * KC, row_hi, tx)
+                                else:
+                                    T.evaluate(T.ptx["cp.async.commit_group"]())
+                            store(ws_o, ws_lse, oacc, stat, mrow, lrow, qo_indptr[b] + found[1], by, nq, bx % NHG, w,
+                                  g, t, tx)
         merge(ws_o, ws_lse, o, lse, total_q * Hq, nsplit)
 
     return run
