@@ -129,10 +129,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     def col(row, d):
         return swizzled(row, d, W)
 
-    def scol(row, j):
-        return swizzled(row, j, KC)
-
-    def pcol(row, j):
+    def scol(row, j):  # the score and P tiles (KC columns)
         return swizzled(row, j, KC)
 
     def ldmatrix(frag, at, smem, offset, *, trans: bool):
@@ -234,7 +231,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
         for i in T.unroll(CPL):
             sv[i] = T.exp2(sv[i] - red[1])
             red[2] = red[2] + sv[i]
-            kv[P0 + (r * KC + pcol(r, u * CPL + i)) // W, (r * KC + pcol(r, u * CPL + i)) % W] = T.Cast(dtype, sv[i])
+            kv[P0 + (r * KC + scol(r, u * CPL + i)) // W, (r * KC + scol(r, u * CPL + i)) % W] = T.Cast(dtype, sv[i])
         red[2] = red[2] + shfl(red[2], 1)
         red[2] = red[2] + shfl(red[2], 2)
         red[2] = red[2] + shfl(red[2], 4)
@@ -254,7 +251,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 oacc[nn * 4 + e] = oacc[nn * 4 + e] * al[g + e // 2 * 8]
         for kk in T.unroll(KC // 16):
             # matrices: rows 0-7 / 8-15 x columns lo / hi of the k-step (as the query fragments)
-            T.evaluate(ldmatrix(pf, 0, kv, P0 * W + tx % 16 * KC + pcol(tx % 16, kk * 16 + tx % 32 // 16 * 8), trans=False))
+            T.evaluate(ldmatrix(pf, 0, kv, P0 * W + tx % 16 * KC + scol(tx % 16, kk * 16 + tx % 32 // 16 * 8), trans=False))
             for pair in T.unroll(NO // 2):
                 # matrices: rows lo / hi of the k-step x columns of n-tile 2 pair, then 2 pair + 1
                 T.evaluate(ldmatrix(vf, 0, kv, (stage * KC + kk * 16 + tx % 16 // 8 * 8 + tx % 8) * W
