@@ -459,3 +459,53 @@ def test_builtins_refuse_a_none_cache(name, args):
     """TVM's own builtins dereference a None cache (a segfault); the dispatcher refuses it."""
     with pytest.raises(rk.ArgumentError, match="the cache is None"):
         tvm.get_global_func(name)(None, *args)
+
+
+# ---------------------------------------------------------------------------- round 14
+
+
+def test_check_loads_refuses_devices_before_copying(tmp_path):
+    """check_loads copied /dev/zero into a temporary file without end (a hang filling the disk);
+    it now refuses what is not a regular file, as load does. In a child process with a file-size
+    limit, so that a regression fails instead of filling the disk."""
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 24, 1 << 24)); "
+            "from relax_kvcache import deploy\n"
+            "try:\n    deploy.check_loads('/dev/zero')\nexcept FileNotFoundError as err:\n    print(err)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "'/dev/zero' is not a regular file" in proc.stdout, (proc.returncode, proc.stderr)
+
+
+def test_check_loads_of_a_bare_file_name(kernel_library, tmp_path, monkeypatch):
+    """A library named without a folder was looked up on the loader's search path (refused)."""
+    shutil.copyfile(kernel_library, tmp_path / "kernels.so")
+    monkeypatch.chdir(tmp_path)
+    deploy.check_loads("kernels.so")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "cuda", "--arch", "sm80"], "CUDA arch must look like 'sm_80'"),
+    (["--export", "m.so", "--arch", "notacpu"], "'notacpu' is not a CPU LLVM knows"),
+    (["--arch", "sm_90a"], "--arch 'sm_90a' is used where the demo compiles its model"),
+    (["--cache-only", "--arch", "sm_90a"], "would be ignored"),
+])
+def test_cli_demo_arch_is_checked_before_compiling(argv, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(*run_cli("demo", *argv), message)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")
+def test_cli_demo_cuda_without_a_gpu_is_refused_before_compiling():
+    assert_one_line_error(*run_cli("demo", "--target", "cuda"), "there is none")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--page-size", "1000000000"], "one page would hold 16000000000 elements"),
+    (["--num-qo-heads", "2147483647"], "a step's fused q / k / v would hold"),
+])
+def test_cli_build_of_sizes_the_kernels_cannot_index(argv, message, tmp_path):
+    base = {"--num-qo-heads": "2", "--num-kv-heads": "1", "--head-dim": "8"}
+    base.update(dict(zip(argv[::2], argv[1::2])))
+    args = [x for kv in base.items() for x in kv]
+    assert_one_line_error(*run_cli("build", "-o", str(tmp_path / "a.so"), "--no-cache", *args), message)

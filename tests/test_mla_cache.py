@@ -328,6 +328,36 @@ def test_decompress_callbacks_that_do_not_write_and_workspace_aliases_are_refuse
     h.step([(0, 3)])
 
 
+def test_decompress_of_nan_rows_with_the_poison_payload_is_accepted(mla_cache):
+    """Round 14: latent rows holding NaN are stored and used as given; a correct callback that
+    decompresses a NaN whose payload is the cache's poison writes the poison bytes (x86 keeps a
+    NaN's payload through arithmetic) and was refused as 'did not write'. Edge rows decompressed
+    from a NaN are no longer taken for unwritten ones."""
+    from relax_kvcache.mla_context import _POISON_BITS
+
+    h = Harness(mla_cache, seed=9)
+    cache = mla_cache
+    uint, bits = _POISON_BITS[DTYPE]
+    rows = np.full((3, LORA + ROPE), bits, dtype=uint).view(NP_DTYPE)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [3])
+    for layer in range(LAYERS):
+        cache.append_mla_kv(layer, tvm.runtime.tensor(rows, DEV))
+    cache.end_forward()
+    cache.begin_forward([0], [2])
+    seen = {}
+
+    def decompress(latent, k, v):
+        h.decompress(latent, k, v)
+        seen["k"] = k.numpy()[0].view(uint)
+
+    q, o = _t(np.random.default_rng(2).standard_normal((2, HEADS, NOPE + ROPE))), _poisoned((2, HEADS, VDIM))
+    cache.mla_context_attention(0, q, o, _poisoned((2, HEADS), "float32"), SM_SCALE, decompress)
+    assert (seen["k"] == bits).any()  # the callback did write the poison bytes
+    assert np.isnan(o.numpy()).all()  # NaN in, NaN out
+    cache.end_forward()
+
+
 def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
     """Regression (red-team): the workspace was allocated at the first mla_context_attention;
     an absurd context_chunk_size then raised TVM's bad_alloc mid-step. It is sized at

@@ -859,7 +859,7 @@ class PagedAttentionKVCache:
             decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
         finally:
             self._busy = None
-        unwritten = ws.unwritten(k, v)
+        unwritten = ws.unwritten(k, v, view(ws.latent, (rows, cfg.head_dim), 0, self._dtype))
         if unwritten:
             raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {index} "
                                f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "

@@ -228,6 +228,28 @@ class KVCacheConfig:
                 given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
                                   f"{MAX_TENSOR_BYTES} ({given})")
+        self._check_int32_indices(width, max(self.head_dim, self.v_head_dim, self.mla_original_qk_head_dim or 0,
+                                             self.mla_original_v_head_dim or 0))
+
+    def _check_int32_indices(self, page_width: int, widest: int) -> None:
+        """Refuse configs whose tensors the kernels cannot index: a page's elements are a
+        compile-time int32 stride, and the per-step tensors (queries, outputs, K/V of a step; MLA
+        context chunks) have int32 shapes, so their element counts must fit in int32."""
+        rows = self.num_qo_heads + 2 * self.num_kv_heads
+        counts = {
+            "one page": (self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim")),
+            "a step's fused q / k / v": (self.prefill_chunk_size * rows * widest,
+                                         ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim")),
+        }
+        if self.is_mla and self.mla_original_qk_head_dim:
+            counts["an MLA context chunk's k"] = (
+                self.context_workspace_rows * self.num_qo_heads * max(self.mla_original_qk_head_dim, self.head_dim),
+                ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim"))
+        for what, (elements, fields) in counts.items():
+            if elements > MAX_INT:
+                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
+                raise ConfigError(f"KVCacheConfig: {what} would hold {elements} elements; the kernels index it with "
+                                  f"int32, so at most {MAX_INT} ({given})")
 
     def _check_mha(self) -> None:
         if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:

@@ -277,8 +277,12 @@ def check_loads(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[s
     DeployError unless both succeed: a corrupt
     library can crash the loader (SIGSEGV, or its own assertion: exit 127) while it relocates
     the library, and a symbol that cannot be bound would crash the process at its first call.
-    ``shown``: the path named in the error (default ``path``)."""
+    ``shown``: the path named in the error (default ``path``). FileNotFoundError (as
+    :func:`load`) where ``path`` is not a regular file."""
     shown = str(path if shown is None else shown)
+    # a regular file (a device would be copied without end), by an absolute path: the loader
+    # searches its library path for a bare name
+    path = _checked_library(path).absolute()
     if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
         return  # an embedding program's executable is not a Python interpreter
     expected = ("expected a shared library written by `relax-kvcache build` / export_kernels (or a model's "

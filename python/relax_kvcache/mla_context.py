@@ -93,17 +93,25 @@ class ContextWorkspace:
 
     def poison_edges(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> None:
         """Fill the first and last row of a chunk's ``k`` / ``v`` views with a NaN of a payload
-        no arithmetic produces, so `unwritten` can tell whether the callback wrote them."""
+        no arithmetic on numbers produces, so `unwritten` can tell whether the callback wrote them."""
         for name, t in (("k", k), ("v", v)):
             for row in _edge_rows(t):
                 row.copyfrom(self._poison[name])
 
-    def unwritten(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> Tuple[str, ...]:
-        """Names of the views whose first or last row still holds the poison bytes."""
-        def same(row: tvm.runtime.Tensor, poison: np.ndarray) -> bool:
+    def unwritten(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor,
+                  latent: tvm.runtime.Tensor) -> Tuple[str, ...]:
+        """Names of the views whose first or last row still holds the poison bytes, where the
+        latent row it was decompressed from holds no NaN (arithmetic may carry a NaN's payload,
+        so a correct callback can write the poison bytes from a NaN input)."""
+        def poisoned(row: tvm.runtime.Tensor, poison: np.ndarray) -> bool:
             return row.numpy().tobytes() == poison.tobytes()
+
+        def nan_input(row: tvm.runtime.Tensor) -> bool:
+            return bool(np.isnan(row.numpy().astype(np.float32)).any())
+
         return tuple(name for name, t in (("k", k), ("v", v))
-                     if any(same(row, self._poison[name]) for row in _edge_rows(t)))
+                     if any(poisoned(row, self._poison[name]) and not nan_input(source)
+                            for row, source in zip(_edge_rows(t), _edge_rows(latent))))
 
     def spans(self) -> Tuple[Tuple[str, tvm.runtime.Tensor, int], ...]:
         """``(name, tensor, nbytes)`` of every buffer, for `tensors.check_disjoint`."""
