@@ -488,6 +488,7 @@ def test_check_loads_of_a_bare_file_name(kernel_library, tmp_path, monkeypatch):
     (["--export", "m.so", "--arch", "notacpu"], "'notacpu' is not a CPU LLVM knows"),
     (["--arch", "sm_90a"], "--arch 'sm_90a' is used where the demo compiles its model"),
     (["--cache-only", "--arch", "sm_90a"], "would be ignored"),
+    (["--cache-only", "--target", "cuda"], "--target cuda would be ignored"),
 ])
 def test_cli_demo_arch_is_checked_before_compiling(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -96,6 +96,9 @@ def _check_demo_target(args: argparse.Namespace) -> None:
     without a GPU when it would run here (before compiling, which takes seconds)."""
     from .targets import TargetUnavailableError, make_target
 
+    if args.cache_only and args.target != "llvm":
+        raise _UsageError(f"--cache-only runs the cache with kernels for this machine's CPU; --target "
+                          f"{args.target} would be ignored (expected --target llvm or no --target)")
     compiles = args.export is not None or (args.target == "cuda" and args.load is None)
     if args.arch is not None and not compiles:
         raise _UsageError(f"--arch {args.arch!r} is used where the demo compiles its model (--target cuda, or "
