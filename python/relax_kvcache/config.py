@@ -233,19 +233,24 @@ class KVCacheConfig:
 
     def _check_int32_indices(self, page_width: int, widest: int) -> None:
         """Refuse configs whose tensors the kernels cannot index: a page's elements are a
-        compile-time int32 stride, and the per-step tensors (queries, outputs, K/V of a step; MLA
-        context chunks) have int32 shapes, so their element counts must fit in int32."""
-        rows = self.num_qo_heads + 2 * self.num_kv_heads
-        counts = {
-            "one page": (self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim")),
-            "a step's fused q / k / v": (self.prefill_chunk_size * rows * widest,
-                                         ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim")),
-        }
+        compile-time int32 stride, and the per-step tensors (a step's queries, K/V and outputs;
+        MLA context chunks) have int32 shapes, so their element counts must fit in int32."""
+        if self.is_mla:  # q (n, Hq, latent width), outputs (n, Hq, v dims): no fused q / k / v
+            step = ("a step's queries / outputs", self.prefill_chunk_size * self.num_qo_heads * widest,
+                    ("prefill_chunk_size", "num_qo_heads", "head_dim"))
+        else:
+            step = ("a step's fused q / k / v",
+                    self.prefill_chunk_size * (self.num_qo_heads + 2 * self.num_kv_heads) * widest,
+                    ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim"))
+        counts = [("one page", self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim")), step]
         if self.is_mla and self.mla_original_qk_head_dim:
-            counts["an MLA context chunk's k"] = (
-                self.context_workspace_rows * self.num_qo_heads * max(self.mla_original_qk_head_dim, self.head_dim),
-                ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim"))
-        for what, (elements, fields) in counts.items():
+            rows = self.context_workspace_rows  # k (C, Hq, qk), v (C, Hq, v), latent rows (C, width)
+            counts.append(("an MLA context chunk's k / v",
+                           rows * max(self.num_qo_heads * max(self.mla_original_qk_head_dim,
+                                                              self.mla_original_v_head_dim), self.head_dim),
+                           ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
+                            "mla_original_v_head_dim")))
+        for what, elements, fields in counts:
             if elements > MAX_INT:
                 given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: {what} would hold {elements} elements; the kernels index it with "
