@@ -609,9 +609,7 @@ class PagedAttentionKVCache:
             qkv = view(qkv, (n,) + shape[1:], 0, self._dtype)
             o = view(o, (n, cfg.num_qo_heads, cfg.head_dim), 0, self._dtype)
         sm_scale = _as_float("sm_scale", sm_scale)
-        if self._step.reused_pages and layer in self._appended_layers:
-            raise ForwardError(self._reused_pages_message(f"attention_with_fused_qkv({layer_id}) a second time",
-                                                          layer_id))
+        self._check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         k = self._kernels
         k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_applies_rope)
         pages = self._pages[layer]
@@ -652,6 +650,12 @@ class PagedAttentionKVCache:
         if self._step.reused_pages:
             raise ForwardError(self._reused_pages_message("attention_with_shared_kv", source_layer_id))
         self._attend(step, layer, q, k, v, o, step.merged_lse, sm_scale)
+
+    def _check_not_overwritten(self, what: str, layer: int, layer_id: int) -> None:
+        """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote pages that slid
+        out of a window this step."""
+        if self._step.reused_pages and layer in self._appended_layers:
+            raise ForwardError(self._reused_pages_message(what, layer_id))
 
     def _reused_pages_message(self, what: str, layer_id: int) -> str:
         return (f"{what} would read layer {layer_id}'s KV after its append overwrote page(s) "
@@ -716,8 +720,7 @@ class PagedAttentionKVCache:
         check_disjoint([("o", o, rows * cfg.v_head_dim * self._itemsize), ("lse", lse, rows * 4)],
                        [("q", q, rows * cfg.head_dim * self._itemsize)])
         sm_scale = _as_float("sm_scale", sm_scale)
-        if self._step.reused_pages and layer in self._appended_layers:
-            raise ForwardError(self._reused_pages_message(f"cross_attention({layer_id})", layer_id))
+        self._check_not_overwritten(f"cross_attention({layer_id})", layer, layer_id)
         self._paged_attention(step, layer, q, o, lse, sm_scale, first=True, write_empty=True)
 
     def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
@@ -854,12 +857,13 @@ class PagedAttentionKVCache:
         gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
         self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
         ws.poison_edges(k, v)
+        latent = view(ws.latent, (rows, cfg.head_dim), 0, self._dtype)
         self._busy = "mla_context_attention's decompress callback"
         try:
-            decompress(view(ws.latent, (rows, cfg.head_dim), 0, self._dtype), k, v)
+            decompress(latent, k, v)
         finally:
             self._busy = None
-        unwritten = ws.unwritten(k, v, view(ws.latent, (rows, cfg.head_dim), 0, self._dtype))
+        unwritten = ws.unwritten(k, v, latent)
         if unwritten:
             raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {index} "
                                f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "

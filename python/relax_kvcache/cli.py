@@ -94,6 +94,7 @@ def _check_demo_args(args: argparse.Namespace) -> None:
 def _check_demo_target(args: argparse.Namespace) -> None:
     """Refuse an --arch the demo would not use or that names no device model, and --target cuda
     without a GPU when it would run here (before compiling, which takes seconds)."""
+    from .build import can_load_here
     from .targets import TargetUnavailableError, make_target
 
     if args.cache_only and args.target != "llvm":
@@ -104,23 +105,15 @@ def _check_demo_target(args: argparse.Namespace) -> None:
         raise _UsageError(f"--arch {args.arch!r} is used where the demo compiles its model (--target cuda, or "
                           f"--export); with --target {args.target}"
                           f"{' and --load' if args.load is not None else ''} it would be ignored")
-    if compiles:
-        try:
-            make_target(args.target, arch=args.arch)
-        except (ValueError, TargetUnavailableError) as err:
-            raise _UsageError(_one_line(err)) from None
-    if args.target == "cuda" and args.export is None and args.load is None and not _has_cuda_gpu():
+    if not compiles:
+        return
+    try:
+        target = make_target(args.target, arch=args.arch)
+    except (ValueError, TargetUnavailableError) as err:
+        raise _UsageError(_one_line(err)) from None
+    if args.export is None and not can_load_here(target):  # it would run here: --target cuda
         raise _UsageError("--target cuda runs the demo on this machine's GPU and there is none (or no CUDA "
                           "runtime); compile here with --export model.so and run it on the GPU host with --load")
-
-
-def _has_cuda_gpu() -> bool:
-    import tvm
-
-    try:
-        return bool(tvm.cuda(0).exist)
-    except Exception:  # noqa: BLE001 - a TVM without its CUDA runtime
-        return False
 
 
 def _check_output_path(path: str, option: str) -> None:

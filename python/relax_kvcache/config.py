@@ -218,8 +218,9 @@ class KVCacheConfig:
                                          ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
         }
         if self.is_mla and self.mla_original_qk_head_dim:
-            dims = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
-            sizes["MLA context workspace"] = (self.context_workspace_rows * (self.num_qo_heads * dims + self.head_dim),
+            decompressed = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
+            sizes["MLA context workspace"] = (self.context_workspace_rows * (self.num_qo_heads * decompressed
+                                                                             + self.head_dim),
                                               ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
                                                "mla_original_v_head_dim"))
         for what, (elements, fields) in sizes.items():
@@ -228,8 +229,7 @@ class KVCacheConfig:
                 given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
                                   f"{MAX_TENSOR_BYTES} ({given})")
-        self._check_int32_indices(width, max(self.head_dim, self.v_head_dim, self.mla_original_qk_head_dim or 0,
-                                             self.mla_original_v_head_dim or 0))
+        self._check_int32_indices(width, max(dims))
 
     def _check_int32_indices(self, page_width: int, widest: int) -> None:
         """Refuse configs whose tensors the kernels cannot index: a page's elements are a

@@ -115,9 +115,10 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     HG = min(Hq, ROWS)  # heads of a row tile
     TQ, NHG = ROWS // HG, Hq // HG  # tokens of a tile, head groups
     KSW = W // 16 // KS  # k-steps of Q K^T per warp
-    RPW = ROWS // WARPS  # rows whose softmax a warp keeps
+    RPW = ROWS // WARPS  # rows whose softmax a warp keeps (2)
+    LPR = 32 // RPW  # lanes of a row in the softmax (16: shuffles over lane bits 0-3)
     P0, PROWS = STAGES * KC, tile.p_rows  # the P tile: ROWS x KC, row-major, after the ring
-    CPL = KC // (32 // RPW)  # columns per lane in the softmax
+    CPL = KC // LPR  # columns per lane in the softmax
     CW = DV // WARPS  # output columns per warp
     NO = CW // 8  # output n-tiles per warp
     NVEC = W // 8  # 16-byte pieces of a latent row
@@ -202,8 +203,8 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
         reach past row_hi or the causal diagonal of the tile's first token), write p = exp2(s -
         m) to the P tile and the row's rescale factor to ``al``. Rows past the tile's tokens are
         not masked: their queries are zeros, their outputs never stored."""
-        r: T.let[T.int32] = w * RPW + tx % 32 // 16
-        u: T.let[T.int32] = tx % 16
+        r: T.let[T.int32] = w * RPW + tx % 32 // LPR
+        u: T.let[T.int32] = tx % LPR
         for i in T.unroll(CPL):
             sv[i] = sp[0, r, scol(r, u * CPL + i)]
             for k in T.unroll(1, KS):
@@ -263,9 +264,9 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     @T.macro
     def store(ws_o, ws_lse, oacc, stat, mrow, lrow, qrow0, sp_id, nq, hg, w, g, t, tx):
         """The rows' owners publish (max, sum); every warp scales and stores its columns."""
-        if tx % 16 == 0:
-            stat[w * RPW + tx % 32 // 16, 0] = mrow[0]
-            stat[w * RPW + tx % 32 // 16, 1] = lrow[0]
+        if tx % LPR == 0:
+            stat[w * RPW + tx % 32 // LPR, 0] = mrow[0]
+            stat[w * RPW + tx % 32 // LPR, 1] = lrow[0]
         T.evaluate(T.tvm_storage_sync("shared"))
         for hr in T.unroll(2):
             if (g + hr * 8) // HG < nq:
