@@ -53,7 +53,14 @@ def assert_same(before: Snapshot, after: Snapshot) -> None:
     assert before.contents.keys() == after.contents.keys(), "sequences changed"
     for seq_id, arrays in before.contents.items():
         for a, b in zip(arrays, after.contents[seq_id]):
-            np.testing.assert_array_equal(a, b, err_msg=f"K/V of sequence {seq_id} changed")
+            _assert_same_bytes(a, b, f"K/V of sequence {seq_id} changed")
     if before.pages is not None and after.pages is not None:
         for layer, (a, b) in enumerate(zip(before.pages, after.pages)):
-            np.testing.assert_array_equal(a, b, err_msg=f"pages of layer {layer} changed")
+            _assert_same_bytes(a, b, f"pages of layer {layer} changed")
+
+
+def _assert_same_bytes(a: np.ndarray, b: np.ndarray, message: str) -> None:
+    """Bitwise equality (NaNs included: numpy does not treat bfloat16 NaNs as equal)."""
+    assert a.shape == b.shape and a.dtype == b.dtype, message
+    np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8),
+                                  err_msg=message)

@@ -372,6 +372,77 @@ def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
     assert cache._context_workspace.k.shape[0] == huge_chunk.num_total_pages * huge_chunk.page_size
 
 
+def test_context_longer_than_the_pages_is_chunked_by_the_workspace(mla_kernels):
+    """Regression (red-team): a step's context counts a shared prefix once per sequence, so it
+    can be longer than the pool's rows, which cap the workspace; the step was chunked by the
+    uncapped context_chunk_size and viewed rows beyond the workspace (TVM's ValueError)."""
+    import dataclasses
+
+    config = dataclasses.replace(CONFIG, max_total_seq_len=128, context_chunk_size=10**9)
+    assert config.context_workspace_rows == 144
+    h = Harness(PagedAttentionKVCache(config, DEV, kernels=mla_kernels), seed=9)
+    h.add(0)
+    h.step([(0, 64)])
+    h.fork(0, 1, -1)
+    h.fork(0, 2, -1)
+    h.step([(0, 1), (1, 1), (2, 1)])  # 3 x 64 cached rows: two chunks of the 144-row workspace
+    h.step([(2, 5), (1, 1)])
+
+
+def _creation_args(f, *, ragged="attention_prefill_ragged", merges=("merge_inplace", "merge_general")):
+    """TVM's positional creation arguments of ``CONFIG`` with the kernels of module function ``f``."""
+    return [
+        tvm.runtime.ShapeTuple([16, 2048, 256, 16, 0]), tvm.runtime.ShapeTuple([0, LAYERS]), HEADS, 1,
+        LORA + ROPE, LORA, tvm.runtime.ShapeTuple([int(AttnKind.MLA)] * LAYERS), False, int(RopeMode.NONE), 1.0,
+        10000.0, None, tvm.runtime.empty((), DTYPE, DEV),
+        None, f("transpose_append_mla"), ["tirx", f(ragged)], [], [], [], [], [], [],
+        ["tirx", f("attention_prefill_mla")], [f(name) for name in merges], None, f("copy_single_page"),
+        f("debug_get_kv"), None,
+    ]
+
+
+def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel_build):
+    """Regression (red-team): TVM's creation arguments carry no decompressed head dims, so a
+    created cache accepted any in self_attention, merge_attn_output_inplace and
+    mla_context_attention (its callback ran), and the kernel raised TVM's ValueError. It reads
+    them off the ragged and merge kernels, and refuses other dims before anything runs."""
+    create = tvm_ffi.get_global_func("relax_kvcache.paged_attention_kv_cache_create")
+    cache = create(*_creation_args(kernel_build(CONFIG).get_function))
+    assert (cache.config.mla_original_qk_head_dim, cache.config.mla_original_v_head_dim) == (NOPE + ROPE, VDIM)
+    rng = np.random.default_rng(11)
+    t = lambda *shape: _t(rng.standard_normal(shape))  # noqa: E731
+    cache.add_sequence(0)
+    cache.begin_forward([0], [9])
+    cache.append_mla_kv(0, t(9, LORA + ROPE))
+    cache.end_forward()
+    cache.begin_forward([0], [3])
+    calls = []
+    before = snapshot(cache, pages=True)
+    with pytest.raises(ForwardError, match=r"q has shape \(3, 4, 64\), expected \(3, 4, 192\)"):
+        cache.self_attention(0, t(3, HEADS, 64), t(3, HEADS, 64), t(3, HEADS, 32), _poisoned((3, HEADS, 32)),
+                             _poisoned((3, HEADS), "float32"), SM_SCALE)
+    with pytest.raises(ForwardError, match=r"o_self_attn has shape \(3, 4, 8\)"):
+        cache.merge_attn_output_inplace(t(3, HEADS, 8), t(3, HEADS), t(3, HEADS, 8), t(3, HEADS))
+    with pytest.raises(ForwardError, match=r"q has shape \(3, 4, 64\)"):
+        cache.mla_context_attention(0, t(3, HEADS, 64), _poisoned((3, HEADS, 32)), _poisoned((3, HEADS), "float32"),
+                                    SM_SCALE, lambda *a: calls.append(a))
+    assert not calls
+    assert_same(before, snapshot(cache, pages=True))
+    cache.end_forward()
+
+
+@pytest.mark.parametrize("swap", ["ragged", "merges"])
+def test_created_caches_refuse_kernels_in_the_wrong_role(kernel_build, swap):
+    """Regression (red-team): the ragged and merge kernels of created MLA caches were not
+    probed, so the absorbed kernel passed as the ragged one, or the two merges swapped, were
+    accepted and failed in a later step."""
+    f = kernel_build(CONFIG).get_function
+    args = (_creation_args(f, ragged="attention_prefill_mla") if swap == "ragged"
+            else _creation_args(f, merges=("merge_general", "merge_inplace")))
+    with pytest.raises(ConfigError, match="accepts no"):
+        tvm_ffi.get_global_func("relax_kvcache.paged_attention_kv_cache_create")(*args)
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(attn_kinds=[AttnKind.MLA, AttnKind.MHA]), "mixes MLA with other kinds"),
     (dict(num_kv_heads=2, num_qo_heads=4), "num_kv_heads must be 1 for MLA"),
@@ -392,17 +463,7 @@ def test_bad_configs(changes, message):
 def test_builtins_and_creation_match_the_python_api(mla_kernels, kernel_build):
     """``relax_kvcache.paged_attention_kv_cache_create`` with TVM's MLA arguments, driven through
     the ``vm.builtin`` functions, gives bit-identical results to the Python API."""
-    mod = kernel_build(CONFIG)
-    f = mod.get_function
-    tirx = lambda name: ["tirx", f(name)]  # noqa: E731
-    args = [
-        tvm.runtime.ShapeTuple([16, 2048, 256, 16, 0]), tvm.runtime.ShapeTuple([0, LAYERS]), HEADS, 1,
-        LORA + ROPE, LORA, tvm.runtime.ShapeTuple([int(AttnKind.MLA)] * LAYERS), False, int(RopeMode.NONE), 1.0,
-        10000.0, None, tvm.runtime.empty((), DTYPE, DEV),
-        None, f("transpose_append_mla"), tirx("attention_prefill_ragged"), [], [], [], [], [], [],
-        tirx("attention_prefill_mla"), [f("merge_inplace"), f("merge_general")], None, f("copy_single_page"),
-        f("debug_get_kv"), None,
-    ]
+    args = _creation_args(kernel_build(CONFIG).get_function)
     created = tvm_ffi.get_global_func("relax_kvcache.paged_attention_kv_cache_create")(*args)
     assert isinstance(created, PagedAttentionKVCache) and created.config.is_mla
     direct = PagedAttentionKVCache(CONFIG, DEV, kernels=mla_kernels)

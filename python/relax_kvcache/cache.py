@@ -22,7 +22,7 @@ from .build import build_kernels, kernel_identity
 from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ArgumentError, ConfigError, ForwardError, KVCacheError, SequenceError
-from .kernel_probe import probe_foreign_attention, probe_foreign_kernels
+from .kernel_probe import decompressed_head_dims, probe_foreign_attention, probe_foreign_kernels
 from .kernel_set import KernelSet
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
@@ -116,6 +116,16 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
                           "calls in every step; pass them (or let the cache build its own)")
 
 
+def _with_kernel_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> KVCacheConfig:
+    """An MLA config without decompressed head dims, given the dims its foreign kernels accept."""
+    qk, v = decompressed_head_dims(config, kernels, device)
+    try:
+        return dataclasses.replace(config, mla_original_qk_head_dim=qk, mla_original_v_head_dim=v)
+    except ConfigError as err:
+        raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims the ragged kernel "
+                          f"and merge_general accept) do not fit this config: {err}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class _CommitPlan:
     """One sequence's commit: ``moves`` are (source, destination) indices among its last
@@ -166,6 +176,9 @@ class PagedAttentionKVCache:
         elif kernels.identity is not None:
             _check_kernels_match(config, kernels.identity)
         _check_required_kernels(config, kernels)
+        dims_given = config.mla_original_qk_head_dim is not None
+        if config.is_mla and not dims_given and kernels.identity is None:
+            config = _with_kernel_head_dims(config, kernels, device)
         self.config = config
         self.device = device
         self.layer_offset = layer_offset
@@ -201,7 +214,7 @@ class PagedAttentionKVCache:
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
         self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
         self._context_workspace: Optional[ContextWorkspace] = None
-        if self._mla and config.mla_original_qk_head_dim:
+        if self._mla and dims_given:  # read off foreign kernels: made on first use (TVM's models never use it)
             self._context_workspace = self._new_context_workspace(config.mla_original_qk_head_dim,
                                                                   config.mla_original_v_head_dim)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
@@ -783,7 +796,8 @@ class PagedAttentionKVCache:
         """Compute-friendly attention of the step's queries over their cached context, in chunks.
 
         The cached tokens of the step's sequences (those before this step) are walked in chunks
-        of at most ``config.context_chunk_size`` rows: each chunk's latent rows are gathered,
+        of at most ``config.context_workspace_rows`` rows (``context_chunk_size``, capped at the
+        rows the pages hold): each chunk's latent rows are gathered,
         decompressed by ``decompress`` into per-head K/V and attended with the ragged kernel;
         the chunks' states are merged by log-sum-exp (seed 002's chunked context). Memory is
         that of one chunk, whatever the context length. Merge the result with
@@ -804,7 +818,7 @@ class PagedAttentionKVCache:
         decompress : callable
             ``decompress(latent (c, W), k (c, Hq, Dqk), v (c, Hq, Dv))`` writes ``k = [latent[:, :L]
             @ W_UK, latent[:, L:]]`` and ``v = latent[:, :L] @ W_UV`` (any packed function or
-            Python callable); ``c <= context_chunk_size``.
+            Python callable); ``c <= context_workspace_rows``.
         """
         self._require_kind("mla_context_attention", mla=True)
         layer = self._local_layer(layer_id)
@@ -833,7 +847,7 @@ class PagedAttentionKVCache:
                           device=self.device)[2]
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
         ws = self._context_workspace
-        if ws is None or ws.dims != (dqk, dv):  # a config without the decompressed head dims
+        if ws is None:  # a cache that read its dims off foreign kernels makes it on first use
             ws = self._context_workspace = self._new_context_workspace(dqk, dv)
         q_span = ("q", q, n * hq * dqk * self._itemsize)
         check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)], [q_span, *ws.spans()])
@@ -879,8 +893,10 @@ class PagedAttentionKVCache:
         """The current step's chunked context, planned on first use and kept for the step."""
         if self._context is None:
             step = self._step
+            # chunks of the workspace's rows: context_chunk_size, capped at the pages' rows (a
+            # context counts a shared prefix once per sequence, so it can be longer than that)
             self._context = ContextPlan.build(self._paging, step.seq_ids, step.append_lengths,
-                                              self.config.context_chunk_size, self.device)
+                                              self.config.context_workspace_rows, self.device)
         return self._context
 
     def _ragged_attention(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:

@@ -137,10 +137,12 @@ class KVCacheConfig:
     mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
         MLA caches: q/k and v head dims of the decompressed self-attention over the step's new
         tokens (DeepSeek-V3: 128 + 64 = 192 and 128), as in TVM's frontend. Our kernels need
-        them; a cache created with given kernels does not.
+        them; a cache created with given kernels without them reads them off its ragged and
+        merge kernels (the dims those accept).
     context_chunk_size : int, optional
         MLA caches: most cached tokens :meth:`PagedAttentionKVCache.mla_context_attention`
-        decompresses at once (its workspace); defaults to ``prefill_chunk_size``. Chunks' partial
+        decompresses at once (its workspace; capped at the rows the pages hold,
+        :attr:`context_workspace_rows`); defaults to ``prefill_chunk_size``. Chunks' partial
         states are merged in the cache dtype, so in 16-bit dtypes many tiny chunks lose precision
         (bfloat16, 1500 cached tokens: 14% of the largest output with 1-row chunks, 2% with 4,
         0.5% with 64, 0.2% with 4096); use at least a few dozen rows.

@@ -67,6 +67,65 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
                               "this config") from err
 
 
+#: Largest decompressed head dim :func:`decompressed_head_dims` looks for (DeepSeek-V3: 192 / 128).
+MAX_PROBED_HEAD_DIM = 1024
+
+
+def decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet,
+                           device: tvm.runtime.Device) -> Tuple[int, int]:
+    """The decompressed ``(qk, v)`` head dims of a foreign MLA kernel set (TVM's creation
+    arguments do not carry them): ``v`` is the head dim ``merge_general`` accepts, ``qk`` the
+    one ``attention_prefill_ragged`` accepts with that ``v``.
+
+    A compiled kernel checks its arguments' shapes before it runs, so a call with another head
+    dim raises and touches nothing; the calls are on tensors of one token made here, trying
+    every dim from 1 up to :data:`MAX_PROBED_HEAD_DIM`.
+
+    Raises
+    ------
+    ConfigError
+        No head dim up to :data:`MAX_PROBED_HEAD_DIM` is accepted.
+    """
+    hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
+    wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(3)]
+    lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
+    ints = {v: tvm.runtime.tensor(np.array(v, dtype=np.int32), device) for v in ((0, 1), (0,))}
+
+    def per_head(i: int, dim: int) -> tvm.runtime.Tensor:
+        return view(wide[i], (1, hq, dim))
+
+    def merge(dim: int) -> None:
+        kernels.merge_general(per_head(0, dim), lse[0], per_head(1, dim), lse[1])
+
+    v_dim = _first_accepted(merge, range(1, widest + 1))
+    if v_dim is None:
+        raise ConfigError(f"the merge_general kernel accepts no state of head dim 1 to {widest} ({dtype}, "
+                          f"{hq} heads); expected TVM's second merge function, at the decompressed v head dim")
+    v_buf = [_tensor(np.zeros((1, hq, v_dim)), dtype, device) for _ in range(2)]
+
+    def ragged(dim: int) -> None:
+        kernels.attention_prefill_ragged(per_head(0, dim), ints[(0, 1)], per_head(1, dim), v_buf[0], ints[(0, 1)],
+                                         ints[(0,)], ints[(0,)], v_buf[1], lse[0], 1, 0, 1.0, 1e4, 1.0)
+
+    qk_dim = _first_accepted(ragged, range(1, widest + 1))
+    if qk_dim is None:
+        raise ConfigError(f"the attention_prefill_ragged kernel accepts no q / k head dim from 1 to {widest} with "
+                          f"v head dim {v_dim} (merge_general's; {dtype}, {hq} heads); expected the ragged "
+                          "kernel and merge functions of one MLA config")
+    return qk_dim, v_dim
+
+
+def _first_accepted(call: Callable[[int], None], dims: Sequence[int]) -> Optional[int]:
+    """The first dim for which ``call(dim)`` does not raise."""
+    for dim in dims:
+        try:
+            call(dim)
+        except Exception:  # noqa: BLE001 - a foreign kernel refusing the shape
+            continue
+        return dim
+    return None
+
+
 def _summary(err: Exception) -> str:
     """An exception's message on one line, at most 200 characters (TVM's span several lines)."""
     text = " ".join(str(err).split())
@@ -303,15 +362,14 @@ def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
             if seen else None)
     _check_output("cross_attention", o, want, cfg.dtype, expected="float64 attention over the stored latent rows")
     dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
-    if dqk is not None:
-        q, k, v = (_exact_random(rng, (n, hq, dim)) for dim in (dqk, dqk, dv))
-        scale = _scale(rng, dqk)
-        o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
-        lse_self = _poisoned((n, hq), "float32", cache.device)
-        cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
-                             o_self, lse_self, scale)
-        want = _attention(q, k, v, scale, _visible(n, n, None))  # causal over the step's tokens
-        _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
+    q, k, v = (_exact_random(rng, (n, hq, dim)) for dim in (dqk, dqk, dv))
+    scale = _scale(rng, dqk)
+    o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
+    lse_self = _poisoned((n, hq), "float32", cache.device)
+    cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
+                         o_self, lse_self, scale)
+    want = _attention(q, k, v, scale, _visible(n, n, None))  # causal over the step's tokens
+    _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
 
 
 def _stored_rows(cache: Any, layer: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -374,12 +432,19 @@ def _rows(tensor: tvm.runtime.Tensor, rows: int) -> np.ndarray:
 
 
 def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
-    """Merge two states whose base-2 LSEs differ: ``o = (2^a o_a + 2^b o_b) / (2^a + 2^b)``."""
+    """Merge two states whose base-2 LSEs differ: ``o = (2^a o_a + 2^b o_b) / (2^a + 2^b)``,
+    with ``merge_inplace`` (the merge over block depths, at the cache's v head dim) and through
+    ``merge_attn_output_inplace`` (``merge_general``: MLA's decompressed v head dim)."""
     cfg = cache.config
+    inplace = cache._kernels.merge_inplace
+    _probe_merge_kernel(cache, rng, "merge_inplace", cfg.v_head_dim, lambda *states: inplace(*states))
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
-    if dv is None:
-        return
-    hq = cfg.num_qo_heads
+    _probe_merge_kernel(cache, rng, "merge_attn_output_inplace", dv,
+                        lambda *states: cache.merge_attn_output_inplace(*states))
+
+
+def _probe_merge_kernel(cache: Any, rng: np.random.Generator, what: str, dv: int, merge: Callable) -> None:
+    cfg, hq = cache.config, cache.config.num_qo_heads
     o = [_exact_random(rng, (1, hq, dv)) for _ in range(2)]
     lse = [_exact_random(rng, (1, hq)) for _ in range(2)]
     weights = [np.exp2(x)[..., None] for x in lse]
@@ -387,10 +452,10 @@ def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
     want_lse = np.log2(np.exp2(lse[0]) + np.exp2(lse[1]))
     tensors = [_tensor(o[0], cfg.dtype, cache.device), _tensor(lse[0], "float32", cache.device),
                _tensor(o[1], cfg.dtype, cache.device), _tensor(lse[1], "float32", cache.device)]
-    cache.merge_attn_output_inplace(*tensors)
+    merge(*tensors)
     expected = "the LSE-weighted mean of two states"
-    _check_output("merge_attn_output_inplace", tensors[0], want_o, cfg.dtype, expected=expected)
-    _check_output("merge_attn_output_inplace", tensors[1], want_lse, "float32", expected=expected + " (its LSE)")
+    _check_output(what, tensors[0], want_o, cfg.dtype, expected=expected)
+    _check_output(what, tensors[1], want_lse, "float32", expected=expected + " (its LSE)")
 
 
 def _check_output(what: str, out: tvm.runtime.Tensor, want: Optional[np.ndarray], dtype: str, *,
