@@ -243,6 +243,26 @@ def test_capturable_step_only_for_repeated_decode(cache_factory):
         cache.capturable_step()
 
 
+def test_capturable_step_changes_with_the_batch(cache_factory):
+    """Regression (red-team): another batch of the same structure reused the fixed slots and
+    returned the same object, so DecodeGraphs replayed the old batch's captured forward (its
+    buffers) instead of running the new one's. The slots are reused; the object is new."""
+    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(9))
+    cache = h.cache
+    for s in range(4):
+        h.add(s)
+    cache.begin_forward([0, 1, 2, 3], [5, 9, 6, 10])
+    cache.end_forward()
+    tokens = {}
+    for batch in [(0, 1)] * 2 + [(2, 3)] * 2 + [(1, 0)] * 2:
+        cache.begin_forward(list(batch), [1, 1])
+        tokens.setdefault(batch, []).append(cache.capturable_step())
+        cache.end_forward()
+    for batch, seen in tokens.items():
+        assert seen[0] is not None and seen[0] is seen[1], batch
+    assert len({id(seen[0]) for seen in tokens.values()}) == 3
+
+
 def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
     from relax_kvcache.cuda_graph import DecodeGraphs
 

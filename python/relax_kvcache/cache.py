@@ -210,7 +210,8 @@ class PagedAttentionKVCache:
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
         self._decode_planner = DecodePlanner(config.page_size)
-        self._decode_slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, _DeviceStep]] = None
+        # repeated decode steps' fixed slots: (depths' has_pages, slots, the step's views, batch)
+        self._decode_slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, _DeviceStep, Tuple[int, ...]]] = None
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
         self._context: Optional[ContextPlan] = None  # the step's chunked MLA context, planned on first use
         self._context_workspace: Optional[ContextWorkspace] = None
@@ -441,7 +442,7 @@ class PagedAttentionKVCache:
         Parent pointers index each sequence's accumulated tree: its uncommitted nodes from earlier
         steps followed by this step's ``append_lengths[i]`` nodes.
         """
-        paging, cfg = self._paging, self.config
+        paging = self._paging
         if parent_ptr is None:
             for seq_id in seq_ids:
                 if not paging.sequence(seq_id).accepted_indices_committed:
@@ -555,14 +556,23 @@ class PagedAttentionKVCache:
             headroom = _DECODE_PAGE_HEADROOM * step.batch_size
             shapes = [a.shape for a in arrays[:-len(depths)]] + [(d.page_indices.size + headroom,) for d in depths]
             buffer = SlotBuffer(self.device, shapes, [False] * (len(arrays) - len(depths)) + [True] * len(depths))
-            views = buffer.views[:4]
-            for d in range(len(depths)):  # the general order: page indices third in each depth
-                qo, indptr, info, rope = buffer.views[4 + 4 * d: 8 + 4 * d]
-                views += [qo, indptr, buffer.views[4 + 4 * len(depths) + d], info, rope]
-            slots = self._decode_slots = (has_pages, buffer, self._device_views(step, views))
+            slots = self._decode_slots = (has_pages, buffer, self._slot_step(step, buffer), step.seq_ids)
+        elif slots[3] != step.seq_ids:
+            # another batch of the same structure: the same slots, but a new object, so that a
+            # graph captured with the old batch's forward is not replayed for this one
+            slots = self._decode_slots = (has_pages, slots[1], self._slot_step(step, slots[1]), step.seq_ids)
         slots[1].upload(arrays)
         self._uploader = slots[1]
         return slots[2]
+
+    def _slot_step(self, step: md.StepMetadata, buffer: SlotBuffer) -> _DeviceStep:
+        """The `_DeviceStep` of a decode step whose arrays live in ``buffer``'s slots."""
+        ndepths = len(step.depths)
+        views = buffer.views[:4]
+        for d in range(ndepths):  # the general order: page indices third in each depth
+            qo, indptr, info, rope = buffer.views[4 + 4 * d: 8 + 4 * d]
+            views += [qo, indptr, buffer.views[4 + 4 * ndepths + d], info, rope]
+        return self._device_views(step, views)
 
     def _device_views(self, step: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> _DeviceStep:
         """The `_DeviceStep` of ``step`` from its arrays' device views, in `_upload`'s order."""
