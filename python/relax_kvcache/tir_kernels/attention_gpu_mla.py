@@ -139,7 +139,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     def splits(tiles):
         """Splits per tile: as many as fill one wave of blocks (a second, partial wave would
         idle most SMs), at least one."""
-        return T.min(sched.decode_splits, T.max(1, SMS // (tiles * NHG)))
+        return T.min(sched.mla_decode_splits, T.max(1, SMS // (tiles * NHG)))
 
     @T.macro
     def load_q(qf, q, qo_indptr, b, tile0, nq, hg, ks, g, t):
