@@ -23,6 +23,7 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 import relax_kvcache as rk
+from cache_snapshot import assert_same, snapshot
 from relax_kvcache import deploy, model_demo
 from relax_kvcache.cli import main
 from relax_kvcache.generate import Engine
@@ -510,3 +511,52 @@ def test_cli_build_of_sizes_the_kernels_cannot_index(argv, message, tmp_path):
     base.update(dict(zip(argv[::2], argv[1::2])))
     args = [x for kv in base.items() for x in kv]
     assert_one_line_error(*run_cli("build", "-o", str(tmp_path / "a.so"), "--no-cache", *args), message)
+
+
+# ---------------------------------------------------------------------------- seventeenth round
+
+
+def _python_model(fail, vocab):
+    """A model function that writes every layer's K/V through the cache, then may raise."""
+    rng = np.random.default_rng(3)
+
+    def model(ids, cache, *weights):
+        n, cfg = ids.numpy().size, cache.config
+        for layer in range(cfg.num_layers):
+            qkv = rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim))
+            cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv.astype("float32")),
+                                           tvm.runtime.empty((n, cfg.num_qo_heads, cfg.head_dim), "float32"), 0.1)
+        if fail["on"]:
+            raise RuntimeError("the model failed")
+        return tvm.runtime.tensor(rng.standard_normal((n, vocab)).astype("float32"))
+
+    return model
+
+
+def test_a_failed_model_step_returns_the_pages_in_their_order():
+    """Regression (code audit): the rollback popped the step's tokens in batch order, so the
+    pages went back to the free list reversed; and a VM without the step's function raised after
+    begin_forward, leaving the step active (every later step failed)."""
+    fail = {"on": False}
+    model = _python_model(fail, 16)
+    engine = _engine(vocab_size=16)
+    engine.vm = {"prefill": model, "decode": model}
+    a, b = engine.add_request(list(range(16)), 4), engine.add_request(list(range(16)), 4)
+    engine.step()  # each prompt fills one page: the decode step takes a new page each
+    # (free pages' raw contents are not compared: the model wrote its K/V there before failing)
+    before = (snapshot(engine.cache), [(r.tokens, r.cached) for r in (a, b)])
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="the model failed"):
+        engine.step()
+    after = snapshot(engine.cache)
+    for shot in (before[0], after):  # all but the last-step lengths (Sequence's last field): popn resets them
+        shot.paging["sequences"] = tuple((k, fields[:-1]) for k, fields in shot.paging["sequences"])
+    assert_same(before[0], after)
+    assert [(r.tokens, r.cached) for r in (a, b)] == before[1]
+    engine.vm = {"prefill": model}  # no decode function: refused before the step begins
+    with pytest.raises(KeyError, match="decode"):
+        engine.step()
+    assert engine.cache._step is None
+    engine.vm = {"prefill": model, "decode": model}
+    fail["on"] = False
+    engine.step()

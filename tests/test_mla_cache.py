@@ -427,6 +427,12 @@ def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel
         cache.mla_context_attention(0, t(3, HEADS, 64), _poisoned((3, HEADS, 32)), _poisoned((3, HEADS), "float32"),
                                     SM_SCALE, lambda *a: calls.append(a))
     assert not calls
+    q, o, lse = t(3, HEADS, NOPE + ROPE), _poisoned((3, HEADS, VDIM)), _poisoned((3, HEADS), "float32")
+    with pytest.raises(ForwardError, match="decompress must be callable"):
+        cache.mla_context_attention(0, q, o, lse, SM_SCALE, None)
+    with pytest.raises(KVCacheError, match="sm_scale"):
+        cache.mla_context_attention(0, q, o, lse, None, lambda *a: calls.append(a))
+    assert not calls and cache._context_workspace is None  # made at the first call that runs (code audit)
     assert_same(before, snapshot(cache, pages=True))
     cache.end_forward()
 

@@ -735,3 +735,63 @@ def test_valid_inputs_the_exact_type_checks_must_not_refuse(cache):
     for factors in (0, [1.0], _t((16,))):
         with pytest.raises(NotImplementedError, match="rope_ext_factors .LongRoPE. is not supported"):
             _create_with(cache._kernels, a11=factors)
+
+
+# ---------------------------------------------------------------------------- seventeenth round
+
+
+class _ReenteringArray(tvm_ffi.Array):
+    """A tvm_ffi Array whose Python iteration and length start a step (found by a code audit:
+    ``as_int_list`` iterated Arrays through their own ``__iter__``)."""
+
+    cache = None
+
+    def __iter__(self):
+        _ReenteringArray.cache.begin_forward([0], [3])
+        return super().__iter__()
+
+    def __len__(self):
+        _ReenteringArray.cache.add_sequence(7)
+        return super().__len__()
+
+
+def test_array_arguments_are_read_without_their_python_methods(cache):
+    _ReenteringArray.cache = cache
+    ids = _ReenteringArray([0])
+    _unchanged(cache, lambda: cache.begin_forward(ids, [2, 2]), rk.ForwardError, "equal lengths")
+    cache.begin_forward(ids, [2])  # read through the FFI: one step of 2 tokens, nothing nested
+    assert cache.get_sequence_length(0) == 23 and not cache._paging.has_sequence(7)
+    cache.end_forward()
+
+
+class _EqShape(tvm.runtime.ShapeTuple):
+    def __eq__(self, other):
+        _EqShape.cache.begin_forward([0], [1])
+        return True
+
+    __hash__ = tuple.__hash__
+
+
+class _ClaimsShape:
+    """Claims to be a ShapeTuple and equal to anything."""
+
+    __class__ = tvm.runtime.ShapeTuple
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+def test_repeated_decode_batches_compare_exact_shapes_only(cache):
+    """The decode fast path took ``isinstance`` (which a ``__class__`` claim passes) and the
+    object's own ``__eq__``, which could begin a nested step or accept anything."""
+    rng = np.random.default_rng(9)
+    _step(cache, rng, [0], [1])
+    _step(cache, rng, [0], [1])  # the decode lane is open now
+    _unchanged(cache, lambda: cache.begin_forward(_ClaimsShape(), _ClaimsShape()), rk.ArgumentError,
+               "must be a sequence of integers")
+    _EqShape.cache = cache
+    cache.begin_forward(_EqShape([0]), _EqShape([1]))  # planned in full: its __eq__ never runs
+    assert cache.get_sequence_length(0) == 24
+    cache.end_forward()

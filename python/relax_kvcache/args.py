@@ -30,6 +30,7 @@ _PLAIN_TYPES = frozenset((int, float, str, bytes, bool, type(None), complex))
 #: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
 #: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
 _SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
+_array_size, _array_get_item = tvm_ffi.get_global_func("ffi.ArraySize"), tvm_ffi.get_global_func("ffi.ArrayGetItem")
 
 
 def describe(value: Any) -> str:
@@ -140,8 +141,8 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         items = list(tuple.__iter__(values))
     elif issubclass(kind, np.ndarray):
         items = np.ndarray.tolist(values)
-    else:
-        items = list(values)
+    else:  # a tvm_ffi Array, read through the FFI: a subclass's __iter__ / __len__ never run
+        items = [_array_get_item(values, i) for i in range(_array_size(values))]
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]

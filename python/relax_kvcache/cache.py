@@ -833,8 +833,8 @@ class PagedAttentionKVCache:
         self._require_kind("mla_context_attention", mla=True)
         layer = self._local_layer(layer_id)
         step = self._active_step("mla_context_attention")
-        ws = self._check_context_args(q, o, lse, decompress)
         sm_scale = _as_float("sm_scale", sm_scale)
+        ws = self._check_context_args(q, o, lse, decompress)
         n, hq, dv = self._step.total_tokens, self.config.num_qo_heads, ws.dims[1]
         plan = self._context_plan()
         tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
@@ -857,16 +857,17 @@ class PagedAttentionKVCache:
                           device=self.device)[2]
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
         ws = self._context_workspace
-        if ws is None:  # a cache that read its dims off foreign kernels makes it on first use
-            ws = self._context_workspace = self._new_context_workspace(dqk, dv)
+        ws_spans = ws.spans() if ws is not None else []
         q_span = ("q", q, n * hq * dqk * self._itemsize)
-        check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)], [q_span, *ws.spans()])
-        check_disjoint([q_span], ws.spans())  # the workspace is written
+        check_disjoint([("o", o, n * hq * dv * self._itemsize), ("lse", lse, n * hq * 4)], [q_span, *ws_spans])
+        check_disjoint([q_span], ws_spans)  # the workspace is written
         if not callable(decompress):
             raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
         if self._kernels.debug_get_kv is None:
             raise KVCacheError("mla_context_attention gathers latent rows with the debug_get_kv kernel, which "
                                "this cache was created without")
+        if ws is None:  # a cache that read its dims off foreign kernels makes it on first use
+            ws = self._context_workspace = self._new_context_workspace(dqk, dv)
         return ws
 
     def _decompressed_chunk(self, layer: int, ws: ContextWorkspace, chunk: Any, index: int,
@@ -979,7 +980,9 @@ class PagedAttentionKVCache:
         their metadata in fixed device slots: every kernel argument of such a step is the same
         tensor as in the previous step, so a graph captured on one replays on the next. The
         returned object stands for that set of arguments (compare by identity); it changes when
-        the batch changes or the page lists outgrow their slots. Also orders the current stream
+        the batch (the list of sequence ids) changes or the page lists outgrow their slots.
+        Sequences removed and added again under the same ids count as the same batch: key
+        per-request buffers of a captured ``forward`` by sequence id. Also orders the current stream
         after the step's metadata upload, as the first attention call would.
         """
         step = self._active_step("capturable_step")

@@ -207,8 +207,11 @@ class Engine:
         Returns the requests that finished (and were removed).
 
         A step that raises (e.g. :class:`relax_kvcache.CacheFullError` when the pages run out,
-        or an error of the model) leaves the requests and the cache as they were: the caller
-        can :meth:`cancel` requests to make room and step again."""
+        or an error of the model) leaves the requests and the cache's sequences, pages and K/V
+        as they were: the caller can :meth:`cancel` requests to make room and step again. (A
+        step the model failed is undone with ``popn``, TVM's protocol having no other undo, so
+        the sequences' last-step length, which a token-tree commit with leaf -1 pops, is 0
+        afterwards; the engine makes no such commits.)"""
         if not self.requests:
             raise ValueError("step: there are no requests; add one with add_request")
         # (a request finished by a speculative step is only retired: it gets no more tokens)
@@ -268,12 +271,12 @@ class Engine:
         ids = np.concatenate([r._tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
         decode = all(n == 1 for _, n in batch)
         start = time.perf_counter()
+        fn = self.vm["decode"] if decode else self.vm["prefill"]  # before the step: it may raise
+        inputs = tvm.runtime.tensor(ids.reshape(-1, 1) if decode else ids.reshape(1, -1), self.device)
         self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
                     tvm.runtime.ShapeTuple([n for _, n in batch]))
-        fn = self.vm["decode"] if decode else self.vm["prefill"]
-        inputs = ids.reshape(-1, 1) if decode else ids.reshape(1, -1)
         try:
-            logits = fn(tvm.runtime.tensor(inputs, self.device), self.cache, *self.weights).numpy()
+            logits = fn(inputs, self.cache, *self.weights).numpy()
             self._end(self.cache)
             logits = logits.reshape(len(ids), -1)
             per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
@@ -281,7 +284,9 @@ class Engine:
                 self._check(req._tokens[:req.cached + n], rows)
         except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
             self._end(self.cache)
-            for req, n in batch:  # begin_forward grew the sequences: drop the step's tokens
+            # begin_forward grew the sequences: drop the step's tokens, last sequence first, so
+            # that their pages return to the free list in the order they left it
+            for req, n in reversed(batch):
                 self._popn(self.cache, req.seq_id, n)
             raise
         self.stats.model_seconds += time.perf_counter() - start
