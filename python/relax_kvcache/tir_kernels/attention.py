@@ -296,7 +296,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
             o = T.match_buffer(var_o, (B, Hq, D), dtype)
             lse = T.match_buffer(var_lse, (B, Hq), "float32")
             if on_gpu:
-                run_gpu(q, o, lse, q_rope_position, B,
+                run_gpu(q, o, lse, q_rope_position, B, nnz,
                         (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
                         rotary_mode, rope_scale, rope_theta, sm_scale)
             else:

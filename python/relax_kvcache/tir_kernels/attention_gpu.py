@@ -518,17 +518,22 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
     item, shape = make_decode_item(spec, sched, kv_elem)
     merge = merge_splits(spec, sched)
 
-    def splits(batch):
-        """Blocks per (sequence, KV head): enough for ``min_blocks`` in all, at most ``NS``."""
-        return T.min(NS, T.max(1, ceildiv(sched.min_blocks, batch * Hkv)))
+    def splits(batch, num_pages):
+        """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
+        ``decode_wave_blocks`` holds (a partial second wave would idle most SMs while it runs),
+        but none shorter than one step of the block's row groups over the batch's mean context
+        (``num_pages``: the pages the kernel is given; their mean per sequence times the page
+        size is at most a sequence's length plus the slots' headroom, far from int32's limit)."""
+        by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
+        return T.min(NS, T.max(1, T.min(sched.decode_wave_blocks // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
     @T.macro
-    def run(q, o, lse, q_rope_position, batch, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
+    def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
         # workspace of the splits that run (large batches: one split, a small workspace)
-        ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch), DV), "float32")
-        ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch)), "float32")
-        nsplit: T.let[T.int32] = splits(batch)
+        ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages), DV), "float32")
+        ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages)), "float32")
+        nsplit: T.let[T.int32] = splits(batch, num_pages)
         for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
             for by in T.thread_binding(nsplit, thread="blockIdx.y"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):

@@ -62,16 +62,17 @@ class GpuSchedule:
         KV tokens staged in shared memory per step of the online softmax.
     decode_splits : int
         Most blocks one sequence's KV (one KV head) is split across in decode, merged by LSE.
-        32: at batch 1 on an H100 (8 KV heads, head_dim 128) 32 splits of a 16384-token
-        context take 38.9 us against 47.3 with 16 and 49 with 64 (4096 tokens: 18.1, 19.1,
-        25.7); larger batches split less (``min_blocks``).
     mla_decode_splits : int
         The same for MLA's absorbed decode (one latent head).
+    decode_wave_blocks : int
+        Decode blocks resident at once (four per SM of an H100 / H200: 132 SMs). Decode splits
+        sequences while the blocks fill one such wave: a partial second wave idles most SMs
+        while it runs (H100, 8 KV heads, head_dim 128, kernel only: 4 x 16384 took 162 us with
+        9 splits (288 blocks), 145 with 17 (544: a second wave of 16), 129 with 33 (1056) and
+        115 with 16 (512)). Larger batches split less; from 34 sequences x 8 KV heads, not at all.
     min_blocks : int
-        Decode splits a sequence only while fewer than this many blocks would run (two per SM
-        of an H100). Splitting more (528 or 1056 blocks) measured slower from batch 8 (8 x 4096,
-        32 x 1024, 64 x 2048: the merge and the blocks' fixed cost outweigh the parallelism)
-        though faster at 4 x 16384 (131 us against 161).
+        MLA decode splits its tiles while fewer than ``min_blocks / 2`` blocks (one per SM)
+        would run.
     warp_size : int
         Threads of one warp / wavefront / SIMD group.
     max_lanes : int
@@ -98,6 +99,7 @@ class GpuSchedule:
     kv_chunk: int = 32
     decode_splits: int = 32
     mla_decode_splits: int = 16
+    decode_wave_blocks: int = 528
     min_blocks: int = 264
     warp_size: int = 32
     max_lanes: int = 8
