@@ -795,3 +795,22 @@ def test_repeated_decode_batches_compare_exact_shapes_only(cache):
     cache.begin_forward(_EqShape([0]), _EqShape([1]))  # planned in full: its __eq__ never runs
     assert cache.get_sequence_length(0) == 24
     cache.end_forward()
+
+
+class _NoArray(tvm_ffi.Array):
+    def __init__(self, *args):  # never builds the array: a null handle
+        pass
+
+
+def test_arrays_without_an_array_are_refused(cache):
+    """Regression (round 18): an Array made without an array (``Array.__new__``, or a subclass
+    skipping ``__init__``) crashed the process when its size was read."""
+    null = tvm_ffi.Array.__new__(tvm_ffi.Array)
+    _unchanged(cache, lambda: cache.begin_forward(null, [1]), rk.ArgumentError, "seq_ids .*null handle")
+    _unchanged(cache, lambda: cache.begin_forward([0], [1], _NoArray([-1])), rk.ArgumentError,
+               "token_tree_parent_ptr .*null handle")
+    _unchanged(cache, lambda: cache.commit_accepted_token_tree_nodes(_NoArray([0]), [0]), rk.ArgumentError,
+               "seq_ids .*null handle")
+    from relax_kvcache.kernel_set import _list
+    with pytest.raises(rk.ConfigError, match="argument 23 must be a list.*null handle"):
+        _list(null, 23)

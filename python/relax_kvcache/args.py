@@ -142,6 +142,9 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
     elif issubclass(kind, np.ndarray):
         items = np.ndarray.tolist(values)
     else:  # a tvm_ffi Array, read through the FFI: a subclass's __iter__ / __len__ never run
+        if not tvm_ffi.core.CObject.__chandle__(values):  # made without an array (Array.__new__)
+            raise ArgumentError(f"{name} must be a sequence of integers, got an object of type {kind.__name__} "
+                                "made without an array (a null handle)")
         items = [_array_get_item(values, i) for i in range(_array_size(values))]
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items

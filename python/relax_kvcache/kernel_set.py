@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, List, Optional, Sequence, Tuple
 
 import tvm
+import tvm_ffi
 
 from .errors import ArgumentError, ConfigError
 
@@ -138,9 +139,10 @@ def _list(value: Any, index: int) -> list:
     """A list argument (None: empty)."""
     if value is None:
         return []
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    null = isinstance(value, tvm_ffi.Array) and not tvm_ffi.core.CObject.__chandle__(value)  # Array.__new__
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or null:
         raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a list, "
-                          f"got {type(value).__name__}")
+                          f"got {type(value).__name__}" + (" made without an array (a null handle)" if null else ""))
     return list(value)
 
 
