@@ -33,6 +33,12 @@ _SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
 _array_size, _array_get_item = tvm_ffi.get_global_func("ffi.ArraySize"), tvm_ffi.get_global_func("ffi.ArrayGetItem")
 
 
+def null_handle(value: Any) -> bool:
+    """Whether a tvm-ffi object was made without an object behind it (``Array.__new__``, a
+    subclass skipping ``__init__``): reading it through the FFI would crash the process."""
+    return not tvm_ffi.core.CObject.__chandle__(value)
+
+
 def describe(value: Any) -> str:
     """A short, safe one-line description of ``value`` for error messages: the repr of plain
     values (numbers, strings, None, and lists / tuples of them), otherwise the type's name. No
@@ -142,7 +148,7 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
     elif issubclass(kind, np.ndarray):
         items = np.ndarray.tolist(values)
     else:  # a tvm_ffi Array, read through the FFI: a subclass's __iter__ / __len__ never run
-        if not tvm_ffi.core.CObject.__chandle__(values):  # made without an array (Array.__new__)
+        if null_handle(values):
             raise ArgumentError(f"{name} must be a sequence of integers, got an object of type {kind.__name__} "
                                 "made without an array (a null handle)")
         items = [_array_get_item(values, i) for i in range(_array_size(values))]

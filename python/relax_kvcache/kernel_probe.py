@@ -87,7 +87,7 @@ def decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet,
         No head dim up to :data:`MAX_PROBED_HEAD_DIM` is accepted.
     """
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
-    wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(3)]
+    wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
     lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
     ints = {v: tvm.runtime.tensor(np.array(v, dtype=np.int32), device) for v in ((0, 1), (0,))}
 
@@ -436,11 +436,9 @@ def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
     with ``merge_inplace`` (the merge over block depths, at the cache's v head dim) and through
     ``merge_attn_output_inplace`` (``merge_general``: MLA's decompressed v head dim)."""
     cfg = cache.config
-    inplace = cache._kernels.merge_inplace
-    _probe_merge_kernel(cache, rng, "merge_inplace", cfg.v_head_dim, lambda *states: inplace(*states))
+    _probe_merge_kernel(cache, rng, "merge_inplace", cfg.v_head_dim, cache._kernels.merge_inplace)
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
-    _probe_merge_kernel(cache, rng, "merge_attn_output_inplace", dv,
-                        lambda *states: cache.merge_attn_output_inplace(*states))
+    _probe_merge_kernel(cache, rng, "merge_attn_output_inplace", dv, cache.merge_attn_output_inplace)
 
 
 def _probe_merge_kernel(cache: Any, rng: np.random.Generator, what: str, dv: int, merge: Callable) -> None:

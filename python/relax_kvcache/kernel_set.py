@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tvm
 import tvm_ffi
 
+from .args import null_handle
 from .errors import ArgumentError, ConfigError
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
@@ -139,7 +140,7 @@ def _list(value: Any, index: int) -> list:
     """A list argument (None: empty)."""
     if value is None:
         return []
-    null = isinstance(value, tvm_ffi.Array) and not tvm_ffi.core.CObject.__chandle__(value)  # Array.__new__
+    null = isinstance(value, tvm_ffi.Array) and null_handle(value)
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or null:
         raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a list, "
                           f"got {type(value).__name__}" + (" made without an array (a null handle)" if null else ""))

@@ -123,7 +123,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     NO = CW // 8  # output n-tiles per warp
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
-    SMS = sched.min_blocks // 2  # min_blocks: two per SM; this kernel runs one block per SM
+    SMS = sched.mla_wave_blocks
     merge = merge_splits(spec, sched)
     mma, shfl = mma_m16n8k16(dtype), shfl_xor
 

@@ -70,9 +70,9 @@ class GpuSchedule:
         while it runs (H100, 8 KV heads, head_dim 128, kernel only: 4 x 16384 took 162 us with
         9 splits (288 blocks), 145 with 17 (544: a second wave of 16), 129 with 33 (1056) and
         115 with 16 (512)). Larger batches split less; from 34 sequences x 8 KV heads, not at all.
-    min_blocks : int
-        MLA decode splits its tiles while fewer than ``min_blocks / 2`` blocks (one per SM)
-        would run.
+    mla_wave_blocks : int
+        MLA attention blocks resident at once (one per SM: 132 on an H100 / H200); MLA splits
+        its tiles while the blocks fill one such wave.
     warp_size : int
         Threads of one warp / wavefront / SIMD group.
     max_lanes : int
@@ -100,7 +100,7 @@ class GpuSchedule:
     decode_splits: int = 32
     mla_decode_splits: int = 16
     decode_wave_blocks: int = 528
-    min_blocks: int = 264
+    mla_wave_blocks: int = 132
     warp_size: int = 32
     max_lanes: int = 8
     shared_bytes: int = 46 * 1024
