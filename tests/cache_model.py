@@ -40,6 +40,23 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np
     return x * np.cos(ang) + rotated * np.sin(ang)
 
 
+def longrope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float, factors: Sequence[float],
+             original: int, attention_factor: float) -> np.ndarray:
+    """LongRoPE (Phi-3, TVM's factor layout) of x (n, h, d): frequency i of a token at position
+    p is ``p * scale / (factor * theta^(2i/d))``, factor the long one (``factors[i]``) when
+    ``p >= original``, else the short one (``factors[d/2 + i]``); cos / sin times
+    ``attention_factor``."""
+    x = np.asarray(x, np.float64)
+    d = x.shape[-1]
+    factors = np.asarray(factors, np.float64).reshape(2, d // 2)
+    pos = np.asarray(positions, np.float64)
+    chosen = np.where((pos >= original)[:, None], factors[0][None, :], factors[1][None, :])
+    ang = pos[:, None] * scale / (chosen * theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.concatenate([ang, ang], axis=-1)[:, None, :]
+    rotated = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)
+    return attention_factor * (x * np.cos(ang) + rotated * np.sin(ang))
+
+
 def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int], window: int = 0
            ) -> Tuple[np.ndarray, np.ndarray]:
     """q (n, Hq, d) over k/v (m, Hkv, d), GQA by contiguous groups.
@@ -94,6 +111,8 @@ class CacheModel:
         self.seqs: Dict[int, SeqModel] = {}
         self.windows: Dict[int, Tuple[int, int]] = {}  # seq -> (sliding window, attention sink)
         self.layer_windows: List[int] = [0] * num_layers  # > 0: MHA_SLIDING window of the layer
+        #: (x, positions) -> rotated x; replace for other RoPE variants (e.g. ``longrope``)
+        self.rope = lambda x, positions: rope(x, positions, self.theta, self.scale)
 
     # -- structure
     def add(self, seq_id: int) -> None:
@@ -157,7 +176,7 @@ class CacheModel:
             k_new = new[:, :, hq:hq + hkv]
             if self.rope_mode == 1:
                 pos = np.arange(s.length, s.length + n)
-                k_new = np.stack([rope(k_new[l], pos, self.theta, self.scale) for l in range(self.L)])
+                k_new = np.stack([self.rope(k_new[l], pos) for l in range(self.L)])
             s.k = np.concatenate([s.k, k_new], axis=1)
             s.v = np.concatenate([s.v, new[:, :, hq + hkv:]], axis=1)
             off += n
@@ -168,7 +187,7 @@ class CacheModel:
             for (seq_id, n), start in zip(batch, starts):
                 q, k = self.query(qkv[off:off + n], start), self.seqs[seq_id].k[layer]
                 if self.rope_mode == 2:
-                    k = rope(k, np.arange(k.shape[0]), self.theta, self.scale)
+                    k = self.rope(k, np.arange(k.shape[0]))
                 out[off:off + n] = attend(q, k, self.seqs[seq_id].v[layer], sm_scale,
                                           causal_offset=start, window=self.layer_windows[layer])[0]
                 off += n
@@ -198,7 +217,7 @@ class CacheModel:
             new = np.stack([q[off:off + n] for q in qkv_layers]).astype(np.float64)
             k_new = new[:, :, hq:hq + hkv]
             if self.rope_mode == 1:
-                k_new = np.stack([rope(k_new[l], pos, self.theta, self.scale) for l in range(self.L)])
+                k_new = np.stack([self.rope(k_new[l], pos) for l in range(self.L)])
             s.k = np.concatenate([s.k, k_new], axis=1)
             s.v = np.concatenate([s.v, new[:, :, hq + hkv:]], axis=1)
             s.last_append = n
@@ -211,7 +230,7 @@ class CacheModel:
                 s = self.seqs[seq_id]
                 q = np.asarray(qkv[off:off + n, :hq], np.float64)
                 if self.rope_mode != 0:
-                    q = rope(q, pos, self.theta, self.scale)
+                    q = self.rope(q, pos)
                 vis = tree_visible(s.tree)[old:]
                 for i in range(n):
                     keys = np.r_[0:s.tree_start, s.tree_start + np.nonzero(vis[i])[0]]
@@ -261,7 +280,7 @@ class CacheModel:
     def query(self, qkv_rows: np.ndarray, start: int) -> np.ndarray:
         q = np.asarray(qkv_rows[:, : self.hq], np.float64)
         if self.rope_mode != 0:
-            q = rope(q, np.arange(start, start + q.shape[0]), self.theta, self.scale)
+            q = self.rope(q, np.arange(start, start + q.shape[0]))
         return q
 
     def cached_kv_for_attention(self, seq_id: int, layer: int, end: Optional[int] = None):
@@ -270,7 +289,7 @@ class CacheModel:
         end = s.length if end is None else end
         k = s.k[layer, :end]
         if self.rope_mode == 2:
-            k = rope(k, np.arange(end), self.theta, self.scale)
+            k = self.rope(k, np.arange(end))
         return k, s.v[layer, :end]
 
 

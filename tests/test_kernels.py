@@ -40,6 +40,16 @@ CONFIGS = {
                               page_size=8, dtype="bfloat16", rope_theta=2e4, rope_scale=2.0,
                               support_sliding_window=True),
 }
+#: LongRoPE split_rotary (Phi-3 factors); only ``test_split_rotary_longrope`` uses them.
+LONGROPE_CONFIGS = {
+    name: KVCacheConfig(num_layers=1, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16, dtype=dtype,
+                        rope_theta=1e4, rope_scale=scale,
+                        rope_ext_factors=tuple(float(x) for x in np.r_[np.linspace(1.0, 40.0, d // 2),
+                                                                        np.linspace(1.0, 1.5, d // 2)]),
+                        rope_original_max_position_embeddings=2048, rope_attention_factor=1.19)
+    for name, hq, hkv, d, dtype, scale in (("f16_longrope", 8, 2, 128, "float16", 1.0),
+                                           ("bf16_longrope", 4, 4, 96, "bfloat16", 0.5))
+}
 CFG_NAMES = list(CONFIGS)
 SW_NAMES = [n for n, c in CONFIGS.items() if c.support_sliding_window]
 
@@ -317,6 +327,32 @@ def test_split_rotary(kernel_build, cfg_name, apply_rope, pad):
         assert_close(t_k.numpy(), exp_k, tol, "k")
         # The rotation is not a no-op at these positions (guards against a test that cannot fail).
         assert np.abs(exp_q - f64(q_in)).max() > 10 * tol
+
+
+@pytest.mark.parametrize("name", list(LONGROPE_CONFIGS))
+@pytest.mark.parametrize("pad", [0, VIEW_PAD])
+def test_split_rotary_longrope(kernel_build, name, pad):
+    """LongRoPE: the factors tensor replaces the apply flag; tokens at positions before and
+    from ``original`` (2048) use the short and the long factors; cos / sin scaled."""
+    from cache_model import longrope
+
+    cfg = LONGROPE_CONFIGS[name]
+    mod = kernel_build(cfg)
+    rng = np.random.default_rng(seed_of("longrope", name, pad))
+    Hq, Hkv, D, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, 33
+    qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
+    pos = rng.integers(0, 8192, size=n).astype(np.int32)
+    pos[:4] = 0, 2047, 2048, 8191
+    outs = [tensor(nan_like((n, h, D), cfg.dtype)) for h in (Hq, Hkv, Hkv)]
+    ix = Indices(pad, pad_value=1)
+    mod["split_rotary"](tensor(qkv), ix(pos), *outs, tensor(np.array(cfg.rope_ext_factors, np.float32)))
+    assert_bitwise_equal(outs[2].numpy(), qkv[:, Hq + Hkv:], "v")
+    args = (cfg.rope_theta, cfg.rope_scale, cfg.rope_ext_factors, 2048, cfg.rope_attention_factor)
+    for what, got, given in (("q", outs[0], qkv[:, :Hq]), ("k", outs[1], qkv[:, Hq:Hq + Hkv])):
+        expected = longrope(f64(given), pos, *args)
+        assert_close(got.numpy(), expected, 2 * O_TOL[cfg.dtype], what)
+        plain = cfg.rope_attention_factor * ref.rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale)
+        assert np.abs(expected - plain).max() > 0.5  # the factors change the result
 
 
 def test_split_rotary_position_zero_is_identity(kernel_build, cfg_name):

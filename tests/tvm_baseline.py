@@ -17,6 +17,7 @@ import dataclasses
 import functools
 from typing import Any, List, Optional, Tuple
 
+import numpy as np
 import tvm
 from tvm.runtime import ShapeTuple
 
@@ -45,6 +46,16 @@ class Shape:
     attn_kinds: Optional[Tuple[int, ...]] = None
     #: window of MHA_SLIDING layers, TVM's optional 6th cache_config entry (None: not passed)
     layer_window: Optional[int] = None
+    #: LongRoPE factors (head_dim floats: long, then short) and TVM's rope_scaling positions
+    #: (``max_position_embeddings``, ``original_max_position_embeddings``); None: plain RoPE
+    ext_factors: Optional[Tuple[float, ...]] = None
+    longrope_positions: Tuple[int, int] = (0, 0)
+
+    @property
+    def longrope_attention_factor(self) -> float:
+        import relax_kvcache as rk
+
+        return rk.longrope_attention_factor(*self.longrope_positions) if self.ext_factors else 1.0
 
     @property
     def kinds(self) -> Tuple[int, ...]:
@@ -75,7 +86,9 @@ class Shape:
             prefill_chunk_size=self.prefill_chunk_size, rope_mode=self.rope_mode,
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
             support_sliding_window=self.support_sliding_window, attn_kinds=self.attn_kinds,
-            layer_sliding_window_size=self.layer_window_size)
+            layer_sliding_window_size=self.layer_window_size, rope_ext_factors=self.ext_factors,
+            rope_original_max_position_embeddings=self.longrope_positions[1] if self.ext_factors else None,
+            rope_attention_factor=self.longrope_attention_factor)
 
 
 # Kernel list order (TVM's own CPU test suite order).
@@ -87,11 +100,14 @@ KERNEL_NAMES = ("transpose_append", "debug_get_kv", "attention_prefill", "attent
 
 @functools.lru_cache(maxsize=None)
 def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, rope_theta,
-                 rope_scale, layer_window=1024) -> tuple:
+                 rope_scale, layer_window=1024, longrope_positions=None) -> tuple:
     from tvm.relax.frontend.nn.llm import kv_cache as kc
     from tvm.s_tir import dlight as dl
 
     rs = {}
+    rope_scaling = {} if longrope_positions is None else {
+        "rope_type": "longrope", "max_position_embeddings": longrope_positions[0],
+        "original_max_position_embeddings": longrope_positions[1]}
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
     ps = page_size
     funcs = [
@@ -106,7 +122,7 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
         kc.tree_attn_cpu(hkv, hq, d, dtype, rs),
         kc.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, rs),
         kc._merge_state_inplace_cpu(dtype),
-        kc.llama_rope_with_position_map(rope_theta, rope_scale, d, hq, hkv, dtype, rs),
+        _tvm_split_rotary(rope_theta, rope_scale, d, hq, hkv, dtype, rope_scaling),
         kc._copy_single_page_cpu(hkv, page_size, d, dtype),
         kc._compact_kv_copy_cpu(hkv, d, dtype, page_size=ps),
     ]
@@ -120,11 +136,27 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
     return tuple(built)
 
 
+def _tvm_split_rotary(theta, scale, d, hq, hkv, dtype, rope_scaling):
+    """TVM's ``llama_rope_with_position_map``. Its LongRoPE variant does not build in TVM 0.27:
+    ``_rope`` tests ``if ext_factors:`` on a buffer, and 0.27's buffers are ``Var`` expressions,
+    whose truth value raises. While it is built (test-only), a Var is truthy."""
+    from tvm.ir.expr import Var
+    from tvm.relax.frontend.nn.llm import kv_cache as kc
+
+    if not rope_scaling:
+        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling)
+    Var.__bool__ = lambda self: True
+    try:
+        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling)
+    finally:
+        del Var.__bool__
+
+
 def tvm_kernels(shape: Shape) -> dict:
     """TVM's CPU kernels for ``shape``, by :data:`KERNEL_NAMES` name."""
     built = _tvm_kernels(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                          shape.page_size, shape.dtype, shape.rope_theta, shape.rope_scale,
-                         shape.layer_window_size)
+                         shape.layer_window_size, shape.longrope_positions if shape.ext_factors else None)
     return dict(zip(KERNEL_NAMES, built))
 
 
@@ -163,7 +195,7 @@ def create_args(shape: Shape, kernels: dict, *, merge_functions: int = 1) -> Lis
         ShapeTuple(list(shape.kinds)),  # AttnKind per layer (0 = MHA, 3 = MHA_SLIDING)
         False,  # enable_kv_transfer
         shape.rope_mode, shape.rope_scale, shape.rope_theta,
-        None,  # rope_ext_factors
+        None if shape.ext_factors is None else tvm.runtime.tensor(np.array(shape.ext_factors, np.float32)),
         tvm.runtime.empty((), shape.dtype, device=tvm.cpu()),
         k["transpose_append"], None,
         ["tirx", k["attention_prefill_ragged"]], ["tirx", k["attention_prefill"]],

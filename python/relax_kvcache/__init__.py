@@ -12,7 +12,7 @@ configure_cpu_threads()
 from . import deploy, ffi_registry, targets  # noqa: E402
 from .build import KERNEL_ROLES, build_kernels, export_kernels  # noqa: E402
 from .cache import PagedAttentionKVCache  # noqa: E402
-from .config import AttnKind, KVCacheConfig, RopeMode  # noqa: E402
+from .config import AttnKind, KVCacheConfig, RopeMode, longrope_attention_factor  # noqa: E402
 from .errors import (  # noqa: E402
     ArgumentError,
     CacheFullError,
@@ -50,5 +50,6 @@ __all__ = [
     "export_kernels",
     "make_target",
     "paged_attention_kv_cache_create",
+    "longrope_attention_factor",
     "targets",
 ]

@@ -38,14 +38,16 @@ if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lack
     from . import tir_kernels as tk
 
 _KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
-#: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions).
-LIBRARY_FORMAT = 3
+#: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions;
+#: 4: LongRoPE fields among them).
+LIBRARY_FORMAT = 4
 #: Prefix of the functions of a built library that return its :func:`kernel_identity`.
 IDENTITY_PREFIX = "kernel_spec_"
 #: The fields of :func:`kernel_identity`, in order.
 IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
                    "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
-                   "sliding_window", "layer_sliding_window_size")
+                   "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
+                   "longrope_attention_factor")
 Progress = Optional[Callable[[str], None]]
 
 
@@ -79,6 +81,19 @@ MLA_KERNEL_ROLES = (
 )
 
 
+def _longrope_spec(config: KVCacheConfig) -> Optional[tk.LongRopeSpec]:
+    """The LongRoPE spec of ``config``'s split_rotary (None without ``rope_ext_factors``)."""
+    if config.rope_ext_factors is None:
+        return None
+    if config.rope_original_max_position_embeddings is None:
+        raise ConfigError("building LongRoPE kernels needs KVCacheConfig.rope_original_max_position_embeddings "
+                          "(the position from which the long factors apply), got None")
+    from . import tir_kernels as tk
+
+    return tk.LongRopeSpec(original_max_position_embeddings=config.rope_original_max_position_embeddings,
+                           attention_factor=config.rope_attention_factor)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelSetSpec:
     """What the kernels of a cache depend on (nothing else of the config enters the key)."""
@@ -105,7 +120,8 @@ class KernelSetSpec:
                                    page_size=config.page_size, dtype=config.dtype),
             rope=tk.RopeSplitSpec(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                                   head_dim=config.head_dim, dtype=config.dtype,
-                                  rope_theta=config.rope_theta, rope_scale=config.rope_scale),
+                                  rope_theta=config.rope_theta, rope_scale=config.rope_scale,
+                                  longrope=_longrope_spec(config)),
             merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
                                dtype=config.dtype),
             attention=attention,
@@ -427,6 +443,10 @@ def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
         "rope_scale": 0.0 if mla else float(config.rope_scale),
         "sliding_window": int(not mla and windows),
         "layer_sliding_window_size": config.layer_sliding_window_size if not mla and config.has_layer_windows else 0,
+        # LongRoPE: split_rotary takes the factors tensor (0: the apply-RoPE flag)
+        "longrope_original_max_position": ((config.rope_original_max_position_embeddings or 0)
+                                           if config.rope_ext_factors is not None else 0),
+        "longrope_attention_factor": config.rope_attention_factor if config.rope_ext_factors is not None else 0.0,
     }
 
 

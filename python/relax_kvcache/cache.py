@@ -23,7 +23,7 @@ from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ArgumentError, ConfigError, ForwardError, KVCacheError, SequenceError
 from .kernel_probe import decompressed_head_dims, probe_foreign_attention, probe_foreign_kernels
-from .kernel_set import KernelSet
+from .kernel_set import KernelSet, split_rotary_rope_argument
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
 from .runtime import default_target
@@ -205,7 +205,7 @@ class PagedAttentionKVCache:
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * chunk)
         rope = config.effective_rope_mode
         self._rotary_mode = int(rope == RopeMode.INLINE and not self._mla)  # MLA: the model applies RoPE
-        self._split_applies_rope = int(rope == RopeMode.NORMAL)
+        self._split_rope_argument = None if self._mla else split_rotary_rope_argument(config, device)
         self._windowed_layers = tuple(kind == AttnKind.MHA_SLIDING for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
@@ -634,7 +634,7 @@ class PagedAttentionKVCache:
         sm_scale = _as_float("sm_scale", sm_scale)
         self._check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         k = self._kernels
-        k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_applies_rope)
+        k.split_rotary(qkv, step.q_rope_position, step.q, step.k, step.v, self._split_rope_argument)
         pages = self._pages[layer]
         if self._step.append_before_attn:
             k.transpose_append(pages, step.k, step.v, step.append_position)

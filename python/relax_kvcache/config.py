@@ -94,6 +94,40 @@ def _rope_float(name: str, value: object, *, used: bool) -> float:
     return result
 
 
+def _ext_factors(values: object, head_dim: int) -> Tuple[float, ...]:
+    """LongRoPE factors as a tuple of ``head_dim`` positive float32 values."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors must be a sequence of {head_dim} floats (long factors, "
+                          f"then short ones), got {describe(values)} of type {type(values).__name__}")
+    try:
+        array = np.array(values, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold numbers, got {describe(values)}") from None
+    if array.shape != (head_dim,):
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold head_dim={head_dim} floats (the long factors "
+                          f"of the {head_dim // 2} frequencies, then the short ones), got shape {array.shape}")
+    f32 = np.finfo(np.float32)
+    bad = ~((array >= float(f32.tiny)) & (array <= float(f32.max)))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors[{i}] must be a positive finite float32 number, "
+                          f"got {array[i]!r}")
+    return tuple(float(x) for x in array.astype(np.float32))
+
+
+def longrope_attention_factor(max_position_embeddings: int, original_max_position_embeddings: int) -> float:
+    """LongRoPE's cos / sin scale: ``sqrt(1 + ln(s) / ln(original))`` with
+    ``s = max / original``, 1 when ``s <= 1`` (Phi-3; HF's and TVM's default)."""
+    for name, value in (("max_position_embeddings", max_position_embeddings),
+                        ("original_max_position_embeddings", original_max_position_embeddings)):
+        if exact_int(value) is None or value < 2:
+            raise ConfigError(f"longrope_attention_factor: {name} must be an int of at least 2, got {describe(value)}")
+    scale = max_position_embeddings / original_max_position_embeddings
+    if scale <= 1.0:
+        return 1.0
+    return float(np.sqrt(1.0 + np.log(scale) / np.log(original_max_position_embeddings)))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KVCacheConfig:
     """Shape and policy of a paged KV cache. Keyword-only and validated on construction.
@@ -126,6 +160,19 @@ class KVCacheConfig:
         Where RoPE is applied. With ``support_sliding_window`` a non-NONE mode becomes INLINE.
     rope_theta, rope_scale : float
         RoPE base and position scale (frequency ``pos * scale / theta^(2i/d)``).
+    rope_ext_factors : sequence of float, optional
+        LongRoPE (Phi-3) frequency factors in TVM's layout: ``head_dim`` floats, the long factors
+        of the ``head_dim / 2`` frequencies, then the short ones. Frequency ``i`` becomes
+        ``pos * scale / (factor[i] * theta^(2i/d))``. Needs ``rope_mode`` NORMAL (and no
+        ``support_sliding_window``), as in TVM; the cache passes them to ``split_rotary`` as a
+        float32 tensor in place of its apply-RoPE flag (TVM's convention).
+    rope_original_max_position_embeddings : int, optional
+        LongRoPE: a token at a position at least this uses the long factors, one before it the
+        short ones (per token, so a token's rotation never depends on how steps were batched).
+        Compiled into our ``split_rotary``; needed to build it, not by given kernels.
+    rope_attention_factor : float
+        LongRoPE: cos and sin are multiplied by it (HF's ``attention_factor``; see
+        :func:`longrope_attention_factor`). Compiled into our ``split_rotary``; default 1.
     dtype : str
         KV dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
     support_sliding_window : bool
@@ -165,6 +212,9 @@ class KVCacheConfig:
     rope_mode: RopeMode = RopeMode.NORMAL
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
+    rope_ext_factors: Optional[Tuple[float, ...]] = None
+    rope_original_max_position_embeddings: Optional[int] = None
+    rope_attention_factor: float = 1.0
     dtype: str = "float16"
     support_sliding_window: bool = False
     attn_kinds: Optional[Tuple[AttnKind, ...]] = None
@@ -204,6 +254,7 @@ class KVCacheConfig:
             self._check_mla()
         else:
             self._check_mha()
+        self._check_longrope()
         chunk = self.prefill_chunk_size if self.context_chunk_size is None else self.context_chunk_size
         object.__setattr__(self, "context_chunk_size", _positive("context_chunk_size", chunk))
         self._check_tensor_sizes()
@@ -296,6 +347,28 @@ class KVCacheConfig:
                                   f"at most {MAX_HEAD_DIM}, got {qk} and {v}")
             object.__setattr__(self, "mla_original_qk_head_dim", qk)  # Python ints: no int64 wraparound
             object.__setattr__(self, "mla_original_v_head_dim", v)
+
+    def _check_longrope(self) -> None:
+        """Validate the LongRoPE fields; store the factors as float32 values (what kernels read)."""
+        factors = self.rope_ext_factors
+        attention = _rope_float("rope_attention_factor", self.rope_attention_factor, used=True)
+        object.__setattr__(self, "rope_attention_factor", attention)
+        if factors is None:
+            if self.rope_original_max_position_embeddings is not None or attention != 1.0:
+                raise ConfigError("KVCacheConfig.rope_original_max_position_embeddings and rope_attention_factor apply "
+                                  "with rope_ext_factors only, got "
+                                  f"{describe(self.rope_original_max_position_embeddings)} and {attention}")
+            return
+        if self.is_mla or self.effective_rope_mode != RopeMode.NORMAL:
+            raise ConfigError("KVCacheConfig.rope_ext_factors (LongRoPE) need rope_mode NORMAL on an MHA cache "
+                              f"without support_sliding_window (as in TVM), got rope_mode {self.rope_mode.name}, "
+                              f"support_sliding_window {self.support_sliding_window}, "
+                              f"attn_kinds {[k.name for k in self.attn_kinds]}")
+        object.__setattr__(self, "rope_ext_factors", _ext_factors(factors, self.head_dim))
+        if self.rope_original_max_position_embeddings is not None:
+            object.__setattr__(self, "rope_original_max_position_embeddings",
+                               _positive("rope_original_max_position_embeddings",
+                                         self.rope_original_max_position_embeddings))
 
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:

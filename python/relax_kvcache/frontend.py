@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence, Tuple, Union
 
+import numpy as np
 import tvm
 from tvm import relax as rx
 from tvm.s_tir import dlight as dl
@@ -59,6 +60,10 @@ class CacheLayout:
     rope_mode : RopeMode
         ``NORMAL``: the cache rotates q/k (Llama); ``NONE``; ``INLINE``: inside the kernels.
     rope_theta, rope_scale : float
+    rope_ext_factors : sequence of float, optional
+        LongRoPE (Phi-3) factors, ``head_dim`` floats (long, then short), with
+        ``rope_original_max_position_embeddings`` and ``rope_attention_factor``: see
+        :class:`~relax_kvcache.KVCacheConfig`. The model's module holds them as a constant.
     dtype : str
         ``float32``, ``float16`` or ``bfloat16``.
     attn_kinds : sequence of AttnKind, optional
@@ -83,6 +88,9 @@ class CacheLayout:
     rope_mode: RopeMode = RopeMode.NORMAL
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
+    rope_ext_factors: Optional[Sequence[float]] = None
+    rope_original_max_position_embeddings: Optional[int] = None
+    rope_attention_factor: float = 1.0
     dtype: str = "float16"
     attn_kinds: Optional[Sequence[AttnKind]] = None
     layer_sliding_window_size: int = 1024
@@ -96,7 +104,9 @@ class CacheLayout:
             num_layers=self.num_layers, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
             max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
-            rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
+            rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_ext_factors=self.rope_ext_factors,
+            rope_original_max_position_embeddings=self.rope_original_max_position_embeddings,
+            rope_attention_factor=self.rope_attention_factor, dtype=self.dtype,
             support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,
             layer_sliding_window_size=self.layer_sliding_window_size,
             mla_original_qk_head_dim=self.mla_original_qk_head_dim,
@@ -155,7 +165,7 @@ class PagedKVCache(nn.Object):
             rx.prim_value(False),  # KV transfer
             rx.prim_value(int(layout.rope_mode)), rx.prim_value(float(layout.rope_scale)),
             rx.prim_value(float(layout.rope_theta)),
-            rx.op.null_value(),  # rope_ext_factors
+            _ext_factors(layout),  # rope_ext_factors
             rx.op.zeros((), layout.dtype),  # the cache's dtype and device
             function("transpose_append"), function("transpose_append_mla"),
             attention("attention_prefill_ragged"), attention("attention_prefill"),
@@ -284,6 +294,14 @@ def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Ta
             func = func.with_attr("tirx.is_scheduled", True)
         kernels[role] = bb.add_func(func, name)
     return kernels
+
+
+def _ext_factors(layout: CacheLayout) -> rx.Expr:
+    """Creation argument 11: the LongRoPE factors as a float32 constant (the layout's kernel
+    spec, made first, has validated them), or a null value."""
+    if layout.rope_ext_factors is None:
+        return rx.op.null_value()
+    return rx.const(np.array(layout.rope_ext_factors, dtype=np.float32))
 
 
 def _dps(builtin: str, args: list, out_types: list):

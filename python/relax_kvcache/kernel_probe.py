@@ -19,7 +19,7 @@ import tvm
 
 from .config import KVCacheConfig, RopeMode
 from .errors import ConfigError
-from .kernel_set import KernelSet
+from .kernel_set import KernelSet, split_rotary_rope_argument
 from .tensors import numpy_dtype, row_view, view
 
 # token positions of the split_rotary probe (rotations by different angles)
@@ -62,8 +62,10 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
             summary = _summary(err)
+            longrope = (" and the rope_ext_factors tensor as its last argument (TVM's LongRoPE convention)"
+                        if role == "split_rotary" and config.rope_ext_factors is not None else "")
             raise ConfigError(f"the {role} kernel fails on this cache's tensors ({config.dtype} pages of shape "
-                              f"{shape}; {type(err).__name__}: {summary}); expected kernels built for "
+                              f"{shape}{longrope}; {type(err).__name__}: {summary}); expected kernels built for "
                               "this config") from err
 
 
@@ -195,7 +197,9 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     """Split a random fused QKV of two tokens: v must be copied; q and k copied (no RoPE at
     append time) or rotated. Any rotation passes, each head vector keeping its length: with
     RoPE at append time the kernel defines the rotation (as in TVM: it may implement Llama-3
-    frequency scaling or a partial rotary dim, which the config does not describe)."""
+    frequency scaling or a partial rotary dim, which the config does not describe). With
+    LongRoPE factors the kernel gets them (TVM's convention) and may scale every head vector by
+    one attention factor (positive, the same for all)."""
     hq, hkv, d = config.num_qo_heads, config.num_kv_heads, config.head_dim
     qkv = _exact_random(np.random.default_rng(0), (len(_PROBE_POSITIONS), hq + 2 * hkv, d))
     tensors = [_tensor(qkv, config.dtype, device)]
@@ -203,16 +207,27 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     n = len(_PROBE_POSITIONS)
     tensors += [tvm.runtime.empty((n, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
     applies_rope = config.effective_rope_mode == RopeMode.NORMAL
-    kernels.split_rotary(*tensors, int(applies_rope))
+    kernels.split_rotary(*tensors, split_rotary_rope_argument(config, device))
     q, k, v = (t.numpy().astype(np.float64) for t in tensors[2:])
     given = {"q": qkv[:, :hq], "k": qkv[:, hq:hq + hkv], "v": qkv[:, hq + hkv:]}
     tol = 1e-3 if config.dtype == "float32" else 5e-2
+    ratios = {}
     for name, got in (("q", q), ("k", k), ("v", v)):
         if name == "v" or not applies_rope:
             _expect_close(f"{name} (a copy of the fused input)", got, given[name], tol)
-        else:  # a rotation: every head vector keeps its length
-            ratio = np.linalg.norm(got, axis=-1) / np.maximum(np.linalg.norm(given[name], axis=-1), 1e-6)
-            _expect_close(f"{name} as a rotation (head vectors keep their length)", ratio, np.ones_like(ratio), tol)
+        else:
+            ratios[name] = np.linalg.norm(got, axis=-1) / np.maximum(np.linalg.norm(given[name], axis=-1), 1e-6)
+    if ratios:  # a rotation: every head vector keeps its length (times LongRoPE's attention factor)
+        factor = 1.0
+        if config.rope_ext_factors is not None:
+            factor = float(np.median(ratios["q"]))
+            if not factor > 0:
+                raise ConfigError(f"the split_rotary kernel does not compute q as a rotation: head vectors scaled by "
+                                  f"{factor:.3g}; expected kernels built for this config")
+        for name, ratio in ratios.items():
+            _expect_close(f"{name} as a rotation (head vectors keep their length"
+                          + (f", times {factor:.4g}" if factor != 1.0 else "") + ")",
+                          ratio / factor, np.ones_like(ratio), tol)
 
 
 def _expect_close(what: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:

@@ -10,7 +10,8 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
  6    attn_kinds (per layer, AttnKind values)
  7    enable_kv_transfer (must be False)
  8-10 rope_mode, rope_scale, rope_theta
- 11   rope_ext_factors (must be None: LongRoPE factors are not supported)
+ 11   rope_ext_factors: None, or LongRoPE factors, a float32 tensor (qk_head_dim,) (long, then short);
+      they need rope_mode NORMAL and are passed to split_rotary (which defines their use)
  12   a tensor whose dtype and device are the cache's
 13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
       decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
@@ -20,7 +21,7 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Tuple
 
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe
@@ -51,9 +52,7 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
     if as_bool("enable_kv_transfer (argument 7)", args[7]):
         raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
-    if args[11] is not None:  # TVM reads any non-tensor as none; a list of factors would then be ignored
-        raise NotImplementedError(f"rope_ext_factors (LongRoPE) is not supported by relax_kvcache yet; got "
-                                  f"{describe(args[11])}, expected None (the frontends pass a null value)")
+    ext_factors = _ext_factors(args[11])
     init = args[12]
     if type(init) not in TENSOR_TYPES or not init.__chandle__():
         raise ArgumentError("argument 12 must be a tensor giving the cache dtype and device, got "
@@ -82,8 +81,23 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         support_sliding_window=bool(cache_config[4]),
         attn_kinds=attn_kinds[begin:end],
         layer_sliding_window_size=cache_config[5] if len(cache_config) == 6 else 1024,
+        rope_ext_factors=ext_factors,
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
                                  layer_offset=begin)
 
 
+
+
+def _ext_factors(value: Any) -> Optional[Tuple[float, ...]]:
+    """Argument 11: None, or a 1-D float32 tensor of LongRoPE factors (read to the host once)."""
+    if value is None:
+        return None
+    if type(value) not in TENSOR_TYPES or not value.__chandle__():
+        # TVM reads any non-tensor as none; factors given as a list would then be ignored silently
+        raise ArgumentError(f"rope_ext_factors (argument 11) must be None or a float32 tensor of LongRoPE factors, "
+                            f"got {describe(value)} of type {type(value).__name__}")
+    if str(value.dtype) != "float32" or len(value.shape) != 1:
+        raise ConfigError(f"rope_ext_factors (argument 11) must be a 1-D float32 tensor (qk_head_dim factors: long, "
+                          f"then short), got {value.dtype} of shape {tuple(value.shape)}")
+    return tuple(float(x) for x in value.numpy())

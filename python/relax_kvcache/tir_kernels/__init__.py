@@ -20,12 +20,13 @@ from .page_ops import (
 )
 from .rope import make_split_rotary
 from .schedule import CpuSchedule, schedule_for
-from .spec import AttentionSpec, LatentPageSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
+from .spec import AttentionSpec, LatentPageSpec, LongRopeSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
 
 __all__ = [
     "AttentionSpec",
     "CpuSchedule",
     "LatentPageSpec",
+    "LongRopeSpec",
     "MergeSpec",
     "PageLayoutSpec",
     "RopeSplitSpec",

@@ -3,6 +3,11 @@
 ``qkv (n, Hq + 2 Hkv, D)`` is split into ``q (n, Hq, D)``, ``k (n, Hkv, D)`` and
 ``v (n, Hkv, D)``. When ``apply_rope != 0`` q and k of token i are rotated to position
 ``position_map[i]`` (rotate-half RoPE, theta and scale compiled in, as TVM's convention).
+With LongRoPE (``spec.longrope``) the last argument is ``ext_factors (D,) float32`` instead
+(TVM's convention for RoPE extension factors) and q and k are always rotated: feature ``d`` of
+the first half turns by ``pos * scale / (ext_factors[base + d] * theta^(2d/D))``, ``base`` 0
+(long factors) at positions ``>= original_max_position_embeddings``, ``D/2`` (short) before,
+and cos / sin are multiplied by the attention factor.
 
 One algorithm, two loop nests: the per-element work (angles of features ``[d0, d0 + lanes)``,
 rotating the pair of spans ``[d0, d0 + lanes)`` and ``[d0 + D/2, d0 + D/2 + lanes)``, copying a
@@ -35,14 +40,30 @@ def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
     scale = tirx.const(spec.rope_scale, "float32")
     log2_step = tirx.const(-2.0 * math.log2(spec.rope_theta) / D, "float32")
 
-    @T.macro
-    def rope_angles(cos_v, sin_v, pos, d0, lanes: T.int32):
-        """``cos_v/sin_v[d]`` = cos/sin of the angle of feature ``d0 + d`` at position pos."""
-        for d in T.serial(lanes):
-            angle: T.let[T.float32] = T.Cast("float32", pos) * (
-                scale * T.exp2(T.Cast("float32", d0 + d) * log2_step))
-            cos_v[d] = T.cos(angle)
-            sin_v[d] = T.sin(angle)
+    if spec.longrope is None:
+        @T.macro
+        def rope_angles(cos_v, sin_v, pos, d0, lanes: T.int32, ext_factors):
+            """``cos_v/sin_v[d]`` = cos/sin of the angle of feature ``d0 + d`` at position pos
+            (``ext_factors``: unused)."""
+            for d in T.serial(lanes):
+                angle: T.let[T.float32] = T.Cast("float32", pos) * (
+                    scale * T.exp2(T.Cast("float32", d0 + d) * log2_step))
+                cos_v[d] = T.cos(angle)
+                sin_v[d] = T.sin(angle)
+    else:
+        original = spec.longrope.original_max_position_embeddings
+        attention = tirx.const(spec.longrope.attention_factor, "float32")
+
+        @T.macro
+        def rope_angles(cos_v, sin_v, pos, d0, lanes: T.int32, ext_factors):
+            """LongRoPE: the angle divided by the factor of ``d0 + d`` (long factors from
+            position ``original`` on, short ones before), cos / sin times the attention factor."""
+            base: T.let[T.int32] = T.if_then_else(pos >= original, 0, half)
+            for d in T.serial(lanes):
+                angle: T.let[T.float32] = T.Cast("float32", pos) * (
+                    scale * T.exp2(T.Cast("float32", d0 + d) * log2_step)) / ext_factors[base + d0 + d]
+                cos_v[d] = T.cos(angle) * attention
+                sin_v[d] = T.sin(angle) * attention
 
     @T.macro
     def rotate_span(dst, row, head, src, src_head, d0, lanes: T.int32, cos_v, sin_v):
@@ -72,15 +93,15 @@ def _cpu_nest(spec: RopeSplitSpec):
     rope_angles, rotate_span, copy_span = _span_macros(spec)
 
     @T.macro
-    def nest(qkv, position_map, q, k, v, apply_rope, n):
+    def nest(qkv, position_map, q, k, v, rotates, ext_factors, n):
         for i in T.parallel(n):
             with T.sblock("split"):
                 T.reads()
                 T.writes()
                 cos_v = T.sblock_alloc_buffer((half,), "float32")
                 sin_v = T.sblock_alloc_buffer((half,), "float32")
-                if apply_rope != 0:
-                    rope_angles(cos_v, sin_v, position_map[i], 0, half)
+                if rotates:
+                    rope_angles(cos_v, sin_v, position_map[i], 0, half, ext_factors)
                     for h in T.serial(Hq):
                         rotate_span(q, i, h, qkv, h, 0, half, cos_v, sin_v)
                     for h in T.serial(Hkv):
@@ -100,7 +121,7 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
     """One thread per (token, qkv head, span of ``lanes`` features of the first half).
 
     A thread writes its span and the matching span of the second half: rotated for q and k
-    heads when ``apply_rope != 0``, copied otherwise (and always for v heads).
+    heads when ``rotates``, copied otherwise (and always for v heads).
     """
     Hq, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
     half = D // 2
@@ -115,7 +136,7 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
         copy_span(dst, row, head, src, src_head, d0 + half, lanes)
 
     @T.macro
-    def nest(qkv, position_map, q, k, v, apply_rope, n):
+    def nest(qkv, position_map, q, k, v, rotates, ext_factors, n):
         # At least one block: a launch of an empty grid fails.
         for bx in T.thread_binding(T.max(1, T.ceildiv(n * (heads * nv), nt)), thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
@@ -128,8 +149,8 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
                         i: T.let[T.int32] = (bx * nt + tx) // (heads * nv)
                         h: T.let[T.int32] = (bx * nt + tx) // nv % heads
                         d0: T.let[T.int32] = (bx * nt + tx) % nv * lanes
-                        if apply_rope != 0 and h < Hq + Hkv:
-                            rope_angles(cos_v, sin_v, position_map[i], d0, lanes)
+                        if rotates and h < Hq + Hkv:
+                            rope_angles(cos_v, sin_v, position_map[i], d0, lanes, ext_factors)
                             if h < Hq:
                                 rotate_span(q, i, h, qkv, h, d0, lanes, cos_v, sin_v)
                             else:
@@ -145,8 +166,27 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
 
 
 def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
+    """``split_rotary(qkv, position_map, q, k, v, apply_rope: int64)``, or with
+    ``spec.longrope`` ``split_rotary(qkv, position_map, q, k, v, ext_factors (D,) float32)``."""
     Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     nest = _gpu_nest(spec, sched) if isinstance(sched, GpuSchedule) else _cpu_nest(spec)
+
+    if spec.longrope is not None:
+        @T.prim_func(s_tir=True)
+        def split_rotary_longrope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
+                                  var_k: T.handle, var_v: T.handle, var_ext_factors: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int32()
+            off_pos = T.int32()
+            qkv = T.match_buffer(var_qkv, (n, Hq + 2 * Hkv, D), dtype)
+            position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+            q = T.match_buffer(var_q, (n, Hq, D), dtype)
+            k = T.match_buffer(var_k, (n, Hkv, D), dtype)
+            v = T.match_buffer(var_v, (n, Hkv, D), dtype)
+            ext_factors = T.match_buffer(var_ext_factors, (D,), "float32")
+            nest(qkv, position_map, q, k, v, T.bool(True), ext_factors, n)
+
+        return split_rotary_longrope
 
     @T.prim_func(s_tir=True)
     def split_rotary(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
@@ -159,6 +199,6 @@ def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
         q = T.match_buffer(var_q, (n, Hq, D), dtype)
         k = T.match_buffer(var_k, (n, Hkv, D), dtype)
         v = T.match_buffer(var_v, (n, Hkv, D), dtype)
-        nest(qkv, position_map, q, k, v, apply_rope, n)
+        nest(qkv, position_map, q, k, v, apply_rope != 0, 0, n)
 
     return split_rotary

@@ -59,10 +59,30 @@ class LatentPageSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class LongRopeSpec:
+    """LongRoPE (Phi-3) frequency scaling of ``split_rotary``.
+
+    The kernel then takes the factors ``ext_factors (head_dim,) float32`` (long factors of the
+    ``head_dim / 2`` frequencies, then short ones) in place of its apply-RoPE flag: a token at
+    position ``p`` uses the long factors when ``p >= original_max_position_embeddings``, and cos
+    and sin are multiplied by ``attention_factor``.
+    """
+
+    original_max_position_embeddings: int
+    attention_factor: float
+
+    def __post_init__(self) -> None:
+        _check(self.original_max_position_embeddings > 0, "original_max_position_embeddings must be positive, "
+               f"got {self.original_max_position_embeddings}")
+        _check(self.attention_factor > 0, f"attention_factor must be positive, got {self.attention_factor}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RopeSplitSpec:
     """Split fused ``qkv (n, Hq + 2 Hkv, D)`` into q, k, v and apply normal RoPE to q and k.
 
-    RoPE theta and scale are compiled in, as in TVM's ``split_rotary`` convention.
+    RoPE theta and scale are compiled in, as in TVM's ``split_rotary`` convention; ``longrope``
+    (optional) adds LongRoPE factors (:class:`LongRopeSpec`).
     """
 
     num_qo_heads: int
@@ -71,6 +91,7 @@ class RopeSplitSpec:
     dtype: str
     rope_theta: float
     rope_scale: float
+    longrope: "LongRopeSpec | None" = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
