@@ -21,6 +21,7 @@ class Snapshot:
     step: object
     contents: Dict[int, Tuple[np.ndarray, ...]]
     pages: Optional[Tuple[np.ndarray, ...]]
+    importing: object = None  # a checkpoint import in progress: (seq_id, slots, pending groups)
 
 
 def _read_kv(cache, seq_id: int, length: int) -> Tuple[np.ndarray, ...]:
@@ -38,18 +39,21 @@ def _read_kv(cache, seq_id: int, length: int) -> Tuple[np.ndarray, ...]:
 def snapshot(cache, *, pages: bool = False) -> Snapshot:
     """The state of ``cache`` (see the module docstring)."""
     contents = {}
+    state = getattr(cache, "_import", None)
     for seq_id in cache._paging.seq_ids():
-        length = cache.get_sequence_length(seq_id)
-        if length:
+        length = cache._paging.sequence_length(seq_id)
+        if length and not (state is not None and state.seq_id == seq_id):  # unreadable while importing
             contents[seq_id] = _read_kv(cache, seq_id, length)
     raw = tuple(p.numpy() for p in cache._pages) if pages else None
-    return Snapshot(cache._paging.debug_snapshot(), cache._step, contents, raw)
+    importing = None if state is None else (state.seq_id, state.slots.tolist(), sorted(state.pending))
+    return Snapshot(cache._paging.debug_snapshot(), cache._step, contents, raw, importing)
 
 
 def assert_same(before: Snapshot, after: Snapshot) -> None:
     """Assert that two snapshots of a cache are equal."""
     assert before.paging == after.paging, "paging state changed"
     assert before.step is after.step, "forward-step state changed"
+    assert before.importing == after.importing, "checkpoint import state changed"
     assert before.contents.keys() == after.contents.keys(), "sequences changed"
     for seq_id, arrays in before.contents.items():
         for a, b in zip(arrays, after.contents[seq_id]):

@@ -317,6 +317,14 @@ class Model:
         s = self.seqs[seq_id]
         s.window, s.sink, s.lbass = window, sink, max(sink - s.prefix, 0)
 
+    def restore(self, src: int, dst: int) -> None:
+        """A checkpoint of ``src`` imported into ``dst`` (new, or empty: its blocks are kept)."""
+        k, v = self.seqs[src].k.copy(), self.seqs[src].v.copy()
+        if dst in self.seqs:
+            self.seqs[dst].k, self.seqs[dst].v, self.seqs[dst].last_append = k, v, 0
+        else:
+            self.seqs[dst] = SeqModel(k, v, {0})
+
     def append(self, seq_id: int, k: np.ndarray, v: np.ndarray) -> None:
         """Append a step's K/V ``(layers, n, Hkv, D)``; slide a windowed sequence."""
         s = self.seqs[seq_id]
@@ -501,6 +509,41 @@ class Harness:
         def apply(_):
             self.model.remove(seq_id)
         return self._run(f"remove_sequence({seq_id!r})", expect, lambda: self.cache.remove_sequence(seq_id), apply)
+
+    def checkpoint(self, src: Any, dst: Any) -> bool:
+        """Save ``src`` (metadata and a page group per layer) and import it into ``dst``."""
+        self._record("checkpoint", src, dst)
+        return self._run(f"checkpoint({src!r} -> {dst!r})", self._expect_checkpoint(src, dst),
+                         lambda: self._save_and_restore(src, dst), lambda _: self.model.restore(src, dst))
+
+    def _save_and_restore(self, src: Any, dst: Any) -> None:
+        cache = self.cache
+        meta = cache.get_checkpoint_metadata(src)
+        length = cache.get_sequence_length(src)
+        groups = []
+        for group in range(NUM_LAYERS):
+            groups.append(tvm.runtime.empty((1, _pages(length), 2, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM), "float32"))
+            cache.export_page_group(src, group, groups[-1])
+        cache.prepare_import(dst, meta)
+        for group in reversed(range(NUM_LAYERS)):
+            cache.import_page_group(dst, group, groups[group])
+        cache.finish_import(dst)
+
+    def _expect_checkpoint(self, src: Any, dst: Any) -> Expect:
+        seqs = self.model.seqs
+        if not (_is_int(src) and _is_int(dst)) or src not in seqs:
+            return _fail(KVCacheError)
+        s = seqs[src]
+        if s.window != -1 or s.tree is not None:
+            return _fail(SequenceError)
+        if dst in seqs:
+            d = seqs[dst]
+            if d.length or d.window != -1 or d.tree is not None:
+                return _fail(SequenceError)
+            return Expect((SequenceError, CacheFullError))  # an empty sequence forked from: refused
+        if _pages(s.length) > self.free_pages():
+            return _fail(CacheFullError)
+        return Expect(free_delta=-_pages(s.length))
 
     def fork(self, parent: Any, child: Any, pos: Any) -> bool:
         self._record("fork", parent, child, pos)
@@ -834,6 +877,10 @@ def op_fork(h: Harness, draw: Draw) -> None:
     h.fork(parent, draw_new_id(draw, h), draw_position(draw, length))
 
 
+def op_checkpoint(h: Harness, draw: Draw) -> None:
+    h.checkpoint(draw_id(draw, h, existing=0.9), draw_new_id(draw, h))
+
+
 def op_popn(h: Harness, draw: Draw) -> None:
     seq_id = draw_id(draw, h, existing=0.9)
     length = h.model.seqs[seq_id].length if seq_id in h.model.seqs else 3
@@ -983,7 +1030,7 @@ def op_invalid(h: Harness, draw: Draw) -> None:
 #: The soak's operation mix: (operation, weight).
 OPERATIONS: Tuple[Tuple[Callable[[Harness, Draw], None], int], ...] = (
     (op_add, 10), (op_remove, 10), (op_fork, 12), (op_popn, 10), (op_step, 16), (op_repeat_decode, 6),
-    (op_enable_window, 5), (op_invalid, 6), (op_tree_step, 8), (op_commit, 8),
+    (op_enable_window, 5), (op_invalid, 6), (op_tree_step, 8), (op_commit, 8), (op_checkpoint, 5),
 )
 
 

@@ -98,6 +98,13 @@ def _run_step(cache, rng, seq_ids, lengths, tree=None) -> None:
     cache.end_forward()
 
 
+def _checkpoint_group(ctx: "Ctx", seq_id: int) -> tvm.runtime.Tensor:
+    """A page group of sequence ``seq_id``'s length, random contents."""
+    length = ctx.cache._paging.sequence_length(seq_id)
+    cfg = ctx.cfg
+    return _data(ctx.rng, (1, -(-length // cfg.page_size), 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim))
+
+
 class Ctx:
     """A cache of one variant with sequences 0 (length 21), 1 (forked from 0 at 13, then 4 more
     tokens) and 2 (3 tokens; in ``mha`` plus a 4-node token tree appended by its last step);
@@ -124,6 +131,11 @@ class Ctx:
         sequences 0 and 1) or "any" (either)."""
         if phase == "any":
             phase = "step" if self.rng.random() < 0.5 else "idle"
+        if phase in ("importing", "imported"):  # a checkpoint of sequence 0 importing into 5
+            self.cache.prepare_import(5, self.cache.get_checkpoint_metadata(0))
+            if phase == "imported":
+                for group in range(self.cfg.num_layers):
+                    self.cache.import_page_group(5, group, _checkpoint_group(self, 0))
         if phase == "step":
             lengths = [1, 1] if self.rng.random() < 0.5 else [3, 2]
             self.cache.begin_forward([0, 1], lengths)
@@ -200,6 +212,7 @@ def _heads(ctx):
 
 
 LAYER = Arg("layer_id", "layer", _const(1), ("layer",))
+GROUP = Arg("group_id", "layer", _const(1), ("group",))
 SCALE = Arg("sm_scale", "scale", _const(0.25))
 SEQ = ("sequence", "seq_id")
 Q = Arg("q", "tensor", _tensor(lambda x: (x.n, _heads(x)[0], _heads(x)[1])))
@@ -287,6 +300,23 @@ ENTRIES: Tuple[Entry, ...] = (
           (LAYER, Arg("kv", "tensor", _tensor(lambda x: (x.n, x.cfg.head_dim), free_rows=True)))),
     Entry("mla_context_attention", None, ("mla",), "step",
           (LAYER, Q, O, LSE, SCALE, Arg("decompress", "callable", _const(_no_op_decompress)))),
+    Entry("get_layout_hash", "attention_kv_cache_get_layout_hash", ("mha",), "any"),
+    Entry("get_checkpoint_metadata", "attention_kv_cache_get_checkpoint_metadata", ("mha",), "idle",
+          (Arg("seq_id", "seq", _const(0), SEQ),)),
+    Entry("export_page_group", "attention_kv_cache_export_page_group", ("mha",), "idle",
+          (Arg("seq_id", "seq", _const(0), SEQ), GROUP,
+           Arg("out", "tensor", _tensor(lambda x: (1, 3, 2, x.cfg.num_kv_heads, x.cfg.page_size, x.cfg.head_dim)))),
+          coupled=True),
+    Entry("prepare_import", "attention_kv_cache_prepare_import", ("mha",), "idle",
+          (Arg("seq_id", "seq_new", _const(5), SEQ),
+           Arg("metadata", "metadata", lambda x: x.cache.get_checkpoint_metadata(0), ("checkpoint",))),
+          coupled=True),
+    Entry("import_page_group", "attention_kv_cache_import_page_group", ("mha",), "importing",
+          (Arg("seq_id", "seq", _const(5), SEQ + ("import",)), GROUP,
+           Arg("group", "tensor", _tensor(lambda x: (1, 3, 2, x.cfg.num_kv_heads, x.cfg.page_size, x.cfg.head_dim)))),
+          coupled=True),
+    Entry("finish_import", "attention_kv_cache_finish_import", ("mha",), "imported",
+          (Arg("seq_id", "seq", _const(5), SEQ + ("import",)),)),
 ) + tuple(Entry(None, name[len("vm.builtin."):], ("mha",), "any", unsupported=True)
           for name, ours in BUILTINS.items() if getattr(ours, "unsupported", None))
 
@@ -360,6 +390,27 @@ def _scale_hostiles(ctx: Ctx) -> List[Hostile]:
 def _callable_hostiles(ctx: Ctx) -> List[Hostile]:
     return [Hostile("None", None), Hostile("int", 1), Hostile("str", "f"), Hostile("list", [1]),
             Hostile("tensor", tvm.runtime.tensor(np.zeros(2, "float32")), "Tensor")]
+
+
+def _metadata_hostiles(ctx: Ctx, valid: str) -> List[Hostile]:
+    """Checkpoint metadata: wrong types, malformed JSON, fields changed or missing."""
+    import json
+
+    meta = json.loads(valid)
+
+    def changed(cls, **fields):
+        return Hostile(cls, json.dumps({**meta, **fields}), *(fields and [next(iter(fields))]))
+    dropped = {k: v for k, v in meta.items() if k != "layout_hash"}
+    return _wrong_scalars(ctx) + [
+        Hostile("json", "", "JSON"), Hostile("json", "{", "JSON"), Hostile("json", "[]", "JSON"),
+        Hostile("json", "null", "JSON"), Hostile("json", valid[:-1], "JSON"), Hostile("json", "\x00" * 8, "JSON"),
+        Hostile("missing field", json.dumps(dropped), "layout_hash"),
+        changed("field", layout_hash="f" * 16), changed("field", format_version=0), changed("field", dtype="int8"),
+        changed("field", page_size=2**63), changed("field", seq_length=-5), changed("field", seq_length=2**62),
+        changed("field", seq_length=None), changed("field", seq_length=1.0e300),
+        changed("field", groups=meta["groups"][:1]), changed("field", logical_pages=[]),
+        changed("field", attn_kinds=["mha"]), changed("field", num_layers=True),
+        changed("field", reserved_num_seqs=-1)]
 
 
 def _wrong_lists(ctx: Ctx, valid: List[int]) -> List[Hostile]:
@@ -466,6 +517,8 @@ def _draw(ctx: Ctx, arg: Arg, valid: Any) -> Hostile:
         candidates = _scale_hostiles(ctx)
     elif arg.kind == "callable":
         candidates = _callable_hostiles(ctx)
+    elif arg.kind == "metadata":
+        candidates = _metadata_hostiles(ctx, valid)
     elif arg.kind in INT_KINDS:
         specific = INT_KINDS[arg.kind](ctx)
         candidates = specific if rng.random() < 0.5 else _wrong_ints(ctx)

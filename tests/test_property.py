@@ -121,6 +121,12 @@ class PlainCacheMachine(RuleBasedStateMachine):
         or with leaf -1 the last step popped)."""
         self._do(sm.op_commit, data)
 
+    @precondition(has_sequences)
+    @rule(data=st.data())
+    def checkpoint_round_trip(self, data):
+        """Save a sequence and import it into another id (new or existing)."""
+        self._do(sm.op_checkpoint, data)
+
     @rule(data=st.data())
     def invalid_request(self, data):
         self._do(sm.op_invalid, data)

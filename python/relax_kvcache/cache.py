@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import tvm
 
+from . import checkpoint as ckpt
 from . import metadata as md
 from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args, describe
 from .aux_buffer import AuxBuffer, SlotBuffer
@@ -127,6 +128,15 @@ def _with_kernel_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tv
 
 
 @dataclasses.dataclass(frozen=True)
+class _ImportState:
+    """A checkpoint import in progress: the sequence, its positions' slots, groups still due."""
+
+    seq_id: int
+    slots: np.ndarray  # (seq_length,) int32
+    pending: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
 class _CommitPlan:
     """One sequence's commit: ``moves`` are (source, destination) indices among its last
     ``span`` tokens (its uncommitted tree, or its last step without one); ``pop`` tokens go."""
@@ -218,6 +228,8 @@ class PagedAttentionKVCache:
         if self._mla and dims_given:  # read off foreign kernels: made on first use (TVM's models never use it)
             self._context_workspace = self._new_context_workspace(config.mla_original_qk_head_dim,
                                                                   config.mla_original_v_head_dim)
+        self._import: Optional[_ImportState] = None  # a checkpoint import in progress
+        self._group_mover = ckpt.PageGroupMover(config, kernels, device)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._appended_layers: set = set()  # layers whose K/V this step has appended
         # most tokens a sequence may append per step: MHA_SLIDING layers without the windowed
@@ -241,18 +253,22 @@ class PagedAttentionKVCache:
         seq_id = _as_int("seq_id", seq_id)
         self._require_no_step("remove_sequence")
         self._paging.remove_sequence(seq_id)
+        if self._import is not None and self._import.seq_id == seq_id:
+            self._import = None  # removing the sequence abandons its checkpoint import
 
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
         """Create ``child_seq_id`` sharing the first ``fork_pos`` tokens of the parent (-1: all)."""
         parent, child, pos = (_as_int("parent_seq_id", parent_seq_id), _as_int("child_seq_id", child_seq_id),
                               _as_int("fork_pos", fork_pos))
         self._require_no_step("fork_sequence")
+        self._check_not_importing(parent, "fork_sequence")
         self._copy_pages(self._paging.fork_sequence(parent, child, pos))
 
     def popn(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` tokens of a sequence."""
         seq_id, n = _as_int("seq_id", seq_id), _as_int("n", n)
         self._require_no_step("popn")
+        self._check_not_importing(seq_id, "popn")
         tree = self._paging.sequence(seq_id).token_tree if self._paging.has_sequence(seq_id) else None
         if tree is not None and n:
             raise SequenceError(f"popn({seq_id}, {n}): sequence {seq_id} has {len(tree)} uncommitted token-tree "
@@ -284,6 +300,7 @@ class PagedAttentionKVCache:
         seq_id, size = _as_int("seq_id", seq_id), as_int32("sliding_window_size", sliding_window_size)
         sink = as_int32("attn_sink_size", attn_sink_size)
         self._require_no_step("enable_sliding_window_for_seq")
+        self._check_not_importing(seq_id, "enable_sliding_window_for_seq")
         if not (self.config.support_sliding_window or self.config.has_layer_windows):
             raise KVCacheError("enable_sliding_window_for_seq needs a cache created with support_sliding_window=True")
         self._paging.enable_sliding_window(seq_id, size, sink)
@@ -310,6 +327,8 @@ class PagedAttentionKVCache:
                                 "expected equal lengths")
         if len(set(seq_ids)) != len(seq_ids):
             raise SequenceError(f"seq_ids {seq_ids} name a sequence more than once")
+        for seq_id in seq_ids:
+            self._check_not_importing(seq_id, "commit_accepted_token_tree_nodes")
         plans = [self._plan_commit(seq_id, leaf) for seq_id, leaf in zip(seq_ids, leaves)]
         # check-then-mutate: every pop (a re-fork into a shared prefix may need a page) before
         # compacting or popping any sequence
@@ -363,6 +382,7 @@ class PagedAttentionKVCache:
         self._step = None
         self._device_step = None
         self._context = None
+        self._import = None
 
     def empty(self) -> bool:
         """True when no sequence exists and every page and block is free."""
@@ -377,8 +397,11 @@ class PagedAttentionKVCache:
         return self._paging.total_sequence_length()
 
     def get_sequence_length(self, seq_id: int) -> int:
-        """Number of tokens of sequence ``seq_id``."""
-        return self._paging.sequence_length(_as_int("seq_id", seq_id))
+        """Number of tokens of sequence ``seq_id`` (not while its checkpoint import is unfinished,
+        as in TVM)."""
+        seq_id = _as_int("seq_id", seq_id)
+        self._check_not_importing(seq_id, "get_sequence_length")
+        return self._paging.sequence_length(seq_id)
 
     def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
         for copy in copies:
@@ -418,6 +441,9 @@ class PagedAttentionKVCache:
                                f"{len(append_lengths)}; expected equal lengths")
         if not seq_ids:
             raise ForwardError("begin_forward needs at least one sequence, got an empty batch")
+        if self._import is not None and self._import.seq_id in seq_ids:
+            raise ForwardError(f"sequence {self._import.seq_id} is importing a checkpoint; finish_import it (or "
+                               "remove it) before it joins a step")
         for seq_id, n in zip(seq_ids, append_lengths):
             if n < 1:
                 raise ForwardError(f"append length {n} of sequence {seq_id} must be at least 1")
@@ -1030,6 +1056,7 @@ class PagedAttentionKVCache:
             raise KVCacheError(f"{what} needs the debug_get_kv kernel, which this cache was created without")
         seq_id, start_pos, end_pos = (_as_int("seq_id", seq_id), _as_int("start_pos", start_pos),
                                       _as_int("end_pos", end_pos))
+        self._check_not_importing(seq_id, what)
         length = self._paging.sequence_length(seq_id)
         if not 0 <= start_pos < end_pos <= length:
             raise SequenceError(f"{what} range [{start_pos}, {end_pos}) is invalid for sequence "
@@ -1037,6 +1064,126 @@ class PagedAttentionKVCache:
         return seq_id, start_pos, end_pos
 
     # ------------------------------------------------------------------ helpers
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def get_layout_hash(self) -> str:
+        """The layout hash of checkpoints of this cache (TVM's: 16 hex digits of a 64-bit
+        FNV-1a over the layout; checkpoints import only into caches of the same hash)."""
+        return ckpt.layout_hash(self.config, self.layer_offset)
+
+    def get_checkpoint_metadata(self, seq_id: int) -> str:
+        """JSON metadata of a checkpoint of sequence ``seq_id`` (TVM's format): the layout, its
+        hash, the sequence length, its logical pages and one page group per layer.
+
+        Any sequence without a sliding window or an uncommitted token tree can be saved, also
+        one sharing a prefix with others (TVM: sequence 0 only). Not while a step is active.
+        """
+        seq_id = self._checkpoint_sequence(seq_id, "get_checkpoint_metadata")
+        length = self._paging.sequence_length(seq_id)
+        meta = ckpt.metadata(self.config, self.layer_offset, seq_id, length, self.config.max_num_seqs)
+        return ckpt.metadata_json(meta)
+
+    def export_page_group(self, seq_id: int, group_id: int, out: tvm.runtime.Tensor) -> None:
+        """Write layer ``group_id``'s K/V of sequence ``seq_id`` into ``out`` of shape
+        ``(1, ceil(length / page_size), 2, num_kv_heads, page_size, head_dim)``: position p at
+        page ``p // page_size``, slot ``p % page_size``; the last page's unused slots are zero."""
+        seq_id = self._checkpoint_sequence(seq_id, "export_page_group")
+        group = self._group_id(group_id)
+        length = self._paging.sequence_length(seq_id)
+        shape = ckpt.group_shape(self.config, length)
+        check_tensor("out", out, shape=shape, dtype=self.config.dtype, device=self.device)
+        if length == 0:
+            return
+        pages = ckpt.group_as_pages(out)
+        self._group_mover.move(self._pages[group], self._paging.position_map(seq_id), pages,
+                               np.arange(length, dtype=np.int32))
+        self._group_mover.zero(pages, np.arange(length, shape[1] * self.config.page_size, dtype=np.int32))
+
+    def prepare_import(self, seq_id: int, metadata: str) -> None:
+        """Start importing a checkpoint (``metadata`` from :meth:`get_checkpoint_metadata`, ours
+        or TVM's) into sequence ``seq_id``: new, or empty without a window (TVM: sequence 0).
+
+        The sequence gets its pages now; fill them with :meth:`import_page_group` (each layer
+        once), then :meth:`finish_import`. Until then the sequence cannot join a step, fork,
+        pop, be saved or report its length; other sequences work as usual. Removing the
+        sequence (or ``clear``) abandons the import. One import at a time.
+        """
+        seq_id = _as_int("seq_id", seq_id)
+        self._require_no_step("prepare_import")
+        self._require_checkpointable("prepare_import")
+        if self._import is not None:
+            raise SequenceError(f"prepare_import({seq_id}): the import into sequence {self._import.seq_id} is not "
+                                "finished; finish_import it or remove that sequence first")
+        plan = ckpt.parse_import(self.config, self.layer_offset, metadata)
+        slots = self._paging.import_sequence(seq_id, plan.seq_length)
+        self._import = _ImportState(seq_id, slots, frozenset(range(plan.num_layers)))
+
+    def import_page_group(self, seq_id: int, group_id: int, group: tvm.runtime.Tensor) -> None:
+        """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of
+        :meth:`export_page_group`) into the importing sequence's pages."""
+        seq_id, group_id = _as_int("seq_id", seq_id), self._group_id(group_id)
+        self._require_no_step("import_page_group")
+        state = self._importing(seq_id, "import_page_group")
+        if group_id not in state.pending:
+            raise SequenceError(f"page group {group_id} of sequence {seq_id} was already imported")
+        shape = ckpt.group_shape(self.config, len(state.slots))
+        check_tensor("group", group, shape=shape, dtype=self.config.dtype, device=self.device)
+        if len(state.slots):
+            self._group_mover.move(ckpt.group_as_pages(group), np.arange(len(state.slots), dtype=np.int32),
+                                   self._pages[group_id], state.slots)
+        self._import = dataclasses.replace(state, pending=state.pending - {group_id})
+
+    def finish_import(self, seq_id: int) -> None:
+        """End the import into ``seq_id`` once every page group is in."""
+        seq_id = _as_int("seq_id", seq_id)
+        self._require_no_step("finish_import")
+        state = self._importing(seq_id, "finish_import")
+        if state.pending:
+            raise SequenceError(f"the import into sequence {seq_id} is missing page group(s) {sorted(state.pending)}; "
+                                "import_page_group each before finish_import")
+        self._import = None
+
+    def _checkpoint_sequence(self, seq_id: Any, what: str) -> int:
+        """A sequence that can be saved now (its id)."""
+        seq_id = _as_int("seq_id", seq_id)
+        self._require_no_step(what)
+        self._require_checkpointable(what)
+        self._check_not_importing(seq_id, what)
+        seq = self._paging.sequence(seq_id)
+        if seq.token_tree is not None or seq.sliding_window_size != -1:
+            raise SequenceError(f"{what}: sequence {seq_id} has " + ("an uncommitted token tree; commit it first"
+                                if seq.token_tree is not None else "a sliding window, which checkpoints do not "
+                                "hold (as in TVM)"))
+        return seq_id
+
+    def _require_checkpointable(self, what: str) -> None:
+        why = ckpt.unsupported_layout(self.config)
+        if why is not None:
+            raise NotImplementedError(f"{what}: checkpoints of caches with {why} are not supported")
+        missing = self._kernels.missing(["debug_get_kv", "transpose_append"])
+        if missing:
+            raise KVCacheError(f"{what} needs the {' and '.join(missing)} kernel(s), which this cache was "
+                               "created without")
+
+    def _group_id(self, group_id: Any) -> int:
+        group_id = _as_int("group_id", group_id)
+        if not 0 <= group_id < self.config.num_layers:
+            raise ArgumentError(f"group_id {group_id} is out of range [0, {self.config.num_layers}): a checkpoint "
+                                "has one page group per layer of the cache")
+        return group_id
+
+    def _importing(self, seq_id: int, what: str) -> _ImportState:
+        if self._import is None or self._import.seq_id != seq_id:
+            raise SequenceError(f"{what}: no checkpoint import into sequence {seq_id} is in progress"
+                                + (f" (sequence {self._import.seq_id} is importing)" if self._import else
+                                   "; call prepare_import first"))
+        return self._import
+
+    def _check_not_importing(self, seq_id: int, what: str) -> None:
+        if self._import is not None and self._import.seq_id == seq_id:
+            raise SequenceError(f"{what}: sequence {seq_id} is importing a checkpoint; finish_import it (or remove "
+                                "it) first")
 
     def _token_tree_refusal(self) -> Optional[KVCacheError]:
         """Why this cache cannot take token-tree steps (the error to raise), or None."""

@@ -78,12 +78,15 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.attention_kv_cache_append_mla_kv": _append_mla_kv,
     "vm.builtin.attention_kv_cache_debug_get_kv_mla":
         lambda c, seq_id, start_pos, end_pos, kv_data: c.debug_get_kv_mla(seq_id, start_pos, end_pos, kv_data),
-    "vm.builtin.attention_kv_cache_get_checkpoint_metadata": _unsupported("checkpoint export/import"),
-    "vm.builtin.attention_kv_cache_get_layout_hash": _unsupported("checkpoint export/import"),
-    "vm.builtin.attention_kv_cache_export_page_group": _unsupported("checkpoint export/import"),
-    "vm.builtin.attention_kv_cache_prepare_import": _unsupported("checkpoint export/import"),
-    "vm.builtin.attention_kv_cache_import_page_group": _unsupported("checkpoint export/import"),
-    "vm.builtin.attention_kv_cache_finish_import": _unsupported("checkpoint export/import"),
+    "vm.builtin.attention_kv_cache_get_checkpoint_metadata": lambda c, seq_id: c.get_checkpoint_metadata(seq_id),
+    "vm.builtin.attention_kv_cache_get_layout_hash": lambda c: c.get_layout_hash(),
+    "vm.builtin.attention_kv_cache_export_page_group":
+        lambda c, seq_id, group_id, tensor: c.export_page_group(seq_id, group_id, tensor),
+    "vm.builtin.attention_kv_cache_prepare_import":
+        lambda c, seq_id, metadata: c.prepare_import(seq_id, metadata),
+    "vm.builtin.attention_kv_cache_import_page_group":
+        lambda c, seq_id, group_id, tensor: c.import_page_group(seq_id, group_id, tensor),
+    "vm.builtin.attention_kv_cache_finish_import": lambda c, seq_id: c.finish_import(seq_id),
     "vm.builtin.kv_cache_disagg_prepare_recv": _unsupported("KV transfer (disaggregation)"),
     "vm.builtin.kv_cache_disagg_mark_send": _unsupported("KV transfer (disaggregation)"),
 }

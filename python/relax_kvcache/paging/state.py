@@ -575,6 +575,43 @@ class PagingState:
             seq.last_append_length = length
         return ()
 
+    def import_sequence(self, seq_id: int, length: int) -> np.ndarray:
+        """Give sequence ``seq_id`` ``length`` tokens on fresh pages, for a checkpoint import.
+
+        The sequence is added when absent; an existing one must be empty, without a window or
+        a token tree, and not forked from. The tokens are not a step's append (a later commit
+        with leaf -1 pops nothing). Checked first: on any error nothing changes.
+
+        Returns
+        -------
+        numpy.ndarray
+            int32 slots of the ``length`` positions, in order.
+
+        Raises
+        ------
+        SequenceError
+            An existing sequence that is not empty, has a window or a tree, or was forked from.
+        CacheFullError
+            Fewer than ``ceil(length / page_size)`` free pages.
+        """
+        seq_id, length = as_seq_id(seq_id), as_int("length", length)
+        if length < 0:
+            raise SequenceError(f"a sequence cannot hold {length} tokens; expected at least 0")
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            if seq.seq_length or seq.sliding_window_size != -1 or seq.token_tree is not None:
+                raise SequenceError(f"sequence {seq_id} has {seq.seq_length} token(s)"
+                                    + (" and a sliding window" if seq.sliding_window_size != -1 else "")
+                                    + "; a checkpoint imports into a new or empty sequence without a window")
+            self._appendable_block(seq)
+        self._check_free_pages(ceil_div(length, self._page_size), 0, f"import {length} token(s) into sequence {seq_id}")
+        if seq is None:
+            self.add_sequence(seq_id)
+        if length:
+            self.reserve_append([seq_id], [length])
+        self._seqs[seq_id].last_append_length = 0
+        return self.position_map(seq_id)
+
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
         """Snapshot a batch for `advance_lane`, or None when a sequence cannot use one.
 

@@ -1,0 +1,279 @@
+"""Checkpoint export / import of one sequence's KV, in TVM 0.27's format.
+
+TVM's ``vm.builtin.attention_kv_cache_{get_checkpoint_metadata, get_layout_hash,
+export_page_group, prepare_import, import_page_group, finish_import}`` save a sequence as JSON
+metadata plus one *page group* per layer: a tensor ``(1, num_logical_pages, 2, num_kv_heads,
+page_size, head_dim)`` holding the sequence's positions in page-size runs from position 0 (K
+then V, the layout of a page), the last page's unused slots zero. The metadata names the
+layout (and its 64-bit FNV-1a *layout hash*, of the same string TVM hashes), the sequence
+length and the groups; an import checks that the layout matches this cache's.
+
+This module owns the format: the layout string and hash, writing and validating metadata
+(:func:`metadata_json`, :func:`parse_import`), and moving page groups with the cache's own
+kernels (:class:`PageGroupMover`). The cache owns the import state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import tvm
+
+from .config import AttnKind, KVCacheConfig, RopeMode
+from .errors import ArgumentError, ConfigError
+from .tensors import allocate, numpy_dtype, view
+
+FORMAT_VERSION = 1
+CACHE_TYPE = "relax.vm.PagedAttentionKVCache"
+PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
+_KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding"}
+_ROPE_NAMES = {RopeMode.NONE: "none", RopeMode.NORMAL: "normal", RopeMode.INLINE: "inline"}
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _c_double(value: float) -> str:
+    """A double as TVM writes it into the layout string (``%.17g``)."""
+    return f"{value:.17g}"
+
+
+def _json_double(value: float) -> str:
+    """A double as TVM's JSON writer writes it (``%.17g``, with ``.0`` when integral)."""
+    text = f"{value:.17g}"
+    return text if any(c in text for c in ".eni") else text + ".0"
+
+
+def _json(value: Any) -> str:
+    """Compact JSON with TVM's float format (the metadata holds dicts, lists, str, bool, int, float)."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{json.dumps(key)}:{_json(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_json(item) for item in value) + "]"
+    if isinstance(value, float):
+        return _json_double(value)
+    return json.dumps(value)
+
+
+def _layout(config: KVCacheConfig, layer_offset: int) -> List[Tuple[str, Any]]:
+    """The layout fields of the metadata, in order, with JSON values."""
+    return [
+        ("format_version", FORMAT_VERSION), ("cache_type", CACHE_TYPE), ("page_size", config.page_size),
+        ("num_layers", config.num_layers), ("layer_begin", layer_offset),
+        ("layer_end", layer_offset + config.num_layers), ("num_qo_heads", config.num_qo_heads),
+        ("num_kv_heads", config.num_kv_heads), ("qk_head_dim", config.head_dim), ("v_head_dim", config.v_head_dim),
+    ]
+
+
+def _rope_fields(config: KVCacheConfig) -> List[Tuple[str, Any]]:
+    return [
+        ("rope_mode", _ROPE_NAMES[config.effective_rope_mode]), ("rotary_scale", float(config.rope_scale)),
+        ("rotary_theta", float(config.rope_theta)), ("has_rope_ext_factors", config.rope_ext_factors is not None),
+        ("support_sliding_window", config.support_sliding_window),
+        ("support_layer_sliding_window", config.has_layer_windows),
+    ]
+
+
+def layout_string(config: KVCacheConfig, layer_offset: int = 0) -> str:
+    """The string TVM hashes for the layout hash (``key=value;``, TVM's order and formatting)."""
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return str(int(value))
+        return _c_double(value) if isinstance(value, float) else str(value)
+
+    fields = _layout(config, layer_offset) + [("dtype", config.dtype)] + _rope_fields(config)
+    kinds = ",".join(_KIND_NAMES[kind] for kind in config.attn_kinds)
+    return ("".join(f"{key}={text(value)};" for key, value in fields)
+            + f"page_group_layout={PAGE_GROUP_LAYOUT};attn_kinds={kinds}")
+
+
+def layout_hash(config: KVCacheConfig, layer_offset: int = 0) -> str:
+    """64-bit FNV-1a of :func:`layout_string`, as 16 hex digits (TVM's ``get_layout_hash``)."""
+    h = 0xCBF29CE484222325
+    for byte in layout_string(config, layer_offset).encode():
+        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def unsupported_layout(config: KVCacheConfig) -> Optional[str]:
+    """Why caches of ``config`` cannot checkpoint (None: they can)."""
+    if config.is_mla:
+        return "MLA layers (the page-group layout is TVM's MHA one)"
+    if config.rope_ext_factors is not None:
+        return "RoPE extension factors (the format does not carry their values; as in TVM)"
+    return None
+
+
+def num_logical_pages(length: int, page_size: int) -> int:
+    return -(-length // page_size)
+
+
+def group_shape(config: KVCacheConfig, length: int) -> Tuple[int, ...]:
+    """Shape of a page group of a sequence of ``length`` tokens."""
+    return (1, num_logical_pages(length, config.page_size), 2, config.num_kv_heads, config.page_size,
+            config.head_dim)
+
+
+def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
+             reserved_num_seqs: int) -> Dict[str, Any]:
+    """The metadata of sequence ``seq_id`` of ``length`` tokens (TVM's fields, in its order)."""
+    ps, pages = config.page_size, num_logical_pages(length, config.page_size)
+    shape = list(group_shape(config, length))
+    fields = _layout(config, layer_offset) + [
+        ("reserved_num_seqs", reserved_num_seqs), ("num_total_pages", config.num_total_pages),
+        ("prefill_chunk_size", config.prefill_chunk_size), ("dtype", config.dtype),
+        ("attn_kinds", [_KIND_NAMES[kind] for kind in config.attn_kinds])] + _rope_fields(config) + [
+        ("page_group_layout", PAGE_GROUP_LAYOUT), ("layout_hash", layout_hash(config, layer_offset)),
+        ("seq_id", seq_id), ("seq_length", length),
+        ("logical_pages", [{"logical_page_index": i, "start_pos": i * ps, "length": min(ps, length - i * ps)}
+                           for i in range(pages)]),
+        ("groups", [{"group_index": g, "layer_begin": g, "layer_end": g + 1, "num_logical_pages": pages,
+                     "dtype": config.dtype, "shape": shape,
+                     "nbytes": int(np.prod(shape)) * _BYTES[config.dtype]} for g in range(config.num_layers)]),
+    ]
+    return dict(fields)
+
+
+def metadata_json(meta: Dict[str, Any]) -> str:
+    """Compact JSON, as TVM writes it."""
+    return _json(meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportPlan:
+    """A validated checkpoint: ``seq_length`` tokens in ``num_layers`` page groups."""
+
+    seq_length: int
+    num_layers: int
+
+
+def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportPlan:
+    """Validate checkpoint metadata (a JSON string) against this cache's layout.
+
+    Raises
+    ------
+    ArgumentError
+        Not a string, not JSON, or a field missing, of the wrong type or inconsistent.
+    ConfigError
+        A checkpoint of another layout (the first differing field, then the layout hash).
+    """
+    if not isinstance(text, str):
+        raise ArgumentError(f"checkpoint metadata must be a JSON string, got {type(text).__name__}")
+    try:
+        meta = json.loads(text)
+    except ValueError as err:
+        raise ArgumentError(f"checkpoint metadata is not valid JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise ArgumentError(f"checkpoint metadata must be a JSON object, got {type(meta).__name__}")
+    if _field(meta, "format_version", int) != FORMAT_VERSION:
+        raise ArgumentError(f"checkpoint format_version {meta['format_version']} is not supported; expected "
+                            f"{FORMAT_VERSION}")
+    for name in ("reserved_num_seqs", "num_total_pages", "prefill_chunk_size"):
+        if _field(meta, name, int) <= 0:
+            raise ArgumentError(f"checkpoint field {name!r} must be positive, got {meta[name]}")
+    ours = metadata(config, layer_offset, 0, 0, 1)
+    for name in [key for key, _ in _layout(config, layer_offset)] + ["dtype", "attn_kinds", "page_group_layout"] + [
+            key for key, _ in _rope_fields(config)]:
+        if meta.get(name) != ours[name]:
+            raise ConfigError(f"the checkpoint's {name} is {meta.get(name)!r}, this cache's {ours[name]!r}; a "
+                              "checkpoint imports into a cache of the same layout")
+    if _field(meta, "layout_hash", str) != ours["layout_hash"]:
+        raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
+                          f"{meta['layout_hash']}")
+    _field(meta, "seq_id", int)
+    length = _field(meta, "seq_length", int)
+    if length < 0:
+        raise ArgumentError(f"checkpoint seq_length must be at least 0, got {length}")
+    expected = metadata(config, layer_offset, meta["seq_id"], length, 1)
+    for name in ("logical_pages", "groups"):
+        if meta.get(name) != expected[name]:
+            raise ArgumentError(f"checkpoint field {name!r} does not describe a sequence of seq_length {length} in "
+                                f"{config.num_layers} page group(s) of this layout: got {_short(meta.get(name))}, "
+                                f"expected {_short(expected[name])}")
+    return ImportPlan(seq_length=length, num_layers=config.num_layers)
+
+
+def _field(meta: Dict[str, Any], name: str, kind: type) -> Any:
+    value = meta.get(name)
+    if type(value) is not kind:  # bool is not int here
+        raise ArgumentError(f"checkpoint field {name!r} must be {'an int' if kind is int else 'a string'}, got "
+                            f"{_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+class PageGroupMover:
+    """Moves a sequence's positions between the page pool and a page group, in chunks, with the
+    cache's ``debug_get_kv`` (gather) and ``transpose_append`` (scatter) kernels.
+
+    A page group ``(1, P, 2, H, page_size, D)`` has a page pool's layout, so position ``p`` of
+    the sequence is slot ``p`` of the group seen as pages ``(P, 2, H, page_size, D)``. A chunk
+    is gathered into two ``(L, C, H, D)`` buffers (``L`` = 1, or the cache's layer count for a
+    foreign ``debug_get_kv`` compiled for it) and appended where it belongs.
+    """
+
+    def __init__(self, config: KVCacheConfig, kernels: Any, device: tvm.runtime.Device) -> None:
+        self._config, self._kernels, self._device = config, kernels, device
+        self._buffers: Optional[Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]] = None
+
+    def _gather_buffers(self) -> Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]:
+        """``(k, v, layers)`` gather buffers ``(layers, C, H, D)``, made on first use."""
+        if self._buffers is None:
+            cfg = self._config
+            chunk = max(cfg.page_size, min(cfg.prefill_chunk_size, 4096))
+            for layers in (1, cfg.num_layers):
+                k, v = (allocate((layers, chunk, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self._device,
+                                 "checkpoint buffer") for _ in range(2))
+                if layers == cfg.num_layers or self._accepts(k, v):
+                    self._buffers = (k, v, layers)
+                    break
+        return self._buffers
+
+    def _accepts(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> bool:
+        """Whether ``debug_get_kv`` takes one-layer buffers (a compiled kernel checks shapes
+        before it runs; ours take any layer count, TVM's only the count they were built for)."""
+        cfg = self._config
+        pages = allocate((1, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim), cfg.dtype, self._device, "probe page")
+        rows = view(k, (1, 1, cfg.num_kv_heads, cfg.head_dim)), view(v, (1, 1, cfg.num_kv_heads, cfg.head_dim))
+        try:
+            self._kernels.debug_get_kv(pages, self._positions(np.zeros(1, np.int32)), *rows, 0)
+        except Exception:  # noqa: BLE001 - a shape mismatch: use buffers of the compiled layer count
+            return False
+        return True
+
+    def _positions(self, slots: np.ndarray) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.ascontiguousarray(slots, dtype=np.int32), self._device)
+
+    def move(self, src_pages: tvm.runtime.Tensor, src_slots: np.ndarray, dst_pages: tvm.runtime.Tensor,
+             dst_slots: np.ndarray) -> None:
+        """Copy the K/V at ``src_slots`` of ``src_pages`` to ``dst_slots`` of ``dst_pages``."""
+        k, v, layers = self._gather_buffers()
+        cfg, chunk = self._config, k.shape[1]
+        h, d = cfg.num_kv_heads, cfg.head_dim
+        for start in range(0, len(src_slots), chunk):
+            n = min(chunk, len(src_slots) - start)
+            gathered = view(k, (layers, n, h, d)), view(v, (layers, n, h, d))
+            self._kernels.debug_get_kv(src_pages, self._positions(src_slots[start:start + n]), *gathered, 0)
+            rows = view(k, (n, h, d)), view(v, (n, h, d))  # layer 0 of the gathered rows
+            self._kernels.transpose_append(dst_pages, *rows, self._positions(dst_slots[start:start + n]))
+
+    def zero(self, pages: tvm.runtime.Tensor, slots: np.ndarray) -> None:
+        """Write zeros at ``slots`` of ``pages``."""
+        if len(slots) == 0:
+            return
+        cfg = self._config
+        zeros = np.zeros((len(slots), cfg.num_kv_heads, cfg.head_dim), dtype=numpy_dtype(cfg.dtype))
+        rows = [allocate(zeros.shape, cfg.dtype, self._device, "zero rows") for _ in range(2)]
+        for t in rows:
+            t.copyfrom(zeros)
+        self._kernels.transpose_append(pages, *rows, self._positions(slots))
+
+
+def group_as_pages(group: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
+    """A page group ``(1, P, 2, H, ps, D)`` seen as pages ``(P, 2, H, ps, D)``."""
+    return view(group, tuple(group.shape[1:]))
