@@ -478,8 +478,46 @@ def wl_long_context(c: Check) -> None:
     c.check_contents()
 
 
+def wl_checkpoint(c: Check) -> None:
+    """Checkpoints: sequences (one forked inside a page) saved as page groups (checked against
+    the reference: positions in page-size runs, the last page's tail zero; on the device, then
+    on the host) and imported into new ids while another sequence steps; then the copies decode
+    alongside the originals."""
+    cfg = c.cfg
+    ps, hkv, d = cfg.page_size, cfg.num_kv_heads, cfg.head_dim
+    c.add(0)
+    c.step([(0, 70)])
+    c.fork(0, 1, 37)
+    c.step([(1, 20), (0, 3)])
+    for src, dst in ((1, 5), (0, 6)):
+        length = c.ref.length(src)
+        pages = -(-length // ps)
+        meta = c.cache.get_checkpoint_metadata(src)
+        shape = (1, pages, 2, hkv, ps, d)
+        groups = [c.poisoned(shape) if src == 1 else  # the second checkpoint in host memory
+                  tvm.runtime.tensor(np.full(shape, np.nan, c.np_dtype)) for _ in range(cfg.num_layers)]
+        k_ref, v_ref = c.ref.stored_kv(src)
+        for layer, group in enumerate(groups):
+            c.cache.export_page_group(src, layer, group)
+            expected = np.zeros((pages * ps, 2, hkv, d))
+            expected[:length, 0], expected[:length, 1] = k_ref[layer], v_ref[layer]
+            expected = expected.reshape(pages, ps, 2, hkv, d).transpose(0, 2, 3, 1, 4)[None]
+            c.compare(f"page group {layer} of sequence {src}", group, expected)
+        c.cache.prepare_import(dst, meta)
+        c.step([(0, 1)] if src != 0 else [(1, 1)])  # other sequences step during the import
+        for layer in reversed(range(cfg.num_layers)):
+            c.cache.import_page_group(dst, layer, groups[layer])
+        c.cache.finish_import(dst)
+        c.ref.fork(src, dst, length)  # the copy holds the tokens saved
+    c.check_contents()
+    c.step([(5, 1), (6, 1), (0, 1)])
+    c.step([(5, 9), (1, 2)])
+    c.check_contents()
+
+
 WORKLOADS: Dict[str, Callable[[Check], None]] = {
     "long_context": wl_long_context,
+    "checkpoint": wl_checkpoint,
     "random": wl_random,
     "prefix_chain": wl_prefix_chain,
     "token_tree": wl_token_tree,

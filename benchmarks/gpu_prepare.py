@@ -67,7 +67,7 @@ _LAYER_WINDOWS = dict(attn_kinds=[int(rk.AttnKind.MHA_SLIDING), int(rk.AttnKind.
 #: RoPE mode is no kernel parameter, so configurations differing only in it share a library.
 CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d128-normal": (_check_config(head_dim=128, rope_theta=5e5, rope_scale=0.5),
-                    ["random", "prefix_chain", "token_tree", "self_cross_merge"]),
+                    ["random", "prefix_chain", "token_tree", "self_cross_merge", "checkpoint"]),
     "d64-none": (_check_config(rope_mode=int(rk.RopeMode.NONE)),
                  ["random", "token_tree", "self_cross_merge"]),
     "d128-inline": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.INLINE), rope_theta=5e5, rope_scale=0.5),
@@ -76,7 +76,7 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
                    ["seq_windows", "random"]),
     "d64-seqwin-none": (_check_config(support_sliding_window=True, max_num_seqs=8, rope_mode=int(rk.RopeMode.NONE)),
                         ["seq_windows"]),
-    "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv"]),
+    "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv", "checkpoint"]),
     "d64-layerwin-inline": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE)),
                             ["layer_windows", "shared_kv"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)

@@ -139,12 +139,14 @@ def test_metadata_and_groups_match_tvms():
         assert not np.isnan(ours).any() and (ours[0, 2, :, :, 5:] == 0).all()
 
 
-@pytest.mark.parametrize("direction", ["tvm->ours", "ours->tvm", "ours->ours"])
+@pytest.mark.parametrize("direction", ["tvm->ours", "ours->tvm", "ours->ours", "tvm->ours_tvmk", "ours_tvmk->ours"])
 def test_checkpoints_move_between_tvm_and_ours(direction):
     """Export from one cache, import into another (fresh), then both decode the same tokens:
-    the imported contents equal the exported ones and attention over them matches."""
+    the imported contents equal the exported ones and attention over them matches. Our cache on
+    TVM's kernels moves page groups with TVM's debug_get_kv (compiled for all layers)."""
     shape = tb.Shape(rope_mode=0, num_layers=2, page_size=16)  # no RoPE: K bit-identical across kernels
-    make = {"tvm": tb.create_native, "ours": tb.create_ours_direct}
+    make = {"tvm": tb.create_native, "ours": tb.create_ours_direct,  # ours_tvmk: our cache on TVM's kernels
+            "ours_tvmk": lambda s: tb.create_ours_packed(s, tvm_kernel_set=True)}
     src_name, dst_name = direction.split("->")
     src, dst = make[src_name](shape), make[dst_name](shape)
     rng = np.random.default_rng(1)

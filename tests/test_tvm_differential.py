@@ -1016,7 +1016,7 @@ def test_builtin_errors_keep_their_type():
     with pytest.raises(rk.SequenceError):
         d.B.remove(d.caches["ours"], SEQ_BIG)
     with pytest.raises(NotImplementedError):
-        tvm.get_global_func("vm.builtin.attention_kv_cache_get_layout_hash")(d.caches["ours"])
+        tvm.get_global_func("vm.builtin.kv_cache_disagg_prepare_recv")(d.caches["ours"], 0, 4)
     with pytest.raises(rk.KVCacheError, match="support_sliding_window"):
         tvm.get_global_func("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(d.caches["ours"], 0, 8, 2)
 

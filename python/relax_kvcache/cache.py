@@ -28,7 +28,7 @@ from .kernel_set import KernelSet, split_rotary_rope_argument
 from .mla_context import ContextPlan, ContextWorkspace
 from .paging import PageCopy, PagingState
 from .runtime import default_target
-from .tensors import allocate, check_disjoint, check_tensor, view
+from .tensors import TENSOR_TYPES, allocate, check_disjoint, check_tensor, view
 from .token_tree import TokenTree
 
 
@@ -1087,18 +1087,22 @@ class PagedAttentionKVCache:
     def export_page_group(self, seq_id: int, group_id: int, out: tvm.runtime.Tensor) -> None:
         """Write layer ``group_id``'s K/V of sequence ``seq_id`` into ``out`` of shape
         ``(1, ceil(length / page_size), 2, num_kv_heads, page_size, head_dim)``: position p at
-        page ``p // page_size``, slot ``p % page_size``; the last page's unused slots are zero."""
+        page ``p // page_size``, slot ``p % page_size``; the last page's unused slots are zero.
+        ``out`` may be on the cache's device or, for a GPU cache, on the host."""
         seq_id = self._checkpoint_sequence(seq_id, "export_page_group")
         group = self._group_id(group_id)
         length = self._paging.sequence_length(seq_id)
         shape = ckpt.group_shape(self.config, length)
-        check_tensor("out", out, shape=shape, dtype=self.config.dtype, device=self.device)
+        host = self._check_group_tensor("out", out, shape)
         if length == 0:
             return
-        pages = ckpt.group_as_pages(out)
+        target = allocate(shape, self.config.dtype, self.device, "page group") if host else out
+        pages = ckpt.group_as_pages(target)
         self._group_mover.move(self._pages[group], self._paging.position_map(seq_id), pages,
                                np.arange(length, dtype=np.int32))
         self._group_mover.zero(pages, np.arange(length, shape[1] * self.config.page_size, dtype=np.int32))
+        if host:
+            target.copyto(out)
 
     def prepare_import(self, seq_id: int, metadata: str) -> None:
         """Start importing a checkpoint (``metadata`` from :meth:`get_checkpoint_metadata`, ours
@@ -1121,14 +1125,18 @@ class PagedAttentionKVCache:
 
     def import_page_group(self, seq_id: int, group_id: int, group: tvm.runtime.Tensor) -> None:
         """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of
-        :meth:`export_page_group`) into the importing sequence's pages."""
+        :meth:`export_page_group`; on the cache's device or the host) into the importing
+        sequence's pages."""
         seq_id, group_id = _as_int("seq_id", seq_id), self._group_id(group_id)
         self._require_no_step("import_page_group")
         state = self._importing(seq_id, "import_page_group")
         if group_id not in state.pending:
             raise SequenceError(f"page group {group_id} of sequence {seq_id} was already imported")
         shape = ckpt.group_shape(self.config, len(state.slots))
-        check_tensor("group", group, shape=shape, dtype=self.config.dtype, device=self.device)
+        if self._check_group_tensor("group", group, shape):  # a host tensor: upload it first
+            staged = allocate(shape, self.config.dtype, self.device, "page group")
+            staged.copyfrom(group)
+            group = staged
         if len(state.slots):
             self._group_mover.move(ckpt.group_as_pages(group), np.arange(len(state.slots), dtype=np.int32),
                                    self._pages[group_id], state.slots)
@@ -1165,6 +1173,13 @@ class PagedAttentionKVCache:
         if missing:
             raise KVCacheError(f"{what} needs the {' and '.join(missing)} kernel(s), which this cache was "
                                "created without")
+
+    def _check_group_tensor(self, name: str, value: Any, shape: Tuple[int, ...]) -> bool:
+        """Check a page group tensor; True when it is on the host while the cache is not."""
+        host = (type(value) in TENSOR_TYPES and bool(value.__chandle__()) and value.device == tvm.cpu()
+                and self.device != tvm.cpu())
+        check_tensor(name, value, shape=shape, dtype=self.config.dtype, device=tvm.cpu() if host else self.device)
+        return host
 
     def _group_id(self, group_id: Any) -> int:
         group_id = _as_int("group_id", group_id)
