@@ -1,6 +1,6 @@
 """LongRoPE on a GPU: our cache (float16) against float64 LongRoPE, across the switch position.
 
-On the development machine: ``python tests/gpu_kernel_libs.py .gpu/klr --only-longrope``. On the
+On the development machine: ``python tests/gpu_kernel_libs.py .gpu/klr --only-rope``. On the
 GPU host (runtime-only TVM, ``PYTHONPATH=python:tests:benchmarks``)::
 
     python benchmarks/gpu_longrope_check.py [--seed S] [--libs .gpu/klr]

@@ -29,9 +29,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np.ndarray:
-    """Rotate-half RoPE (TVM's convention: angle = pos * scale / theta^(2i/d)) of x (n, h, d)."""
+def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float,
+         rotary_dim: Optional[int] = None) -> np.ndarray:
+    """Rotate-half RoPE (TVM's convention: angle = pos * scale / theta^(2i/d)) of x (n, h, d);
+    with ``rotary_dim`` only the first ``rotary_dim`` features (``d`` = it), the rest as given."""
     x = np.asarray(x, np.float64)
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        return np.concatenate([rope(x[..., :rotary_dim], positions, theta, scale), x[..., rotary_dim:]], axis=-1)
     d = x.shape[-1]
     inv_freq = scale / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
@@ -45,8 +49,12 @@ def longrope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float, f
     """LongRoPE (Phi-3, TVM's factor layout) of x (n, h, d): frequency i of a token at position
     p is ``p * scale / (factor * theta^(2i/d))``, factor the long one (``factors[i]``) when
     ``p >= original``, else the short one (``factors[d/2 + i]``); cos / sin times
-    ``attention_factor``."""
+    ``attention_factor``. Fewer factors than features: a partial rotary dim (the rest as given)."""
     x = np.asarray(x, np.float64)
+    if len(factors) < x.shape[-1]:
+        r = len(factors)
+        return np.concatenate([longrope(x[..., :r], positions, theta, scale, factors, original, attention_factor),
+                               x[..., r:]], axis=-1)
     d = x.shape[-1]
     factors = np.asarray(factors, np.float64).reshape(2, d // 2)
     pos = np.asarray(positions, np.float64)

@@ -50,6 +50,18 @@ LONGROPE_CONFIGS = {
     for name, hq, hkv, d, dtype, scale in (("f16_longrope", 8, 2, 128, "float16", 1.0),
                                            ("bf16_longrope", 4, 4, 96, "bfloat16", 0.5))
 }
+#: Partial rotary dims (Phi-2: head_dim 80, rotary 32), one with LongRoPE factors of its rotary
+#: dim; only ``test_split_rotary_partial`` uses them.
+ROTARY_CONFIGS = {
+    "f32_phi2": KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=4, head_dim=80, page_size=16,
+                              dtype="float32", rope_theta=1e4, rope_rotary_dim=32),
+    "f16_rotary32": KVCacheConfig(num_layers=1, num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
+                                  dtype="float16", rope_theta=5e5, rope_scale=0.5, rope_rotary_dim=32),
+    "bf16_rotary64_longrope": KVCacheConfig(
+        num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=96, page_size=16, dtype="bfloat16",
+        rope_theta=1e4, rope_rotary_dim=64, rope_original_max_position_embeddings=2048, rope_attention_factor=1.1,
+        rope_ext_factors=tuple(float(x) for x in np.r_[np.linspace(1.0, 30.0, 32), np.linspace(1.0, 1.4, 32)])),
+}
 CFG_NAMES = list(CONFIGS)
 SW_NAMES = [n for n, c in CONFIGS.items() if c.support_sliding_window]
 
@@ -353,6 +365,34 @@ def test_split_rotary_longrope(kernel_build, name, pad):
         assert_close(got.numpy(), expected, 2 * O_TOL[cfg.dtype], what)
         plain = cfg.rope_attention_factor * ref.rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale)
         assert np.abs(expected - plain).max() > 0.5  # the factors change the result
+
+
+@pytest.mark.parametrize("name", list(ROTARY_CONFIGS))
+def test_split_rotary_partial(kernel_build, name):
+    """A partial rotary dim: the first ``rope_rotary_dim`` features rotate (at their own
+    frequencies), the others are copied bit for bit; v is copied."""
+    from cache_model import longrope, rope
+
+    cfg = ROTARY_CONFIGS[name]
+    mod = kernel_build(cfg)
+    rng = np.random.default_rng(seed_of("partial", name))
+    Hq, Hkv, D, R, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rope_rotary_dim, 23
+    qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
+    pos = rng.integers(0, 8192, size=n).astype(np.int32)
+    pos[:3] = 0, 2047, 2048
+    outs = [tensor(nan_like((n, h, D), cfg.dtype)) for h in (Hq, Hkv, Hkv)]
+    last = 1 if cfg.rope_ext_factors is None else tensor(np.array(cfg.rope_ext_factors, np.float32))
+    mod["split_rotary"](tensor(qkv), tensor(pos), *outs, last)
+    assert_bitwise_equal(outs[2].numpy(), qkv[:, Hq + Hkv:], "v")
+    for what, got, given in (("q", outs[0], qkv[:, :Hq]), ("k", outs[1], qkv[:, Hq:Hq + Hkv])):
+        if cfg.rope_ext_factors is None:
+            expected = rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale, rotary_dim=R)
+        else:
+            expected = longrope(f64(given), pos, cfg.rope_theta, cfg.rope_scale, cfg.rope_ext_factors, 2048,
+                                cfg.rope_attention_factor)
+        assert_close(got.numpy()[..., :R], expected[..., :R], 2 * O_TOL[cfg.dtype], what)
+        assert_bitwise_equal(got.numpy()[..., R:], given[..., R:], f"{what} beyond the rotary dim")
+        assert np.abs(expected[..., :R] - f64(given)[..., :R]).max() > 0.5  # the rotation is not a no-op
 
 
 def test_split_rotary_position_zero_is_identity(kernel_build, cfg_name):

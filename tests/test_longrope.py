@@ -63,7 +63,7 @@ def test_attention_factor_is_phi3s():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(rope_ext_factors=FACTORS[:-1]), "must hold head_dim=32 floats"),
+    (dict(rope_ext_factors=FACTORS[:-1]), "must hold rotary_dim=32 floats"),
     (dict(rope_ext_factors=FACTORS[:4] + (float("nan"),) + FACTORS[5:]), r"rope_ext_factors\[4\] must be a positive"),
     (dict(rope_ext_factors=(-1.0,) + FACTORS[1:]), r"rope_ext_factors\[0\] must be a positive finite"),
     (dict(rope_ext_factors=(0.0,) + FACTORS[1:]), r"rope_ext_factors\[0\]"),
@@ -293,7 +293,10 @@ def test_creation_refuses_bad_factor_tensors():
             ([1.0] * D, rk.ArgumentError, "must be None or a float32 tensor"),
             (tvm.runtime.tensor(np.ones(D, np.float16)), rk.ConfigError, "1-D float32 tensor"),
             (tvm.runtime.tensor(np.ones((2, D // 2), np.float32)), rk.ConfigError, "1-D float32 tensor"),
-            (tvm.runtime.tensor(np.ones(D - 2, np.float32)), rk.ConfigError, "must hold head_dim=32 floats"),
+            (tvm.runtime.tensor(np.ones(D - 1, np.float32)), rk.ConfigError, "holds 31 factors; expected an even count"),
+            (tvm.runtime.tensor(np.ones(D + 2, np.float32)), rk.ConfigError, "at most qk_head_dim=32"),
+            # 30 factors: a partial rotary dim of 30, which these kernels (full rotary dim) refuse
+            (tvm.runtime.tensor(np.ones(D - 2, np.float32)), rk.ConfigError, "split_rotary kernel fails .*rope_ext"),
             (tvm.runtime.tensor(np.r_[np.ones(D - 1), np.inf].astype(np.float32)), rk.ConfigError,
              r"rope_ext_factors\[31\]")]:
         bad = list(args)

@@ -50,6 +50,8 @@ class Shape:
     #: (``max_position_embeddings``, ``original_max_position_embeddings``); None: plain RoPE
     ext_factors: Optional[Tuple[float, ...]] = None
     longrope_positions: Tuple[int, int] = (0, 0)
+    #: RoPE's rotated features (None: head_dim), TVM's ``rotary_dim``
+    rotary_dim: Optional[int] = None
 
     @property
     def longrope_attention_factor(self) -> float:
@@ -87,6 +89,7 @@ class Shape:
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
             support_sliding_window=self.support_sliding_window, attn_kinds=self.attn_kinds,
             layer_sliding_window_size=self.layer_window_size, rope_ext_factors=self.ext_factors,
+            rope_rotary_dim=self.rotary_dim,
             rope_original_max_position_embeddings=self.longrope_positions[1] if self.ext_factors else None,
             rope_attention_factor=self.longrope_attention_factor)
 
@@ -100,7 +103,7 @@ KERNEL_NAMES = ("transpose_append", "debug_get_kv", "attention_prefill", "attent
 
 @functools.lru_cache(maxsize=None)
 def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, rope_theta,
-                 rope_scale, layer_window=1024, longrope_positions=None) -> tuple:
+                 rope_scale, layer_window=1024, longrope_positions=None, rotary_dim=None) -> tuple:
     from tvm.relax.frontend.nn.llm import kv_cache as kc
     from tvm.s_tir import dlight as dl
 
@@ -122,7 +125,7 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
         kc.tree_attn_cpu(hkv, hq, d, dtype, rs),
         kc.tree_attn_with_paged_kv_cache_cpu(hkv, hq, d, dtype, rs),
         kc._merge_state_inplace_cpu(dtype),
-        _tvm_split_rotary(rope_theta, rope_scale, d, hq, hkv, dtype, rope_scaling),
+        _tvm_split_rotary(rope_theta, rope_scale, d, hq, hkv, dtype, rope_scaling, rotary_dim),
         kc._copy_single_page_cpu(hkv, page_size, d, dtype),
         kc._compact_kv_copy_cpu(hkv, d, dtype, page_size=ps),
     ]
@@ -136,7 +139,7 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
     return tuple(built)
 
 
-def _tvm_split_rotary(theta, scale, d, hq, hkv, dtype, rope_scaling):
+def _tvm_split_rotary(theta, scale, d, hq, hkv, dtype, rope_scaling, rotary_dim=None):
     """TVM's ``llama_rope_with_position_map``. Its LongRoPE variant does not build in TVM 0.27:
     ``_rope`` tests ``if ext_factors:`` on a buffer, and 0.27's buffers are ``Var`` expressions,
     whose truth value raises. While it is built (test-only), a Var is truthy."""
@@ -144,10 +147,10 @@ def _tvm_split_rotary(theta, scale, d, hq, hkv, dtype, rope_scaling):
     from tvm.relax.frontend.nn.llm import kv_cache as kc
 
     if not rope_scaling:
-        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling)
+        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling, rotary_dim)
     Var.__bool__ = lambda self: True
     try:
-        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling)
+        return kc.llama_rope_with_position_map(theta, scale, d, hq, hkv, dtype, rope_scaling, rotary_dim)
     finally:
         del Var.__bool__
 
@@ -156,7 +159,8 @@ def tvm_kernels(shape: Shape) -> dict:
     """TVM's CPU kernels for ``shape``, by :data:`KERNEL_NAMES` name."""
     built = _tvm_kernels(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                          shape.page_size, shape.dtype, shape.rope_theta, shape.rope_scale,
-                         shape.layer_window_size, shape.longrope_positions if shape.ext_factors else None)
+                         shape.layer_window_size, shape.longrope_positions if shape.ext_factors else None,
+                         shape.rotary_dim)
     return dict(zip(KERNEL_NAMES, built))
 
 

@@ -95,7 +95,7 @@ def _rope_float(name: str, value: object, *, used: bool) -> float:
 
 
 def _ext_factors(values: object, head_dim: int) -> Tuple[float, ...]:
-    """LongRoPE factors as a tuple of ``head_dim`` positive float32 values."""
+    """LongRoPE factors as a tuple of ``head_dim`` (the rotary dim) positive float32 values."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must be a sequence of {head_dim} floats (long factors, "
                           f"then short ones), got {describe(values)} of type {type(values).__name__}")
@@ -104,7 +104,7 @@ def _ext_factors(values: object, head_dim: int) -> Tuple[float, ...]:
     except (TypeError, ValueError):
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold numbers, got {describe(values)}") from None
     if array.shape != (head_dim,):
-        raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold head_dim={head_dim} floats (the long factors "
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold rotary_dim={head_dim} floats (the long factors "
                           f"of the {head_dim // 2} frequencies, then the short ones), got shape {array.shape}")
     f32 = np.finfo(np.float32)
     bad = ~((array >= float(f32.tiny)) & (array <= float(f32.max)))
@@ -160,9 +160,15 @@ class KVCacheConfig:
         Where RoPE is applied. With ``support_sliding_window`` a non-NONE mode becomes INLINE.
     rope_theta, rope_scale : float
         RoPE base and position scale (frequency ``pos * scale / theta^(2i/d)``).
+    rope_rotary_dim : int, optional
+        Features of each q / k head that RoPE rotates (the first ``rope_rotary_dim``, pairs
+        ``(i, i + rope_rotary_dim / 2)``, frequency ``pos * scale / theta^(2i/rope_rotary_dim)``);
+        the others pass unrotated (GPT-NeoX / Phi-2 partial rotary, TVM's ``rotary_dim``). Even,
+        at most ``head_dim`` (the default); below it only with RoPE applied at append time
+        (NORMAL mode: the attention kernels' inline RoPE rotates whole heads).
     rope_ext_factors : sequence of float, optional
-        LongRoPE (Phi-3) frequency factors in TVM's layout: ``head_dim`` floats, the long factors
-        of the ``head_dim / 2`` frequencies, then the short ones. Frequency ``i`` becomes
+        LongRoPE (Phi-3) frequency factors in TVM's layout: ``rope_rotary_dim`` floats, the long
+        factors of the ``rope_rotary_dim / 2`` frequencies, then the short ones. Frequency ``i`` becomes
         ``pos * scale / (factor[i] * theta^(2i/d))``. Needs ``rope_mode`` NORMAL (and no
         ``support_sliding_window``), as in TVM; the cache passes them to ``split_rotary`` as a
         float32 tensor in place of its apply-RoPE flag (TVM's convention).
@@ -212,6 +218,7 @@ class KVCacheConfig:
     rope_mode: RopeMode = RopeMode.NORMAL
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
+    rope_rotary_dim: Optional[int] = None
     rope_ext_factors: Optional[Tuple[float, ...]] = None
     rope_original_max_position_embeddings: Optional[int] = None
     rope_attention_factor: float = 1.0
@@ -254,6 +261,7 @@ class KVCacheConfig:
             self._check_mla()
         else:
             self._check_mha()
+        self._check_rotary_dim()
         self._check_longrope()
         chunk = self.prefill_chunk_size if self.context_chunk_size is None else self.context_chunk_size
         object.__setattr__(self, "context_chunk_size", _positive("context_chunk_size", chunk))
@@ -348,6 +356,24 @@ class KVCacheConfig:
             object.__setattr__(self, "mla_original_qk_head_dim", qk)  # Python ints: no int64 wraparound
             object.__setattr__(self, "mla_original_v_head_dim", v)
 
+    def _check_rotary_dim(self) -> None:
+        if self.rope_rotary_dim is None:
+            return
+        rotary = _positive("rope_rotary_dim", self.rope_rotary_dim)
+        if self.is_mla or rotary % 2 or rotary > self.head_dim:
+            raise ConfigError(f"KVCacheConfig.rope_rotary_dim must be even and at most head_dim={self.head_dim} on an "
+                              f"MHA cache, got {rotary}" + (" (MLA caches: the model applies RoPE)" if self.is_mla else ""))
+        if rotary < self.head_dim and self.effective_rope_mode != RopeMode.NORMAL:
+            raise ConfigError(f"KVCacheConfig.rope_rotary_dim {rotary} < head_dim {self.head_dim} needs rope_mode NORMAL "
+                              f"without support_sliding_window (the attention kernels' inline RoPE rotates whole heads), "
+                              f"got rope_mode {self.rope_mode.name}, support_sliding_window {self.support_sliding_window}")
+        object.__setattr__(self, "rope_rotary_dim", rotary)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of a q / k head that RoPE rotates: ``rope_rotary_dim`` or ``head_dim``."""
+        return self.head_dim if self.rope_rotary_dim is None else self.rope_rotary_dim
+
     def _check_longrope(self) -> None:
         """Validate the LongRoPE fields; store the factors as float32 values (what kernels read)."""
         factors = self.rope_ext_factors
@@ -364,7 +390,7 @@ class KVCacheConfig:
                               f"without support_sliding_window (as in TVM), got rope_mode {self.rope_mode.name}, "
                               f"support_sliding_window {self.support_sliding_window}, "
                               f"attn_kinds {[k.name for k in self.attn_kinds]}")
-        object.__setattr__(self, "rope_ext_factors", _ext_factors(factors, self.head_dim))
+        object.__setattr__(self, "rope_ext_factors", _ext_factors(factors, self.rotary_dim))
         if self.rope_original_max_position_embeddings is not None:
             object.__setattr__(self, "rope_original_max_position_embeddings",
                                _positive("rope_original_max_position_embeddings",

@@ -60,8 +60,11 @@ class CacheLayout:
     rope_mode : RopeMode
         ``NORMAL``: the cache rotates q/k (Llama); ``NONE``; ``INLINE``: inside the kernels.
     rope_theta, rope_scale : float
+    rope_rotary_dim : int, optional
+        Partial rotary: RoPE rotates the first ``rope_rotary_dim`` features of q / k heads
+        (NORMAL mode; see :class:`~relax_kvcache.KVCacheConfig`).
     rope_ext_factors : sequence of float, optional
-        LongRoPE (Phi-3) factors, ``head_dim`` floats (long, then short), with
+        LongRoPE (Phi-3) factors, ``rope_rotary_dim`` floats (long, then short), with
         ``rope_original_max_position_embeddings`` and ``rope_attention_factor``: see
         :class:`~relax_kvcache.KVCacheConfig`. The model's module holds them as a constant.
     dtype : str
@@ -88,6 +91,7 @@ class CacheLayout:
     rope_mode: RopeMode = RopeMode.NORMAL
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
+    rope_rotary_dim: Optional[int] = None
     rope_ext_factors: Optional[Sequence[float]] = None
     rope_original_max_position_embeddings: Optional[int] = None
     rope_attention_factor: float = 1.0
@@ -104,7 +108,8 @@ class CacheLayout:
             num_layers=self.num_layers, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
             max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
-            rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_ext_factors=self.rope_ext_factors,
+            rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_rotary_dim=self.rope_rotary_dim,
+            rope_ext_factors=self.rope_ext_factors,
             rope_original_max_position_embeddings=self.rope_original_max_position_embeddings,
             rope_attention_factor=self.rope_attention_factor, dtype=self.dtype,
             support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,

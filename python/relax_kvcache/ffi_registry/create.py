@@ -10,8 +10,9 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
  6    attn_kinds (per layer, AttnKind values)
  7    enable_kv_transfer (must be False)
  8-10 rope_mode, rope_scale, rope_theta
- 11   rope_ext_factors: None, or LongRoPE factors, a float32 tensor (qk_head_dim,) (long, then short);
-      they need rope_mode NORMAL and are passed to split_rotary (which defines their use)
+ 11   rope_ext_factors: None, or LongRoPE factors, a float32 tensor (rotary_dim,) (long, then short;
+      fewer than qk_head_dim: a partial rotary dim); they need rope_mode NORMAL and are passed to
+      split_rotary (which defines their use)
  12   a tensor whose dtype and device are the cache's
 13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
       decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
@@ -64,6 +65,9 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ConfigError(f"attn_kinds has {len(attn_kinds)} entries, fewer than layer_end={end}")
     names = ("num_qo_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")
     heads = [as_int(f"{name} (argument {i})", args[i]) for i, name in enumerate(names, start=2)]
+    if ext_factors is not None and (len(ext_factors) % 2 or not 2 <= len(ext_factors) <= heads[2]):
+        raise ConfigError(f"rope_ext_factors (argument 11) holds {len(ext_factors)} factors; expected an even count "
+                          f"of at most qk_head_dim={heads[2]} (the rotary dim's long factors, then its short ones)")
     config = KVCacheConfig(
         num_layers=end - begin,
         num_qo_heads=heads[0],
@@ -82,6 +86,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         attn_kinds=attn_kinds[begin:end],
         layer_sliding_window_size=cache_config[5] if len(cache_config) == 6 else 1024,
         rope_ext_factors=ext_factors,
+        # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
+        rope_rotary_dim=len(ext_factors) if ext_factors is not None and len(ext_factors) < heads[2] else None,
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
                                  layer_offset=begin)

@@ -3,11 +3,13 @@
 ``qkv (n, Hq + 2 Hkv, D)`` is split into ``q (n, Hq, D)``, ``k (n, Hkv, D)`` and
 ``v (n, Hkv, D)``. When ``apply_rope != 0`` q and k of token i are rotated to position
 ``position_map[i]`` (rotate-half RoPE, theta and scale compiled in, as TVM's convention).
-With LongRoPE (``spec.longrope``) the last argument is ``ext_factors (D,) float32`` instead
+With LongRoPE (``spec.longrope``) the last argument is ``ext_factors (R,) float32`` instead
 (TVM's convention for RoPE extension factors) and q and k are always rotated: feature ``d`` of
-the first half turns by ``pos * scale / (ext_factors[base + d] * theta^(2d/D))``, ``base`` 0
-(long factors) at positions ``>= original_max_position_embeddings``, ``D/2`` (short) before,
-and cos / sin are multiplied by the attention factor.
+the first half turns by ``pos * scale / (ext_factors[base + d] * theta^(2d/R))``, ``base`` 0
+(long factors) at positions ``>= original_max_position_embeddings``, ``R/2`` (short) before,
+and cos / sin are multiplied by the attention factor. ``R`` is ``spec.rotary_dim`` (default
+``D``): a partial rotary dim rotates the pairs ``(d, d + R/2)`` for ``d < R/2`` and copies the
+features ``[R, D)`` (GPT-NeoX / Phi-2 style).
 
 One algorithm, two loop nests: the per-element work (angles of features ``[d0, d0 + lanes)``,
 rotating the pair of spans ``[d0, d0 + lanes)`` and ``[d0 + D/2, d0 + D/2 + lanes)``, copying a
@@ -33,12 +35,12 @@ def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
 
     ``vector_math=False`` unrolls rotations instead of vectorising them (TVM's CUDA codegen
     mis-emits float32 vectors of more than 4 lanes)."""
-    D, dtype = spec.head_dim, spec.dtype
+    R, dtype = spec.rotary, spec.dtype
     span_loop = T.vectorized if vector_math else T.unroll
-    half = D // 2
-    # inv_freq[d] = scale * theta^(-2d/D) = scale * exp2(d * log2_step), compiled-in constants.
+    half = R // 2  # features d and d + half form a rotated pair (d < half)
+    # inv_freq[d] = scale * theta^(-2d/R) = scale * exp2(d * log2_step), compiled-in constants.
     scale = tirx.const(spec.rope_scale, "float32")
-    log2_step = tirx.const(-2.0 * math.log2(spec.rope_theta) / D, "float32")
+    log2_step = tirx.const(-2.0 * math.log2(spec.rope_theta) / R, "float32")
 
     if spec.longrope is None:
         @T.macro
@@ -88,9 +90,15 @@ def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
 
 def _cpu_nest(spec: RopeSplitSpec):
     """One parallel work item per token; angles computed once per token."""
-    Hq, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
-    half = D // 2
+    Hq, Hkv, D, R = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.rotary
+    half = R // 2
     rope_angles, rotate_span, copy_span = _span_macros(spec)
+
+    @T.macro
+    def rotate_head(dst, i, h, qkv, src_head, cos_v, sin_v):
+        rotate_span(dst, i, h, qkv, src_head, 0, half, cos_v, sin_v)
+        if R < D:  # partial rotary: the other features are copied
+            copy_span(dst, i, h, qkv, src_head, R, D - R)
 
     @T.macro
     def nest(qkv, position_map, q, k, v, rotates, ext_factors, n):
@@ -103,9 +111,9 @@ def _cpu_nest(spec: RopeSplitSpec):
                 if rotates:
                     rope_angles(cos_v, sin_v, position_map[i], 0, half, ext_factors)
                     for h in T.serial(Hq):
-                        rotate_span(q, i, h, qkv, h, 0, half, cos_v, sin_v)
+                        rotate_head(q, i, h, qkv, h, cos_v, sin_v)
                     for h in T.serial(Hkv):
-                        rotate_span(k, i, h, qkv, Hq + h, 0, half, cos_v, sin_v)
+                        rotate_head(k, i, h, qkv, Hq + h, cos_v, sin_v)
                 else:
                     for h in T.serial(Hq):
                         copy_span(q, i, h, qkv, h, 0, D)
@@ -121,12 +129,15 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
     """One thread per (token, qkv head, span of ``lanes`` features of the first half).
 
     A thread writes its span and the matching span of the second half: rotated for q and k
-    heads when ``rotates``, copied otherwise (and always for v heads).
+    heads when ``rotates``, copied otherwise (and always for v heads). With a partial rotary
+    dim ``R``, a q / k thread whose span starts at ``d0 >= R / 2`` copies the spans at
+    ``R + (d0 - R / 2)`` in both halves of the unrotated features ``[R, D)``.
     """
-    Hq, Hkv, D = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim
-    half = D // 2
+    Hq, Hkv, D, R = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.rotary
+    half, rhalf = D // 2, R // 2
     heads = Hq + 2 * Hkv
-    lanes = sched.lanes_for(tvm.DataType(spec.dtype).bits, half)
+    lanes = sched.lanes_for(tvm.DataType(spec.dtype).bits, math.gcd(half, rhalf))
+    tail = (D - R) // 2  # each half of the unrotated features
     nv, nt = half // lanes, sched.copy_threads
     rope_angles, rotate_span, copy_span = _span_macros(spec, vector_math=lanes <= 4)
 
@@ -134,6 +145,28 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
     def copy_pair(dst, row, head, src, src_head, d0):
         copy_span(dst, row, head, src, src_head, d0, lanes)
         copy_span(dst, row, head, src, src_head, d0 + half, lanes)
+
+    if R == D:
+        @T.macro
+        def span_angles(cos_v, sin_v, pos, d0, ext_factors):
+            rope_angles(cos_v, sin_v, pos, d0, lanes, ext_factors)
+    else:
+        @T.macro
+        def span_angles(cos_v, sin_v, pos, d0, ext_factors):
+            """Only rotated spans need angles (and the factors hold R / 2 per half)."""
+            if d0 < rhalf:
+                rope_angles(cos_v, sin_v, pos, d0, lanes, ext_factors)
+
+    @T.macro
+    def rotate_or_copy(dst, i, head, qkv, src_head, d0, cos_v, sin_v):
+        """A q / k head's span: rotated, or (partial rotary, ``d0 >= R / 2``) copied."""
+        if R == D:
+            rotate_span(dst, i, head, qkv, src_head, d0, lanes, cos_v, sin_v)
+        elif d0 < rhalf:
+            rotate_span(dst, i, head, qkv, src_head, d0, lanes, cos_v, sin_v)
+        else:
+            copy_span(dst, i, head, qkv, src_head, R + d0 - rhalf, lanes)
+            copy_span(dst, i, head, qkv, src_head, R + tail + d0 - rhalf, lanes)
 
     @T.macro
     def nest(qkv, position_map, q, k, v, rotates, ext_factors, n):
@@ -150,11 +183,11 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
                         h: T.let[T.int32] = (bx * nt + tx) // nv % heads
                         d0: T.let[T.int32] = (bx * nt + tx) % nv * lanes
                         if rotates and h < Hq + Hkv:
-                            rope_angles(cos_v, sin_v, position_map[i], d0, lanes, ext_factors)
+                            span_angles(cos_v, sin_v, position_map[i], d0, ext_factors)
                             if h < Hq:
-                                rotate_span(q, i, h, qkv, h, d0, lanes, cos_v, sin_v)
+                                rotate_or_copy(q, i, h, qkv, h, d0, cos_v, sin_v)
                             else:
-                                rotate_span(k, i, h - Hq, qkv, h, d0, lanes, cos_v, sin_v)
+                                rotate_or_copy(k, i, h - Hq, qkv, h, d0, cos_v, sin_v)
                         elif h < Hq:
                             copy_pair(q, i, h, qkv, h, d0)
                         elif h < Hq + Hkv:
@@ -167,7 +200,7 @@ def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
 
 def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
     """``split_rotary(qkv, position_map, q, k, v, apply_rope: int64)``, or with
-    ``spec.longrope`` ``split_rotary(qkv, position_map, q, k, v, ext_factors (D,) float32)``."""
+    ``spec.longrope`` ``split_rotary(qkv, position_map, q, k, v, ext_factors (R,) float32)``."""
     Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     nest = _gpu_nest(spec, sched) if isinstance(sched, GpuSchedule) else _cpu_nest(spec)
 
@@ -183,7 +216,7 @@ def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
             q = T.match_buffer(var_q, (n, Hq, D), dtype)
             k = T.match_buffer(var_k, (n, Hkv, D), dtype)
             v = T.match_buffer(var_v, (n, Hkv, D), dtype)
-            ext_factors = T.match_buffer(var_ext_factors, (D,), "float32")
+            ext_factors = T.match_buffer(var_ext_factors, (spec.rotary,), "float32")
             nest(qkv, position_map, q, k, v, T.bool(True), ext_factors, n)
 
         return split_rotary_longrope

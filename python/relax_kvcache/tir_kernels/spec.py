@@ -62,8 +62,8 @@ class LatentPageSpec:
 class LongRopeSpec:
     """LongRoPE (Phi-3) frequency scaling of ``split_rotary``.
 
-    The kernel then takes the factors ``ext_factors (head_dim,) float32`` (long factors of the
-    ``head_dim / 2`` frequencies, then short ones) in place of its apply-RoPE flag: a token at
+    The kernel then takes the factors ``ext_factors (rotary_dim,) float32`` (long factors of the
+    ``rotary_dim / 2`` frequencies, then short ones) in place of its apply-RoPE flag: a token at
     position ``p`` uses the long factors when ``p >= original_max_position_embeddings``, and cos
     and sin are multiplied by ``attention_factor``.
     """
@@ -92,10 +92,19 @@ class RopeSplitSpec:
     rope_theta: float
     rope_scale: float
     longrope: "LongRopeSpec | None" = None
+    #: features rotated (the first ``rotary_dim``; the rest copied); None: all of ``head_dim``
+    rotary_dim: "int | None" = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
         _check(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        _check(self.rotary % 2 == 0 and 2 <= self.rotary <= self.head_dim,
+               f"rotary_dim must be even, in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
+
+    @property
+    def rotary(self) -> int:
+        """The rotated features: ``rotary_dim`` or ``head_dim``."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
