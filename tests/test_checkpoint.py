@@ -264,7 +264,7 @@ def test_bad_metadata_is_refused_and_changes_nothing(ready):
         (_with(meta, dtype="float16"), rk.ConfigError, "checkpoint's dtype"),
         (_with(meta, num_kv_heads=4), rk.ConfigError, "checkpoint's num_kv_heads"),
         (_with(meta, rotary_theta=500000.0), rk.ConfigError, "rotary_theta"),
-        (_with(meta, seq_length=-1), rk.ArgumentError, "seq_length must be at least 0"),
+        (_with(meta, seq_length=-1), rk.ArgumentError, r"seq_length must be in \[0, 2147483647\], got -1"),
         (_with(meta, seq_length=36), rk.ArgumentError, "'logical_pages' does not describe"),
         (_with(meta, seq_length=True), rk.ArgumentError, "'seq_length' must be an int"),
         (_with(meta, seq_length=1e3), rk.ArgumentError, "'seq_length' must be an int"),
@@ -276,11 +276,18 @@ def test_bad_metadata_is_refused_and_changes_nothing(ready):
         _refused(dst, lambda: prepare(dst, 0, text), error, match)
     _refused(dst, lambda: prepare(dst, 5, meta), rk.SequenceError, "sequence 5 has 3 token")
     _refused(dst, lambda: rk.PagedAttentionKVCache.prepare_import(dst, 0, 3), rk.ArgumentError, "JSON string")
-    big = _with(meta, seq_length=16 * 70, logical_pages=[
+    big = _with(meta, seq_length=16 * 70, num_total_pages=200, logical_pages=[
         {"logical_page_index": i, "start_pos": 16 * i, "length": 16} for i in range(70)],
         groups=[{**g, "num_logical_pages": 70, "shape": [1, 70, 2, 2, 16, 64], "nbytes": 70 * 2 * 2 * 16 * 64 * 4}
                 for g in json.loads(meta)["groups"]])
-    _refused(dst, lambda: prepare(dst, 0, big), rk.CacheFullError, "70 page")
+    _refused(dst, lambda: prepare(dst, 0, big), rk.CacheFullError, "needs 70 pages; this cache holds 65")
+    _refused(dst, lambda: prepare(dst, 0, _with(big, num_total_pages=65)), rk.ArgumentError,
+             "more than its num_total_pages 65")
+    free = _with(meta, seq_length=16 * 65, logical_pages=[  # fits the cache (65 pages), not its 64 free ones
+        {"logical_page_index": i, "start_pos": 16 * i, "length": 16} for i in range(65)],
+        groups=[{**g, "num_logical_pages": 65, "shape": [1, 65, 2, 2, 16, 64], "nbytes": 65 * 2 * 2 * 16 * 64 * 4}
+                for g in json.loads(meta)["groups"]])
+    _refused(dst, lambda: prepare(dst, 0, free), rk.CacheFullError, "65 page.*64 free")
 
 
 def test_the_import_protocol_is_enforced(ready):

@@ -814,3 +814,175 @@ def test_arrays_without_an_array_are_refused(cache):
     from relax_kvcache.kernel_set import _list
     with pytest.raises(rk.ConfigError, match="argument 23 must be a list.*null handle"):
         _list(null, 23)
+
+
+# ---------------------------------------------------------------------------- nineteenth round
+# (checkpoints, LongRoPE, partial rotary dims)
+
+
+def _ckpt_cache(**fields):
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, max_num_seqs=4,
+                max_total_seq_len=64, prefill_chunk_size=32, dtype="float32", rope_mode=rk.RopeMode.NORMAL)
+    base.update(fields)
+    return rk.PagedAttentionKVCache(rk.KVCacheConfig(**base), tvm.cpu())
+
+
+def _filled(cache, n=6):
+    cfg, rng = cache.config, np.random.default_rng(19)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [n])
+    for layer in range(cfg.num_layers):
+        qkv = rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)).astype("float32")
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv), tvm.runtime.empty((n, 4, cfg.head_dim)), 0.3)
+    cache.end_forward()
+    return cache
+
+
+def _edited(meta, **fields):
+    import json
+
+    data = json.loads(meta)
+    data.update(fields)
+    return json.dumps(data)
+
+
+def test_checkpoint_metadata_sizes_are_bounded_before_anything_is_built():
+    """Round 19: a huge seq_length made prepare_import build its expected page lists first
+    (seconds and gigabytes, a hang at 2**40); it is now refused at once."""
+    import time
+
+    cache = _filled(_ckpt_cache())
+    meta = cache.get_checkpoint_metadata(0)
+    target = _ckpt_cache()
+    start = time.perf_counter()
+    for length, error, match in ((2**40, rk.ArgumentError, r"seq_length must be in \[0, 2147483647\]"),
+                                 (10**7, rk.ArgumentError, "more than its num_total_pages"),
+                                 (4 * 17 + 1, rk.CacheFullError, "this cache holds 17 in all")):
+        pages = -(-length // 4)
+        edited = _edited(meta, seq_length=length, num_total_pages=max(pages, 17) if length == 69 else 17)
+        _unchanged(target, lambda: target.prepare_import(1, edited), error, match)
+    assert time.perf_counter() - start < 5
+
+
+def test_checkpoint_groups_name_global_layers():
+    """Round 19: a cache whose layers start past 0 named its groups' layers from 0 (TVM: the
+    global ids); each side then refused the other's checkpoint."""
+    import json
+
+    config = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                              max_total_seq_len=64, prefill_chunk_size=32, dtype="float32")
+    src = rk.PagedAttentionKVCache(config, tvm.cpu(), layer_offset=1)
+    src.add_sequence(0)
+    meta = json.loads(src.get_checkpoint_metadata(0))
+    assert [(g["layer_begin"], g["layer_end"]) for g in meta["groups"]] == [(1, 2), (2, 3)]
+    dst = rk.PagedAttentionKVCache(config, tvm.cpu(), layer_offset=1)
+    dst.prepare_import(0, json.dumps(meta))
+    for group in range(2):
+        dst.import_page_group(0, group, tvm.runtime.empty((1, 0, 2, 2, 4, 16), "float32"))
+    dst.finish_import(0)
+
+
+def test_longrope_with_a_partial_rotary_dim_works():
+    """Round 19: the factors tensor was allocated at head_dim, so a LongRoPE cache with a partial
+    rotary dim (factors of the rotary dim, TVM's layout) could not be created; through TVM's
+    creation arguments the probe then refused the right kernels (only the rotated features
+    carry the attention factor)."""
+    from cache_model import longrope
+
+    factors = tuple(float(x) for x in np.r_[np.linspace(1, 9, 4), np.linspace(1, 1.5, 4)])
+    cache = _ckpt_cache(rope_rotary_dim=8, rope_ext_factors=factors, rope_original_max_position_embeddings=3,
+                        rope_attention_factor=1.2)
+    cache.add_sequence(0)
+    rng = np.random.default_rng(5)
+    qkv = [rng.standard_normal((6, 8, 16)).astype("float32") for _ in range(2)]
+    cache.begin_forward([0], [6])
+    for layer in range(2):
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv[layer]), tvm.runtime.empty((6, 4, 16)), 0.25)
+    cache.end_forward()
+    k, v = tvm.runtime.empty((2, 6, 2, 16)), tvm.runtime.empty((2, 6, 2, 16))
+    cache.debug_get_kv(0, 0, 6, k, v)
+    want = longrope(qkv[1][:, 4:6], np.arange(6), 1e4, 1.0, factors, 3, 1.2)
+    np.testing.assert_allclose(k.numpy()[1], want, atol=1e-5)
+    from test_hostile_input import _create_args  # noqa: F401  (creation through TVM's arguments)
+    import relax_kvcache.ffi_registry.create as create_module
+
+    kernels = cache._kernels
+    args = [tvm.runtime.ShapeTuple([4, 64, 32, 4, 0]), tvm.runtime.ShapeTuple([0, 2]), 4, 2, 16, 16,
+            tvm.runtime.ShapeTuple([0, 0]), False, 1, 1.0, 1e4, tvm.runtime.tensor(np.array(factors, np.float32)),
+            tvm.runtime.empty((), "float32"), kernels.transpose_append, None, ["tirx", kernels.attention_prefill_ragged],
+            ["tirx", kernels.attention_prefill], ["tirx", kernels.attention_decode], [], [], [], [], [],
+            [kernels.merge_inplace], kernels.split_rotary, kernels.copy_single_page, kernels.debug_get_kv,
+            kernels.compact_copy]
+    created = create_module.paged_attention_kv_cache_create(*args)
+    assert created.config.rotary_dim == 8
+
+
+def test_checkpoint_json_edge_cases_are_refused_as_argument_errors():
+    """Round 19: deeply nested JSON raised RecursionError; floats where TVM requires ints or
+    bools were accepted (Python's 1.0 == 1)."""
+    cache = _filled(_ckpt_cache())
+    meta = cache.get_checkpoint_metadata(0)
+    target = _ckpt_cache()
+    deep = meta[:-1] + ',"x":' + "[" * 100000 + "]" * 100000 + "}"
+    _unchanged(target, lambda: target.prepare_import(1, deep), rk.ArgumentError, "not valid JSON: RecursionError")
+    import json
+
+    data = json.loads(meta)
+    for field, value, error in (("page_size", 4.0, rk.ConfigError), ("support_sliding_window", 0.0, rk.ConfigError),
+                                ("num_layers", 2.0, rk.ConfigError)):
+        _unchanged(target, lambda: target.prepare_import(1, _edited(meta, **{field: value})), error, field)
+    pages = [dict(p) for p in data["logical_pages"]]
+    pages[0]["length"] = 4.0
+    _unchanged(target, lambda: target.prepare_import(1, _edited(meta, logical_pages=pages)), rk.ArgumentError,
+               "logical_pages")
+    target.prepare_import(1, _edited(meta, has_rope_ext_factors=False))  # the values TVM writes pass
+
+
+def test_caches_without_checkpoints_refuse_every_checkpoint_call():
+    """Round 19: get_layout_hash answered on LongRoPE and MLA caches (TVM refuses), and
+    import_page_group / finish_import raised SequenceError there."""
+    cache = _ckpt_cache(rope_ext_factors=(1.0,) * 16, rope_original_max_position_embeddings=8)
+    cache.add_sequence(0)
+    group = tvm.runtime.empty((1, 0, 2, 2, 4, 16), "float32")
+    for call in (cache.get_layout_hash, lambda: cache.import_page_group(0, 0, group), lambda: cache.finish_import(0),
+                 lambda: cache.get_checkpoint_metadata(0), lambda: cache.prepare_import(0, "{}")):
+        with pytest.raises(NotImplementedError, match="RoPE extension factors"):
+            call()
+
+
+@pytest.mark.tvm_native
+def test_checkpoint_float_format_is_tvms_for_large_whole_numbers():
+    """Round 19: a whole theta in [2**53, 1e17) was written with a trailing .0 (TVM: none)."""
+    import tvm_baseline as tb
+
+    shape = tb.Shape(rope_mode=1, rope_theta=1.2345678901234568e16, rope_scale=2.0 ** 60)
+    caches = [tb.create_native(shape), tb.create_ours_direct(shape)]
+    for c in caches:
+        tb.Builtins().add(c, 0)
+    metadata = tvm.get_global_func("vm.builtin.attention_kv_cache_get_checkpoint_metadata")
+    assert metadata(caches[0], 0) == metadata(caches[1], 0)
+
+
+def test_checkpoints_of_another_rotary_dim_are_refused():
+    """Round 19: the layout hash (TVM's) has no rotary dim, so a partial-rotary checkpoint moved
+    silently into a full-rotary cache (keys stored rotated differently); partial-rotary
+    checkpoints now carry the dim in an extra field (TVM ignores unknown fields)."""
+    import json
+
+    src = _filled(_ckpt_cache(rope_rotary_dim=8))
+    meta = src.get_checkpoint_metadata(0)
+    assert json.loads(meta)["rope_rotary_dim"] == 8
+    target = _ckpt_cache()
+    _unchanged(target, lambda: target.prepare_import(0, meta), rk.ConfigError, "rope_rotary_dim is 8, this cache's 16")
+    partial = _ckpt_cache(rope_rotary_dim=8)
+    _unchanged(partial, lambda: partial.prepare_import(0, _filled(_ckpt_cache()).get_checkpoint_metadata(0)),
+               rk.ConfigError, "rope_rotary_dim is 16, this cache's 8")
+    partial.prepare_import(0, meta)
+
+
+@pytest.mark.parametrize("factors", [("2.0",) * 16, (True,) * 16, (b"1.5",) * 16, np.ones(16, bool)])
+def test_factor_values_must_be_numbers(factors):
+    """Round 19: numpy converted strings, bools and bytes into factors."""
+    with pytest.raises(rk.ConfigError, match="must hold numbers"):
+        rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, rope_ext_factors=factors,
+                         rope_original_max_position_embeddings=8)

@@ -1070,6 +1070,7 @@ class PagedAttentionKVCache:
     def get_layout_hash(self) -> str:
         """The layout hash of checkpoints of this cache (TVM's: 16 hex digits of a 64-bit
         FNV-1a over the layout; checkpoints import only into caches of the same hash)."""
+        self._require_checkpointable("get_layout_hash")
         return ckpt.layout_hash(self.config, self.layer_offset)
 
     def get_checkpoint_metadata(self, seq_id: int) -> str:
@@ -1127,6 +1128,7 @@ class PagedAttentionKVCache:
         """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of
         :meth:`export_page_group`; on the cache's device or the host) into the importing
         sequence's pages."""
+        self._require_checkpointable("import_page_group")
         seq_id, group_id = _as_int("seq_id", seq_id), self._group_id(group_id)
         self._require_no_step("import_page_group")
         state = self._importing(seq_id, "import_page_group")
@@ -1144,6 +1146,7 @@ class PagedAttentionKVCache:
 
     def finish_import(self, seq_id: int) -> None:
         """End the import into ``seq_id`` once every page group is in."""
+        self._require_checkpointable("finish_import")
         seq_id = _as_int("seq_id", seq_id)
         self._require_no_step("finish_import")
         state = self._importing(seq_id, "finish_import")

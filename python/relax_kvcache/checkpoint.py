@@ -23,7 +23,7 @@ import numpy as np
 import tvm
 
 from .config import AttnKind, KVCacheConfig, RopeMode
-from .errors import ArgumentError, ConfigError
+from .errors import ArgumentError, CacheFullError, ConfigError
 from .tensors import allocate, numpy_dtype, view
 
 FORMAT_VERSION = 1
@@ -32,6 +32,8 @@ PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
 _KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding"}
 _ROPE_NAMES = {RopeMode.NONE: "none", RopeMode.NORMAL: "normal", RopeMode.INLINE: "inline"}
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+#: Longest sequence a checkpoint may hold (TVM's sizes are int32).
+MAX_SEQ_LENGTH = 2**31 - 1
 
 
 def _c_double(value: float) -> str:
@@ -40,9 +42,11 @@ def _c_double(value: float) -> str:
 
 
 def _json_double(value: float) -> str:
-    """A double as TVM's JSON writer writes it (``%.17g``, with ``.0`` when integral)."""
-    text = f"{value:.17g}"
-    return text if any(c in text for c in ".eni") else text + ".0"
+    """A double as TVM's JSON writer writes it: ``%.1f`` when whole and below 2**53 in
+    magnitude, ``%.17g`` otherwise."""
+    if value == int(value) and abs(value) < 2.0 ** 53:
+        return f"{value:.1f}"
+    return f"{value:.17g}"
 
 
 def _json(value: Any) -> str:
@@ -126,9 +130,11 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
         ("attn_kinds", [_KIND_NAMES[kind] for kind in config.attn_kinds])] + _rope_fields(config) + [
         ("page_group_layout", PAGE_GROUP_LAYOUT), ("layout_hash", layout_hash(config, layer_offset)),
         ("seq_id", seq_id), ("seq_length", length),
+        *([("rope_rotary_dim", config.rotary_dim)] if config.rotary_dim != config.head_dim else []),
         ("logical_pages", [{"logical_page_index": i, "start_pos": i * ps, "length": min(ps, length - i * ps)}
                            for i in range(pages)]),
-        ("groups", [{"group_index": g, "layer_begin": g, "layer_end": g + 1, "num_logical_pages": pages,
+        ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
+                     "num_logical_pages": pages,
                      "dtype": config.dtype, "shape": shape,
                      "nbytes": int(np.prod(shape)) * _BYTES[config.dtype]} for g in range(config.num_layers)]),
     ]
@@ -162,8 +168,8 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportP
         raise ArgumentError(f"checkpoint metadata must be a JSON string, got {type(text).__name__}")
     try:
         meta = json.loads(text)
-    except ValueError as err:
-        raise ArgumentError(f"checkpoint metadata is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting deeper than Python's stack
+        raise ArgumentError(f"checkpoint metadata is not valid JSON: {type(err).__name__}: {err}") from None
     if not isinstance(meta, dict):
         raise ArgumentError(f"checkpoint metadata must be a JSON object, got {type(meta).__name__}")
     if _field(meta, "format_version", int) != FORMAT_VERSION:
@@ -175,23 +181,50 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportP
     ours = metadata(config, layer_offset, 0, 0, 1)
     for name in [key for key, _ in _layout(config, layer_offset)] + ["dtype", "attn_kinds", "page_group_layout"] + [
             key for key, _ in _rope_fields(config)]:
-        if meta.get(name) != ours[name]:
-            raise ConfigError(f"the checkpoint's {name} is {meta.get(name)!r}, this cache's {ours[name]!r}; a "
-                              "checkpoint imports into a cache of the same layout")
+        if not _same(meta.get(name), ours[name]):
+            raise ConfigError(f"the checkpoint's {name} is {_short(meta.get(name))}, this cache's {_short(ours[name])}; "
+                              "a checkpoint imports into a cache of the same layout")
+    rotary = meta.get("rope_rotary_dim", config.head_dim)  # our field, written for partial rotary dims only
+    if not _same(rotary, config.rotary_dim):
+        raise ConfigError(f"the checkpoint's rope_rotary_dim is {_short(rotary)}, this cache's {config.rotary_dim} "
+                          "(keys are stored rotated: they differ between rotary dims)")
     if _field(meta, "layout_hash", str) != ours["layout_hash"]:
         raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
                           f"{meta['layout_hash']}")
     _field(meta, "seq_id", int)
     length = _field(meta, "seq_length", int)
-    if length < 0:
-        raise ArgumentError(f"checkpoint seq_length must be at least 0, got {length}")
+    if not 0 <= length <= MAX_SEQ_LENGTH:
+        raise ArgumentError(f"checkpoint seq_length must be in [0, {MAX_SEQ_LENGTH}], got {length}")
+    pages = num_logical_pages(length, config.page_size)
+    if pages > meta["num_total_pages"]:
+        raise ArgumentError(f"checkpoint seq_length {length} needs {pages} pages, more than its num_total_pages "
+                            f"{meta['num_total_pages']}")
+    if pages > config.num_total_pages:
+        raise CacheFullError(f"a checkpoint of {length} tokens needs {pages} pages; this cache holds "
+                             f"{config.num_total_pages} in all")
     expected = metadata(config, layer_offset, meta["seq_id"], length, 1)
     for name in ("logical_pages", "groups"):
-        if meta.get(name) != expected[name]:
+        if not _same(meta.get(name), expected[name]):
             raise ArgumentError(f"checkpoint field {name!r} does not describe a sequence of seq_length {length} in "
                                 f"{config.num_layers} page group(s) of this layout: got {_short(meta.get(name))}, "
                                 f"expected {_short(expected[name])}")
     return ImportPlan(seq_length=length, num_layers=config.num_layers)
+
+
+def _same(got: Any, want: Any) -> bool:
+    """JSON equality with TVM's types: an int field takes an int (or a bool, as TVM's reader
+    does), a bool field a bool, a float field a number; never a float for an int or a bool."""
+    if isinstance(want, bool):
+        return type(got) is bool and got == want
+    if isinstance(want, int):
+        return type(got) in (int, bool) and got == want
+    if isinstance(want, float):
+        return type(got) in (int, float) and got == want
+    if isinstance(want, list):
+        return type(got) is list and len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return type(got) is dict and got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return type(got) is type(want) and got == want
 
 
 def _field(meta: Dict[str, Any], name: str, kind: type) -> Any:

@@ -99,9 +99,15 @@ def _ext_factors(values: object, head_dim: int) -> Tuple[float, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must be a sequence of {head_dim} floats (long factors, "
                           f"then short ones), got {describe(values)} of type {type(values).__name__}")
+    if isinstance(values, np.ndarray):
+        numbers = values.dtype.kind in "fiu"
+    else:  # each element a Python or numpy number (not a bool, str or bytes, which numpy converts)
+        numbers = all(type(x) in (int, float) or isinstance(x, (np.integer, np.floating)) for x in values)
+    if not numbers:
+        raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold numbers, got {describe(values)}")
     try:
         array = np.array(values, dtype=np.float64)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold numbers, got {describe(values)}") from None
     if array.shape != (head_dim,):
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold rotary_dim={head_dim} floats (the long factors "

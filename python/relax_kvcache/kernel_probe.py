@@ -212,11 +212,15 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     given = {"q": qkv[:, :hq], "k": qkv[:, hq:hq + hkv], "v": qkv[:, hq + hkv:]}
     tol = 1e-3 if config.dtype == "float32" else 5e-2
     ratios = {}
+    rotary = config.rotary_dim  # a partial rotary dim: the features past it are copied
     for name, got in (("q", q), ("k", k), ("v", v)):
         if name == "v" or not applies_rope:
             _expect_close(f"{name} (a copy of the fused input)", got, given[name], tol)
-        else:
-            ratios[name] = np.linalg.norm(got, axis=-1) / np.maximum(np.linalg.norm(given[name], axis=-1), 1e-6)
+            continue
+        if rotary < d:
+            _expect_close(f"{name} past the rotary dim {rotary} (a copy)", got[..., rotary:], given[name][..., rotary:], tol)
+        ratios[name] = (np.linalg.norm(got[..., :rotary], axis=-1)
+                        / np.maximum(np.linalg.norm(given[name][..., :rotary], axis=-1), 1e-6))
     if ratios:  # a rotation: every head vector keeps its length (times LongRoPE's attention factor)
         factor = 1.0
         if config.rope_ext_factors is not None:

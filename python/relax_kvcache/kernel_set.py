@@ -129,14 +129,14 @@ class KernelSet:
 
 def split_rotary_rope_argument(config: Any, device: tvm.runtime.Device) -> Any:
     """The last argument of ``split_rotary`` for ``config`` (TVM's convention): the LongRoPE
-    factors ``(head_dim,) float32`` on ``device`` when the config has ``rope_ext_factors``,
+    factors ``(rotary_dim,) float32`` on ``device`` when the config has ``rope_ext_factors``,
     else the apply-RoPE flag (1 when RoPE is applied at append time, NORMAL mode)."""
     from .config import RopeMode
     from .tensors import allocate
 
     if config.rope_ext_factors is None:
         return int(config.effective_rope_mode == RopeMode.NORMAL)
-    factors = allocate((config.head_dim,), "float32", device, "RoPE extension factors")
+    factors = allocate((config.rotary_dim,), "float32", device, "RoPE extension factors")
     factors.copyfrom(np.array(config.rope_ext_factors, dtype=np.float32))
     return factors
 
