@@ -903,8 +903,7 @@ def test_longrope_with_a_partial_rotary_dim_works():
     cache.debug_get_kv(0, 0, 6, k, v)
     want = longrope(qkv[1][:, 4:6], np.arange(6), 1e4, 1.0, factors, 3, 1.2)
     np.testing.assert_allclose(k.numpy()[1], want, atol=1e-5)
-    from test_hostile_input import _create_args  # noqa: F401  (creation through TVM's arguments)
-    import relax_kvcache.ffi_registry.create as create_module
+    import relax_kvcache.ffi_registry.create as create_module  # creation through TVM's arguments
 
     kernels = cache._kernels
     args = [tvm.runtime.ShapeTuple([4, 64, 32, 4, 0]), tvm.runtime.ShapeTuple([0, 2]), 4, 2, 16, 16,
