@@ -30,12 +30,20 @@ import numpy as np
 
 
 def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float,
-         rotary_dim: Optional[int] = None) -> np.ndarray:
+         rotary_dim: Optional[int] = None, interleaved: bool = False) -> np.ndarray:
     """Rotate-half RoPE (TVM's convention: angle = pos * scale / theta^(2i/d)) of x (n, h, d);
-    with ``rotary_dim`` only the first ``rotary_dim`` features (``d`` = it), the rest as given."""
+    with ``rotary_dim`` only the first ``rotary_dim`` features (``d`` = it), the rest as given;
+    ``interleaved`` (GPT-J): pair i is features (2i, 2i + 1) instead of (i, i + d/2)."""
     x = np.asarray(x, np.float64)
     if rotary_dim is not None and rotary_dim < x.shape[-1]:
-        return np.concatenate([rope(x[..., :rotary_dim], positions, theta, scale), x[..., rotary_dim:]], axis=-1)
+        return np.concatenate([rope(x[..., :rotary_dim], positions, theta, scale, interleaved=interleaved),
+                               x[..., rotary_dim:]], axis=-1)
+    if interleaved:  # gather the pairs into halves, rotate, scatter back
+        d = x.shape[-1]
+        order = np.r_[0:d:2, 1:d:2]
+        out = np.empty_like(x)
+        out[..., order] = rope(x[..., order], positions, theta, scale)
+        return out
     d = x.shape[-1]
     inv_freq = scale / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]

@@ -37,6 +37,8 @@ def _shape(**overrides) -> tb.Shape:
     (dict(rope_rotary_dim=32, support_sliding_window=True), "needs rope_mode NORMAL"),
     (dict(rope_rotary_dim=32, rope_ext_factors=(1.0,) * 80, rope_original_max_position_embeddings=8),
      "must hold rotary_dim=32 floats"),
+    (dict(rope_interleaved=True, rope_mode=rk.RopeMode.INLINE), "rope_interleaved .GPT-J style RoPE. needs"),
+    (dict(rope_interleaved=2), "rope_interleaved"),
 ])
 def test_bad_rotary_dims_are_refused(overrides, match):
     with pytest.raises(rk.ConfigError, match=match):
@@ -68,16 +70,18 @@ def _step(b, caches, batch, rng):
 
 
 @pytest.mark.tvm_native
-def test_partial_rotary_matches_tvms_native_cache_and_float64():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_partial_rotary_matches_tvms_native_cache_and_float64(interleaved):
     """TVM's native cache with TVM's partial-rotary kernel, ours with our kernels (directly and
     through the creation arguments) and ours on TVM's kernels: the same attention outputs and
-    stored K; all against float64 through prefill chunks, decode, a fork inside a page and popn."""
-    shape = _shape()
+    stored K; all against float64 through prefill chunks, decode, a fork inside a page and popn.
+    ``gptj``: GPT-J style pairs (``rope_interleaved``, TVM's ``rope_type: gptj``)."""
+    shape = _shape(rope_interleaved=interleaved)
     b = tb.Builtins()
     caches = {"tvm": tb.create_native(shape), "ours": tb.create_ours_direct(shape),
               "ours_packed": tb.create_ours_packed(shape), "ours_tvmk": tb.create_ours_packed(shape, tvm_kernel_set=True)}
     model = CacheModel(2, HQ, HKV, D, 1, THETA, 1.0)
-    model.rope = lambda x, positions: rope(x, positions, THETA, 1.0, rotary_dim=R)
+    model.rope = lambda x, positions: rope(x, positions, THETA, 1.0, rotary_dim=R, interleaved=interleaved)
     rng = np.random.default_rng(0)
 
     def structure(op, *args):

@@ -977,6 +977,10 @@ def test_checkpoints_of_another_rotary_dim_are_refused():
     _unchanged(partial, lambda: partial.prepare_import(0, _filled(_ckpt_cache()).get_checkpoint_metadata(0)),
                rk.ConfigError, "rope_rotary_dim is 16, this cache's 8")
     partial.prepare_import(0, meta)
+    gptj = _filled(_ckpt_cache(rope_interleaved=True)).get_checkpoint_metadata(0)
+    assert json.loads(gptj)["rope_interleaved"] is True
+    _unchanged(target, lambda: target.prepare_import(0, gptj), rk.ConfigError, "rope_interleaved is true")
+    _ckpt_cache(rope_interleaved=True).prepare_import(0, gptj)
 
 
 @pytest.mark.parametrize("factors", [("2.0",) * 16, (True,) * 16, (b"1.5",) * 16, np.ones(16, bool)])

@@ -52,6 +52,8 @@ class Shape:
     longrope_positions: Tuple[int, int] = (0, 0)
     #: RoPE's rotated features (None: head_dim), TVM's ``rotary_dim``
     rotary_dim: Optional[int] = None
+    #: GPT-J style RoPE pairs (TVM's ``rope_type: gptj``)
+    rope_interleaved: bool = False
 
     @property
     def longrope_attention_factor(self) -> float:
@@ -89,7 +91,7 @@ class Shape:
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, dtype=self.dtype,
             support_sliding_window=self.support_sliding_window, attn_kinds=self.attn_kinds,
             layer_sliding_window_size=self.layer_window_size, rope_ext_factors=self.ext_factors,
-            rope_rotary_dim=self.rotary_dim,
+            rope_rotary_dim=self.rotary_dim, rope_interleaved=self.rope_interleaved,
             rope_original_max_position_embeddings=self.longrope_positions[1] if self.ext_factors else None,
             rope_attention_factor=self.longrope_attention_factor)
 
@@ -103,7 +105,7 @@ KERNEL_NAMES = ("transpose_append", "debug_get_kv", "attention_prefill", "attent
 
 @functools.lru_cache(maxsize=None)
 def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, rope_theta,
-                 rope_scale, layer_window=1024, longrope_positions=None, rotary_dim=None) -> tuple:
+                 rope_scale, layer_window=1024, longrope_positions=None, rotary_dim=None, gptj=False) -> tuple:
     from tvm.relax.frontend.nn.llm import kv_cache as kc
     from tvm.s_tir import dlight as dl
 
@@ -111,6 +113,8 @@ def _tvm_kernels(num_layers, num_qo_heads, num_kv_heads, head_dim, page_size, dt
     rope_scaling = {} if longrope_positions is None else {
         "rope_type": "longrope", "max_position_embeddings": longrope_positions[0],
         "original_max_position_embeddings": longrope_positions[1]}
+    if gptj:
+        rope_scaling = {"rope_type": "gptj"}
     hkv, hq, d = num_kv_heads, num_qo_heads, head_dim
     ps = page_size
     funcs = [
@@ -160,7 +164,7 @@ def tvm_kernels(shape: Shape) -> dict:
     built = _tvm_kernels(shape.num_layers, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                          shape.page_size, shape.dtype, shape.rope_theta, shape.rope_scale,
                          shape.layer_window_size, shape.longrope_positions if shape.ext_factors else None,
-                         shape.rotary_dim)
+                         shape.rotary_dim, shape.rope_interleaved)
     return dict(zip(KERNEL_NAMES, built))
 
 

@@ -39,15 +39,15 @@ if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lack
 
 _KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
 #: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions;
-#: 5: LongRoPE and rotary-dim fields among them).
-LIBRARY_FORMAT = 5
+#: 6: LongRoPE, rotary-dim and interleaved-RoPE fields among them).
+LIBRARY_FORMAT = 6
 #: Prefix of the functions of a built library that return its :func:`kernel_identity`.
 IDENTITY_PREFIX = "kernel_spec_"
 #: The fields of :func:`kernel_identity`, in order.
 IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
                    "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
                    "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
-                   "longrope_attention_factor", "rope_rotary_dim")
+                   "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved")
 Progress = Optional[Callable[[str], None]]
 
 
@@ -122,7 +122,8 @@ class KernelSetSpec:
                                   head_dim=config.head_dim, dtype=config.dtype,
                                   rope_theta=config.rope_theta, rope_scale=config.rope_scale,
                                   longrope=_longrope_spec(config),
-                                  rotary_dim=None if config.rotary_dim == config.head_dim else config.rotary_dim),
+                                  rotary_dim=None if config.rotary_dim == config.head_dim else config.rotary_dim,
+                                  interleaved=config.rope_interleaved),
             merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
                                dtype=config.dtype),
             attention=attention,
@@ -449,6 +450,7 @@ def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
                                            if config.rope_ext_factors is not None else 0),
         "longrope_attention_factor": config.rope_attention_factor if config.rope_ext_factors is not None else 0.0,
         "rope_rotary_dim": 0 if mla else config.rotary_dim,
+        "rope_interleaved": int(config.rope_interleaved),
     }
 
 

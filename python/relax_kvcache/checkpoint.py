@@ -131,6 +131,7 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
         ("page_group_layout", PAGE_GROUP_LAYOUT), ("layout_hash", layout_hash(config, layer_offset)),
         ("seq_id", seq_id), ("seq_length", length),
         *([("rope_rotary_dim", config.rotary_dim)] if config.rotary_dim != config.head_dim else []),
+        *([("rope_interleaved", True)] if config.rope_interleaved else []),
         ("logical_pages", [{"logical_page_index": i, "start_pos": i * ps, "length": min(ps, length - i * ps)}
                            for i in range(pages)]),
         ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
@@ -188,6 +189,9 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportP
     if not _same(rotary, config.rotary_dim):
         raise ConfigError(f"the checkpoint's rope_rotary_dim is {_short(rotary)}, this cache's {config.rotary_dim} "
                           "(keys are stored rotated: they differ between rotary dims)")
+    if not _same(meta.get("rope_interleaved", False), config.rope_interleaved):
+        raise ConfigError(f"the checkpoint's rope_interleaved is {_short(meta.get('rope_interleaved', False))}, this "
+                          f"cache's {config.rope_interleaved} (keys are stored rotated: GPT-J pairs differ)")
     if _field(meta, "layout_hash", str) != ours["layout_hash"]:
         raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
                           f"{meta['layout_hash']}")

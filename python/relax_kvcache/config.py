@@ -172,6 +172,10 @@ class KVCacheConfig:
         the others pass unrotated (GPT-NeoX / Phi-2 partial rotary, TVM's ``rotary_dim``). Even,
         at most ``head_dim`` (the default); below it only with RoPE applied at append time
         (NORMAL mode: the attention kernels' inline RoPE rotates whole heads).
+    rope_interleaved : bool
+        GPT-J style RoPE: neighbouring features ``(2i, 2i + 1)`` form the rotated pairs (TVM's
+        ``rope_type: gptj``) instead of ``(i, i + rotary_dim / 2)``; NORMAL mode only, like a
+        partial rotary dim.
     rope_ext_factors : sequence of float, optional
         LongRoPE (Phi-3) frequency factors in TVM's layout: ``rope_rotary_dim`` floats, the long
         factors of the ``rope_rotary_dim / 2`` frequencies, then the short ones. Frequency ``i`` becomes
@@ -225,6 +229,7 @@ class KVCacheConfig:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     rope_rotary_dim: Optional[int] = None
+    rope_interleaved: bool = False
     rope_ext_factors: Optional[Tuple[float, ...]] = None
     rope_original_max_position_embeddings: Optional[int] = None
     rope_attention_factor: float = 1.0
@@ -363,6 +368,12 @@ class KVCacheConfig:
             object.__setattr__(self, "mla_original_v_head_dim", v)
 
     def _check_rotary_dim(self) -> None:
+        interleaved = as_bool("KVCacheConfig.rope_interleaved", self.rope_interleaved, error=ConfigError)
+        object.__setattr__(self, "rope_interleaved", interleaved)
+        if interleaved and (self.is_mla or self.effective_rope_mode != RopeMode.NORMAL):
+            raise ConfigError("KVCacheConfig.rope_interleaved (GPT-J style RoPE) needs rope_mode NORMAL on an MHA cache "
+                              "without support_sliding_window (the attention kernels' inline RoPE pairs halves), got "
+                              f"rope_mode {self.rope_mode.name}, support_sliding_window {self.support_sliding_window}")
         if self.rope_rotary_dim is None:
             return
         rotary = _positive("rope_rotary_dim", self.rope_rotary_dim)

@@ -63,6 +63,8 @@ class CacheLayout:
     rope_rotary_dim : int, optional
         Partial rotary: RoPE rotates the first ``rope_rotary_dim`` features of q / k heads
         (NORMAL mode; see :class:`~relax_kvcache.KVCacheConfig`).
+    rope_interleaved : bool
+        GPT-J style RoPE pairs (NORMAL mode).
     rope_ext_factors : sequence of float, optional
         LongRoPE (Phi-3) factors, ``rope_rotary_dim`` floats (long, then short), with
         ``rope_original_max_position_embeddings`` and ``rope_attention_factor``: see
@@ -92,6 +94,7 @@ class CacheLayout:
     rope_theta: float = 10000.0
     rope_scale: float = 1.0
     rope_rotary_dim: Optional[int] = None
+    rope_interleaved: bool = False
     rope_ext_factors: Optional[Sequence[float]] = None
     rope_original_max_position_embeddings: Optional[int] = None
     rope_attention_factor: float = 1.0
@@ -109,6 +112,7 @@ class CacheLayout:
             head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
             max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
             rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_rotary_dim=self.rope_rotary_dim,
+            rope_interleaved=self.rope_interleaved,
             rope_ext_factors=self.rope_ext_factors,
             rope_original_max_position_embeddings=self.rope_original_max_position_embeddings,
             rope_attention_factor=self.rope_attention_factor, dtype=self.dtype,

@@ -9,7 +9,8 @@ the first half turns by ``pos * scale / (ext_factors[base + d] * theta^(2d/R))``
 (long factors) at positions ``>= original_max_position_embeddings``, ``R/2`` (short) before,
 and cos / sin are multiplied by the attention factor. ``R`` is ``spec.rotary_dim`` (default
 ``D``): a partial rotary dim rotates the pairs ``(d, d + R/2)`` for ``d < R/2`` and copies the
-features ``[R, D)`` (GPT-NeoX / Phi-2 style).
+features ``[R, D)`` (GPT-NeoX / Phi-2 style). ``spec.interleaved`` (GPT-J style) pairs
+neighbours ``(2i, 2i + 1)`` instead of ``(i, i + R/2)``, at the same frequencies.
 
 One algorithm, two loop nests: the per-element work (angles of features ``[d0, d0 + lanes)``,
 rotating the pair of spans ``[d0, d0 + lanes)`` and ``[d0 + D/2, d0 + D/2 + lanes)``, copying a
@@ -78,6 +79,18 @@ def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
             dst[row, head, d0 + d + half] = T.Cast(
                 dtype, T.Cast("float32", src[row, src_head, d0 + d + half]) * cos_v[d]
                 + T.Cast("float32", src[row, src_head, d0 + d]) * sin_v[d])
+
+    if spec.interleaved:
+        @T.macro
+        def rotate_span(dst, row, head, src, src_head, d0, lanes: T.int32, cos_v, sin_v):  # noqa: F811
+            """GPT-J style: rotate features ``(2 (d0 + d), 2 (d0 + d) + 1)`` for d < lanes."""
+            for d in T.serial(lanes):  # pairs of neighbours: no vector access across them
+                dst[row, head, 2 * (d0 + d)] = T.Cast(
+                    dtype, T.Cast("float32", src[row, src_head, 2 * (d0 + d)]) * cos_v[d]
+                    - T.Cast("float32", src[row, src_head, 2 * (d0 + d) + 1]) * sin_v[d])
+                dst[row, head, 2 * (d0 + d) + 1] = T.Cast(
+                    dtype, T.Cast("float32", src[row, src_head, 2 * (d0 + d) + 1]) * cos_v[d]
+                    + T.Cast("float32", src[row, src_head, 2 * (d0 + d)]) * sin_v[d])
 
     @T.macro
     def copy_span(dst, row, head, src, src_head, d0, lanes: T.int32):

@@ -94,6 +94,8 @@ class RopeSplitSpec:
     longrope: "LongRopeSpec | None" = None
     #: features rotated (the first ``rotary_dim``; the rest copied); None: all of ``head_dim``
     rotary_dim: "int | None" = None
+    #: GPT-J style: rotate neighbouring features ``(2i, 2i + 1)`` (default: ``(i, i + rotary / 2)``)
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
