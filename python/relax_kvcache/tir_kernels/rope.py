@@ -68,29 +68,23 @@ def _span_macros(spec: RopeSplitSpec, *, vector_math: bool = True):
                 cos_v[d] = T.cos(angle) * attention
                 sin_v[d] = T.sin(angle) * attention
 
+    if spec.interleaved:  # GPT-J: pair i is the neighbours (2i, 2i + 1), no vector access across them
+        span_loop, first, second = T.serial, (lambda i: 2 * i), (lambda i: 2 * i + 1)
+    else:
+        first, second = (lambda i: i), (lambda i: i + half)
+
     @T.macro
     def rotate_span(dst, row, head, src, src_head, d0, lanes: T.int32, cos_v, sin_v):
-        """Rotate features ``(d0 + d, d0 + d + half)`` for d < lanes by ``cos_v/sin_v[d]``."""
+        """Rotate the pairs ``(first(d0 + d), second(d0 + d))`` for d < lanes by ``cos_v/sin_v[d]``:
+        ``(i, i + half)``, or GPT-J's ``(2i, 2i + 1)``."""
         # Casts stay inline: a let-bound cast of a bfloat16 load is mis-legalised by TVM 0.27.
         for d in span_loop(lanes):
-            dst[row, head, d0 + d] = T.Cast(
-                dtype, T.Cast("float32", src[row, src_head, d0 + d]) * cos_v[d]
-                - T.Cast("float32", src[row, src_head, d0 + d + half]) * sin_v[d])
-            dst[row, head, d0 + d + half] = T.Cast(
-                dtype, T.Cast("float32", src[row, src_head, d0 + d + half]) * cos_v[d]
-                + T.Cast("float32", src[row, src_head, d0 + d]) * sin_v[d])
-
-    if spec.interleaved:
-        @T.macro
-        def rotate_span(dst, row, head, src, src_head, d0, lanes: T.int32, cos_v, sin_v):  # noqa: F811
-            """GPT-J style: rotate features ``(2 (d0 + d), 2 (d0 + d) + 1)`` for d < lanes."""
-            for d in T.serial(lanes):  # pairs of neighbours: no vector access across them
-                dst[row, head, 2 * (d0 + d)] = T.Cast(
-                    dtype, T.Cast("float32", src[row, src_head, 2 * (d0 + d)]) * cos_v[d]
-                    - T.Cast("float32", src[row, src_head, 2 * (d0 + d) + 1]) * sin_v[d])
-                dst[row, head, 2 * (d0 + d) + 1] = T.Cast(
-                    dtype, T.Cast("float32", src[row, src_head, 2 * (d0 + d) + 1]) * cos_v[d]
-                    + T.Cast("float32", src[row, src_head, 2 * (d0 + d)]) * sin_v[d])
+            dst[row, head, first(d0 + d)] = T.Cast(
+                dtype, T.Cast("float32", src[row, src_head, first(d0 + d)]) * cos_v[d]
+                - T.Cast("float32", src[row, src_head, second(d0 + d)]) * sin_v[d])
+            dst[row, head, second(d0 + d)] = T.Cast(
+                dtype, T.Cast("float32", src[row, src_head, second(d0 + d)]) * cos_v[d]
+                + T.Cast("float32", src[row, src_head, first(d0 + d)]) * sin_v[d])
 
     @T.macro
     def copy_span(dst, row, head, src, src_head, d0, lanes: T.int32):
@@ -217,26 +211,9 @@ def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
     Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
     nest = _gpu_nest(spec, sched) if isinstance(sched, GpuSchedule) else _cpu_nest(spec)
 
-    if spec.longrope is not None:
-        @T.prim_func(s_tir=True)
-        def split_rotary_longrope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
-                                  var_k: T.handle, var_v: T.handle, var_ext_factors: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int32()
-            off_pos = T.int32()
-            qkv = T.match_buffer(var_qkv, (n, Hq + 2 * Hkv, D), dtype)
-            position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
-            q = T.match_buffer(var_q, (n, Hq, D), dtype)
-            k = T.match_buffer(var_k, (n, Hkv, D), dtype)
-            v = T.match_buffer(var_v, (n, Hkv, D), dtype)
-            ext_factors = T.match_buffer(var_ext_factors, (spec.rotary,), "float32")
-            nest(qkv, position_map, q, k, v, T.bool(True), ext_factors, n)
-
-        return split_rotary_longrope
-
-    @T.prim_func(s_tir=True)
-    def split_rotary(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
-                     var_k: T.handle, var_v: T.handle, apply_rope: T.int64):
+    @T.macro
+    def split(var_qkv, var_position_map, var_q, var_k, var_v, rotates, ext_factors):
+        """The buffers of both signatures (they differ in the last argument only) and the nest."""
         T.func_attr({"tirx.noalias": True})
         n = T.int32()
         off_pos = T.int32()
@@ -245,6 +222,20 @@ def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
         q = T.match_buffer(var_q, (n, Hq, D), dtype)
         k = T.match_buffer(var_k, (n, Hkv, D), dtype)
         v = T.match_buffer(var_v, (n, Hkv, D), dtype)
-        nest(qkv, position_map, q, k, v, apply_rope != 0, 0, n)
+        nest(qkv, position_map, q, k, v, rotates, ext_factors, n)
+
+    if spec.longrope is not None:
+        @T.prim_func(s_tir=True)
+        def split_rotary_longrope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
+                                  var_k: T.handle, var_v: T.handle, var_ext_factors: T.handle):
+            ext_factors = T.match_buffer(var_ext_factors, (spec.rotary,), "float32")
+            split(var_qkv, var_position_map, var_q, var_k, var_v, T.bool(True), ext_factors)
+
+        return split_rotary_longrope
+
+    @T.prim_func(s_tir=True)
+    def split_rotary(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle,
+                     var_k: T.handle, var_v: T.handle, apply_rope: T.int64):
+        split(var_qkv, var_position_map, var_q, var_k, var_v, apply_rope != 0, 0)
 
     return split_rotary
