@@ -165,6 +165,25 @@ def test_checkpoints_move_between_tvm_and_ours(direction):
             np.testing.assert_allclose(b, a, atol=2e-3)  # TVM's kernels vs ours
 
 
+@pytest.mark.parametrize("direction", ["ours->ours_tvmk", "ours_tvmk->ours"])
+def test_page_groups_move_in_chunks(direction):
+    """Sequences longer than the gather buffers (about one prefill chunk of one layer) move in
+    several chunks, with our debug_get_kv (one-layer buffers) and TVM's (all-layer ones)."""
+    shape = tb.Shape(rope_mode=0, prefill_chunk_size=16)
+    make = {"ours": tb.create_ours_direct, "ours_tvmk": lambda s: tb.create_ours_packed(s, tvm_kernel_set=True)}
+    src_name, dst_name = direction.split("->")
+    src, dst = make[src_name](shape), make[dst_name](shape)
+    rng = np.random.default_rng(7)
+    _builtins().add(src, 0)
+    for n in (16, 16, 16, 5):
+        _step(src, shape, [(0, n)], rng)
+    meta, groups = _export(src, 0)
+    _import(dst, 0, meta, groups)
+    assert src._group_mover._buffers[0].shape[1] < 53  # more than one chunk
+    for a, b in zip(_kv(src, shape, 0, 53), _kv(dst, shape, 0, 53)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_decoding_after_import_matches_the_original():
     """Attention outputs of the imported copy equal the original's for the same new tokens."""
     shape = SHAPES["normal"]

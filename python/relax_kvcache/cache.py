@@ -1063,8 +1063,6 @@ class PagedAttentionKVCache:
                                f"{seq_id} of length {length}; expected 0 <= start < end <= length")
         return seq_id, start_pos, end_pos
 
-    # ------------------------------------------------------------------ helpers
-
     # ------------------------------------------------------------------ checkpoints
 
     def get_layout_hash(self) -> str:
@@ -1120,9 +1118,9 @@ class PagedAttentionKVCache:
         if self._import is not None:
             raise SequenceError(f"prepare_import({seq_id}): the import into sequence {self._import.seq_id} is not "
                                 "finished; finish_import it or remove that sequence first")
-        plan = ckpt.parse_import(self.config, self.layer_offset, metadata)
-        slots = self._paging.import_sequence(seq_id, plan.seq_length)
-        self._import = _ImportState(seq_id, slots, frozenset(range(plan.num_layers)))
+        length = ckpt.parse_import(self.config, self.layer_offset, metadata)
+        slots = self._paging.import_sequence(seq_id, length)
+        self._import = _ImportState(seq_id, slots, frozenset(range(self.config.num_layers)))
 
     def import_page_group(self, seq_id: int, group_id: int, group: tvm.runtime.Tensor) -> None:
         """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of
@@ -1202,6 +1200,8 @@ class PagedAttentionKVCache:
         if self._import is not None and self._import.seq_id == seq_id:
             raise SequenceError(f"{what}: sequence {seq_id} is importing a checkpoint; finish_import it (or remove "
                                 "it) first")
+
+    # ------------------------------------------------------------------ helpers
 
     def _token_tree_refusal(self) -> Optional[KVCacheError]:
         """Why this cache cannot take token-tree steps (the error to raise), or None."""

@@ -15,7 +15,6 @@ kernels (:class:`PageGroupMover`). The cache owns the import state.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -147,16 +146,9 @@ def metadata_json(meta: Dict[str, Any]) -> str:
     return _json(meta)
 
 
-@dataclasses.dataclass(frozen=True)
-class ImportPlan:
-    """A validated checkpoint: ``seq_length`` tokens in ``num_layers`` page groups."""
-
-    seq_length: int
-    num_layers: int
-
-
-def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportPlan:
-    """Validate checkpoint metadata (a JSON string) against this cache's layout.
+def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
+    """Validate checkpoint metadata (a JSON string) against this cache's layout; return the
+    sequence length it holds (in one page group per layer of the cache).
 
     Raises
     ------
@@ -212,7 +204,7 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> ImportP
             raise ArgumentError(f"checkpoint field {name!r} does not describe a sequence of seq_length {length} in "
                                 f"{config.num_layers} page group(s) of this layout: got {_short(meta.get(name))}, "
                                 f"expected {_short(expected[name])}")
-    return ImportPlan(seq_length=length, num_layers=config.num_layers)
+    return length
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -259,11 +251,13 @@ class PageGroupMover:
         self._buffers: Optional[Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]] = None
 
     def _gather_buffers(self) -> Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]:
-        """``(k, v, layers)`` gather buffers ``(layers, C, H, D)``, made on first use."""
+        """``(k, v, layers)`` gather buffers ``(layers, C, H, D)``, made on first use; ``C`` rows
+        of one layer or fewer of all, about one chunk of one layer either way."""
         if self._buffers is None:
             cfg = self._config
-            chunk = max(cfg.page_size, min(cfg.prefill_chunk_size, 4096))
+            rows = min(cfg.prefill_chunk_size, 4096)
             for layers in (1, cfg.num_layers):
+                chunk = max(cfg.page_size, rows // layers)
                 k, v = (allocate((layers, chunk, cfg.num_kv_heads, cfg.head_dim), cfg.dtype, self._device,
                                  "checkpoint buffer") for _ in range(2))
                 if layers == cfg.num_layers or self._accepts(k, v):

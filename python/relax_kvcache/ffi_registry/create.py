@@ -93,8 +93,6 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
                                  layer_offset=begin)
 
 
-
-
 def _ext_factors(value: Any) -> Optional[Tuple[float, ...]]:
     """Argument 11: None, or a 1-D float32 tensor of LongRoPE factors (read to the host once)."""
     if value is None:
@@ -104,6 +102,6 @@ def _ext_factors(value: Any) -> Optional[Tuple[float, ...]]:
         raise ArgumentError(f"rope_ext_factors (argument 11) must be None or a float32 tensor of LongRoPE factors, "
                             f"got {describe(value)} of type {type(value).__name__}")
     if str(value.dtype) != "float32" or len(value.shape) != 1:
-        raise ConfigError(f"rope_ext_factors (argument 11) must be a 1-D float32 tensor (qk_head_dim factors: long, "
+        raise ConfigError(f"rope_ext_factors (argument 11) must be a 1-D float32 tensor (rotary-dim factors: long, "
                           f"then short), got {value.dtype} of shape {tuple(value.shape)}")
     return tuple(float(x) for x in value.numpy())
