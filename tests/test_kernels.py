@@ -40,7 +40,7 @@ CONFIGS = {
                               page_size=8, dtype="bfloat16", rope_theta=2e4, rope_scale=2.0,
                               support_sliding_window=True),
 }
-#: LongRoPE split_rotary (Phi-3 factors); only ``test_split_rotary_longrope`` uses them.
+#: LongRoPE split_rotary (Phi-3 factors); only ``test_split_rotary_variants`` uses them.
 LONGROPE_CONFIGS = {
     name: KVCacheConfig(num_layers=1, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16, dtype=dtype,
                         rope_theta=1e4, rope_scale=scale,
@@ -51,7 +51,7 @@ LONGROPE_CONFIGS = {
                                            ("bf16_longrope", 4, 4, 96, "bfloat16", 0.5))
 }
 #: Partial rotary dims (Phi-2: head_dim 80, rotary 32), one with LongRoPE factors of its rotary
-#: dim; only ``test_split_rotary_partial`` uses them.
+#: dim; only ``test_split_rotary_variants`` uses them.
 ROTARY_CONFIGS = {
     "f32_phi2": KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=4, head_dim=80, page_size=16,
                               dtype="float32", rope_theta=1e4, rope_rotary_dim=32),
@@ -346,57 +346,37 @@ def test_split_rotary(kernel_build, cfg_name, apply_rope, pad):
         assert np.abs(exp_q - f64(q_in)).max() > 10 * tol
 
 
-@pytest.mark.parametrize("name", list(LONGROPE_CONFIGS))
+@pytest.mark.parametrize("name", [*LONGROPE_CONFIGS, *ROTARY_CONFIGS])
 @pytest.mark.parametrize("pad", [0, VIEW_PAD])
-def test_split_rotary_longrope(kernel_build, name, pad):
-    """LongRoPE: the factors tensor replaces the apply flag; tokens at positions before and
-    from ``original`` (2048) use the short and the long factors; cos / sin scaled."""
-    from cache_model import longrope
+def test_split_rotary_variants(kernel_build, name, pad):
+    """RoPE variants of split_rotary. LongRoPE: the factors tensor replaces the apply flag;
+    tokens at positions before and from ``original`` (2048) use the short and the long factors;
+    cos / sin scaled. A partial rotary dim: the first ``rope_rotary_dim`` features rotate (at
+    their own frequencies; GPT-J style pairs with ``rope_interleaved``), the others are copied
+    bit for bit. v is copied."""
+    from cache_model import longrope, rope
 
-    cfg = LONGROPE_CONFIGS[name]
+    cfg = {**LONGROPE_CONFIGS, **ROTARY_CONFIGS}[name]
     mod = kernel_build(cfg)
-    rng = np.random.default_rng(seed_of("longrope", name, pad))
-    Hq, Hkv, D, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, 33
+    rng = np.random.default_rng(seed_of("rope variant", name, pad))
+    Hq, Hkv, D, R, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, 33
     qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
     pos = rng.integers(0, 8192, size=n).astype(np.int32)
     pos[:4] = 0, 2047, 2048, 8191
     outs = [tensor(nan_like((n, h, D), cfg.dtype)) for h in (Hq, Hkv, Hkv)]
     ix = Indices(pad, pad_value=1)
-    mod["split_rotary"](tensor(qkv), ix(pos), *outs, tensor(np.array(cfg.rope_ext_factors, np.float32)))
-    assert_bitwise_equal(outs[2].numpy(), qkv[:, Hq + Hkv:], "v")
-    args = (cfg.rope_theta, cfg.rope_scale, cfg.rope_ext_factors, 2048, cfg.rope_attention_factor)
-    for what, got, given in (("q", outs[0], qkv[:, :Hq]), ("k", outs[1], qkv[:, Hq:Hq + Hkv])):
-        expected = longrope(f64(given), pos, *args)
-        assert_close(got.numpy(), expected, 2 * O_TOL[cfg.dtype], what)
-        plain = cfg.rope_attention_factor * ref.rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale)
-        assert np.abs(expected - plain).max() > 0.5  # the factors change the result
-
-
-@pytest.mark.parametrize("name", list(ROTARY_CONFIGS))
-def test_split_rotary_partial(kernel_build, name):
-    """A partial rotary dim: the first ``rope_rotary_dim`` features rotate (at their own
-    frequencies; GPT-J style pairs with ``rope_interleaved``), the others are copied bit for
-    bit; v is copied."""
-    from cache_model import longrope, rope
-
-    cfg = ROTARY_CONFIGS[name]
-    mod = kernel_build(cfg)
-    rng = np.random.default_rng(seed_of("partial", name))
-    Hq, Hkv, D, R, n = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim, 23
-    qkv = randn(rng, (n, Hq + 2 * Hkv, D), cfg.dtype)
-    pos = rng.integers(0, 8192, size=n).astype(np.int32)
-    pos[:3] = 0, 2047, 2048
-    outs = [tensor(nan_like((n, h, D), cfg.dtype)) for h in (Hq, Hkv, Hkv)]
     last = 1 if cfg.rope_ext_factors is None else tensor(np.array(cfg.rope_ext_factors, np.float32))
-    mod["split_rotary"](tensor(qkv), tensor(pos), *outs, last)
+    mod["split_rotary"](tensor(qkv), ix(pos), *outs, last)
     assert_bitwise_equal(outs[2].numpy(), qkv[:, Hq + Hkv:], "v")
     for what, got, given in (("q", outs[0], qkv[:, :Hq]), ("k", outs[1], qkv[:, Hq:Hq + Hkv])):
+        plain = rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale, rotary_dim=R, interleaved=cfg.rope_interleaved)
         if cfg.rope_ext_factors is None:
-            expected = rope(f64(given), pos, cfg.rope_theta, cfg.rope_scale, rotary_dim=R,
-                            interleaved=cfg.rope_interleaved)
+            expected = plain
         else:
             expected = longrope(f64(given), pos, cfg.rope_theta, cfg.rope_scale, cfg.rope_ext_factors, 2048,
                                 cfg.rope_attention_factor)
+            # the factors change the result
+            assert np.abs(expected[..., :R] - cfg.rope_attention_factor * plain[..., :R]).max() > 0.5
         assert_close(got.numpy()[..., :R], expected[..., :R], 2 * O_TOL[cfg.dtype], what)
         if R < D:
             assert_bitwise_equal(got.numpy()[..., R:], given[..., R:], f"{what} beyond the rotary dim")

@@ -110,7 +110,7 @@ def longrope_cache_factory():
 
 def test_split_rotary_matches_float64():
     """Positions on both sides of ``original`` in one call: each token picks its factors
-    (float16 / bfloat16 and GPUs: ``test_kernels.test_split_rotary_longrope``)."""
+    (float16 / bfloat16 and GPUs: ``test_kernels.test_split_rotary_variants``)."""
     dtype = "float32"
     mod = rk.build_kernels(_config(), default_target(tvm.cpu()))
     split = mod["split_rotary"]
@@ -330,35 +330,15 @@ def test_frontend_model_with_longrope_matches_float64():
     """A Relax program whose layout has LongRoPE factors: the module holds them as a constant,
     the created cache passes them to our LongRoPE split_rotary; attention across ``original``
     matches float64."""
-    from tvm import relax
-    from tvm.relax.frontend import nn
-
+    from frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=2, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=8,
                                   rope_mode=rk.RopeMode.NORMAL, rope_theta=THETA, rope_scale=SCALE, dtype="float32",
                                   rope_ext_factors=FACTORS, rope_original_max_position_embeddings=ORIGINAL,
                                   rope_attention_factor=ATTENTION)
-
-    class Program(nn.Module):
-        def create_kv_cache(self, max_batch_size: tvm.tirx.Var, max_total_seq_len: tvm.tirx.Var,
-                            prefill_chunk_size: tvm.tirx.Var):
-            return frontend.PagedKVCache.create(layout, "llvm", max_batch_size=max_batch_size,
-                                                max_total_seq_len=max_total_seq_len,
-                                                prefill_chunk_size=prefill_chunk_size)
-
-        def fused(self, qkv: nn.Tensor, cache: frontend.PagedKVCache):
-            parts = nn.op.split(qkv, 2, axis=0)
-            return tuple(cache.attention_with_fused_qkv(layer, parts[layer].reshape(*qkv.shape[1:]),
-                                                        num_qo_heads=HQ, sm_scale=0.25) for layer in range(2))
-
-    spec = nn.spec.Tensor([2, 1, "n", HQ + 2 * HKV, D], "float32")
-    mod, _ = Program().export_tvm(spec={
-        "create_kv_cache": {"max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int},
-        "fused": {"qkv": spec, "cache": nn.spec.Object(object_type=frontend.PagedKVCache)}}, debug=False)
-    vm = relax.VirtualMachine(frontend.compile(mod, "llvm"), tvm.cpu())
-    shape = tvm.runtime.ShapeTuple
-    cache = vm["create_kv_cache"](shape([4]), shape([256]), shape([64]))
+    vm = fused_vm(layout, sm_scale=0.25)
+    cache = create(vm, 4, 256, 64)
     assert cache.config.rope_ext_factors == FACTORS
     B, model, rng = tb.Builtins(), _model(), np.random.default_rng(6)
     for seq in (0, 1):

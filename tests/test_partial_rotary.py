@@ -3,7 +3,7 @@ first features of each head only).
 
 References: ``cache_model.rope(..., rotary_dim=R)`` (numpy float64) and TVM's native cache fed
 TVM's own ``llama_rope_with_position_map(..., rotary_dim=R)`` (``tvm_baseline``, test-only). The
-kernel alone, in float16 / bfloat16 and on GPUs: ``test_kernels.test_split_rotary_partial``.
+kernel alone, in float16 / bfloat16 and on GPUs: ``test_kernels.test_split_rotary_variants``.
 """
 
 from __future__ import annotations
@@ -117,31 +117,13 @@ def test_partial_rotary_matches_tvms_native_cache_and_float64(interleaved):
 def test_frontend_layout_with_partial_rotary():
     """``frontend.CacheLayout(rope_rotary_dim=...)``: the model's kernels rotate the first
     features only (checked through a compiled program against float64)."""
-    from tvm import relax
-    from tvm.relax.frontend import nn
-
+    from frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=16,
                                   rope_mode=rk.RopeMode.NORMAL, rope_theta=THETA, rope_rotary_dim=R, dtype="float32")
-
-    class Program(nn.Module):
-        def create_kv_cache(self, max_batch_size: tvm.tirx.Var, max_total_seq_len: tvm.tirx.Var,
-                            prefill_chunk_size: tvm.tirx.Var):
-            return frontend.PagedKVCache.create(layout, "llvm", max_batch_size=max_batch_size,
-                                                max_total_seq_len=max_total_seq_len,
-                                                prefill_chunk_size=prefill_chunk_size)
-
-        def fused(self, qkv: nn.Tensor, cache: frontend.PagedKVCache):
-            return cache.attention_with_fused_qkv(0, qkv, num_qo_heads=HQ, sm_scale=0.3)
-
-    mod, _ = Program().export_tvm(spec={
-        "create_kv_cache": {"max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int},
-        "fused": {"qkv": nn.spec.Tensor([1, "n", HQ + 2 * HKV, D], "float32"),
-                  "cache": nn.spec.Object(object_type=frontend.PagedKVCache)}}, debug=False)
-    vm = relax.VirtualMachine(frontend.compile(mod, "llvm"), tvm.cpu())
-    shape = tvm.runtime.ShapeTuple
-    cache = vm["create_kv_cache"](shape([4]), shape([256]), shape([64]))
+    vm = fused_vm(layout, sm_scale=0.3)
+    cache = create(vm, 4, 256, 64)
     assert isinstance(cache, rk.PagedAttentionKVCache)  # TVM's creation arguments carry no rotary dim
     model = CacheModel(1, HQ, HKV, D, 1, THETA, 1.0)
     model.rope = lambda x, positions: rope(x, positions, THETA, 1.0, rotary_dim=R)
@@ -151,6 +133,6 @@ def test_frontend_layout_with_partial_rotary():
     for n in (19, 1, 6):
         qkv = rng.standard_normal((1, n, HQ + 2 * HKV, D)).astype(np.float32)
         b.begin(cache, [0], [n])
-        got = vm["fused"](tvm.runtime.tensor(qkv), cache).numpy()[0]
+        got = vm["fused"](tvm.runtime.tensor(qkv[None]), cache)[0].numpy()[0]
         b.end(cache)
         np.testing.assert_allclose(got, model.step([(0, n)], [qkv[0]], 0.3)[0], atol=2e-3)
