@@ -73,8 +73,11 @@ class Check:
         self.rope_mode = int(cfg.effective_rope_mode)
         self.layer_windows = [cfg.layer_sliding_window_size if kind == rk.AttnKind.MHA_SLIDING else 0
                               for kind in cfg.attn_kinds]
+        self.layer_chunks = [cfg.attention_chunk_size if kind == rk.AttnKind.MHA_CHUNKED_LOCAL else 0
+                             for kind in cfg.attn_kinds]
         self.ref = ReferenceCache(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  self.rope_mode, cfg.rope_theta, cfg.rope_scale, layer_windows=self.layer_windows)
+                                  self.rope_mode, cfg.rope_theta, cfg.rope_scale, layer_windows=self.layer_windows,
+                                  layer_chunks=self.layer_chunks)
         self.sm_scale = 1.1 / math.sqrt(cfg.head_dim)
         self.step_qkv: List[np.ndarray] = []  # float64 fused QKV of the current step, per layer
         self.steps = 0
@@ -400,8 +403,8 @@ def wl_seq_windows(c: Check) -> None:
 
 
 def wl_layer_windows(c: Check) -> None:
-    """MHA_SLIDING layers: chunks longer than the window, decode, forks (mid-page and
-    page-aligned), popn."""
+    """MHA_SLIDING or MHA_CHUNKED_LOCAL layers: steps longer than the window (or across attention
+    chunks), decode, forks (mid-page and page-aligned), popn."""
     c.add(0)
     c.add(1)
     c.step([(0, 90), (1, 7)])  # 90 > window 40: the window applies inside the chunk
@@ -450,6 +453,8 @@ def wl_shared_kv(c: Check) -> None:
                 mask = None
                 if c.layer_windows[layer]:
                     mask = k_pos[None, :] > q_pos[:, None] - c.layer_windows[layer]
+                elif c.layer_chunks[layer]:
+                    mask = k_pos[None, :] // c.layer_chunks[layer] == q_pos[:, None] // c.layer_chunks[layer]
                 expected[r], _ = attention(c.as_attended(queries[layer][1][r], q_pos), c.as_attended(k_all, k_pos),
                                            v_all, c.sm_scale, causal=True, mask=mask)
                 offset += length

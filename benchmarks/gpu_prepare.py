@@ -62,6 +62,7 @@ def _check_config(**overrides) -> Dict[str, Any]:
 
 
 _LAYER_WINDOWS = dict(attn_kinds=[int(rk.AttnKind.MHA_SLIDING), int(rk.AttnKind.MHA)], layer_sliding_window_size=40)
+_CHUNKED = dict(attn_kinds=[int(rk.AttnKind.MHA_CHUNKED_LOCAL), int(rk.AttnKind.MHA)], attention_chunk_size=40)
 
 #: Check configurations: name -> (KVCacheConfig fields, workloads run on it; see gpu_check.py).
 #: RoPE mode is no kernel parameter, so configurations differing only in it share a library.
@@ -79,9 +80,15 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv", "checkpoint"]),
     "d64-layerwin-inline": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE)),
                             ["layer_windows", "shared_kv"]),
+    "d64-chunked-normal": (_check_config(**_CHUNKED), ["layer_windows", "shared_kv", "checkpoint"]),
+    "d64-chunked-inline": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.INLINE)), ["layer_windows"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)
     "d128-long": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, max_num_seqs=16,
                                 max_total_seq_len=20480, prefill_chunk_size=8192), ["long_context"]),
+    "d128-long-chunked": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5,
+                                        max_num_seqs=16, max_total_seq_len=20480, prefill_chunk_size=8192,
+                                        attn_kinds=[int(rk.AttnKind.MHA_CHUNKED_LOCAL), int(rk.AttnKind.MHA)],
+                                        attention_chunk_size=384), ["long_context"]),
 }
 
 #: Benchmark shape (Llama-3-8B attention): kernels do not depend on layers or capacities.

@@ -13,6 +13,8 @@ Sliding windows, modelled as TVM's own test suite does:
   indices in the kept sequence (StreamingLLM style).
 * per-layer windows (``layer_windows[layer] = W > 0``, AttnKind.MHA_SLIDING): the query at
   absolute position p sees keys at positions p - W < j <= p.
+* chunked local layers (``layer_chunks[layer] = C > 0``, AttnKind.MHA_CHUNKED_LOCAL): the query
+  at absolute position p sees keys of its own chunk, C * floor(p / C) <= j <= p.
 
 Token trees (speculative decoding, ``tree_step`` / ``commit``): a sequence's uncommitted tree
 nodes follow its committed prefix in the cache, in the order they were appended (over one or
@@ -73,12 +75,14 @@ def longrope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float, f
     return attention_factor * (x * np.cos(ang) + rotated * np.sin(ang))
 
 
-def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int], window: int = 0
+def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int], window: int = 0, chunk: int = 0
            ) -> Tuple[np.ndarray, np.ndarray]:
     """q (n, Hq, d) over k/v (m, Hkv, d), GQA by contiguous groups.
 
     ``causal_offset``: query i sees keys j <= causal_offset + i (None: all keys).
     ``window`` > 0 (with ``causal_offset``): query i sees only keys j > causal_offset + i - window.
+    ``chunk`` > 0 (with ``causal_offset``): query i sees only keys j with j // chunk equal to
+    (causal_offset + i) // chunk.
     Returns o (n, Hq, d) and the base-2 LSE (n, Hq); no visible key: o = 0, lse = -inf.
     """
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -90,6 +94,8 @@ def attend(q, k, v, sm_scale: float, *, causal_offset: Optional[int], window: in
         vis = np.arange(m)[None, :] <= causal_offset + np.arange(n)[:, None]
         if window > 0:
             vis &= np.arange(m)[None, :] > causal_offset + np.arange(n)[:, None] - window
+        if chunk > 0:
+            vis &= np.arange(m)[None, :] // chunk == (causal_offset + np.arange(n)[:, None]) // chunk
         s = np.where(vis[None], s, -np.inf)
     mx = s.max(axis=-1, keepdims=True, initial=-np.inf)
     mx_safe = np.where(np.isfinite(mx), mx, 0.0)
@@ -127,6 +133,7 @@ class CacheModel:
         self.seqs: Dict[int, SeqModel] = {}
         self.windows: Dict[int, Tuple[int, int]] = {}  # seq -> (sliding window, attention sink)
         self.layer_windows: List[int] = [0] * num_layers  # > 0: MHA_SLIDING window of the layer
+        self.layer_chunks: List[int] = [0] * num_layers  # > 0: MHA_CHUNKED_LOCAL chunk of the layer
         #: (x, positions) -> rotated x; replace for other RoPE variants (e.g. ``longrope``)
         self.rope = lambda x, positions: rope(x, positions, self.theta, self.scale)
 
@@ -205,7 +212,8 @@ class CacheModel:
                 if self.rope_mode == 2:
                     k = self.rope(k, np.arange(k.shape[0]))
                 out[off:off + n] = attend(q, k, self.seqs[seq_id].v[layer], sm_scale,
-                                          causal_offset=start, window=self.layer_windows[layer])[0]
+                                          causal_offset=start, window=self.layer_windows[layer],
+                                          chunk=self.layer_chunks[layer])[0]
                 off += n
             outs.append(out)
         for seq_id, _ in batch:
@@ -217,7 +225,7 @@ class CacheModel:
                   qkv_layers: List[np.ndarray], sm_scale: float) -> List[np.ndarray]:
         """A step appending token-tree nodes: ``trees[seq]`` holds the parents of the sequence's new
         nodes, indexing its accumulated uncommitted tree. Returns the expected outputs per layer."""
-        assert self.rope_mode in (0, 1) and not any(self.layer_windows) and not self.windows
+        assert self.rope_mode in (0, 1) and not any(self.layer_windows + self.layer_chunks) and not self.windows
         hq, hkv = self.hq, self.hkv
         info, off = [], 0
         for seq_id, n in batch:
@@ -289,7 +297,8 @@ class CacheModel:
             qs = self.query(q[off:off + n], start)
             k, v = self.cached_kv_for_attention(seq_id, source_layer, start + n)
             out[off:off + n] = attend(qs, k, v, sm_scale, causal_offset=start,
-                                      window=self.layer_windows[source_layer])[0]
+                                      window=self.layer_windows[source_layer],
+                                      chunk=self.layer_chunks[source_layer])[0]
             off += n
         return out
 

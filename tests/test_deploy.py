@@ -114,6 +114,8 @@ def test_load_and_run_with_runtime_only_tvm(cpu_library):
     (["--target", "metal", "--arch", "m2"], "target kind 'metal' takes no arch (got 'm2')"),
     (["--num-qo-heads", "6", "--num-kv-heads", "4"], "num_qo_heads (6) must be a multiple of num_kv_heads (4)"),
     (["--layer-window", "0"], "layer_sliding_window_size must be a positive int, got 0"),
+    (["--attention-chunk", "-8"], "attention_chunk_size must be a positive int, got -8"),
+    (["--layer-window", "64", "--attention-chunk", "64"], "mixes MHA_SLIDING and MHA_CHUNKED_LOCAL"),
 ])
 def test_cli_build_errors(tmp_path, argv, message):
     shape = ["--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32"]
@@ -143,6 +145,11 @@ def test_cli_build_config():
     assert config.layer_sliding_window_size == 4096 and not config.support_sliding_window
     assert (config.rope_mode, config.rope_theta, config.dtype, config.page_size) == \
         (rk.RopeMode.INLINE, 500000.0, "bfloat16", 32)
+    args = parser.parse_args(["build", "--output", "k.so", "--num-qo-heads", "40", "--num-kv-heads", "8",
+                              "--head-dim", "128", "--rope-mode", "none", "--attention-chunk", "8192"])
+    config = build_config(args)
+    assert config.attn_kinds == (rk.AttnKind.MHA_CHUNKED_LOCAL, rk.AttnKind.MHA)
+    assert config.attention_chunk_size == 8192 and config.layer_span == rk.LayerSpan(chunk=8192)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -788,11 +788,13 @@ def _creation_hostiles(kernels: KernelSet) -> Dict[int, Tuple[Tuple[str, ...], L
     attention = [Hostile("bad entry", v, "argument") for v in (3, "x", ["tirx"], ["tirx", 3], ["tvm", f], [f])]
     return {
         0: (("cache_config", "KVCacheConfig", "num_pages"), lists(config) + [
-            Hostile("length", config[:4], "cache_config"), Hostile("length", config + [8, 8], "cache_config"),
+            Hostile("length", config[:4], "cache_config"), Hostile("length", config + [8, 8, 8], "cache_config"),
             config_with(4, 2), config_with(4, -1),
             *(config_with(i, v) for i in range(4) for v in (0, -1, 2**31, 2**62)),
             Hostile("window", config + [0], "layer_sliding_window_size"),
-            Hostile("window", config + [2**40], "layer_sliding_window_size")]),
+            Hostile("window", config + [2**40], "layer_sliding_window_size"),
+            Hostile("chunk", config + [64, 16], "attention_chunk_size"),  # no MHA_CHUNKED_LOCAL layer
+            Hostile("chunk", config + [64, -16], "attention_chunk_size")]),
         1: (("layer_indptr", "attn_kinds"), lists([0, 2]) + [
             Hostile("range", [0], "layer_indptr"), Hostile("range", [2, 1], "layer_indptr"),
             Hostile("range", [-1, 2], "layer_indptr"), Hostile("range", [0, 5], "layer_end"),
@@ -802,6 +804,8 @@ def _creation_hostiles(kernels: KernelSet) -> Dict[int, Tuple[Tuple[str, ...], L
         4: (("qk_head_dim", "head_dim"), wrong() + ints + [Hostile("dim", 33), Hostile("dim", 512)]),
         5: (("v_head_dim",), wrong() + ints + [Hostile("dim", 16)]),
         6: (("attn_kinds",), lists([0, 0]) + [Hostile("kinds", [0], "attn_kinds"), Hostile("kinds", [0, 9], "9"),
+                                              Hostile("kinds", [4, 0], "MHA_CHUNKED_LOCAL"),  # no chunk size
+                                              Hostile("kinds", [4, 3], "MHA_SLIDING"),
                                               Hostile("kinds", [0, 1], "MLA"), Hostile("kinds", [0, -1], "-1")]),
         7: (("enable_kv_transfer",), [Hostile(c, v, "enable_kv_transfer") for c, v in (
             ("str", "no"), ("None", None), ("float", 1.5), ("int", 2), ("object", object()), ("list", [0]),
@@ -876,7 +880,8 @@ CONFIG_HOSTILES = {
     "rope_scale": [math.nan, -math.inf, -1.0, None, "1", True],
     "dtype": ["int8", "float64", None, 3, ""],
     "support_sliding_window": ["no", None, 2, 1.5, [True]],
-    "attn_kinds": ["00", [0.5, 0], [0], [0, 9], [True, 0], 3, [None, 0], [0, 0, 0]],
+    "attn_kinds": ["00", [0.5, 0], [0], [0, 9], [True, 0], 3, [None, 0], [0, 0, 0], [4, 0], [0, 5]],
+    "attention_chunk_size": [0, -1, 2**31, 2**62, 1.5, "8", True, [8]],
     "mla_original_qk_head_dim": [24, "x"],
 }
 

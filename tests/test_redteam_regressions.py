@@ -58,7 +58,9 @@ def test_kernel_identity_follows_the_kernel_set_spec():
     mla = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=576, v_head_dim=512,
                            mla_original_qk_head_dim=192, mla_original_v_head_dim=128, page_size=16,
                            rope_mode=rk.RopeMode.NONE, dtype="float16", attn_kinds=[rk.AttnKind.MLA])
-    configs = [CFG, _layer_window_config(), mla]
+    chunked = _layer_window_config(attn_kinds=[rk.AttnKind.MHA_CHUNKED_LOCAL, rk.AttnKind.MHA, rk.AttnKind.MHA],
+                                   attention_chunk_size=20)  # the same size as the window: other kernels
+    configs = [CFG, _layer_window_config(), chunked, dataclasses.replace(chunked, attention_chunk_size=32), mla]
     changes = [dict(page_size=16), dict(rope_theta=500.0), dict(rope_scale=0.5), dict(dtype="bfloat16"),
                dict(num_qo_heads=8), dict(num_kv_heads=1), dict(support_sliding_window=True),
                dict(rope_mode=rk.RopeMode.NONE), dict(max_total_seq_len=64, max_num_seqs=2, prefill_chunk_size=16)]

@@ -365,3 +365,26 @@ def _tiny_cuda_executable():
                 a[i * 128 + j] = a[i * 128 + j] + T.float32(1)
 
     return tvm.compile(tvm.IRModule({"add_one": add_one}), target=make_target("cuda", arch="sm_90a"))
+
+
+LOCAL_ROLES = ("attention_prefill_sliding_window", "attention_decode_sliding_window",
+               "attention_prefill_ragged_sliding_window")
+
+
+@pytest.mark.parametrize("kind", ["cuda", "metal", "webgpu", "opencl"])
+def test_chunked_local_kernels_compile(kind):
+    """The windowed kernels compiled with an attention chunk (``MHA_CHUNKED_LOCAL``, a floor
+    modulo of positions in the masks) build for every GPU target (compile only)."""
+    from relax_kvcache.build import _pass_config
+    from relax_kvcache.tir_kernels import schedule_for
+
+    config = rk.KVCacheConfig(num_layers=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                              dtype="float32", attn_kinds=(rk.AttnKind.MHA_CHUNKED_LOCAL, rk.AttnKind.MHA),
+                              attention_chunk_size=8192)
+    target = make_target(kind)
+    spec, sched = KernelSetSpec.from_config(config), schedule_for(target)
+    mod = tvm.IRModule({role: spec.kernel_function(role, sched).with_attr("global_symbol", role)
+                        for role in LOCAL_ROLES})
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        executable = tvm.compile(mod, target=target)
+    assert all(executable.mod.implements_function(role) for role in LOCAL_ROLES)

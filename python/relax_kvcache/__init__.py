@@ -12,7 +12,7 @@ configure_cpu_threads()
 from . import deploy, ffi_registry, targets  # noqa: E402
 from .build import KERNEL_ROLES, build_kernels, export_kernels  # noqa: E402
 from .cache import PagedAttentionKVCache  # noqa: E402
-from .config import AttnKind, KVCacheConfig, RopeMode, longrope_attention_factor  # noqa: E402
+from .config import AttnKind, KVCacheConfig, LayerSpan, RopeMode, longrope_attention_factor  # noqa: E402
 from .errors import (  # noqa: E402
     ArgumentError,
     CacheFullError,
@@ -41,6 +41,7 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheError",
     "KernelSet",
+    "LayerSpan",
     "PagedAttentionKVCache",
     "RopeMode",
     "SequenceError",

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 
 import tvm
 
-from .config import SUPPORTED_DTYPES, KVCacheConfig
+from .config import SUPPORTED_DTYPES, KVCacheConfig, LayerSpan
 from .deploy import DeployError, seal_library, verify_seal
 from .errors import ConfigError
 from .targets import check_can_compile, describe_target
@@ -39,15 +39,15 @@ if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lack
 
 _KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
 #: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions;
-#: 6: LongRoPE, rotary-dim and interleaved-RoPE fields among them).
-LIBRARY_FORMAT = 6
+#: 6: LongRoPE, rotary-dim and interleaved-RoPE fields among them; 7: the attention chunk).
+LIBRARY_FORMAT = 7
 #: Prefix of the functions of a built library that return its :func:`kernel_identity`.
 IDENTITY_PREFIX = "kernel_spec_"
 #: The fields of :func:`kernel_identity`, in order.
 IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
                    "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
                    "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
-                   "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved")
+                   "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size")
 Progress = Optional[Callable[[str], None]]
 
 
@@ -103,7 +103,7 @@ class KernelSetSpec:
     merge: tk.MergeSpec
     attention: tk.AttentionSpec
     sliding_window: bool
-    layer_window: int = 0
+    layer_span: LayerSpan = LayerSpan()
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> "KernelSetSpec":
@@ -128,7 +128,7 @@ class KernelSetSpec:
                                dtype=config.dtype),
             attention=attention,
             sliding_window=config.support_sliding_window or config.has_layer_windows,
-            layer_window=config.layer_sliding_window_size if config.has_layer_windows else 0,
+            layer_span=config.layer_span,
         )
 
     def roles(self) -> Tuple[str, ...]:
@@ -137,16 +137,16 @@ class KernelSetSpec:
         windowed = {
             "attention_prefill_sliding_window": self.sliding_window,
             "attention_decode_sliding_window": self.sliding_window,
-            "attention_prefill_ragged_sliding_window": bool(self.layer_window),
+            "attention_prefill_ragged_sliding_window": bool(self.layer_span),
         }
         return tuple(role for role in KERNEL_ROLES if windowed.get(role, True))
 
     def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
         """The PrimFuncs of the set, keyed by role (:meth:`roles`).
 
-        The ``_sliding_window`` variants take ``[3, B]`` length info; with per-layer windows
-        (``layer_window > 0``) they also mask keys outside each query's window, and a windowed
-        ragged kernel serves the new tokens of ``MHA_SLIDING`` layers.
+        The ``_sliding_window`` variants take ``[3, B]`` length info; with local layers
+        (``layer_span``: a window or an attention chunk) they also mask keys outside what each
+        query sees, and a windowed ragged kernel serves the new tokens of local layers.
         """
         return {role: self.kernel_function(role, sched) for role in self.roles()}
 
@@ -157,7 +157,8 @@ class KernelSetSpec:
         from . import tir_kernels as tk
 
         plain, windowed = self.attention, dataclasses.replace(
-            self.attention, sliding_window=True, window=self.layer_window)
+            self.attention, sliding_window=True, window=self.layer_span.window,
+            attention_chunk=self.layer_span.chunk)
         makers: Dict[str, Callable[[], tirx.PrimFunc]] = {
             "transpose_append": lambda: tk.make_transpose_append(self.page, sched),
             "split_rotary": lambda: tk.make_split_rotary(self.rope, sched),
@@ -444,7 +445,8 @@ def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
         "rope_theta": 0.0 if mla else float(config.rope_theta),
         "rope_scale": 0.0 if mla else float(config.rope_scale),
         "sliding_window": int(not mla and windows),
-        "layer_sliding_window_size": config.layer_sliding_window_size if not mla and config.has_layer_windows else 0,
+        "layer_sliding_window_size": config.layer_span.window,
+        "attention_chunk_size": config.layer_span.chunk,
         # LongRoPE: split_rotary takes the factors tensor (0: the apply-RoPE flag)
         "longrope_original_max_position": ((config.rope_original_max_position_embeddings or 0)
                                            if config.rope_ext_factors is not None else 0),

@@ -20,7 +20,7 @@ from . import metadata as md
 from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args, describe
 from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels, kernel_identity
-from .config import _DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
+from .config import _DTYPE_BYTES, LOCAL_KINDS, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ArgumentError, ConfigError, ForwardError, KVCacheError, SequenceError
 from .kernel_probe import decompressed_head_dims, probe_foreign_attention, probe_foreign_kernels
@@ -57,7 +57,7 @@ class _TreeViews:
 
 @dataclasses.dataclass(frozen=True)
 class _DepthViews:
-    """Device views of one depth: all its pages, the window of MHA_SLIDING layers, tree masks."""
+    """Device views of one depth: all its pages, what local layers read, tree masks."""
 
     qo_indptr: tvm.runtime.Tensor
     use_decode_kernel: bool
@@ -110,11 +110,14 @@ def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
                  "attention_decode"]
         if config.slides_sequences or config.has_layer_windows:
             roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
+        if config.layer_span.chunk:  # the plain ragged kernel cannot split a step at chunk boundaries
+            roles += ["attention_prefill_ragged_sliding_window"]
     roles += ["copy_single_page", "merge_inplace", "merge_general"]
     missing = kernels.missing(roles)
     if missing:
         raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
-                          "calls in every step; pass them (or let the cache build its own)")
+                          "calls in every step; pass them (or let the cache build its own; TVM has no kernels for "
+                          "MHA_CHUNKED_LOCAL layers)")
 
 
 def _with_kernel_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> KVCacheConfig:
@@ -216,7 +219,7 @@ class PagedAttentionKVCache:
         rope = config.effective_rope_mode
         self._rotary_mode = int(rope == RopeMode.INLINE and not self._mla)  # MLA: the model applies RoPE
         self._split_rope_argument = None if self._mla else split_rotary_rope_argument(config, device)
-        self._windowed_layers = tuple(kind == AttnKind.MHA_SLIDING for kind in config.attn_kinds)
+        self._windowed_layers = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
         self._decode_planner = DecodePlanner(config.page_size)
@@ -234,8 +237,9 @@ class PagedAttentionKVCache:
         self._appended_layers: set = set()  # layers whose K/V this step has appended
         # most tokens a sequence may append per step: MHA_SLIDING layers without the windowed
         # ragged kernel are exact only while the new tokens fit in the window (0: no limit)
-        self._unwindowed_chunk_limit = (config.layer_sliding_window_size if config.has_layer_windows and
-                                        kernels.attention_prefill_ragged_sliding_window is None else 0)
+        # (MHA_CHUNKED_LOCAL layers require that kernel: see _check_required_kernels)
+        self._unwindowed_chunk_limit = (config.layer_span.window
+                                        if kernels.attention_prefill_ragged_sliding_window is None else 0)
         if kernels.identity is None:
             probe_foreign_attention(self)
 
@@ -293,8 +297,8 @@ class PagedAttentionKVCache:
         appends more tokens than the window (as TVM does). Enabling a window on a sequence
         longer than it frees pages at its next append.
 
-        Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` layers,
-        where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
+        Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` or
+        ``MHA_CHUNKED_LOCAL`` layers, where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
         of the kept tokens in the cache (StreamingLLM style), as in TVM.
         """
         seq_id, size = _as_int("seq_id", seq_id), as_int32("sliding_window_size", sliding_window_size)
@@ -496,15 +500,15 @@ class PagedAttentionKVCache:
                    trees: Optional[List[TokenTree]]) -> md.StepMetadata:
         paging, cfg = self._paging, self.config
         sliding = cfg.slides_sequences
-        layer_window = cfg.layer_sliding_window_size if cfg.has_layer_windows else 0
+        span = cfg.layer_span
         structure = md.BatchStructure.collect(paging, seq_ids, append_lengths, trees)
         extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
         append_before_attn = (not sliding and structure.use_decode_kernel[-1]) or extends_tree
         if append_before_attn:
             reused = paging.reserve_append(seq_ids, append_lengths)
-            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
+            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_span=span)
         else:
-            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_window=layer_window)
+            depths = md.build_depths(paging, structure, sliding_window=sliding, layer_span=span)
             reused = paging.reserve_append(seq_ids, append_lengths)
         if trees is not None:
             for seq_id, tree in zip(seq_ids, trees):
@@ -937,8 +941,8 @@ class PagedAttentionKVCache:
         return self._context
 
     def _ragged_attention(self, step: _DeviceStep, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
-        """Causal attention of the step's queries over the step's k/v (windowed on MHA_SLIDING
-        layers when the kernel set has the windowed ragged kernel)."""
+        """Causal attention of the step's queries over the step's k/v (windowed on local layers
+        when the kernel set has the windowed ragged kernel)."""
         cfg, kernels = self.config, self._kernels
         if step.ragged_tree is not None:
             kernels.attention_prefill_ragged_tree(
@@ -974,8 +978,8 @@ class PagedAttentionKVCache:
     def _run_depth(self, step: _DeviceStep, layer: int, depth: _DepthViews, views: _PageViews, q, o, lse,
                    sm_scale: float) -> None:
         """One depth's paged attention. Kernel choice and ``causal`` follow TVM: sliding-window
-        variants for MHA_SLIDING layers and for caches whose sequences slide; ``causal`` is set
-        for MHA_SLIDING layers outside decode (their kernels mask by window)."""
+        variants for local layers and for caches whose sequences slide; ``causal`` is set
+        for local layers outside decode (their kernels mask by position)."""
         cfg, k = self.config, self._kernels
         windowed = self._windowed_layers[layer]
         sliding = windowed or cfg.slides_sequences
@@ -1213,7 +1217,7 @@ class PagedAttentionKVCache:
             return ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
                                 "created with support_sliding_window)")
         if cfg.slides_sequences or cfg.has_layer_windows:
-            return ForwardError("token-tree attention does not support sliding windows")
+            return ForwardError("token-tree attention does not support sliding windows or chunked local layers")
         missing = self._kernels.missing(("attention_prefill_tree", "attention_prefill_ragged_tree"))
         if missing:
             return KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "

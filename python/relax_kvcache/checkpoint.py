@@ -28,7 +28,8 @@ from .tensors import allocate, numpy_dtype, view
 FORMAT_VERSION = 1
 CACHE_TYPE = "relax.vm.PagedAttentionKVCache"
 PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
-_KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding"}
+_KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding",
+               AttnKind.MHA_CHUNKED_LOCAL: "mha_chunked_local"}  # the last is ours (TVM has no such kind)
 _ROPE_NAMES = {RopeMode.NONE: "none", RopeMode.NORMAL: "normal", RopeMode.INLINE: "inline"}
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Longest sequence a checkpoint may hold (TVM's sizes are int32).
@@ -74,7 +75,7 @@ def _rope_fields(config: KVCacheConfig) -> List[Tuple[str, Any]]:
         ("rope_mode", _ROPE_NAMES[config.effective_rope_mode]), ("rotary_scale", float(config.rope_scale)),
         ("rotary_theta", float(config.rope_theta)), ("has_rope_ext_factors", config.rope_ext_factors is not None),
         ("support_sliding_window", config.support_sliding_window),
-        ("support_layer_sliding_window", config.has_layer_windows),
+        ("support_layer_sliding_window", AttnKind.MHA_SLIDING in config.attn_kinds),
     ]
 
 

@@ -234,6 +234,8 @@ def _add_build_parser(commands: argparse._SubParsersAction) -> None:
                        help="support per-sequence sliding windows (builds the windowed attention kernels)")
     build.add_argument("--layer-window", type=int, metavar="N",
                        help="window of MHA_SLIDING layers (builds the per-layer windowed kernels)")
+    build.add_argument("--attention-chunk", type=int, metavar="N",
+                       help="chunk of MHA_CHUNKED_LOCAL layers (Llama 4; builds the chunked local kernels)")
     build.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk kernel cache")
     build.add_argument("--quiet", action="store_true", help="print only the summary line")
 
@@ -243,10 +245,16 @@ def build_config(args: argparse.Namespace) -> KVCacheConfig:
 
     Layer and page counts are placeholders: the kernels do not depend on them
     (:class:`relax_kvcache.build.KernelSetSpec`). With ``--layer-window`` one of two layers is
-    ``MHA_SLIDING``.
+    ``MHA_SLIDING``, with ``--attention-chunk`` ``MHA_CHUNKED_LOCAL`` (both: the config refuses).
     """
-    kinds = None if args.layer_window is None else (AttnKind.MHA_SLIDING, AttnKind.MHA)
-    window = {} if args.layer_window is None else {"layer_sliding_window_size": args.layer_window}
+    local, window = [], {}
+    if args.layer_window is not None:
+        local.append(AttnKind.MHA_SLIDING)
+        window["layer_sliding_window_size"] = args.layer_window
+    if args.attention_chunk is not None:
+        local.append(AttnKind.MHA_CHUNKED_LOCAL)
+        window["attention_chunk_size"] = args.attention_chunk
+    kinds = (*local, AttnKind.MHA) if local else None
     return KVCacheConfig(
         num_layers=1 if kinds is None else len(kinds), num_qo_heads=args.num_qo_heads,
         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=args.page_size,

@@ -38,11 +38,43 @@ class RopeMode(enum.IntEnum):
 
 
 class AttnKind(enum.IntEnum):
-    """Attention kind of a layer (TVM's values)."""
+    """Attention kind of a layer (TVM's values; ``MHA_CHUNKED_LOCAL`` is ours)."""
 
     MHA = 0
     MLA = 1
     MHA_SLIDING = 3
+    MHA_CHUNKED_LOCAL = 4  # ours (TVM has no such kind): Llama 4's chunked local attention
+
+
+LOCAL_KINDS = (AttnKind.MHA_SLIDING, AttnKind.MHA_CHUNKED_LOCAL)  # layers whose keys are bounded by position
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpan:
+    """The keys a query of a local layer sees, by absolute position: ``[first_visible(p), p]``.
+
+    ``window > 0``: a sliding window, keys in ``(p - window, p]`` (``AttnKind.MHA_SLIDING``).
+    ``chunk > 0``: chunked local attention (Llama 4's ``attention_chunk_size``), keys of the
+    query's own chunk, ``[p - p % chunk, p]`` (``AttnKind.MHA_CHUNKED_LOCAL``). One of the two.
+    """
+
+    window: int = 0
+    chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.window >= 0 and self.chunk >= 0 and not (self.window and self.chunk)):
+            raise ValueError(f"a layer span is a window or an attention chunk (non-negative, not both), "
+                             f"got window {self.window}, chunk {self.chunk}")
+
+    def __bool__(self) -> bool:
+        return bool(self.window or self.chunk)
+
+    def first_visible(self, pos):
+        """First key position a query at ``pos`` sees (a Python int or a TIR int32 expression;
+        ``%`` is floor modulo for both, and positions are never negative)."""
+        if self.window:
+            return pos - self.window + 1
+        return pos - pos % self.chunk
 
 
 def _kind(value: object) -> int:
@@ -197,6 +229,12 @@ class KVCacheConfig:
         Per-layer attention kind; defaults to MHA everywhere.
     layer_sliding_window_size : int
         Window of ``AttnKind.MHA_SLIDING`` layers (TVM's optional 6th ``cache_config`` entry).
+    attention_chunk_size : int, optional
+        Chunk of ``AttnKind.MHA_CHUNKED_LOCAL`` layers (Llama 4's chunked local attention, HF's
+        ``attention_chunk_size``): a query at position ``p`` sees the keys at positions
+        ``[p - p % attention_chunk_size, p]``. Required with such layers, refused without them;
+        a cache has ``MHA_SLIDING`` or ``MHA_CHUNKED_LOCAL`` layers, not both (one set of local
+        kernels).
     mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
         MLA caches: q/k and v head dims of the decompressed self-attention over the step's new
         tokens (DeepSeek-V3: 128 + 64 = 192 and 128), as in TVM's frontend. Our kernels need
@@ -237,6 +275,7 @@ class KVCacheConfig:
     support_sliding_window: bool = False
     attn_kinds: Optional[Tuple[AttnKind, ...]] = None
     layer_sliding_window_size: int = 1024
+    attention_chunk_size: Optional[int] = None
     mla_original_qk_head_dim: Optional[int] = None
     mla_original_v_head_dim: Optional[int] = None
     context_chunk_size: Optional[int] = None
@@ -272,6 +311,7 @@ class KVCacheConfig:
             self._check_mla()
         else:
             self._check_mha()
+        self._check_local_layers()
         self._check_rotary_dim()
         self._check_longrope()
         chunk = self.prefill_chunk_size if self.context_chunk_size is None else self.context_chunk_size
@@ -367,6 +407,22 @@ class KVCacheConfig:
             object.__setattr__(self, "mla_original_qk_head_dim", qk)  # Python ints: no int64 wraparound
             object.__setattr__(self, "mla_original_v_head_dim", v)
 
+    def _check_local_layers(self) -> None:
+        chunked = AttnKind.MHA_CHUNKED_LOCAL in self.attn_kinds
+        if not chunked:
+            if self.attention_chunk_size is not None:
+                raise ConfigError(f"KVCacheConfig.attention_chunk_size applies to AttnKind.MHA_CHUNKED_LOCAL layers "
+                                  f"only, got {describe(self.attention_chunk_size)} with attn_kinds "
+                                  f"{[k.name for k in self.attn_kinds]}")
+            return
+        if AttnKind.MHA_SLIDING in self.attn_kinds:
+            raise ConfigError("KVCacheConfig.attn_kinds mixes MHA_SLIDING and MHA_CHUNKED_LOCAL layers "
+                              f"({[k.name for k in self.attn_kinds]}); a cache has one kind of local layer")
+        if self.attention_chunk_size is None:
+            raise ConfigError("KVCacheConfig.attention_chunk_size is required with AttnKind.MHA_CHUNKED_LOCAL layers "
+                              f"(attn_kinds {[k.name for k in self.attn_kinds]}), got None")
+        object.__setattr__(self, "attention_chunk_size", _positive("attention_chunk_size", self.attention_chunk_size))
+
     def _check_rotary_dim(self) -> None:
         interleaved = as_bool("KVCacheConfig.rope_interleaved", self.rope_interleaved, error=ConfigError)
         object.__setattr__(self, "rope_interleaved", interleaved)
@@ -419,7 +475,7 @@ class KVCacheConfig:
         try:  # base-class reads: a subclass's own iteration does not run
             kinds = tuple(as_int_list("KVCacheConfig.attn_kinds", kinds, max_len=MAX_NUM_LAYERS))
         except KVCacheError:
-            raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints (0, 1 or 3), "
+            raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints (0, 1, 3 or 4), "
                               f"got {describe(kinds)} of type {type(kinds).__name__}") from None
         if len(kinds) != self.num_layers:
             raise ConfigError(
@@ -428,7 +484,8 @@ class KVCacheConfig:
             return tuple(AttnKind(_kind(k)) for k in kinds)
         except ValueError:
             raise ConfigError(
-                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA) or 3 (MHA_SLIDING), got {describe(kinds)}"
+                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 (MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), "
+                f"got {describe(kinds)}"
             ) from None
 
     @property
@@ -451,9 +508,19 @@ class KVCacheConfig:
 
     @property
     def has_layer_windows(self) -> bool:
-        """Whether some layer is ``AttnKind.MHA_SLIDING`` (attends over the last
-        ``layer_sliding_window_size`` tokens only)."""
-        return AttnKind.MHA_SLIDING in self.attn_kinds
+        """Whether some layer is local: ``AttnKind.MHA_SLIDING`` (attends over the last
+        ``layer_sliding_window_size`` positions) or ``AttnKind.MHA_CHUNKED_LOCAL`` (over its
+        query's attention chunk). Such caches run the windowed kernels (``[3, B]`` length info)."""
+        return any(kind in LOCAL_KINDS for kind in self.attn_kinds)
+
+    @property
+    def layer_span(self) -> LayerSpan:
+        """What the local layers' queries see (falsy when no layer is local)."""
+        if AttnKind.MHA_CHUNKED_LOCAL in self.attn_kinds:
+            return LayerSpan(chunk=self.attention_chunk_size)
+        if AttnKind.MHA_SLIDING in self.attn_kinds:
+            return LayerSpan(window=self.layer_sliding_window_size)
+        return LayerSpan()
 
     @property
     def slides_sequences(self) -> bool:

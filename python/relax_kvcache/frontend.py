@@ -75,6 +75,8 @@ class CacheLayout:
         Per layer (default all ``MHA``).
     layer_sliding_window_size : int
         Window of ``MHA_SLIDING`` layers.
+    attention_chunk_size : int, optional
+        Chunk of ``MHA_CHUNKED_LOCAL`` layers (Llama 4's chunked local attention).
     sliding_window : bool
         Whether sequences may get sliding windows (``enable_sliding_window_for_seq``); adds the
         windowed kernels.
@@ -101,6 +103,7 @@ class CacheLayout:
     dtype: str = "float16"
     attn_kinds: Optional[Sequence[AttnKind]] = None
     layer_sliding_window_size: int = 1024
+    attention_chunk_size: Optional[int] = None
     sliding_window: bool = False
     mla_original_qk_head_dim: Optional[int] = None
     mla_original_v_head_dim: Optional[int] = None
@@ -118,6 +121,7 @@ class CacheLayout:
             rope_attention_factor=self.rope_attention_factor, dtype=self.dtype,
             support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,
             layer_sliding_window_size=self.layer_sliding_window_size,
+            attention_chunk_size=self.attention_chunk_size,
             mla_original_qk_head_dim=self.mla_original_qk_head_dim,
             mla_original_v_head_dim=self.mla_original_v_head_dim))
 
@@ -166,7 +170,8 @@ class PagedKVCache(nn.Object):
 
         args = [
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
-                          int(layout.sliding_window), layout.layer_sliding_window_size]),
+                          int(layout.sliding_window), layout.layer_sliding_window_size,
+                          layout.attention_chunk_size or 0]),  # 7th entry: ours (TVM's creation reads 6)
             rx.ShapeExpr([0, layout.num_layers]),
             rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
             rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),
@@ -184,7 +189,7 @@ class PagedKVCache(nn.Object):
             rx.Tuple(merges),
             function("split_rotary"), kernels["copy_single_page"], kernels["debug_get_kv"],
             function("compact_copy"),
-            # 29th argument (TVM's creation ignores it): the windowed ragged kernel of MHA_SLIDING layers
+            # 29th argument (TVM's creation ignores it): the windowed ragged kernel of local layers
             attention("attention_prefill_ragged_sliding_window"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)

@@ -355,7 +355,8 @@ def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
     want = None
     k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
     rope = cfg.effective_rope_mode
-    window = cfg.layer_sliding_window_size if cache._windowed_layers[layer] else len(k)
+    # positions 0 .. len(k) - 1 lie in one window (or attention chunk) iff it spans len(k)
+    window = (cfg.layer_span.window or cfg.layer_span.chunk) if cache._windowed_layers[layer] else len(k)
     if len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k)):  # queries as the kernel sees them
         q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
         group = hq // hkv

@@ -19,6 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .config import LayerSpan
 from .paging import Block, PagingState
 from .token_tree import TokenTree
 
@@ -52,11 +53,13 @@ class TreeMask:
 
 @dataclasses.dataclass(frozen=True)
 class WindowPages:
-    """The part of a depth's pages an ``MHA_SLIDING`` layer reads (window of ``W`` tokens).
+    """The part of a depth's pages a local layer reads (``MHA_SLIDING``: a window of ``W``
+    tokens; ``MHA_CHUNKED_LOCAL``: the query's attention chunk; see ``LayerSpan``).
 
-    Per chunk, keys before ``min query position - W + 1`` are dropped: whole pages from
-    ``page_indices`` and the rest through the window offset of ``length_info``; the kernels mask
-    the remaining keys per query by absolute position.
+    Per chunk, keys before the first one its earliest query sees (``min query position - W + 1``,
+    or the start of that query's attention chunk) are dropped: whole pages from ``page_indices``
+    and the rest through the window offset of ``length_info``; the kernels mask the remaining
+    keys per query by absolute position.
 
     Attributes
     ----------
@@ -98,7 +101,8 @@ class DepthMetadata:
     use_decode_kernel : bool
         Whether this depth runs the decode kernel (then c == B and every chunk has one query).
     window : WindowPages, optional
-        What ``MHA_SLIDING`` layers read at this depth (caches with per-layer windows only).
+        What local layers read at this depth (caches with ``MHA_SLIDING`` or
+        ``MHA_CHUNKED_LOCAL`` layers only).
     tree : TreeMask, optional
         Token-tree masks when this depth runs the paged tree kernel (trees appended before
         attention, i.e. a step that extends an uncommitted tree).
@@ -255,15 +259,15 @@ _EMPTY_BLOCK = Block(index=-1)
 
 
 def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_window: bool,
-                 layer_window: int = 0) -> Tuple[DepthMetadata, ...]:
+                 layer_span: LayerSpan = LayerSpan()) -> Tuple[DepthMetadata, ...]:
     """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop).
 
     Each chunk reads the pages of its block, or at the deepest level of its block followed by
     the sequence's trailing blocks; its last page length, window offset and sink size come from
     the last block of that chain (see `_window_info`), its RoPE offset from the first block's
     start position.
-    With ``layer_window > 0`` each depth also carries the :class:`WindowPages` of
-    ``MHA_SLIDING`` layers. (Scalar Python per chunk and one array per output: cheaper than
+    With a ``layer_span`` (a window or an attention chunk) each depth also carries the
+    :class:`WindowPages` of the local layers. (Scalar Python per chunk and one array per output: cheaper than
     numpy on small batches.)
     """
     page_size = paging.page_size
@@ -286,9 +290,9 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
         else:
             length_info = np.array(last_page_len, dtype=np.int32)
         window = None
-        if layer_window:
+        if layer_span:
             window = _window_pages(page_lists, lengths, last_page_len, [h.start_pos for h in heads],
-                                   [p for _, _, p in chunks], layer_window, page_size)
+                                   [p for _, _, p in chunks], layer_span, page_size)
         depths.append(DepthMetadata(
             qo_indptr=indptr([n for _, n, _ in chunks]),
             page_indptr=indptr([len(p) for p in page_lists]),
@@ -317,12 +321,12 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
     return offsets, sinks
 
 
-def _window_pages(page_lists, lengths, last_page_len, starts, min_positions, window: int,
+def _window_pages(page_lists, lengths, last_page_len, starts, min_positions, span: LayerSpan,
                   page_size: int) -> WindowPages:
     """Per chunk, the pages from the first key its earliest query can see (see WindowPages)."""
     kept, info, k_start = [], [[], [], []], []
     for pages, length, last, start, position in zip(page_lists, lengths, last_page_len, starts, min_positions):
-        skip = max(0, position - window + 1 - start)  # keys of the chunk no query can see
+        skip = max(0, span.first_visible(position) - start)  # keys of the chunk no query can see
         if skip >= length:
             kept.append(())
             info[0].append(0), info[1].append(0), info[2].append(0)

@@ -96,15 +96,22 @@ class ReferenceCache:
         0 none, 1 normal (stored K is rotated), 2 inline (stored K is not rotated).
     rope_theta, rope_scale : float
         RoPE parameters.
+    layer_windows : list of int, optional
+        Per layer, the window of an ``MHA_SLIDING`` layer (keys at positions ``(p - W, p]``), 0
+        for none.
+    layer_chunks : list of int, optional
+        Per layer, the attention chunk of an ``MHA_CHUNKED_LOCAL`` layer (keys at positions
+        ``[p - p % C, p]``), 0 for none.
     """
 
     def __init__(self, num_layers: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  rope_mode: int, rope_theta: float = 1e4, rope_scale: float = 1.0,
-                 layer_windows: Optional[list] = None) -> None:
+                 layer_windows: Optional[list] = None, layer_chunks: Optional[list] = None) -> None:
         self.num_layers, self.num_qo_heads = num_layers, num_qo_heads
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.rope_mode, self.rope_theta, self.rope_scale = rope_mode, rope_theta, rope_scale
         self.layer_windows = list(layer_windows) if layer_windows is not None else [0] * num_layers
+        self.layer_chunks = list(layer_chunks) if layer_chunks is not None else [0] * num_layers
         self.k: dict = {}
         self.v: dict = {}
         self.pos: dict = {}  # seq -> RoPE position of every stored token
@@ -199,12 +206,15 @@ class ReferenceCache:
                 if self.rope_mode != 0:
                     q = rope(q, q_pos, self.rope_theta, self.rope_scale)
                     k = rope(k, k_pos, self.rope_theta, self.rope_scale)
-                window = self.layer_windows[layer]
+                window, chunk = self.layer_windows[layer], self.layer_chunks[layer]
                 mask = masks.get(seq_id)
                 if window:
                     mask = k_pos[None, :] > q_pos[:, None] - window
+                elif chunk:
+                    mask = k_pos[None, :] // chunk == q_pos[:, None] // chunk
+                local = bool(window or chunk)
                 out[offset:offset + n], _ = attention(q, k, self.v[seq_id][layer], sm_scale,
-                                                      causal=mask is None or bool(window), mask=mask)
+                                                      causal=mask is None or local, mask=mask)
                 offset += n
             outputs.append(out)
         for seq_id, _ in batch:

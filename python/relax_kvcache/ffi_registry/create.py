@@ -4,7 +4,8 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
 
 ====  ==========================================================================================
  0    cache_config: (reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size,
-      support_sliding_window[, layer_sliding_window_size])
+      support_sliding_window[, layer_sliding_window_size[, attention_chunk_size]]); the 7th
+      entry is ours (the chunk of AttnKind.MHA_CHUNKED_LOCAL = 4 layers, 0 for none)
  1    layer_indptr: (layer_begin, layer_end) of this group
  2-5  num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim
  6    attn_kinds (per layer, AttnKind values)
@@ -42,10 +43,11 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     """
     if len(args) not in (28, 29):
         raise ArgumentError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
-    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=6, error=ConfigError)
-    if len(cache_config) not in (5, 6):
+    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=7, error=ConfigError)
+    if len(cache_config) not in (5, 6, 7):
         raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, prefill_chunk_size, "
-                          f"page_size, support_sliding_window[, layer_sliding_window_size]), got {cache_config}")
+                          "page_size, support_sliding_window[, layer_sliding_window_size[, attention_chunk_size]]), "
+                          f"got {cache_config}")
     if cache_config[4] not in (0, 1):
         raise ConfigError(f"cache_config[4] (support_sliding_window) must be 0 or 1, got {cache_config[4]}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
@@ -84,7 +86,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         dtype=str(init.dtype),
         support_sliding_window=bool(cache_config[4]),
         attn_kinds=attn_kinds[begin:end],
-        layer_sliding_window_size=cache_config[5] if len(cache_config) == 6 else 1024,
+        layer_sliding_window_size=cache_config[5] if len(cache_config) >= 6 else 1024,
+        attention_chunk_size=cache_config[6] if len(cache_config) == 7 and cache_config[6] != 0 else None,
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
         rope_rotary_dim=len(ext_factors) if ext_factors is not None and len(ext_factors) < heads[2] else None,

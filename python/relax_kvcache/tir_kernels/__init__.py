@@ -20,10 +20,11 @@ from .page_ops import (
 )
 from .rope import make_split_rotary
 from .schedule import CpuSchedule, schedule_for
-from .spec import AttentionSpec, LatentPageSpec, LongRopeSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
+from .spec import AttentionSpec, LatentPageSpec, LayerSpan, LongRopeSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
 
 __all__ = [
     "AttentionSpec",
+    "LayerSpan",
     "CpuSchedule",
     "LatentPageSpec",
     "LongRopeSpec",

@@ -113,7 +113,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     normalised output and base-2 LSE. Decode tiles read K and V in place (with inline RoPE the
     chunk's K rows are rotated into a float32 buffer first); prefill tiles stage the chunk's K
     and V in float32 (see ``stage`` below). Keys are masked causally (``causal``), by window
-    (``spec.window``), or, with ``tree``, by the token tree ``tree_src = (tree_mask, first mask
+    or attention chunk (``spec.span``), or, with ``tree``, by the token tree ``tree_src = (tree_mask, first mask
     row, tree size)``: the last ``tree size`` KV rows are the tree's nodes, the queries its last
     ``q_len`` nodes.
     """
@@ -121,7 +121,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
     lanes = sched.lanes_for(D)
     v_lanes = sched.lanes_for(DV)
     pv_lanes = 2 * v_lanes if DV % (2 * v_lanes) == 0 else v_lanes  # two registers per row in P @ V
-    rows, half, window, rb = q_tile * G, D // 2, spec.window, row_block(G)
+    rows, half, span, local, rb = q_tile * G, D // 2, spec.span, spec.is_local, row_block(G)
     # Tiles of several query tokens (prefill) stage each KV chunk in float32: the copy is paid
     # once for q_tile * G rows, and P @ V then reads V rows at a short stride (ragged V rows lie
     # Hkv * DV elements apart: 4 KiB for 8 x 128 float32, so the column-block walk of
@@ -220,7 +220,7 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                     tree_mask_chunk(s, nq * G, nt, G, tree_src, tok0 - qbeg + tree_src[2] - q_len, c * chunk,
                                     kv_len - tree_src[2])
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
-            elif window == 0:
+            elif not local:
                 for c in T.serial(_causal_chunks(causal, first_row_limit, nq, kv_len, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
                     score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, (inv_freq, rot), part)
@@ -228,15 +228,15 @@ def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: in
                         causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             else:
-                # Only the chunks holding keys in (min q_pos - window, max q_pos] are visited.
+                # Only the chunks holding keys in [first visible of min q_pos, max q_pos] are visited.
                 query_position_range(bounds, q_rope_position, tok0, nq)
-                row_lo: T.let[T.int32] = T.max(bounds[0] - window + 1 - k_pos0, 0)
+                row_lo: T.let[T.int32] = T.max(span.first_visible(bounds[0]) - k_pos0, 0)
                 row_hi: T.let[T.int32] = T.if_then_else(
                     causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
                 for c in T.serial(row_lo // chunk, ceildiv(row_hi, chunk)):
                     nt: T.let[T.int32] = T.min(chunk, kv_len - c * chunk)
                     score(s, qs, kc, vc, kv_src, h, c * chunk, nt, nq * G, rotary_mode, k_pos0, (inv_freq, rot), part)
-                    window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, window, causal)
+                    window_mask_chunk(s, nq * G, nt, G, q_rope_position, tok0, k_pos0 + c * chunk, span, causal)
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             for r in T.serial(nq * G):
                 store_row(o, lse, (tok0 + r // G, h * G + r % G), (tok0 + r // G, h * G + r % G),
@@ -575,7 +575,7 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     Serves decode (one query per sequence) and prefill alike, as in TVM.
     """
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
-    if spec.num_kv_heads != 1 or DV > W or spec.sliding_window or spec.window:
+    if spec.num_kv_heads != 1 or DV > W or spec.sliding_window or spec.span:
         raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "
                          f"got {spec}")
     if isinstance(sched, GpuSchedule):

@@ -154,7 +154,7 @@ def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lane
     """
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     R, KC, NT = rows, kv_chunk, threads
-    half, window = D // 2, spec.window
+    half, span = D // 2, spec.span
     n_qvec = half // lanes
     n_vvec = DV // v_lanes
 
@@ -174,9 +174,9 @@ def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lane
                 j < tree_start, tirx.const(True, "bool"),
                 T.And(tree_src[0][node_k, 0] <= tree_src[0][node_q, 0],
                       tree_src[0][node_q, 0] < tree_src[0][node_k, 1]))
-        if window > 0:
+        if span:
             q_pos = q_rope_position[qbeg + qi]
-            lower = k_pos0 + j > q_pos - window
+            lower = k_pos0 + j >= span.first_visible(q_pos)
             return T.if_then_else(causal > 0, T.And(lower, k_pos0 + j <= q_pos), lower)
         return T.Or(causal == 0, j <= kv_len - q_len + qi)
 
@@ -278,8 +278,8 @@ def tile_io(spec: AttentionSpec, *, rows: int, kv_chunk: int, threads: int, lane
         """(first, end) chunk indices a tile must visit (bounds: query position (min, max))."""
         if tree:
             return 0, ceildiv(kv_len, KC)
-        if window > 0:
-            row_lo = T.max(bounds[0] - window + 1 - k_pos0, 0)
+        if span:
+            row_lo = T.max(span.first_visible(bounds[0]) - k_pos0, 0)
             row_hi = T.if_then_else(causal > 0, T.max(T.min(kv_len, bounds[1] - k_pos0 + 1), 0), kv_len)
             return row_lo // KC, T.max(ceildiv(row_hi, KC), row_lo // KC)
         visible_rows = T.max(kv_len - q_len + tile0 + nq, 0)
@@ -396,7 +396,7 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
         bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
         nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
-        if spec.window > 0:
+        if spec.is_local:
             query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
         c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
         c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)

@@ -83,7 +83,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
     ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V).
     """
     shape = DecodeShape.choose(spec, sched)
-    G, D, DV, dtype, window = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.window
+    G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
     BX, BY, NT = shape.bdx, shape.bdy, shape.threads
     EK, EV, KL, VL, GR, U = shape.ek, shape.ev, shape.k_lanes, shape.v_lanes, shape.rows, shape.unroll
     half, groups = D // 2, NT // BX
@@ -91,8 +91,8 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
     LOG_BX = BX.bit_length() - 1
 
     def first_visible(pos, k_pos0):
-        """First KV row a decode query at ``pos`` sees (a window shows ``(pos - window, pos]``)."""
-        return T.max(pos - window + 1 - k_pos0, 0) if window > 0 else T.int32(0)
+        """First KV row a decode query at ``pos`` sees (a local layer: ``span.first_visible(pos)``)."""
+        return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
 
     def rope(x, partner, d, pos, rope_scale, rope_theta):
         """Element d of a RoPE'd row from its value and its pair's (both float32)."""
@@ -226,7 +226,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
         tz: T.let[T.int32] = tx // (BX * BY)
         hq0: T.let[T.int32] = h * G + tz * GR
         pos: T.let[T.int32] = q_rope_position[b]
-        # rows a window leaves visible: positions in (pos - window, pos]
+        # rows a window or attention chunk leaves visible: positions in [first visible, pos]
         lo: T.let[T.int32] = first_visible(pos, k_pos0)
         per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
         s_lo: T.let[T.int32] = lo + split * per_split

@@ -233,7 +233,7 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
         g: T.let[T.int32] = tx % 32 // 4
         t: T.let[T.int32] = tx % 4
         nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
-        if spec.window > 0:
+        if spec.is_local:
             query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
         c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
         c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)

@@ -260,13 +260,13 @@ def causal_mask_chunk(s, rows, nt, group: T.int32, col0, first_row_limit):
 
 
 @T.macro
-def window_mask_chunk(s, rows, nt, group: T.int32, q_rope_position, tok0, k_pos_first, window: T.int32,
-                      causal):
+def window_mask_chunk(s, rows, nt, group: T.int32, q_rope_position, tok0, k_pos_first, span, causal):
     """Mask s[r, t] (-inf) unless key position ``k_pos_first + t`` lies in
-    ``(q_pos - window, q_pos]`` of row r's query (upper bound only when ``causal``)."""
+    ``[span.first_visible(q_pos), q_pos]`` of row r's query (upper bound only when ``causal``;
+    ``span`` a :class:`LayerSpan`: a sliding window or an attention chunk)."""
     for r in T.serial(rows):
         for t in T.serial(nt):
-            if k_pos_first + t <= q_rope_position[tok0 + r // group] - window:
+            if k_pos_first + t < span.first_visible(q_rope_position[tok0 + r // group]):
                 s[r, t] = NEG_INF
             elif causal > 0 and k_pos_first + t > q_rope_position[tok0 + r // group]:
                 s[r, t] = NEG_INF

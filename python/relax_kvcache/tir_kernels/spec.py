@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import SUPPORTED_DTYPES
+from ..config import SUPPORTED_DTYPES, LayerSpan
 
 
 def _check(cond: bool, message: str) -> None:
@@ -133,6 +133,9 @@ class AttentionSpec:
     ``(q_pos - window, q_pos]`` (``q_rope_position`` for queries, ``k_rope_pos_offset + row``
     for keys); with ``causal`` the upper bound is applied by position as well. This is how
     ``AttnKind.MHA_SLIDING`` layers see their window across chunks and prefix blocks.
+    ``attention_chunk > 0`` instead restricts a query at ``q_pos`` to the keys of its own
+    attention chunk, ``[q_pos - q_pos % attention_chunk, q_pos]`` (``AttnKind.MHA_CHUNKED_LOCAL``,
+    Llama 4's chunked local attention); see :class:`LayerSpan`.
     """
 
     num_qo_heads: int
@@ -143,10 +146,12 @@ class AttentionSpec:
     page_size: int = 16
     sliding_window: bool = False
     window: int = 0
+    attention_chunk: int = 0
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
-        _check(self.window >= 0, f"window must be >= 0, got {self.window}")
+        _check(self.window >= 0 and self.attention_chunk >= 0 and not (self.window and self.attention_chunk),
+               f"window and attention_chunk must be >= 0 and not both set, got {self.window}, {self.attention_chunk}")
         _check(self.num_qo_heads % self.num_kv_heads == 0,
                f"num_qo_heads ({self.num_qo_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _check(self.qk_head_dim % 2 == 0, f"qk_head_dim must be even, got {self.qk_head_dim}")
@@ -154,3 +159,13 @@ class AttentionSpec:
     @property
     def group_size(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def span(self) -> LayerSpan:
+        """The keys each query sees by position (falsy: no positional restriction)."""
+        return LayerSpan(window=self.window, chunk=self.attention_chunk)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether keys are restricted by position (a window or an attention chunk)."""
+        return bool(self.span)
