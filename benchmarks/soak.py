@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
     parser.add_argument("--report-every", type=int, default=0, help="progress line every N ops (default ops/20)")
     parser.add_argument("--leak-mb", type=float, default=20.0, help="allowed RSS growth after 10%% of the run")
-    parser.add_argument("--kinds", default=",".join(sm.KINDS), help="caches to drive: plain,sliding")
+    parser.add_argument("--kinds", default=",".join(sm.KINDS), help="caches to drive: plain,sliding,chunked")
     args = parser.parse_args(argv)
     summary = run(args.ops, args.seed, args.report_every, args.leak_mb, tuple(args.kinds.split(",")))
     return 1 if summary["mismatches"] or summary["leak"] else 0

@@ -32,8 +32,13 @@ window was enabled with (``max(sink - prefix, 0)``), and a ``popn`` into a share
 sequence, keeping its window and sink the same way (no sink check: the re-fork is inside prefix
 blocks, which never slide).
 
+Chunked local attention (the ``chunked`` cache: layer 0 is ``MHA_CHUNKED_LOCAL`` with chunks of
+``ATTENTION_CHUNK`` tokens, not a multiple of the page size): a step's token at position p of layer 0
+attends to the keys at positions ``[p - p % ATTENTION_CHUNK, p]``; paging is the plain cache's (no
+sliding windows are enabled there).
+
 Token trees (``tree_step`` with ``token_tree_parent_ptr``, plain cache only: caches with sliding
-windows raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
+windows or chunked layers raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
 ``cache_model``'s semantics: a sequence's uncommitted tree nodes follow its tokens; a node attends to
 the tokens before its tree, its ancestors and itself; a commit keeps, after the tokens before the
 tree, the accepted path's nodes (indices in the whole tree, over all its steps) and pops the rest
@@ -64,7 +69,8 @@ NUM_LAYERS = 2
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 1, 16
 CHUNK = 32  # prefill_chunk_size: the most tokens one step may append
 SM_SCALE = HEAD_DIM ** -0.5
-KINDS = ("plain", "sliding")
+ATTENTION_CHUNK = 6  # the chunked cache's layer 0: not a multiple of PAGE_SIZE
+KINDS = ("plain", "sliding", "chunked")
 
 
 class Mismatch(AssertionError):
@@ -74,11 +80,14 @@ class Mismatch(AssertionError):
 # ----------------------------------------------------------------------------------- the cache
 
 def make_config(kind: str) -> rk.KVCacheConfig:
-    """A tiny config: 13 pages of 4 tokens (``plain``), 21 with per-sequence sliding windows."""
+    """A tiny config: 13 pages of 4 tokens (``plain``, ``chunked``: layer 0 attends within chunks
+    of ``ATTENTION_CHUNK`` tokens), 21 with per-sequence sliding windows (``sliding``)."""
+    chunked = dict(attn_kinds=(rk.AttnKind.MHA_CHUNKED_LOCAL,) + (rk.AttnKind.MHA,) * (NUM_LAYERS - 1),
+                   attention_chunk_size=ATTENTION_CHUNK) if kind == "chunked" else {}
     return rk.KVCacheConfig(
         num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
         page_size=PAGE_SIZE, max_num_seqs=4, max_total_seq_len=48, prefill_chunk_size=CHUNK,
-        rope_mode=rk.RopeMode.NONE, dtype="float32", support_sliding_window=kind == "sliding")
+        rope_mode=rk.RopeMode.NONE, dtype="float32", support_sliding_window=kind == "sliding", **chunked)
 
 
 _KERNELS: Dict[str, KernelSet] = {}
@@ -450,6 +459,11 @@ class Harness:
     def sliding(self) -> bool:
         return self.cache.config.support_sliding_window
 
+    @property
+    def chunk(self) -> int:
+        """Attention chunk of layer 0 (0: not a chunked cache)."""
+        return ATTENTION_CHUNK if self.kind == "chunked" else 0
+
     def free_pages(self) -> int:
         return self.cache.get_num_available_pages()
 
@@ -642,7 +656,7 @@ class Harness:
 
     def _tree_error(self, seq_ids: List[Any], lengths: List[Any], parents: List[Any]) -> bool:
         """Whether a tree step's trees are rejected (``ForwardError``): windows, or bad parents."""
-        if self.sliding or not all(map(_is_int, parents)) or len(parents) != sum(lengths):
+        if self.sliding or self.chunk or not all(map(_is_int, parents)) or len(parents) != sum(lengths):
             return True
         off = 0
         for seq_id, n in zip(seq_ids, lengths):
@@ -725,7 +739,8 @@ class Harness:
             k = np.concatenate([s.k[layer], rows[:, hq:hq + hkv]])
             v = np.concatenate([s.v[layer], rows[:, hq + hkv:]])
             if parents is None:
-                expected = attend(rows[:, :hq], k, v, SM_SCALE, causal_offset=s.length)[0]
+                expected = attend(rows[:, :hq], k, v, SM_SCALE, causal_offset=s.length,
+                                  chunk=self.chunk if layer == 0 else 0)[0]
             else:
                 old = s.tree or []
                 start = s.tree_start if s.tree is not None else s.length
@@ -924,7 +939,7 @@ def op_tree_step(h: Harness, draw: Draw) -> None:
     """A forward step with token trees (speculative decoding), valid or not; on the sliding cache
     trees are rejected (``ForwardError``), so it is drawn there rarely."""
     live = sorted(h.model.seqs)
-    if not live or (h.sliding and not draw.chance(0.1)):
+    if not live or ((h.sliding or h.chunk) and not draw.chance(0.1)):
         return
     size = draw.integer(1, min(len(live), 3))
     start = draw.integer(0, len(live) - 1)
@@ -994,6 +1009,8 @@ def op_repeat_decode(h: Harness, draw: Draw) -> None:
 
 
 def op_enable_window(h: Harness, draw: Draw) -> None:
+    if h.chunk:  # a chunked cache marks windowed sequences without sliding them: not modelled
+        return
     window = draw.integer(1, 24)
     sink = draw.choice([0, 0, 1, draw.integer(0, window - 1), PAGE_SIZE, window])  # window: invalid
     h.enable_window(draw_id(draw, h, existing=0.9), window, sink)

@@ -142,6 +142,12 @@ class SlidingCacheMachine(PlainCacheMachine):
     kind = "sliding"
 
 
+class ChunkedCacheMachine(PlainCacheMachine):
+    """The same on a cache whose first layer is chunked local attention (Llama 4 style)."""
+
+    kind = "chunked"
+
+
 _SETTINGS = settings(max_examples=80, stateful_step_count=50, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -149,3 +155,5 @@ TestPlainCache = PlainCacheMachine.TestCase
 TestPlainCache.settings = _SETTINGS
 TestSlidingCache = SlidingCacheMachine.TestCase
 TestSlidingCache.settings = _SETTINGS
+TestChunkedCache = ChunkedCacheMachine.TestCase
+TestChunkedCache.settings = settings(_SETTINGS, max_examples=40)
