@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 # TVM's native cache + TVM's CPU kernels (the baseline) come from the test-suite helper.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
@@ -115,11 +115,15 @@ class Driver:
         return times
 
 
-def make_pair(num_layers: int, max_tokens: int, chunk: int, max_seqs: int, heads=(HQ, HKV, D)) -> List[Driver]:
+def make_pair(num_layers: int, max_tokens: int, chunk: int, max_seqs: int, heads=(HQ, HKV, D),
+              layer_window: Optional[int] = None) -> List[Driver]:
+    """Our cache and TVM's native one of one shape; ``layer_window``: every layer MHA_SLIDING."""
     hq, hkv, d = heads
+    windowed = {} if layer_window is None else dict(attn_kinds=(int(rk.AttnKind.MHA_SLIDING),) * num_layers,
+                                                     layer_window=layer_window)
     shape = Shape(num_layers=num_layers, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=PAGE,
                   max_num_seqs=max_seqs, max_total_seq_len=max_tokens, prefill_chunk_size=chunk,
-                  rope_mode=int(rk.RopeMode.NORMAL), dtype=DTYPE)
+                  rope_mode=int(rk.RopeMode.NORMAL), dtype=DTYPE, **windowed)
     return [Driver("ours", rk.PagedAttentionKVCache(shape.our_config()), native=False),
             Driver("native", create_native(shape), native=True)]
 
@@ -171,9 +175,12 @@ def bench_prefill(batch: int, length: int, cached: int, rng) -> dict:
     return result
 
 
-def bench_host(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, float, float, float]]:
+def bench_host(batch_sizes: Tuple[int, ...], repeat: int,
+               layer_window: Optional[int] = None) -> List[Tuple[int, float, float, float]]:
     """Median seconds of begin_forward + metadata sync + end_forward for decode batches of
-    sequences of ~100 tokens: (n, ours repeated, ours planned in full, native).
+    sequences of ~100 tokens: (n, ours repeated, ours planned in full, native). With
+    ``layer_window`` the layer is MHA_SLIDING (Mistral / Gemma style): ours then recomputes the
+    window pages of repeated steps too.
 
     "Repeated" is a serving loop's steady state: the same batch step after step (ours derives
     the step from the previous one, see ``relax_kvcache.decode_plan``). "Planned in full" pops
@@ -182,7 +189,8 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, flo
     """
     heads = (4, 1, 16)
     max_seqs = max(batch_sizes)
-    drivers = make_pair(1, max_seqs * (160 + 2 * repeat * len(batch_sizes)) + 64, 2048, max_seqs, heads)
+    drivers = make_pair(1, max_seqs * (160 + 2 * repeat * len(batch_sizes)) + 64, 2048, max_seqs, heads,
+                        layer_window=layer_window)
     for drv in drivers:
         for s in range(max_seqs):
             drv.add(drv.cache, s)
@@ -212,6 +220,20 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, flo
              statistics.median([results[("native", n, m)] for m in ("repeated", "full")])) for n in batch_sizes]
 
 
+def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int) -> None:
+    """The host tables: a plain layer, then an MHA_SLIDING layer (window 64)."""
+    for title, window in (("", None), (" (MHA_SLIDING layer, window 64)", 64)):
+        rows = bench_host(batch_sizes, repeat, layer_window=window)
+        print()
+        print(f"Host: begin_forward + metadata sync + end_forward, decode batch (us){title}; ours repeated = the "
+              "same batch as the step before, ours full = a new batch")
+        print(f"{'sequences':>10} {'ours repeated':>14} {'ours full':>10} {'native':>8} {'repeated/native':>16} "
+              f"{'full/native':>12}")
+        for n, repeated, full, native in rows:
+            print(f"{n:>10} {repeated * 1e6:14.1f} {full * 1e6:10.1f} {native * 1e6:8.1f} "
+                  f"{repeated / native:15.2f}x {full / native:11.1f}x")
+
+
 def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float]:
     """Python cost of one ``attention_with_fused_qkv`` decode call with every kernel replaced by
     a no-op (what the cache adds on top of its kernel launches): (direct, via vm.builtin)."""
@@ -238,7 +260,13 @@ def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes (the issue's 8 x 512 decode only)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="only the host begin_forward tables (plain and MHA_SLIDING layers)")
     args = parser.parse_args()
+    if args.host_only:
+        print(f"relax_kvcache CPU host benchmark, TVM {tvm.__version__}", flush=True)
+        print_host_tables((1, 8, 32, 64, 128, 256), repeat=20)
+        return
     rng = np.random.default_rng(0)
     print(f"relax_kvcache CPU benchmark, TVM {tvm.__version__}, TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}, "
           f"target {rk.runtime.default_target(tvm.cpu())}", flush=True)
@@ -260,7 +288,7 @@ def main() -> None:
         prefill_rows.append((batch, length, cached, bench_prefill(batch, length, cached, rng)))
     layer_overhead = bench_layer_overhead()
     print("host begin_forward ...", flush=True)
-    host_rows = bench_host((1, 8, 32, 64, 128, 256) if not args.quick else (1, 32, 256), repeat=20)
+    host_sizes = (1, 8, 32, 64, 128, 256) if not args.quick else (1, 32, 256)
 
     print()
     print(f"Decode, one layer of attention_with_fused_qkv (fp32, {HQ}/{HKV} heads, head_dim {D}, page {PAGE})")
@@ -280,14 +308,7 @@ def main() -> None:
             print(f"{batch:>5} x {length:<5} (+{cached:<4})   {r['ours'] * 1e3:9.2f} {r['native'] * 1e3:10.2f} "
                   f"{f_ours:13.1f} {f_native:15.2f} {r['native'] / r['ours']:7.1f}x "
                   f"{100 * f_ours * 1e9 / matmul:16.1f}%")
-    print()
-    print("Host: begin_forward + metadata sync + end_forward, decode batch (us); ours repeated = the same batch "
-          "as the step before, ours full = a new batch")
-    print(f"{'sequences':>10} {'ours repeated':>14} {'ours full':>10} {'native':>8} {'repeated/native':>16} "
-          f"{'full/native':>12}")
-    for n, repeated, full, native in host_rows:
-        print(f"{n:>10} {repeated * 1e6:14.1f} {full * 1e6:10.1f} {native * 1e6:8.1f} {repeated / native:15.2f}x "
-              f"{full / native:11.1f}x")
+    print_host_tables(host_sizes, repeat=20)
     print()
     print(f"Per-layer Python cost of attention_with_fused_qkv (kernels replaced by no-ops, decode of 1): "
           f"{layer_overhead[0] * 1e6:.1f} us called directly, {layer_overhead[1] * 1e6:.1f} us through "

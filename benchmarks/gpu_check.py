@@ -520,7 +520,52 @@ def wl_checkpoint(c: Check) -> None:
     c.check_contents()
 
 
+def wl_graph_decode(c: Check, steps: int = 60) -> None:
+    """Repeated decode steps of one batch replayed as a CUDA graph (`cuda_graph.DecodeGraphs`):
+    fixed q / k / v and output buffers, fresh random values copied in before each step, every
+    step's outputs checked against float64. The steps cross pages and, with local layers, window
+    and chunk edges (the window pages change inside the fixed slots). CUDA only (a no-op on CPU)."""
+    from relax_kvcache.cuda_graph import DecodeGraphs
+
+    if c.device.dlpack_device_type() != tvm.cuda().dlpack_device_type():
+        return
+    cfg = c.cfg
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    for seq in range(3):
+        c.add(seq)
+    c.step([(0, 37), (1, 70), (2, 5)])
+    batch = [(0, 1), (1, 1), (2, 1)]
+    qkvs = [tvm.runtime.empty((3, hq + 2 * hkv, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)]
+    outs = [tvm.runtime.empty((3, hq, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)]
+
+    def forward() -> None:
+        for layer in range(cfg.num_layers):
+            c.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], c.sm_scale)
+
+    graphs, runs = DecodeGraphs(c.cache), {}
+    with graphs.stream_context():
+        for _ in range(steps):
+            host = [c.rng.standard_normal((3, hq + 2 * hkv, d)).astype(c.np_dtype) for _ in range(cfg.num_layers)]
+            for layer in range(cfg.num_layers):
+                qkvs[layer].copyfrom(host[layer])
+                outs[layer].copyfrom(np.full((3, hq, d), np.nan, c.np_dtype))
+            c.cache.begin_forward([s for s, _ in batch], [n for _, n in batch])
+            how = graphs.run(forward)
+            c.cache.end_forward()
+            graphs.synchronize()
+            runs[how] = runs.get(how, 0) + 1
+            expected = c.ref.step(batch, [h.astype(np.float64) for h in host], c.sm_scale)
+            c.steps += 1
+            for layer in range(cfg.num_layers):
+                c.compare(f"graph step {c.steps} ({how}) layer {layer}", outs[layer], expected[layer])
+    graphs.close()
+    if runs.get("replayed", 0) < steps // 2:
+        c.problems.append(f"graph_decode: too few replays {runs}")
+    c.check_contents()
+
+
 WORKLOADS: Dict[str, Callable[[Check], None]] = {
+    "graph_decode": wl_graph_decode,
     "long_context": wl_long_context,
     "checkpoint": wl_checkpoint,
     "random": wl_random,

@@ -68,7 +68,7 @@ _CHUNKED = dict(attn_kinds=[int(rk.AttnKind.MHA_CHUNKED_LOCAL), int(rk.AttnKind.
 #: RoPE mode is no kernel parameter, so configurations differing only in it share a library.
 CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d128-normal": (_check_config(head_dim=128, rope_theta=5e5, rope_scale=0.5),
-                    ["random", "prefix_chain", "token_tree", "self_cross_merge", "checkpoint"]),
+                    ["random", "prefix_chain", "token_tree", "self_cross_merge", "checkpoint", "graph_decode"]),
     "d64-none": (_check_config(rope_mode=int(rk.RopeMode.NONE)),
                  ["random", "token_tree", "self_cross_merge"]),
     "d128-inline": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.INLINE), rope_theta=5e5, rope_scale=0.5),
@@ -77,11 +77,13 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
                    ["seq_windows", "random"]),
     "d64-seqwin-none": (_check_config(support_sliding_window=True, max_num_seqs=8, rope_mode=int(rk.RopeMode.NONE)),
                         ["seq_windows"]),
-    "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv", "checkpoint"]),
+    "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv", "checkpoint",
+                                                              "graph_decode"]),
     "d64-layerwin-inline": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE)),
                             ["layer_windows", "shared_kv"]),
-    "d64-chunked-normal": (_check_config(**_CHUNKED), ["layer_windows", "shared_kv", "checkpoint"]),
-    "d64-chunked-inline": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.INLINE)), ["layer_windows"]),
+    "d64-chunked-normal": (_check_config(**_CHUNKED), ["layer_windows", "shared_kv", "checkpoint", "graph_decode"]),
+    "d64-chunked-inline": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.INLINE)),
+                           ["layer_windows", "graph_decode"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)
     "d128-long": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, max_num_seqs=16,
                                 max_total_seq_len=20480, prefill_chunk_size=8192), ["long_context"]),

@@ -20,6 +20,15 @@ from test_cache import CONFIGS, Harness, cache_factory  # noqa: F401 (fixture)
 
 # (caches with support_sliding_window attend before appending: always planned in full)
 CHECKED = ["fp32-gqa-normal", "fp32-mqa-inline-d128", "fp32-d96-page8"]
+#: Caches with local layers: their decode steps recompute the window pages of every depth.
+LOCAL = {
+    "layer-window-inline": dataclasses.replace(
+        CONFIGS["fp32-gqa-normal"], rope_mode=rk.RopeMode.INLINE, page_size=8, layer_sliding_window_size=13,
+        attn_kinds=(rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA)),
+    "chunked-normal": dataclasses.replace(
+        CONFIGS["fp32-gqa-normal"], page_size=8, attention_chunk_size=11,
+        attn_kinds=(rk.AttnKind.MHA_CHUNKED_LOCAL, rk.AttnKind.MHA)),
+}
 
 
 class Twin:
@@ -27,6 +36,10 @@ class Twin:
 
     def __init__(self, cache_factory, config, seed):
         self.h = Harness(cache_factory(config), np.random.default_rng(seed))
+        self.h.ref.layer_windows = [config.layer_sliding_window_size if k == rk.AttnKind.MHA_SLIDING else 0
+                                    for k in config.attn_kinds]
+        self.h.ref.layer_chunks = [config.attention_chunk_size if k == rk.AttnKind.MHA_CHUNKED_LOCAL else 0
+                                   for k in config.attn_kinds]
         self.full = cache_factory(config)
         self.full._decode_planner.next_step = lambda *args: None
         self.incremental_steps = 0
@@ -118,9 +131,9 @@ def _decode_runs(t: Twin, rng, rounds: int) -> None:
     t.h.check_contents()
 
 
-@pytest.mark.parametrize("name", CHECKED)
+@pytest.mark.parametrize("name", CHECKED + list(LOCAL))
 def test_repeated_decode_matches_full_planning(cache_factory, name):
-    t = Twin(cache_factory, CONFIGS[name], seed=11)
+    t = Twin(cache_factory, LOCAL.get(name) or CONFIGS[name], seed=11)
     _decode_runs(t, np.random.default_rng(5), rounds=8)
     assert t.incremental_steps > 40  # the runs really took the incremental path
     assert t.depths_seen == {1, 2}  # with and without shared prefixes
@@ -169,9 +182,13 @@ def test_bad_repeated_batch_is_refused(cache_factory, seq_ids, lengths, match):
     h.step([(0, 1), (1, 1)])
 
 
-def test_fixed_slots_keep_kernel_arguments_until_the_batch_changes(cache_factory, monkeypatch):
+@pytest.mark.parametrize("name", ["fp32-gqa-normal", "chunked-normal"])
+def test_fixed_slots_keep_kernel_arguments_until_the_batch_changes(cache_factory, monkeypatch, name):
     monkeypatch.setattr(cache_module, "_DECODE_PAGE_HEADROOM", 1)
-    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(4))
+    config = dataclasses.replace(LOCAL[name], page_size=16) if name in LOCAL else CONFIGS[name]
+    h = Harness(cache_factory(config), np.random.default_rng(4))
+    h.ref.layer_chunks = [config.attention_chunk_size if k == rk.AttnKind.MHA_CHUNKED_LOCAL else 0
+                          for k in config.attn_kinds]
     for s in range(3):
         h.add(s)
     h.step([(0, 20), (1, 33), (2, 5)])

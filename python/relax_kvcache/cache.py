@@ -222,7 +222,7 @@ class PagedAttentionKVCache:
         self._windowed_layers = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
-        self._decode_planner = DecodePlanner(config.page_size)
+        self._decode_planner = DecodePlanner(config.page_size, config.layer_span)
         # repeated decode steps' fixed slots: (depths' has_pages, slots, the step's views, batch)
         self._decode_slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, _DeviceStep, Tuple[int, ...]]] = None
         self._uploader: Any = self._aux  # what the step's metadata was uploaded through
@@ -574,18 +574,14 @@ class PagedAttentionKVCache:
         structure and its page lists fit the slots' headroom; a CUDA graph captured on one such
         step replays on the next ones (see :mod:`relax_kvcache.cuda_graph`).
         """
-        depths = step.depths
-        arrays = [step.append_indptr, step.k_ragged_rope_pos_offset, step.q_rope_position,
-                  step.append_position]
-        for depth in depths:
-            arrays += [depth.qo_indptr, depth.page_indptr, depth.length_info, depth.k_rope_pos_offset]
-        arrays += [depth.page_indices for depth in depths]
-        has_pages = tuple(d.has_pages for d in depths)
+        fixed, page_lists = self._decode_arrays(step)
+        arrays = fixed + page_lists
+        has_pages = tuple((d.has_pages, d.window.has_pages if d.window is not None else None) for d in step.depths)
         slots = self._decode_slots
         if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
             headroom = _DECODE_PAGE_HEADROOM * step.batch_size
-            shapes = [a.shape for a in arrays[:-len(depths)]] + [(d.page_indices.size + headroom,) for d in depths]
-            buffer = SlotBuffer(self.device, shapes, [False] * (len(arrays) - len(depths)) + [True] * len(depths))
+            shapes = [a.shape for a in fixed] + [(a.size + headroom,) for a in page_lists]
+            buffer = SlotBuffer(self.device, shapes, [False] * len(fixed) + [True] * len(page_lists))
             slots = self._decode_slots = (has_pages, buffer, self._slot_step(step, buffer), step.seq_ids)
         elif slots[3] != step.seq_ids:
             # another batch of the same structure: the same slots, but a new object, so that a
@@ -595,13 +591,36 @@ class PagedAttentionKVCache:
         self._uploader = slots[1]
         return slots[2]
 
+    @staticmethod
+    def _decode_arrays(step: md.StepMetadata) -> Tuple[List[np.ndarray], List[np.ndarray]]:
+        """A decode step's arrays for `SlotBuffer` slots: (fixed-shape arrays, page lists).
+
+        Fixed: the step's four token arrays, then per depth its qo_indptr, page_indptr,
+        length_info and k_rope_pos_offset (and its window's page_indptr, length_info and
+        k_rope_pos_offset). Page lists: per depth its page_indices (and its window's)."""
+        fixed = [step.append_indptr, step.k_ragged_rope_pos_offset, step.q_rope_position, step.append_position]
+        page_lists = []
+        for depth in step.depths:
+            fixed += [depth.qo_indptr, depth.page_indptr, depth.length_info, depth.k_rope_pos_offset]
+            page_lists.append(depth.page_indices)
+            if depth.window is not None:
+                w = depth.window
+                fixed += [w.page_indptr, w.length_info, w.k_rope_pos_offset]
+                page_lists.append(w.page_indices)
+        return fixed, page_lists
+
     def _slot_step(self, step: md.StepMetadata, buffer: SlotBuffer) -> _DeviceStep:
-        """The `_DeviceStep` of a decode step whose arrays live in ``buffer``'s slots."""
-        ndepths = len(step.depths)
-        views = buffer.views[:4]
-        for d in range(ndepths):  # the general order: page indices third in each depth
-            qo, indptr, info, rope = buffer.views[4 + 4 * d: 8 + 4 * d]
-            views += [qo, indptr, buffer.views[4 + 4 * ndepths + d], info, rope]
+        """The `_DeviceStep` of a decode step whose arrays live in ``buffer``'s slots (laid out
+        by `_decode_arrays`), in `_device_views`' order (page indices second in each view set)."""
+        fixed_count = 4 + sum(4 if depth.window is None else 7 for depth in step.depths)
+        fixed, page_lists = iter(buffer.views[:fixed_count]), iter(buffer.views[fixed_count:])
+        views = [next(fixed) for _ in range(4)]
+        for depth in step.depths:
+            qo, indptr, info, rope = (next(fixed) for _ in range(4))
+            views += [qo, indptr, next(page_lists), info, rope]
+            if depth.window is not None:
+                w_indptr, w_info, w_rope = (next(fixed) for _ in range(3))
+                views += [w_indptr, next(page_lists), w_info, w_rope]
         return self._device_views(step, views)
 
     def _device_views(self, step: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> _DeviceStep:

@@ -8,12 +8,14 @@ here the step is derived from the previous one with a few numpy operations:
   last blocks that are full, in the order `reserve_append` hands them out);
 * RoPE positions, append slots and last-page lengths are recomputed as vectors;
 * a new page is inserted at the end of its sequence's page list at the depth where the
-  sequence's last block is attended.
+  sequence's last block is attended;
+* on caches with local layers (``MHA_SLIDING`` / ``MHA_CHUNKED_LOCAL``) every depth's window
+  pages are recomputed from its grown page lists (the queries moved on by one position).
 
 The result is the same `StepMetadata` the full planner builds (the tests compare them). A step
 qualifies when the previous step was a plain decode step of the same batch (decode kernel at
-every depth, no token trees, no per-layer windows, no windowed sequences) and nothing else
-changed the paging state since. Growth cannot switch a depth from the decode kernel to the
+every depth, no token trees, no sliding sequences) and nothing else changed the paging state
+since. Growth cannot switch a depth from the decode kernel to the
 coalesced prefill kernel: it adds the same pages to the coalesced and uncoalesced counts.
 """
 
@@ -26,6 +28,7 @@ import numpy as np
 from tvm.runtime import ShapeTuple
 
 from . import metadata as md
+from .config import LayerSpan
 from .paging import DecodeLane, PagingState
 
 
@@ -36,10 +39,13 @@ class DecodePlanner:
     ----------
     page_size : int
         Tokens per page.
+    layer_span : LayerSpan
+        What the cache's local layers see (falsy: none; then steps carry no window pages).
     """
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, layer_span: LayerSpan = LayerSpan()) -> None:
         self._page_size = page_size
+        self._span = layer_span
         self._lane: Optional[DecodeLane] = None
         self._step: Optional[md.StepMetadata] = None
         self._last_depth_rows: tuple[np.ndarray, ...] = ()
@@ -54,7 +60,7 @@ class DecodePlanner:
         self._lane, self._step = None, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
-                     and all(d.use_decode_kernel and d.window is None and d.tree is None for d in step.depths))
+                     and all(d.use_decode_kernel and d.tree is None for d in step.depths))
         lane = paging.open_lane(step.seq_ids) if qualifies else None
         if lane is None:
             return False
@@ -83,7 +89,7 @@ class DecodePlanner:
         paging.advance_lane(lane)
         ps = self._page_size
         append_position = (lane.last_page * ps + (lane.block_length - 1) % ps).astype(np.int32)
-        depths = tuple(self._grow_depth(depth, rows, full, lane)
+        depths = tuple(self._grow_depth(depth, rows, full, lane, positions)
                        for depth, rows in zip(prev.depths, self._last_depth_rows))
         step = dataclasses.replace(prev, k_ragged_rope_pos_offset=positions, q_rope_position=positions,
                                    append_position=append_position, depths=depths)
@@ -91,10 +97,11 @@ class DecodePlanner:
         return step
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, full: np.ndarray,
-                    lane: DecodeLane) -> md.DepthMetadata:
-        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one."""
+                    lane: DecodeLane, positions: np.ndarray) -> md.DepthMetadata:
+        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one; the
+        step's queries are at ``positions`` (one per sequence: decode chunks)."""
         if not rows.size:
-            return depth
+            return self._with_window(depth, positions)
         page_indptr, page_indices = depth.page_indptr, depth.page_indices
         grown = rows[full[rows]]
         if grown.size:
@@ -109,8 +116,18 @@ class DecodePlanner:
         else:
             chain = lane.seq_length[rows] - depth.k_rope_pos_offset[rows]
             last_page_len[rows] = (chain - 1) % self._page_size + 1
-        return dataclasses.replace(depth, page_indptr=page_indptr, page_indices=page_indices,
-                                   length_info=length_info)
+        grown_depth = dataclasses.replace(depth, page_indptr=page_indptr, page_indices=page_indices,
+                                          length_info=length_info)
+        return self._with_window(grown_depth, positions)
+
+    def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
+        """``depth`` with the window pages of queries at ``positions`` (local layers only)."""
+        if depth.window is None:
+            return depth
+        last_page_len = depth.length_info[0] if depth.length_info.ndim == 2 else depth.length_info
+        window = md.window_pages(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
+                                 positions, self._span, self._page_size)
+        return dataclasses.replace(depth, window=window)
 
     @property
     def current(self) -> Optional[md.StepMetadata]:

@@ -289,16 +289,19 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
             length_info = np.array([last_page_len, *_window_info(lengths, lasts)], dtype=np.int32)
         else:
             length_info = np.array(last_page_len, dtype=np.int32)
+        page_indptr = indptr([len(p) for p in page_lists])
+        page_indices = np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int32)
+        k_rope_pos_offset = np.array([h.start_pos for h in heads], dtype=np.int32)
         window = None
         if layer_span:
-            window = _window_pages(page_lists, lengths, last_page_len, [h.start_pos for h in heads],
-                                   [p for _, _, p in chunks], layer_span, page_size)
+            window = window_pages(page_indptr, page_indices, np.asarray(last_page_len), k_rope_pos_offset,
+                                  np.array([p for _, _, p in chunks]), layer_span, page_size)
         depths.append(DepthMetadata(
             qo_indptr=indptr([n for _, n, _ in chunks]),
-            page_indptr=indptr([len(p) for p in page_lists]),
-            page_indices=np.fromiter(itertools.chain.from_iterable(page_lists), dtype=np.int32),
+            page_indptr=page_indptr,
+            page_indices=page_indices,
             length_info=length_info,
-            k_rope_pos_offset=np.array([h.start_pos for h in heads], dtype=np.int32),
+            k_rope_pos_offset=k_rope_pos_offset,
             use_decode_kernel=structure.use_decode_kernel[d],
             window=window,
         ))
@@ -321,25 +324,29 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
     return offsets, sinks
 
 
-def _window_pages(page_lists, lengths, last_page_len, starts, min_positions, span: LayerSpan,
-                  page_size: int) -> WindowPages:
-    """Per chunk, the pages from the first key its earliest query can see (see WindowPages)."""
-    kept, info, k_start = [], [[], [], []], []
-    for pages, length, last, start, position in zip(page_lists, lengths, last_page_len, starts, min_positions):
-        skip = max(0, span.first_visible(position) - start)  # keys of the chunk no query can see
-        if skip >= length:
-            kept.append(())
-            info[0].append(0), info[1].append(0), info[2].append(0)
-            k_start.append(0)
-            continue
-        kept.append(pages[skip // page_size:])
-        info[0].append(last), info[1].append(skip % page_size), info[2].append(0)
-        k_start.append(start + skip)
+def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
+                 starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
+    """Per chunk, the pages from the first key its earliest query can see (see WindowPages).
+
+    The chunks' full page lists (``page_indptr``, ``page_indices``, ``last_page_len``), the
+    position of each chunk's first key (``starts``) and of its earliest query
+    (``min_positions``); vectorised, as repeated decode steps recompute it every step.
+    """
+    npages = np.diff(page_indptr).astype(np.int64)
+    last = np.asarray(last_page_len, dtype=np.int64)
+    lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
+    starts = np.asarray(starts, dtype=np.int64)
+    skip = np.maximum(span.first_visible(np.asarray(min_positions, dtype=np.int64)) - starts, 0)
+    empty = skip >= lengths  # no key of the chunk is visible
+    drop = np.where(empty, npages, skip // page_size)  # whole pages no query sees
+    local = np.arange(page_indices.size) - np.repeat(page_indptr[:-1].astype(np.int64), npages)
+    kept = page_indices[local >= np.repeat(drop, npages)]
+    zero = np.zeros_like(skip)
     return WindowPages(
-        page_indptr=indptr([len(p) for p in kept]),
-        page_indices=np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32),
-        length_info=np.array(info, dtype=np.int32),
-        k_rope_pos_offset=np.array(k_start, dtype=np.int32),
+        page_indptr=np.concatenate([[0], np.cumsum(npages - drop)]).astype(np.int32),
+        page_indices=kept.astype(np.int32, copy=False),
+        length_info=np.array([np.where(empty, 0, last), np.where(empty, 0, skip % page_size), zero], dtype=np.int32),
+        k_rope_pos_offset=np.where(empty, 0, starts + skip).astype(np.int32),
     )
 
 
