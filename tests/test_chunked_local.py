@@ -205,3 +205,69 @@ def test_relax_program_with_chunked_layers_matches_float64():
         expected = model.step([(0, n)], [qkv[0, 0], qkv[1, 0]], 0.3)
         for layer in range(2):
             np.testing.assert_allclose(got[layer].numpy()[0], expected[layer], atol=2e-3, rtol=0)
+
+
+# ------------------------------------------------------------------ red-team round 20 regressions
+
+def _creation_args(cache_config, kinds, k, indptr=(0, 2)):
+    """TVM's creation arguments (29, the windowed ragged kernel last) for a 4 / 2-head, D 16 cache."""
+    shape = tvm.runtime.ShapeTuple
+
+    def attention(f):
+        return ["tirx", f] if f is not None else []
+
+    return [shape(cache_config), shape(list(indptr)), 4, 2, 16, 16, shape(kinds), False, 0, 1.0, 1e4,
+            None, tvm.runtime.empty((), "float32"), k.transpose_append, None, attention(k.attention_prefill_ragged),
+            attention(k.attention_prefill), attention(k.attention_decode),
+            attention(k.attention_prefill_sliding_window), attention(k.attention_decode_sliding_window),
+            [], [], [], [k.merge_inplace, k.merge_general], k.split_rotary, k.copy_single_page, k.debug_get_kv,
+            k.compact_copy, attention(k.attention_prefill_ragged_sliding_window)]
+
+
+def _small(**overrides) -> rk.KVCacheConfig:
+    base = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=8, max_num_seqs=8,
+                max_total_seq_len=256, prefill_chunk_size=64, rope_mode=rk.RopeMode.NONE, dtype="float32")
+    base.update(overrides)
+    return rk.KVCacheConfig(**base)
+
+
+def test_creation_probe_refuses_kernels_of_another_chunk():
+    """Kernels compiled for chunks of 3 (or windowed kernels without a chunk) passed for a cache
+    with chunks of 6 were accepted and attended by their own rule: the probe compared chunked
+    layers with float64 only while the chunk spanned its sequence."""
+    create = rk.paged_attention_kv_cache_create
+    chunk3 = rk.PagedAttentionKVCache(_small(attn_kinds=[CHUNKED, MHA], attention_chunk_size=3), tvm.cpu())._kernels
+    unchunked = rk.PagedAttentionKVCache(_small(attn_kinds=[rk.AttnKind.MHA_SLIDING, MHA],
+                                                layer_sliding_window_size=4096), tvm.cpu())._kernels
+    for kernels in (chunk3, unchunked):
+        with pytest.raises(rk.ConfigError, match="float64 attention"):
+            create(*_creation_args([8, 256, 64, 8, 0, 1024, 6], [4, 0], kernels))
+    chunk6 = rk.PagedAttentionKVCache(_small(attn_kinds=[CHUNKED, MHA], attention_chunk_size=6), tvm.cpu())._kernels
+    assert create(*_creation_args([8, 256, 64, 8, 0, 1024, 6], [4, 0], chunk6)).config.attention_chunk_size == 6
+
+
+def test_creation_of_a_group_without_chunked_layers_ignores_the_chunk_entry():
+    """cache_config is shared by a model's layer groups: a group with no chunked layer was refused
+    ("attention_chunk_size applies to ... only") when the entry held the chunk."""
+    create = rk.paged_attention_kv_cache_create
+    plain = rk.PagedAttentionKVCache(_small(), tvm.cpu())._kernels
+    cache = create(*_creation_args([8, 256, 64, 8, 0, 1024, 3], [4, 4, 0, 0], plain, indptr=(2, 4)))
+    assert cache.config.attention_chunk_size is None and cache.config.attn_kinds == (MHA, MHA)
+    with pytest.raises(rk.ConfigError, match=r"cache_config\[6\] \(attention_chunk_size\)"):
+        create(*_creation_args([8, 256, 64, 8, 0, 1024, -3], [4, 4, 0, 0], plain, indptr=(2, 4)))
+
+
+def test_checkpoints_move_only_between_caches_of_the_same_chunk():
+    """A checkpoint of a cache with chunks of 3 imported silently into one with chunks of 5 (its
+    K/V come from another model); the metadata now carries the chunk (our field)."""
+    src = rk.PagedAttentionKVCache(_small(attn_kinds=[CHUNKED, MHA], attention_chunk_size=3), tvm.cpu())
+    src.add_sequence(0)
+    meta = src.get_checkpoint_metadata(0)
+    assert '"attention_chunk_size":3' in meta
+    dst = rk.PagedAttentionKVCache(_small(attn_kinds=[CHUNKED, MHA], attention_chunk_size=5), tvm.cpu())
+    before = dst._paging.debug_snapshot()
+    with pytest.raises(rk.ConfigError, match="attention_chunk_size is 3, this cache's 5"):
+        dst.prepare_import(0, meta)
+    assert dst._paging.debug_snapshot() == before
+    same = rk.PagedAttentionKVCache(_small(attn_kinds=[CHUNKED, MHA], attention_chunk_size=3), tvm.cpu())
+    same.prepare_import(0, meta)

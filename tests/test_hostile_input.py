@@ -793,7 +793,7 @@ def _creation_hostiles(kernels: KernelSet) -> Dict[int, Tuple[Tuple[str, ...], L
             *(config_with(i, v) for i in range(4) for v in (0, -1, 2**31, 2**62)),
             Hostile("window", config + [0], "layer_sliding_window_size"),
             Hostile("window", config + [2**40], "layer_sliding_window_size"),
-            Hostile("chunk", config + [64, 16], "attention_chunk_size"),  # no MHA_CHUNKED_LOCAL layer
+            Hostile("chunk", config + [64, 2**31], "attention_chunk_size"),
             Hostile("chunk", config + [64, -16], "attention_chunk_size")]),
         1: (("layer_indptr", "attn_kinds"), lists([0, 2]) + [
             Hostile("range", [0], "layer_indptr"), Hostile("range", [2, 1], "layer_indptr"),

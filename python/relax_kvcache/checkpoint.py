@@ -132,6 +132,7 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
         ("seq_id", seq_id), ("seq_length", length),
         *([("rope_rotary_dim", config.rotary_dim)] if config.rotary_dim != config.head_dim else []),
         *([("rope_interleaved", True)] if config.rope_interleaved else []),
+        *([("attention_chunk_size", config.attention_chunk_size)] if config.layer_span.chunk else []),
         ("logical_pages", [{"logical_page_index": i, "start_pos": i * ps, "length": min(ps, length - i * ps)}
                            for i in range(pages)]),
         ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
@@ -185,6 +186,10 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
     if not _same(meta.get("rope_interleaved", False), config.rope_interleaved):
         raise ConfigError(f"the checkpoint's rope_interleaved is {_short(meta.get('rope_interleaved', False))}, this "
                           f"cache's {config.rope_interleaved} (keys are stored rotated: GPT-J pairs differ)")
+    chunk = meta.get("attention_chunk_size", 0)  # our field, written for chunked local layers only
+    if not _same(chunk, config.layer_span.chunk):
+        raise ConfigError(f"the checkpoint's attention_chunk_size is {_short(chunk)}, this cache's "
+                          f"{config.layer_span.chunk} (its K/V come from a model with other chunked layers)")
     if _field(meta, "layout_hash", str) != ours["layout_hash"]:
         raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
                           f"{meta['layout_hash']}")

@@ -354,10 +354,15 @@ def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: n
     cache.attention_with_fused_qkv(cache.layer_offset + layer, _tensor(qkv, cfg.dtype, cache.device), o, scale)
     want = None
     k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
-    rope = cfg.effective_rope_mode
-    # positions 0 .. len(k) - 1 lie in one window (or attention chunk) iff it spans len(k)
-    window = (cfg.layer_span.window or cfg.layer_span.chunk) if cache._windowed_layers[layer] else len(k)
-    if len(k) == 1 or (rope != RopeMode.INLINE and window >= len(k)):  # queries as the kernel sees them
+    rope, span = cfg.effective_rope_mode, cfg.layer_span
+    windowed = cache._windowed_layers[layer]
+    if windowed and span.chunk:  # keys of the query's own chunk (rows are positions: nothing slides)
+        q_pos = np.arange(len(k) - n, len(k))
+        visible = visible & (np.arange(len(k))[None, :] >= span.first_visible(q_pos)[:, None])
+    # a window is checked only while it spans the sequence (TVM's kernels, which the creation
+    # function may pass, window the new tokens of a step per page list, not per query)
+    checked = not windowed or span.chunk or span.window >= len(k)
+    if len(k) == 1 or (rope != RopeMode.INLINE and checked):  # queries as the kernel sees them
         q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
         group = hq // hkv
         want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), scale, visible)

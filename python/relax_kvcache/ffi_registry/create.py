@@ -28,7 +28,7 @@ from typing import Any, Optional, Tuple
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe
 from ..cache import PagedAttentionKVCache
-from ..config import MAX_NUM_LAYERS, KVCacheConfig
+from ..config import MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
 from ..tensors import TENSOR_TYPES
@@ -50,6 +50,10 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
                           f"got {cache_config}")
     if cache_config[4] not in (0, 1):
         raise ConfigError(f"cache_config[4] (support_sliding_window) must be 0 or 1, got {cache_config[4]}")
+    chunk = cache_config[6] if len(cache_config) == 7 else 0
+    if not 0 <= chunk <= MAX_INT:
+        raise ConfigError(f"cache_config[6] (attention_chunk_size) must be in [0, {MAX_INT}] (0: no chunked "
+                          f"layers), got {chunk}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
@@ -87,7 +91,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         support_sliding_window=bool(cache_config[4]),
         attn_kinds=attn_kinds[begin:end],
         layer_sliding_window_size=cache_config[5] if len(cache_config) >= 6 else 1024,
-        attention_chunk_size=cache_config[6] if len(cache_config) == 7 and cache_config[6] != 0 else None,
+        # shared by the groups of a model: only a group with chunked layers takes it
+        attention_chunk_size=(chunk or None) if AttnKind.MHA_CHUNKED_LOCAL in attn_kinds[begin:end] else None,
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
         rope_rotary_dim=len(ext_factors) if ext_factors is not None and len(ext_factors) < heads[2] else None,
