@@ -34,8 +34,10 @@ blocks, which never slide).
 
 Chunked local attention (the ``chunked`` cache: layer 0 is ``MHA_CHUNKED_LOCAL`` with chunks of
 ``ATTENTION_CHUNK`` tokens, not a multiple of the page size): a step's token at position p of layer 0
-attends to the keys at positions ``[p - p % ATTENTION_CHUNK, p]``; paging is the plain cache's (no
-sliding windows are enabled there).
+attends to the keys at positions ``[p - p % ATTENTION_CHUNK, p]``; paging is the plain cache's.
+``enable_window`` marks a sequence there without sliding it (as TVM does on caches with local
+layers): the window and sink are recorded and bound forks and checkpoints as on the sliding cache,
+the sequence keeps every token, and a window smaller than its prefix is accepted.
 
 Token trees (``tree_step`` with ``token_tree_parent_ptr``, plain cache only: caches with sliding
 windows or chunked layers raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
@@ -247,9 +249,13 @@ class SeqModel:
 
 
 class Model:
-    """Expected sequences and the prefixes they share (see the module docstring)."""
+    """Expected sequences and the prefixes they share (see the module docstring).
 
-    def __init__(self) -> None:
+    ``slides``: windowed sequences slide (a cache with ``support_sliding_window``); otherwise
+    ``enable_window`` only marks them."""
+
+    def __init__(self, slides: bool = False) -> None:
+        self.slides = slides
         self.seqs: Dict[int, SeqModel] = {}
         self._shares: Dict[Tuple[int, int], int] = {}
 
@@ -339,7 +345,7 @@ class Model:
         s = self.seqs[seq_id]
         s.k, s.v = np.concatenate([s.k, k], axis=1), np.concatenate([s.v, v], axis=1)
         s.last_append = k.shape[1]
-        if s.window != -1 and s.length > s.window:
+        if self.slides and s.window != -1 and s.length > s.window:
             keep = np.r_[0:s.sink_limit, s.length - (s.window - s.sink_limit):s.length]
             s.k, s.v, s.slid = s.k[:, keep], s.v[:, keep], True
 
@@ -445,7 +451,7 @@ class Harness:
     def __init__(self, kind: str, seed: int = 0, record: bool = False) -> None:
         self.kind = kind
         self.cache = make_cache(kind)
-        self.model = Model()
+        self.model = Model(slides=self.sliding)
         self.rng = np.random.default_rng(seed)  # K/V values
         self.errors: collections.Counter = collections.Counter()
         self.ops = 0
@@ -625,11 +631,11 @@ class Harness:
 
     def _expect_window(self, seq_id: Any, window: Any, sink: Any) -> Expect:
         seqs = self.model.seqs
-        if not self.sliding or not all(map(_is_int, (seq_id, window, sink))):
+        if not (self.sliding or self.chunk) or not all(map(_is_int, (seq_id, window, sink))):
             return _fail(KVCacheError)
         if seq_id not in seqs or not 0 <= sink < window or seqs[seq_id].window != -1:
             return _fail(SequenceError)
-        if window < seqs[seq_id].prefix:  # its prefix blocks cannot slide: every append would fail
+        if self.sliding and window < seqs[seq_id].prefix:  # its prefix blocks cannot slide: every append would fail
             return _fail(SequenceError)
         return Expect(free_delta=0)
 
@@ -690,7 +696,7 @@ class Harness:
         exact, need, most, window_error = True, 0, 0, False
         for seq_id, n in zip(seq_ids, lengths):
             s = seqs[seq_id]
-            slides = s.window != -1 and s.length + n > s.window
+            slides = self.sliding and s.window != -1 and s.length + n > s.window
             if s.slid or slides:  # pages depend on the window offset, or the slide frees some
                 exact = False
                 most += _pages(n)
@@ -1009,8 +1015,6 @@ def op_repeat_decode(h: Harness, draw: Draw) -> None:
 
 
 def op_enable_window(h: Harness, draw: Draw) -> None:
-    if h.chunk:  # a chunked cache marks windowed sequences without sliding them: not modelled
-        return
     window = draw.integer(1, 24)
     sink = draw.choice([0, 0, 1, draw.integer(0, window - 1), PAGE_SIZE, window])  # window: invalid
     h.enable_window(draw_id(draw, h, existing=0.9), window, sink)
