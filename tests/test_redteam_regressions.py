@@ -554,6 +554,27 @@ def test_kernels_in_the_wrong_role_are_refused_at_creation(cache):
     assert _create_with(k).empty()
 
 
+def test_debug_get_kv_of_another_layer_is_refused_when_that_layer_holds_the_same_bytes(cache, monkeypatch):
+    """The probe attends in layer 0 only and fresh pages hold any bits: when layer 1's memory
+    held the probe's own rows (freed pages of an earlier probe, reused by the allocator), a
+    ``debug_get_kv`` reading layer 1 passed (a CI run failed this way). The unprobed layers'
+    pages are now poisoned first; here layer 1 is made to hold layer 0's bytes on purpose."""
+    from relax_kvcache import kernel_probe
+
+    original = kernel_probe._probe_debug_get_kv
+
+    def with_layer_one_a_copy(probed, layers):
+        probed._pages[1].copyfrom(probed._pages[0])
+        original(probed, layers)
+
+    monkeypatch.setattr(kernel_probe, "_probe_debug_get_kv", with_layer_one_a_copy)
+    k = cache._kernels
+    other = tvm_ffi.convert(lambda pages, pos, kd, vd, layer: k.debug_get_kv(pages, pos, kd, vd, 1 - layer))
+    with pytest.raises(rk.ConfigError, match="debug_get_kv does not return the K/V stored"):
+        _create_with(k, a26=other)
+    assert _create_with(k).empty()
+
+
 def test_a_changed_kernel_set_loses_its_identity_and_is_probed(cache):
     """``dataclasses.replace`` kept the identity of our library, so a swapped kernel skipped the
     probe and failed mid-step after appending."""

@@ -424,6 +424,7 @@ def _probe_debug_get_kv(cache: Any, layers: Sequence[int]) -> None:
     if cache._kernels.debug_get_kv is None:
         return
     length = cache.get_sequence_length(0)
+    _poison_unprobed_pages(cache, layers)
     row = (cfg.head_dim,) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim)
     outputs = [_poisoned((cfg.num_layers, length) + row, cfg.dtype, cache.device) for _ in range(1 if cfg.is_mla else 2)]
     if cfg.is_mla:
@@ -492,6 +493,18 @@ def _check_output(what: str, out: tvm.runtime.Tensor, want: Optional[np.ndarray]
         if not err <= (1e-3 if dtype == "float32" else 2e-2):
             raise ConfigError(f"the kernel behind {what} does not return {expected} (max error {err:.3g}); "
                               "expected kernels built for this config")
+
+
+def _poison_unprobed_pages(cache: Any, probed: Sequence[int]) -> None:
+    """NaN in the probe sequence's pages of the layers the probe did not attend in: fresh pages
+    hold any bits, possibly the probed layer's rows (an earlier probe's freed pages), so a
+    ``debug_get_kv`` reading another layer could return them."""
+    pages = sorted({int(p) // cache.config.page_size
+                    for p in cache._paging.position_map(0, 0, cache.get_sequence_length(0))})
+    for layer in sorted(set(range(cache.config.num_layers)) - set(probed)):
+        for page in pages:
+            target = row_view(cache._pages[layer], page)
+            _write(target, np.full(tuple(target.shape), np.nan), cache.config.dtype)
 
 
 def _poison_scratch(cache: Any, rows: int) -> None:
