@@ -290,6 +290,11 @@ def test_bad_metadata_is_refused_and_changes_nothing(ready):
         (_with(meta, reserved_num_seqs=0), rk.ArgumentError, "reserved_num_seqs' must be positive"),
         (_with(meta, groups=[]), rk.ArgumentError, "'groups' does not describe"),
         (_with(meta, seq_id="0"), rk.ArgumentError, "'seq_id' must be an int"),
+        # integers beyond int64 (TVM holds these fields as int64)
+        (_with(meta, seq_id=2**80), rk.ArgumentError, "'seq_id' must be an int64, got 1208925819614629174706176"),
+        (_with(meta, seq_id=-2**63 - 1), rk.ArgumentError, "'seq_id' must be an int64"),
+        (_with(meta, reserved_num_seqs=2**100), rk.ArgumentError, "'reserved_num_seqs' must be an int64"),
+        (_with(meta, format_version=2**64), rk.ArgumentError, "'format_version' must be an int64"),
     ]
     for text, error, match in cases:
         _refused(dst, lambda: prepare(dst, 0, text), error, match)

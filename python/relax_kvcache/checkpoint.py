@@ -230,9 +230,11 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def _field(meta: Dict[str, Any], name: str, kind: type) -> Any:
+    """``meta[name]`` of exactly type ``kind`` (bool is not int here); ints within int64, as TVM
+    holds them."""
     value = meta.get(name)
-    if type(value) is not kind:  # bool is not int here
-        raise ArgumentError(f"checkpoint field {name!r} must be {'an int' if kind is int else 'a string'}, got "
+    if type(value) is not kind or (kind is int and not -2**63 <= value < 2**63):
+        raise ArgumentError(f"checkpoint field {name!r} must be {'an int64' if kind is int else 'a string'}, got "
                             f"{_short(value)}")
     return value
 
