@@ -23,6 +23,7 @@ import tvm
 
 from .config import AttnKind, KVCacheConfig, RopeMode
 from .errors import ArgumentError, CacheFullError, ConfigError
+from .paging._checks import INT64_MAX, INT64_MIN
 from .tensors import allocate, numpy_dtype, view
 
 FORMAT_VERSION = 1
@@ -233,7 +234,7 @@ def _field(meta: Dict[str, Any], name: str, kind: type) -> Any:
     """``meta[name]`` of exactly type ``kind`` (bool is not int here); ints within int64, as TVM
     holds them."""
     value = meta.get(name)
-    if type(value) is not kind or (kind is int and not -2**63 <= value < 2**63):
+    if type(value) is not kind or (kind is int and not INT64_MIN <= value <= INT64_MAX):
         raise ArgumentError(f"checkpoint field {name!r} must be {'an int64' if kind is int else 'a string'}, got "
                             f"{_short(value)}")
     return value
