@@ -1,0 +1,351 @@
+"""Causal prefill on a GPU: our kernels, TVM's, and PyTorch SDPA's FlashAttention-2 and cuDNN.
+
+Shape: Llama-3-8B attention (32 query / 8 KV heads, head_dim 128), float16 and bfloat16, pages
+of 16. Two cases per (batch x length):
+
+* **ragged**: fresh prompts, causal attention of each prompt over its own tokens (the step's
+  K/V, ``attention_prefill_ragged``);
+* **paged**: the second half of each sequence attending to its first half, cached in pages
+  scattered at random, and to itself causally: what a chunked prefill step does. Ours and
+  TVM's run the kernels their caches run for such a step: the ragged kernel over the new
+  tokens, the paged kernel over the cached half, and the merge of the two states.
+
+PyTorch SDPA gets the same inputs with the KV heads repeated to 32 (outside the timing), causal
+with the diagonal aligned at the bottom right (``causal_lower_right``) for the paged case.
+Reported per shape and dtype: TFLOP/s of ours, FlashAttention-2, cuDNN and TVM's kernels
+(FLOPs = 4 x heads x head_dim x visible query-key pairs), ours / FA2 and ours / cuDNN as
+speed ratios (above 1: ours faster), the fp16 matmul rate as the roofline, the max abs
+difference between ours and FA2, and ours' max abs error against float64 attention on sampled
+query rows. Timing: calls queued back to back between two synchronisations, median of three
+rounds.
+
+Usage::
+
+    python benchmarks/gpu_prefill_bench.py --prepare .gpu/prefill      # development machine
+    python benchmarks/gpu_prefill_bench.py --libs .gpu/prefill         # GPU host (PyTorch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import pathlib
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "python"))
+
+import tvm  # noqa: E402
+
+import relax_kvcache as rk  # noqa: E402
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+SHAPES = [(1, 2048), (8, 512), (1, 8192), (4, 4096)]
+DTYPES = ("float16", "bfloat16")
+ROLES = ("attention_prefill_ragged", "attention_prefill", "merge_inplace")
+REF_ROWS = 6  # sampled query tokens per shape checked against float64
+
+
+def config(dtype: str) -> rk.KVCacheConfig:
+    return rk.KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
+                            max_num_seqs=8, max_total_seq_len=16384, prefill_chunk_size=8192,
+                            rope_mode=rk.RopeMode.NONE, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- development machine
+
+def prepare(out: pathlib.Path, arch: str, dtypes) -> None:
+    """Our three prefill kernels and TVM's, per dtype, with nvcc fatbins (``out/cache``)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_prepare
+    import tvm.relax.frontend.nn.llm.kv_cache as kc
+    from tvm.s_tir import dlight as dl
+
+    from relax_kvcache import tir_kernels as tk
+    from relax_kvcache.build import KernelSetSpec, _pass_config
+    from relax_kvcache.targets import make_target
+
+    target = make_target("cuda", arch=arch)
+    out.mkdir(parents=True, exist_ok=True)
+    for dtype in dtypes:
+        spec, sched = KernelSetSpec.from_config(config(dtype)), tk.schedule_for(target)
+        ours = {role: spec.kernel_function(role, sched) for role in ROLES}
+        theirs = {
+            "attention_prefill_ragged": kc._attention_prefill_ragged(HKV, HQ, D, D, dtype, {}, target),
+            "attention_prefill": kc._attention_prefill(HKV, HQ, D, dtype, False, {}, target, page_size=PAGE),
+            "merge_inplace": kc._merge_state_inplace(HQ, D, dtype, target),
+        }
+        for name, funcs in (("ours", ours), ("tvm", theirs)):
+            start = time.perf_counter()
+            mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
+            if name == "tvm":
+                with target:
+                    mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
+            with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+                built = tvm.tirx.build(mod, target=target)
+            path = out / f"{name}-{dtype}.so"
+            built.export_library(str(path))
+            gpu_prepare.precompile(gpu_prepare.cuda_source(built), arch, out)
+            print(f"{path.name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+# ----------------------------------------------------------------------------- GPU host
+
+def time_per_call(fn: Callable[[], object], sync: Callable[[], None], min_time: float) -> float:
+    """Seconds per call: calls queued back to back between two syncs, repeated until a round
+    lasts ``min_time``; the median of three rounds."""
+    fn()
+    sync()
+    reps = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time or reps >= 10000:
+            break
+        reps = min(10000, max(2 * reps, int(reps * 1.2 * min_time / max(elapsed, 1e-9))))
+    rounds = [elapsed / reps]
+    for _ in range(2):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        rounds.append((time.perf_counter() - start) / reps)
+    return statistics.median(rounds)
+
+
+class Case:
+    """One shape's inputs on the host and the device: ``batch`` sequences of ``length`` tokens;
+    ``cached`` of them (per sequence) are in pages, the rest are the step's new tokens."""
+
+    def __init__(self, batch: int, length: int, cached: int, dtype: str, device, rng) -> None:
+        import ml_dtypes  # noqa: F401  (numpy bfloat16)
+
+        self.batch, self.length, self.cached, self.dtype, self.device = batch, length, cached, dtype, device
+        self.new = length - cached
+        n, nd = batch * self.new, np.dtype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
+        self.host = {name: rng.standard_normal((batch, length, h, D)).astype(nd)
+                     for name, h in (("q", HQ), ("k", HKV), ("v", HKV))}
+        q_new = self.host["q"][:, cached:].reshape(n, HQ, D)
+        k_new = self.host["k"][:, cached:].reshape(n, HKV, D)
+        v_new = self.host["v"][:, cached:].reshape(n, HKV, D)
+        self.q, self.k, self.v = (tvm.runtime.tensor(np.ascontiguousarray(x), device) for x in (q_new, k_new, v_new))
+        self.qo_indptr = self._int(np.arange(batch + 1) * self.new)
+        self.q_pos = self._int(np.tile(np.arange(cached, length), batch))
+        self.zeros = self._int(np.zeros(batch))
+        if cached:
+            per_seq = -(-cached // PAGE)
+            order = rng.permutation(batch * per_seq)
+            pages = np.zeros((batch * per_seq, 2, HKV, PAGE, D), nd)
+            for b in range(batch):
+                for p in range(per_seq):
+                    rows = slice(p * PAGE, min(cached, (p + 1) * PAGE))
+                    span = rows.stop - rows.start
+                    pages[order[b * per_seq + p], 0, :, :span] = self.host["k"][b, rows].transpose(1, 0, 2)
+                    pages[order[b * per_seq + p], 1, :, :span] = self.host["v"][b, rows].transpose(1, 0, 2)
+            self.pages = tvm.runtime.tensor(pages, device)
+            self.page_indptr = self._int(np.arange(batch + 1) * per_seq)
+            self.page_indices = self._int(order)
+            self.last_page_len = self._int(np.full(batch, cached - (per_seq - 1) * PAGE))
+
+    def _int(self, values) -> tvm.runtime.Tensor:
+        return tvm.runtime.tensor(np.asarray(values, dtype="int32"), self.device)
+
+    @property
+    def flops(self) -> int:
+        pairs = self.batch * (self.new * self.cached + self.new * (self.new + 1) // 2)
+        return 4 * HQ * D * pairs
+
+    def outputs(self):
+        n = self.batch * self.new
+        o = tvm.runtime.tensor(np.full((n, HQ, D), np.nan, np.float32).astype(self.host["q"].dtype), self.device)
+        lse = tvm.runtime.tensor(np.full((n, HQ), np.nan, np.float32), self.device)
+        return o, lse
+
+    def cache_call(self, kernels) -> Callable[[], None]:
+        """The kernel calls a cache makes for this step (ours or TVM's kernels), as one callable
+        writing ``self.out``."""
+        o, lse = self.outputs()
+        scale = D ** -0.5
+        ragged = (self.q, self.qo_indptr, self.k, self.v, self.qo_indptr, self.q_pos, self.zeros, o, lse, 1, 0,
+                  1.0, 1e4, scale)
+        if not self.cached:
+            self.out = o
+            return lambda: kernels["attention_prefill_ragged"](*ragged)
+        o2, lse2 = self.outputs()
+        paged = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
+                 self.zeros, self.q_pos, o2, lse2, 0, 0, 1.0, 1e4, scale)
+        self.out = o
+
+        def step():
+            kernels["attention_prefill_ragged"](*ragged)
+            kernels["attention_prefill"](*paged)
+            kernels["merge_inplace"](o, lse, o2, lse2)
+
+        return step
+
+    def torch_inputs(self):
+        import torch
+
+        tdt = getattr(torch, self.dtype)
+        q, k, v = (torch.from_numpy(self.host[x].astype(np.float32)).to("cuda", tdt) for x in ("q", "k", "v"))
+        q = q[:, self.cached:].transpose(1, 2).contiguous()
+        k, v = (x.repeat_interleave(HQ // HKV, dim=2).transpose(1, 2).contiguous() for x in (k, v))
+        return q, k, v
+
+    def reference_rows(self, rng) -> tuple:
+        """(rows, float64 outputs) for REF_ROWS sampled new tokens, all heads."""
+        rows = rng.choice(self.batch * self.new, size=min(REF_ROWS, self.batch * self.new), replace=False)
+        refs = []
+        for r in rows:
+            b, i = divmod(int(r), self.new)
+            t = self.cached + i
+            q = self.host["q"][b, t].astype(np.float64)  # (HQ, D)
+            k = self.host["k"][b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)  # (t+1, HQ, D)
+            v = self.host["v"][b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)
+            s = np.einsum("hd,thd->ht", q, k) * D ** -0.5
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            refs.append(np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), v))
+        return rows, np.stack(refs)
+
+
+def sdpa(q, k, v, backend: str, cached: bool):
+    """A callable running SDPA on ``backend`` (None if it refuses these inputs) and its output."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kind = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    if cached:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = dict(attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
+    else:
+        mask = dict(is_causal=True)
+    result = {}
+
+    def call():
+        with sdpa_kernel([kind]):
+            result["out"] = F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, **mask)
+
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001  (a backend that does not support the case)
+        print(f"    {backend}: not available ({str(err).splitlines()[0][:120]})", flush=True)
+        return None, None
+    return call, result
+
+
+def run_case(libs: Dict[str, Dict[str, object]], batch: int, length: int, cached: int, dtype: str, device, rng,
+             min_time: float) -> dict:
+    import torch
+
+    case = Case(batch, length, cached, dtype, device, rng)
+    row = {"times": {}, "flops": case.flops}
+    outs = {}
+    for name, kernels in libs.items():
+        fn = case.cache_call(kernels)
+        row["times"][name] = time_per_call(fn, device.sync, min_time)
+        outs[name] = case.out.numpy().astype(np.float32)
+    q, k, v = case.torch_inputs()
+    for backend in ("fa2", "cudnn"):
+        call, result = sdpa(q, k, v, backend, bool(cached))
+        if call is not None:
+            row["times"][backend] = time_per_call(call, torch.cuda.synchronize, min_time)
+            outs[backend] = result["out"].transpose(1, 2).reshape(-1, HQ, D).float().cpu().numpy()
+    del q, k, v
+    torch.cuda.empty_cache()
+    if "ours" in outs and "fa2" in outs:
+        row["diff_fa2"] = float(np.abs(outs["ours"] - outs["fa2"]).max())
+    rows, ref = case.reference_rows(rng)
+    row["err"] = {name: float(np.abs(out[rows] - ref).max()) for name, out in outs.items()}
+    return row
+
+
+def _tf(row, name) -> str:
+    t = row["times"].get(name)
+    return f"{row['flops'] / t / 1e12:8.1f}" if t else f"{'-':>8}"
+
+
+def _ratio(row, a, b) -> str:
+    ta, tb = row["times"].get(a), row["times"].get(b)
+    return f"{tb / ta:8.2f}" if ta and tb else f"{'-':>8}"
+
+
+def report(results: List[tuple], matmul: Optional[float]) -> None:
+    print()
+    print("Causal prefill, 32/8 heads, head_dim 128 (TFLOP/s; ratios: speed of ours over the other, above 1 = ours "
+          "faster)" + (f"; fp16 matmul {matmul / 1e12:.0f} TFLOP/s" if matmul else ""))
+    print(f"{'dtype':>8} {'case':>6} {'shape':>10} {'ours':>8} {'FA2':>8} {'cuDNN':>8} {'native':>8} "
+          f"{'o/FA2':>8} {'o/cuDNN':>8} {'o/native':>8} {'|o-FA2|':>9} {'ours err':>9} {'FA2 err':>9}")
+    for dtype, case, batch, length, row in results:
+        err = row["err"]
+        print(f"{dtype:>8} {case:>6} {batch:>4} x {length:<5} {_tf(row, 'ours')} {_tf(row, 'fa2')} "
+              f"{_tf(row, 'cudnn')} {_tf(row, 'tvm')} {_ratio(row, 'ours', 'fa2')} {_ratio(row, 'ours', 'cudnn')} "
+              f"{_ratio(row, 'ours', 'tvm')} {row.get('diff_fa2', float('nan')):9.2e} "
+              f"{err.get('ours', float('nan')):9.2e} {err.get('fa2', float('nan')):9.2e}")
+    print("(paged: the second half of each sequence over its cached first half and itself; ours and native run "
+          "ragged + paged + merge as their caches do; err: max abs error against float64 on sampled rows)")
+
+
+def matmul_rate() -> Optional[float]:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.float16, device="cuda")
+    t = time_per_call(lambda: a @ b, torch.cuda.synchronize, 0.2)
+    return 2 * n ** 3 / t
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare", type=pathlib.Path, help="build the libraries into this folder")
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--libs", type=pathlib.Path, help="folder built by --prepare (GPU host)")
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--shapes", nargs="+", default=[f"{b}x{n}" for b, n in SHAPES],
+                        help="batch x length, e.g. 1x2048")
+    parser.add_argument("--cases", nargs="+", default=["ragged", "paged"], choices=["ragged", "paged"])
+    parser.add_argument("--no-native", action="store_true", help="skip TVM's kernels (slow: about 3 TFLOP/s)")
+    parser.add_argument("--min-time", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare, args.arch, args.dtypes)
+        return 0
+    if args.libs is None:
+        parser.error("--prepare DIR (here) or --libs DIR (GPU host)")
+    from relax_kvcache import deploy
+
+    device = tvm.cuda(0)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
+    rng = np.random.default_rng(0)
+    matmul = matmul_rate()
+    results = []
+    for dtype in args.dtypes:
+        libs = {}
+        for name in ("ours", "tvm"):
+            if name == "tvm" and args.no_native:
+                continue
+            mod = deploy.load(str(args.libs / f"{name}-{dtype}.so"), device=device)
+            libs[name] = {role: mod.get_function(role, query_imports=True) for role in ROLES}
+        for case in args.cases:
+            for batch, length in shapes:
+                print(f"{dtype} {case} {batch} x {length} ...", flush=True)
+                cached = length // 2 if case == "paged" else 0
+                results.append((dtype, case, batch, length,
+                                run_case(libs, batch, length, cached, dtype, device, rng, args.min_time)))
+    report(results, matmul)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
