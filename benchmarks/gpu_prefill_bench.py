@@ -6,9 +6,11 @@ of 16. Two cases per (batch x length):
 * **ragged**: fresh prompts, causal attention of each prompt over its own tokens (the step's
   K/V, ``attention_prefill_ragged``);
 * **paged**: the second half of each sequence attending to its first half, cached in pages
-  scattered at random, and to itself causally: what a chunked prefill step does. Ours and
-  TVM's run the kernels their caches run for such a step: the ragged kernel over the new
-  tokens, the paged kernel over the cached half, and the merge of the two states.
+  scattered at random, and to itself causally: what a chunked prefill step does. Each side
+  runs the kernels its cache runs for such a step: ours ``attention_prefill_prefixed`` (one
+  kernel over the cached pages and the new rows), TVM's the ragged kernel over the new tokens,
+  the paged kernel over the cached half and the merge of the two states (ours' three-kernel
+  path is timed too, kernel by kernel).
 
 PyTorch SDPA gets the same inputs with the KV heads repeated to 32 (outside the timing), causal
 with the diagonal aligned at the bottom right (``causal_lower_right``) for the paged case.
@@ -47,7 +49,7 @@ import relax_kvcache as rk  # noqa: E402
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 SHAPES = [(1, 2048), (8, 512), (1, 8192), (4, 4096)]
 DTYPES = ("float16", "bfloat16")
-ROLES = ("attention_prefill_ragged", "attention_prefill", "merge_inplace")
+ROLES = ("attention_prefill_ragged", "attention_prefill", "merge_inplace", "attention_prefill_prefixed")
 REF_ROWS = 6  # sampled query tokens per shape checked against float64
 
 
@@ -59,8 +61,20 @@ def config(dtype: str) -> rk.KVCacheConfig:
 
 # ----------------------------------------------------------------------------- development machine
 
-def prepare(out: pathlib.Path, arch: str, dtypes) -> None:
-    """Our three prefill kernels and TVM's, per dtype, with nvcc fatbins (``out/cache``)."""
+def parse_variants(texts) -> Dict[str, Dict[str, int]]:
+    """``NAME:knob=value,knob=value`` -> {NAME: {knob: value}} (``GpuSchedule`` knobs)."""
+    variants = {}
+    for text in texts or ():
+        name, _, knobs = text.partition(":")
+        variants[name] = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
+    return variants
+
+
+def prepare(out: pathlib.Path, arch: str, dtypes, variants: Dict[str, Dict[str, int]]) -> None:
+    """Our three prefill kernels and TVM's, per dtype, with nvcc fatbins (``out/cache``); with
+    ``variants``, also ours with those schedule knobs replaced (``ours-NAME-dtype.so``)."""
+    import dataclasses
+
     sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_prepare
     import tvm.relax.frontend.nn.llm.kv_cache as kc
@@ -74,13 +88,17 @@ def prepare(out: pathlib.Path, arch: str, dtypes) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for dtype in dtypes:
         spec, sched = KernelSetSpec.from_config(config(dtype)), tk.schedule_for(target)
-        ours = {role: spec.kernel_function(role, sched) for role in ROLES}
+        ours = {role: spec.kernel_function(role, sched) for role in ROLES}  # ours has every role
         theirs = {
             "attention_prefill_ragged": kc._attention_prefill_ragged(HKV, HQ, D, D, dtype, {}, target),
             "attention_prefill": kc._attention_prefill(HKV, HQ, D, dtype, False, {}, target, page_size=PAGE),
             "merge_inplace": kc._merge_state_inplace(HQ, D, dtype, target),
         }
-        for name, funcs in (("ours", ours), ("tvm", theirs)):
+        builds = [("ours", ours), ("tvm", theirs)]
+        for variant, knobs in variants.items():
+            vsched = dataclasses.replace(sched, **knobs)
+            builds.append((f"ours-{variant}", {role: spec.kernel_function(role, vsched) for role in ROLES}))
+        for name, funcs in builds:
             start = time.perf_counter()
             mod = tvm.IRModule({n: f.with_attr("global_symbol", n) for n, f in funcs.items()})
             if name == "tvm":
@@ -183,11 +201,18 @@ class Case:
         paged = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
                  self.zeros, self.q_pos, o2, lse2, 0, 0, 1.0, 1e4, scale)
         self.out = o
+        self.parts = {"ragged": lambda: kernels["attention_prefill_ragged"](*ragged),
+                      "paged": lambda: kernels["attention_prefill"](*paged),
+                      "merge": lambda: kernels["merge_inplace"](o, lse, o2, lse2)}
+        if "attention_prefill_prefixed" in kernels:  # ours: one kernel over prefix + new rows
+            prefixed = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
+                        self.zeros, self.q_pos, self.k, self.v, o, lse, 1, 0, 1.0, 1e4, scale)
+            self.parts["prefixed"] = lambda: kernels["attention_prefill_prefixed"](*prefixed)
+            return self.parts["prefixed"]
 
         def step():
-            kernels["attention_prefill_ragged"](*ragged)
-            kernels["attention_prefill"](*paged)
-            kernels["merge_inplace"](o, lse, o2, lse2)
+            for part in ("ragged", "paged", "merge"):
+                self.parts[part]()
 
         return step
 
@@ -255,6 +280,8 @@ def run_case(libs: Dict[str, Dict[str, object]], batch: int, length: int, cached
         fn = case.cache_call(kernels)
         row["times"][name] = time_per_call(fn, device.sync, min_time)
         outs[name] = case.out.numpy().astype(np.float32)
+        if cached and name == "ours":  # where the step's time goes
+            row["parts"] = {part: time_per_call(f, device.sync, min_time) for part, f in case.parts.items()}
     q, k, v = case.torch_inputs()
     for backend in ("fa2", "cudnn"):
         call, result = sdpa(q, k, v, backend, bool(cached))
@@ -292,8 +319,24 @@ def report(results: List[tuple], matmul: Optional[float]) -> None:
               f"{_tf(row, 'cudnn')} {_tf(row, 'tvm')} {_ratio(row, 'ours', 'fa2')} {_ratio(row, 'ours', 'cudnn')} "
               f"{_ratio(row, 'ours', 'tvm')} {row.get('diff_fa2', float('nan')):9.2e} "
               f"{err.get('ours', float('nan')):9.2e} {err.get('fa2', float('nan')):9.2e}")
-    print("(paged: the second half of each sequence over its cached first half and itself; ours and native run "
-          "ragged + paged + merge as their caches do; err: max abs error against float64 on sampled rows)")
+    print("(paged: the second half of each sequence over its cached first half and itself, with the kernels the "
+          "caches run for such a step: ours attention_prefill_prefixed, native ragged + paged + merge; err: max abs "
+          "error against float64 on sampled rows)")
+    variants = sorted({n for *_, row in results for n in row["times"] if n.startswith("ours-")})
+    if variants:
+        print()
+        print("Schedule variants (TFLOP/s): " + ", ".join(variants))
+        for dtype, case, batch, length, row in results:
+            worst = max(row["err"].get(v, float("nan")) for v in variants)
+            print(f"{dtype:>8} {case:>6} {batch:>4} x {length:<5} {_tf(row, 'ours')} "
+                  + " ".join(_tf(row, v) for v in variants) + f"   max err {worst:.2e}")
+    parts = [(dtype, batch, length, row["parts"]) for dtype, case, batch, length, row in results if "parts" in row]
+    if parts:
+        print()
+        print("Ours, paged case, per kernel (us): prefixed (what the cache runs); ragged causal over the new half, "
+              "paged over the cached half and merge (the three-kernel path)")
+        for dtype, batch, length, p in parts:
+            print(f"{dtype:>8} {batch:>4} x {length:<5} " + " ".join(f"{k} {v * 1e6:8.1f}" for k, v in p.items()))
 
 
 def matmul_rate() -> Optional[float]:
@@ -317,9 +360,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=["ragged", "paged"], choices=["ragged", "paged"])
     parser.add_argument("--no-native", action="store_true", help="skip TVM's kernels (slow: about 3 TFLOP/s)")
     parser.add_argument("--min-time", type=float, default=0.1)
+    parser.add_argument("--variants", nargs="+", help="--prepare: also build ours with schedule knobs replaced, "
+                        "NAME:knob=value,... (e.g. wg1:wgmma_warpgroups=1); the host times every ours-NAME library")
     args = parser.parse_args(argv)
     if args.prepare:
-        prepare(args.prepare, args.arch, args.dtypes)
+        prepare(args.prepare, args.arch, args.dtypes, parse_variants(args.variants))
         return 0
     if args.libs is None:
         parser.error("--prepare DIR (here) or --libs DIR (GPU host)")
@@ -332,11 +377,12 @@ def main(argv=None) -> int:
     results = []
     for dtype in args.dtypes:
         libs = {}
-        for name in ("ours", "tvm"):
-            if name == "tvm" and args.no_native:
-                continue
+        names = ["ours"] + ([] if args.no_native else ["tvm"])
+        names += sorted(p.name[:-len(f"-{dtype}.so")] for p in args.libs.glob(f"ours-*-{dtype}.so"))
+        for name in names:
             mod = deploy.load(str(args.libs / f"{name}-{dtype}.so"), device=device)
-            libs[name] = {role: mod.get_function(role, query_imports=True) for role in ROLES}
+            libs[name] = {role: mod.get_function(role, query_imports=True) for role in ROLES
+                          if mod.implements_function(role, query_imports=True)}
         for case in args.cases:
             for batch, length in shapes:
                 print(f"{dtype} {case} {batch} x {length} ...", flush=True)

@@ -1,7 +1,8 @@
 """Kernel libraries of ``test_kernels.py``'s configs for running those tests on a GPU host.
 
 On the development machine: ``python tests/gpu_kernel_libs.py DIR [--arch sm_90a]`` compiles the
-CUDA kernel set of every config in ``test_kernels.CONFIGS`` (and the RoPE variants) into ``DIR`` (plus nvcc fatbins in
+CUDA kernel set of every config in ``test_kernels.CONFIGS`` (and the RoPE variants, and
+``test_prefill_tiles.TILE_CONFIGS``) into ``DIR`` (plus nvcc fatbins in
 ``DIR/cache``). On the GPU host (runtime-only TVM)::
 
     RELAX_KVCACHE_CACHE_DIR=DIR/cache RELAX_KVCACHE_TEST_LIBS=DIR RELAX_KVCACHE_TEST_DEVICE=cuda \\
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only-mla", action="store_true", help="build only the MLA libraries")
     parser.add_argument("--only-rope", action="store_true",
                         help="build only the LongRoPE and partial-rotary libraries")
+    parser.add_argument("--only-tiles", action="store_true", help="build only test_prefill_tiles' libraries")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import os
@@ -88,16 +90,18 @@ def main(argv=None) -> int:
     from relax_kvcache import build
     from relax_kvcache.targets import make_target
     from test_kernels import CONFIGS, LONGROPE_CONFIGS, ROTARY_CONFIGS
+    from test_prefill_tiles import TILE_CONFIGS
 
     target = make_target("cuda", arch=args.arch)
     pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
     rope_variants = {**LONGROPE_CONFIGS, **ROTARY_CONFIGS}
-    configs = {} if args.only_mla else rope_variants if args.only_rope else {**CONFIGS, **rope_variants}
+    configs = ({} if args.only_mla else rope_variants if args.only_rope else TILE_CONFIGS if args.only_tiles
+               else {**CONFIGS, **TILE_CONFIGS, **rope_variants})
     for name, config in configs.items():
         _export(build._compile(build.KernelSetSpec.from_config(config), target, None, build.kernel_identity(config)),
                 _file(config, args.directory), args.arch)
         print(f"{name}: {_file(config, args.directory)}", flush=True)
-    if args.only_rope:
+    if args.only_rope or args.only_tiles:
         return 0
     import test_mla_kernels as mla
     from relax_kvcache.tir_kernels import schedule_for

@@ -61,7 +61,7 @@ def test_cli_build_reports_what_it_built(cpu_library):
     path, out = cpu_library
     assert path.is_file()
     assert f"built {path} (" in out
-    assert "14 kernels for llvm" in out and "float32, 4/2 heads, head_dim 32, page 16" in out
+    assert "15 kernels for llvm" in out and "float32, 4/2 heads, head_dim 32, page 16" in out
     assert "kernels: " + ", ".join(rk.KERNEL_ROLES) in out
 
 
@@ -262,7 +262,7 @@ def test_registered_callback_compiles_with_nvcc(fatbin_cache, restore_callback, 
 @needs_nvcc
 def test_nvcc_failure_shows_its_stderr(fatbin_cache):
     with pytest.raises(deploy.DeployError, match=r"(?s)nvcc failed \(exit \d+\) compiling CUDA source for "
-                                                 r"sm_80: .*nvcc --fatbin -O3 -w -arch=sm_80 .*first error: .*error"):
+                                                 r"sm_80: .*nvcc --fatbin -O3 -w -gencode=arch=compute_80,code=sm_80 .*first error: .*error"):
         deploy.nvcc_compile("this is not CUDA", arch="sm_80")
     assert not list(fatbin_cache.glob("cuda-fatbin/*.fatbin"))
 

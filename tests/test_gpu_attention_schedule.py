@@ -160,8 +160,8 @@ def _dynamic_shared_allocation(func, target) -> int:
     class Grab:
         def run_before_pass(self, mod, info):
             if info.name == "tirx.SplitHostDevice":
-                seen.extend(int(n) for n in re.findall(r'alloc_buffer\(\((\d+),\), "uint8", scope="shared.dyn"\)',
-                                                        str(mod)))
+                seen.extend(int(n) * tvm.DataType(dtype).bits // 8 for n, dtype in re.findall(
+                    r'alloc_buffer\(\((\d+),\), "(\w+)", scope="shared.dyn"\)', str(mod)))
 
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target), instruments=[Grab()]):
         tvm.tirx.build(func, target=target)
@@ -183,3 +183,80 @@ def test_mla_tile_fits_the_shared_memory_it_claims(arch, chunk):
     assert tile.kv_chunk == chunk
     assert _dynamic_shared_allocation(make_paged_mla(mla, sched), target) <= tile.shared_bytes() \
         <= sched.dynamic_shared_bytes
+
+
+# ----------------------------------------------------------------------------- Hopper (wgmma) tile
+
+WGMMA = "wgmma.mma_async.sync.aligned"
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 5, 8, 128])
+def test_wgmma_tile_shape(dim, group):
+    from relax_kvcache.tir_kernels.attention_gpu_wgmma import WgmmaTileShape
+
+    sched = schedule_for(make_target("cuda", arch="sm_90a"))
+    shape = WgmmaTileShape.choose(spec(heads=(2 * group, 2), dim=dim), sched)
+    assert shape.rows == 64 * shape.warpgroups and shape.q_tokens == shape.rows // group >= 1
+    assert shape.kv_chunk % 16 == 0 and shape.kv_chunk * dim * 2 % 1024 == 0  # stages stay 1024-byte aligned
+    assert 2 <= shape.stages <= sched.wgmma_stages and 2 * shape.shared_elems <= sched.dynamic_shared_bytes
+
+
+@pytest.mark.parametrize("case", [
+    ("float32", {"kind": "cuda", "arch": "sm_90a"}, {}),
+    ("float16", {"kind": "cuda", "arch": "sm_90"}, {}),  # wgmma needs the arch-specific sm_90a
+    ("float16", {"kind": "cuda", "arch": "sm_80"}, {}),
+    ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"dim": 96}),
+    ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"dim": 192, "v_dim": 128}),
+    ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"heads": (256, 1)}),  # group wider than the tile
+])
+def test_wgmma_tile_not_used(case):
+    from relax_kvcache.tir_kernels.attention_gpu_wgmma import WgmmaTileShape
+
+    dtype, target, kw = case
+    assert WgmmaTileShape.choose(spec(dtype, **kw), schedule_for(tvm.target.Target(target))) is None
+
+
+@pytest.mark.parametrize("factory", ["make_ragged_prefill", "make_paged_prefill", "make_prefixed_prefill"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90a_prefill_uses_warpgroup_mma(factory, dtype):
+    """sm_90a prefill kernels hold the warpgroup-MMA tile (and the mma.sync one for inline RoPE)."""
+    from relax_kvcache import tir_kernels
+
+    source = device_source(getattr(tir_kernels, factory), dtype, SM90)
+    operand = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"{WGMMA}.m64n128k16.f32.{operand}.{operand}" in source  # Q K^T (64 keys x ...) and P V
+    assert "cp.async.cg.shared.global" in source and "fence.proxy.async" in source
+    assert "wgmma.wait_group.sync.aligned 1" in source  # P V of a chunk overlaps the next Q K^T
+    assert MMA in source
+
+
+def test_sm80_prefill_has_no_warpgroup_mma():
+    assert "wgmma" not in device_source(make_ragged_prefill, "float16", SM80)
+
+
+def test_wgmma_tile_fits_the_shared_memory_it_claims():
+    from relax_kvcache.tir_kernels.attention_gpu_wgmma import WgmmaTileShape
+
+    target = make_target("cuda", arch="sm_90a")
+    sched = schedule_for(target)
+    llama = spec("float16", heads=(32, 8), dim=128)
+    shape = WgmmaTileShape.choose(llama, sched)
+    assert (shape.rows, shape.kv_chunk, shape.stages) == (128, 128, 3)
+    assert _dynamic_shared_allocation(make_ragged_prefill(llama, sched), target) <= 2 * shape.shared_elems \
+        <= sched.dynamic_shared_bytes
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not installed")
+def test_sm90a_prefill_assembles_without_serialized_wgmma(tmp_path):
+    """ptxas accepts the sm_90a prefill kernel and keeps its wgmma groups asynchronous: it warns
+    (C7514) when code touches a wgmma's registers while it may still run, and serializes."""
+    import subprocess
+
+    source = tmp_path / "prefill.cu"
+    source.write_text(device_source(make_ragged_prefill, "float16", SM90))
+    proc = subprocess.run(["nvcc", "--cubin", "-O3", "-w", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                           "-o", str(tmp_path / "prefill.cubin"), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "C7514" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
+    assert "spill" in proc.stderr and " 0 bytes spill stores" in proc.stderr  # the accumulators stay in registers

@@ -67,6 +67,7 @@ KERNEL_ROLES = (
     "attention_prefill_ragged_sliding_window",
     "attention_prefill_ragged_tree",
     "attention_prefill_tree",
+    "attention_prefill_prefixed",
 )
 
 #: Roles of the kernels of an MLA cache (``debug_get_kv`` with the latent layout).
@@ -174,6 +175,7 @@ class KernelSetSpec:
             "attention_prefill_ragged_sliding_window": lambda: tk.make_ragged_prefill(windowed, sched),
             "attention_prefill_ragged_tree": lambda: tk.make_ragged_tree_prefill(plain, sched),
             "attention_prefill_tree": lambda: tk.make_paged_tree_prefill(plain, sched),
+            "attention_prefill_prefixed": lambda: tk.make_prefixed_prefill(plain, sched),
         }
         return makers[role]()
 

@@ -740,9 +740,25 @@ class PagedAttentionKVCache:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
         if self._step.append_before_attn:  # the new K/V are already in the pages
             self._paged_attention(step, layer, q, o, lse, sm_scale, first=True)
+        elif self._prefixed(step, layer):  # one kernel over the cached prefix and the new rows
+            depth, cfg = step.depths[0].pages, self.config
+            self._kernels.attention_prefill_prefixed(
+                q, step.append_indptr, self._pages[layer], depth.page_indptr, depth.page_indices,
+                depth.length_info, depth.k_rope_pos_offset, step.q_rope_position, k, v, o, lse, 1,
+                self._rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
         else:
             self._ragged_attention(step, layer, q, k, v, o, lse, sm_scale)
             self._paged_attention(step, layer, q, o, lse, sm_scale, first=False)
+
+    def _prefixed(self, step: _DeviceStep, layer: int) -> bool:
+        """Whether ``attention_prefill_prefixed`` serves this step and layer: every sequence has
+        one plain page list (one depth, one chunk per sequence), no tree, no window."""
+        if (self._kernels.attention_prefill_prefixed is None or step.ragged_tree is not None
+                or len(step.depths) != 1 or self._windowed_layers[layer] or self.config.slides_sequences):
+            return False
+        depth = step.depths[0]
+        return (depth.pages.has_pages and not depth.use_decode_kernel and depth.tree is None
+                and depth.qo_indptr.shape[0] == step.append_indptr.shape[0])
 
     def self_attention(self, layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
                        v: tvm.runtime.Tensor, o: tvm.runtime.Tensor, lse: tvm.runtime.Tensor,

@@ -539,7 +539,10 @@ def _run_nvcc(code: str, arch: str) -> bytes:
         source, output = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
         with open(source, "w") as f:
             f.write(code)
-        cmd = [nvcc, "--fatbin", "-O3", "-w", f"-arch={arch}", "-o", output, source]
+        # -gencode, not -arch: with -arch=sm_90a nvcc 13.0 also assembles compute_90 PTX, which
+        # rejects sm_90a-only instructions (wgmma)
+        cc = arch.removeprefix("sm_")
+        cmd = [nvcc, "--fatbin", "-O3", "-w", f"-gencode=arch=compute_{cc},code=sm_{cc}", "-o", output, source]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise DeployError(_nvcc_failure(cmd, proc, arch))

@@ -48,6 +48,9 @@ class KernelSet:
     attention_prefill_tree: Optional[Function] = None
     transpose_append_mla: Optional[Function] = None
     attention_prefill_mla: Optional[Function] = None
+    #: ours only (not among TVM's creation arguments): attention over a cached prefix and the
+    #: step's own K/V in one kernel (``tir_kernels.make_prefixed_prefill``)
+    attention_prefill_prefixed: Optional[Function] = None
     #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
     #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it). Set
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
@@ -93,6 +96,7 @@ class KernelSet:
             attention_prefill_tree=get("attention_prefill_tree"),
             transpose_append_mla=get("transpose_append_mla"),
             attention_prefill_mla=get("attention_prefill_mla"),
+            attention_prefill_prefixed=get("attention_prefill_prefixed"),
         )
         object.__setattr__(kernels, "identity", _identity(get))
         return kernels

@@ -5,6 +5,7 @@ from .attention import (
     make_paged_mla,
     make_paged_prefill,
     make_paged_tree_prefill,
+    make_prefixed_prefill,
     make_ragged_prefill,
     make_ragged_tree_prefill,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "make_paged_mla",
     "make_paged_prefill",
     "make_paged_tree_prefill",
+    "make_prefixed_prefill",
     "make_ragged_prefill",
     "make_ragged_tree_prefill",
     "make_split_rotary",

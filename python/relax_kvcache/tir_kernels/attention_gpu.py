@@ -34,6 +34,7 @@ from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, query
                      rope_inv_freq_expr)
 from .attention_gpu_decode import make_decode_item
 from .attention_gpu_mma import MmaTileShape, make_mma_tile
+from .attention_gpu_wgmma import WgmmaTileShape, make_wgmma_tile
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -474,11 +475,14 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule):
 # ---------------------------------------------------------------------------- grids
 
 
-def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, tree: bool = False):
+def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, tree: bool = False, kv_rows=None):
     """Macro running the tile over every (query tile, KV head) of a prefill batch.
 
     ``seq_src(bufs, b)`` returns the tile arguments of sequence b, ``(kv_src, kv_len, k_pos0,
-    tree_src)``, from the kernel's buffers ``bufs`` (a tuple the macro is given).
+    tree_src)``, from the kernel's buffers ``bufs`` (a tuple the macro is given). Where the
+    warpgroup-MMA tile applies (sm_90a, no token tree; ``kv_rows``: the KV rows' ``(locate,
+    elem_at)``, :func:`~.macros.paged_kv_rows`) the kernel holds it and the ``mma.sync`` tile,
+    and runs the first unless RoPE is inline (``rotary_mode == 1``).
     """
     mma_shape = MmaTileShape.choose(spec, sched)
     if mma_shape is not None:
@@ -489,7 +493,34 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     else:
         shape = TileShape.choose(spec, sched)
         tile = make_tile(spec, shape, kv_elem, tree=tree)
-    Hkv, TQ, NT = spec.num_kv_heads, shape.q_tokens, shape.threads
+    grid = _tile_grid(spec, seq_src, tile, shape.q_tokens, shape.threads, heavy_first=False)
+    wg_shape = None if tree or kv_rows is None else WgmmaTileShape.choose(spec, sched)
+    if wg_shape is None:
+        return grid
+    io = tile_io(spec, rows=wg_shape.rows, kv_chunk=wg_shape.kv_chunk, threads=wg_shape.threads, lanes=8,
+                 v_lanes=8, kv_elem=kv_elem, tree=False)
+    wg_grid = _tile_grid(spec, seq_src, make_wgmma_tile(spec, wg_shape, io, kv_rows), wg_shape.q_tokens,
+                         wg_shape.threads, heavy_first=True)
+
+    @T.macro
+    def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
+            rope_scale, rope_theta, sm_scale):
+        # loops of 0 / 1 trips, not an `if`: TVM's barrier planner refuses kernels inside conditions
+        for _inline in T.serial(T.if_then_else(rotary_mode == 1, 1, 0)):
+            grid(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode, rope_scale,
+                 rope_theta, sm_scale)
+        for _plain in T.serial(T.if_then_else(rotary_mode == 1, 0, 1)):
+            wg_grid(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode, rope_scale,
+                    rope_theta, sm_scale)
+
+    return run
+
+
+def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_first: bool):
+    """Macro launching ``tile`` on blocks of ``NT`` threads over (tile of ``TQ`` query tokens,
+    KV head). ``heavy_first``: blocks take the tiles in reverse order, so that the last tiles
+    of causal sequences, which see the most keys, start first."""
+    Hkv = spec.num_kv_heads
 
     @T.macro
     def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
@@ -501,7 +532,10 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
                         T.reads()
                         T.writes()
                         found = T.sblock_alloc_buffer((3,), "int32", scope="local")
-                        find_tile(qo_indptr, batch, bx, TQ, found)
+                        if heavy_first:
+                            find_tile(qo_indptr, batch, ceildiv(total_q, TQ) + batch - 1 - bx, TQ, found)
+                        else:
+                            find_tile(qo_indptr, batch, bx, TQ, found)
                         # no branch around the tile (its barriers must not sit in a condition):
                         # a block past the last tile runs an empty one
                         b: T.let[T.int32] = T.max(found[0], 0)

@@ -97,15 +97,17 @@ def shfl_xor(x, lane_mask: int):
     return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)
 
 
-def online_fold(ns: int, no: int):
-    """Macro folding a chunk's scores into the online-softmax state of rows g and g + 8.
+def fold_scores(ns: int):
+    """Macro folding a chunk's scores into the online-softmax state of rows g and g + 8, but
+    not into the accumulators: ``alpha[hr]`` receives the factor the rows' accumulators must
+    be rescaled by (:func:`rescale_rows`).
 
     ``sacc``: ``ns`` score tiles (log2 units, -inf where masked) in accumulator layout, which
-    become p = exp2(s - m); ``oacc``: ``no`` output tiles, rescaled; ``m2`` / ``l2``: the rows'
-    running max and this lane's part of their sums; ``red``: two floats of scratch.
+    become p = exp2(s - m); ``m2`` / ``l2``: the rows' running max and this lane's part of
+    their sums; ``red``: two floats of scratch.
     """
     @T.macro
-    def softmax(sacc, oacc, m2, l2, red):
+    def fold(sacc, m2, l2, alpha, red):
         for hr in T.unroll(2):
             red[0] = m2[hr]
             for nn in T.unroll(ns):
@@ -115,17 +117,40 @@ def online_fold(ns: int, no: int):
             red[0] = T.max(red[0], shfl_xor(red[0], 2))
             # a row with nothing visible yet has max -inf; it subtracts 0 instead, so that
             # exp2(-inf) = 0 comes out without a branch
-            red[1] = T.exp2(m2[hr] - T.if_then_else(red[0] == NEG_INF, ZERO, red[0]))
-            l2[hr] = l2[hr] * red[1]
+            red[1] = T.if_then_else(red[0] == NEG_INF, ZERO, red[0])
+            alpha[hr] = T.exp2(m2[hr] - red[1])
+            l2[hr] = l2[hr] * alpha[hr]
             for nn in T.unroll(ns):
                 for e in T.unroll(2):
-                    sacc[nn * 4 + hr * 2 + e] = T.exp2(sacc[nn * 4 + hr * 2 + e]
-                                                       - T.if_then_else(red[0] == NEG_INF, ZERO, red[0]))
+                    sacc[nn * 4 + hr * 2 + e] = T.exp2(sacc[nn * 4 + hr * 2 + e] - red[1])
                     l2[hr] = l2[hr] + sacc[nn * 4 + hr * 2 + e]
+            m2[hr] = red[0]
+
+    return fold
+
+
+def rescale_rows(no: int):
+    """Macro multiplying ``no`` accumulator tiles' rows g and g + 8 by ``alpha[0]`` / ``alpha[1]``."""
+    @T.macro
+    def rescale(oacc, alpha):
+        for hr in T.unroll(2):
             for nn in T.unroll(no):
                 for e in T.unroll(2):
-                    oacc[nn * 4 + hr * 2 + e] = oacc[nn * 4 + hr * 2 + e] * red[1]
-            m2[hr] = red[0]
+                    oacc[nn * 4 + hr * 2 + e] = oacc[nn * 4 + hr * 2 + e] * alpha[hr]
+
+    return rescale
+
+
+def online_fold(ns: int, no: int):
+    """Macro folding a chunk's scores into the online-softmax state of rows g and g + 8
+    (:func:`fold_scores`) and rescaling ``no`` output tiles ``oacc`` accordingly (``alpha``:
+    two floats for the rows' factors, ``red`` two of scratch)."""
+    fold, rescale = fold_scores(ns), rescale_rows(no)
+
+    @T.macro
+    def softmax(sacc, oacc, m2, l2, alpha, red):
+        fold(sacc, m2, l2, alpha, red)
+        rescale(oacc, alpha)
 
     return softmax
 
@@ -228,6 +253,7 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
         m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
         l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        alpha = T.sblock_alloc_buffer((2,), "float32", scope="local")
         bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
         row0: T.let[T.int32] = tx // 32 * 16
         g: T.let[T.int32] = tx % 32 // 4
@@ -257,7 +283,7 @@ def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
             qk(sacc, qs, ks, af, bf, row0, g, t)
             mask(sacc, sm_scale * LOG2E, c * KC, nt, nq,
                  (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0), row0, g, t)
-            softmax(sacc, oacc, m2, l2, red)
+            softmax(sacc, oacc, m2, l2, alpha, red)
             pv(oacc, sacc, vs, pf, vf, g, t)
         store(out, oacc, m2, l2, h, qbeg, tile0, nq, row0, g, t)
 

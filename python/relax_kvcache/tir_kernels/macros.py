@@ -70,6 +70,69 @@ def ragged_kv_access(spec):
     return elem
 
 
+def paged_kv_rows(spec):
+    """``(locate, elem_at, elem_new)`` of a sequence's page list, for tiles that copy whole rows:
+    ``locate(kv_src, j, seq)`` is the pool slot (page * page_size + row in page) of KV row j,
+    ``elem_at(kv_src, h, slot, kv, d)`` element d of that slot (the composition is
+    :func:`paged_kv_access`, with the page lookup made once per row). ``seq = (first query
+    token, q_len, kv_len)`` of the sequence, for sources that need it; ``elem_new`` is None
+    (one source)."""
+    ps, sliding = spec.page_size, spec.sliding_window
+
+    def locate(kv_src, j, seq):
+        off = paged_row_offset(j, kv_src[3], kv_src[4], sliding)
+        return kv_src[1][kv_src[2] + off // ps] * ps + off % ps
+
+    def elem_at(kv_src, h, slot, kv: int, d):
+        return kv_src[0][slot // ps, kv, h, slot % ps, d]
+
+    return locate, elem_at, None
+
+
+def ragged_kv_rows(spec):
+    """``(locate, elem_at, elem_new)`` of a sequence's contiguous k / v (as
+    :func:`paged_kv_rows`)."""
+
+    def locate(kv_src, j, seq):
+        return kv_src[2] + j
+
+    def elem_at(kv_src, h, row, kv: int, d):
+        return kv_src[kv][row, h, d]
+
+    return locate, elem_at, None
+
+
+def prefixed_kv_access(spec):
+    """``elem(kv_src, h, j, kv, d)`` of a sequence's cached prefix followed by the step's own
+    K/V: ``kv_src = (pages, page_indices, first page, length_info, sequence, k, v, first new
+    row, prefix rows)``; rows below the prefix come from the page list (no sliding window),
+    the rest from ``k`` / ``v``."""
+    paged = paged_kv_access(spec)
+
+    def elem(kv_src, h, j, kv: int, d):
+        return T.if_then_else(j < kv_src[8], paged(kv_src, h, T.min(j, T.max(kv_src[8] - 1, 0)), kv, d),
+                              kv_src[5 + kv][kv_src[7] + T.max(j - kv_src[8], 0), h, d])
+
+    return elem
+
+
+def prefixed_kv_rows(spec):
+    """``(locate, elem_at, elem_new)`` of :func:`prefixed_kv_access`'s rows: a slot >= 0 is a
+    pool slot of the prefix, a slot < 0 the row ``-slot - 1`` of ``k`` / ``v`` (read with
+    ``elem_new``); the prefix is ``kv_len - q_len`` rows (``seq``)."""
+    locate_paged, elem_at, _ = paged_kv_rows(spec)
+
+    def locate(kv_src, j, seq):
+        prefix = seq[2] - seq[1]
+        return T.if_then_else(j < prefix, locate_paged(kv_src, T.min(j, T.max(prefix - 1, 0)), seq),
+                              -(kv_src[7] + j - prefix) - 1)
+
+    def elem_new(kv_src, h, slot, kv: int, d):
+        return kv_src[5 + kv][-slot - 1, h, d]
+
+    return locate, elem_at, elem_new
+
+
 def latent_kv_access(spec):
     """``elem(kv_src, h, j, kv, d)`` of a sequence's MLA page list (``kv_src`` as paged, pages
     ``(num_pages, page_size, width)``): K and V are the same latent row (V is its first

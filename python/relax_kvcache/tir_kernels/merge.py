@@ -5,10 +5,10 @@ of both key sets: ``lse' = log2(2^lse + 2^lse_other)`` and ``o' = (2^lse o + 2^l
 o_other) / 2^lse'``. A state with ``lse = -inf`` (no keys) contributes nothing; two empty
 states stay empty.
 
-One algorithm (the ``merge_head`` macro merges one (token, head)), two loop nests: on CPU a
-token is one parallel work item and head_dim one vectorised span; on GPUs one thread merges
-one (token, head), walking head_dim in ``vector_bytes``-wide spans. A thread owns its head's
-lse, which it reads before it overwrites it, so no other thread may read that lse.
+The same arithmetic, two loop nests: on CPU a token is one parallel work item and head_dim one
+vectorised span (the ``merge_head`` macro merges one (token, head)); on GPUs a group of
+neighbouring threads merges one (token, head), each taking ``vector_bytes``-wide spans of
+head_dim, so that a warp reads and writes contiguous memory.
 """
 
 from __future__ import annotations
@@ -64,21 +64,49 @@ def _cpu_nest(spec: MergeSpec):
 
 
 def _gpu_nest(spec: MergeSpec, sched: GpuSchedule):
-    """One thread per (token, head)."""
-    H, nt = spec.num_heads, sched.copy_threads
-    lanes = sched.lanes_for(tvm.DataType(spec.dtype).bits, spec.head_dim)
-    merge_head = _merge_head(spec, lanes, vector_math=lanes <= 4)
+    """A (token, head) per group of ``tph`` neighbouring threads of one warp: thread s of the
+    group takes the 16-byte spans ``s, s + tph, ...`` of head_dim, so a warp's loads and stores
+    are contiguous. Every thread of the group reads the two lse values; after a warp barrier
+    the first one writes the merged lse."""
+    H, D, dtype, nt = spec.num_heads, spec.head_dim, spec.dtype, sched.copy_threads
+    lanes = sched.lanes_for(tvm.DataType(dtype).bits, D)
+    spans = D // lanes
+    tph = 1
+    while tph < min(spans, sched.warp_size) and spans % (2 * tph) == 0:
+        tph *= 2
+    heads_per_block = nt // tph
 
     @T.macro
     def nest(o, lse, o_other, lse_other, n):
         # At least one block: a launch of an empty grid fails.
-        for bx in T.thread_binding(T.max(1, T.ceildiv(n * H, nt)), thread="blockIdx.x"):
+        for bx in T.thread_binding(T.max(1, T.ceildiv(n * H, heads_per_block)), thread="blockIdx.x"):
             for tx in T.thread_binding(nt, thread="threadIdx.x"):
                 with T.sblock("merge"):
                     T.reads()
                     T.writes()
-                    if bx * nt + tx < n * H:
-                        merge_head(o, lse, o_other, lse_other, (bx * nt + tx) // H, (bx * nt + tx) % H)
+                    a = T.sblock_alloc_buffer((lanes,), dtype, scope="local")
+                    b = T.sblock_alloc_buffer((lanes,), dtype, scope="local")
+                    row: T.let[T.int32] = T.min(bx * heads_per_block + tx // tph, n * H - 1)
+                    i: T.let[T.int32] = row // H
+                    h: T.let[T.int32] = row % H
+                    mx: T.let[T.float32] = T.max(lse[i, h], lse_other[i, h])
+                    w0: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse[i, h] - mx))
+                    w1: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse_other[i, h] - mx))
+                    inv: T.let[T.float32] = T.if_then_else(w0 + w1 > ZERO, ONE / (w0 + w1), ZERO)
+                    if bx * heads_per_block + tx // tph < n * H:
+                        for it in T.serial(spans // tph):
+                            for d in T.vectorized(lanes):
+                                a[d] = o[i, h, (it * tph + tx % tph) * lanes + d]
+                            for d in T.vectorized(lanes):
+                                b[d] = o_other[i, h, (it * tph + tx % tph) * lanes + d]
+                            for d in T.unroll(lanes):
+                                a[d] = T.Cast(dtype, (T.Cast("float32", a[d]) * w0 + T.Cast("float32", b[d]) * w1) * inv)
+                            for d in T.vectorized(lanes):
+                                o[i, h, (it * tph + tx % tph) * lanes + d] = a[d]
+                    # every thread of the group has read lse[i, h] before the first one writes it
+                    T.evaluate(T.tvm_storage_sync("warp"))
+                    if T.And(bx * heads_per_block + tx // tph < n * H, tx % tph == 0):
+                        lse[i, h] = T.if_then_else(w0 + w1 > ZERO, mx + T.log2(w0 + w1), NEG_INF)
 
     return nest
 

@@ -90,6 +90,17 @@ class GpuSchedule:
     mma : bool
         Whether prefill tiles use tensor cores (``mma.sync``: CUDA sm_80 and newer, float16 and
         bfloat16); otherwise CUDA cores.
+    wgmma : bool
+        Whether prefill tiles use Hopper's warpgroup MMA (``wgmma``, TMA-free ``cp.async``
+        pipeline; CUDA ``sm_90a``, float16 and bfloat16).
+    wgmma_warpgroups : int
+        Warpgroups (of 128 threads, 64 query rows each) of a warpgroup-MMA prefill block.
+    wgmma_stages : int
+        K/V chunks in a warpgroup-MMA prefill block's shared-memory ring (fewer where they do
+        not fit; at least 2, and 3 for a whole chunk of slack: ``P V`` of chunk c and ``Q K^T``
+        of chunk c + 1 run together while chunk c + 2 loads).
+    wgmma_kv_chunk : int
+        KV rows per step of a warpgroup-MMA prefill block (0: 128, or 64 for head_dim 256).
     """
 
     threads: int = 128
@@ -107,6 +118,10 @@ class GpuSchedule:
     dynamic_shared_bytes: int = 0
     warp_shuffle: bool = True
     mma: bool = False
+    wgmma: bool = False
+    wgmma_warpgroups: int = 2
+    wgmma_stages: int = 3
+    wgmma_kv_chunk: int = 0
 
     def lanes_for(self, dtype_bits: int, extent: int) -> int:
         """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
@@ -133,6 +148,7 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
         return GpuSchedule(warp_size=warp, max_lanes=4 if kind in ("metal", "webgpu") else 8,
                            shared_bytes=(30 if small else 46) * 1024, warp_shuffle=kind == "cuda",
                            mma=kind == "cuda" and _sm_version(target) >= 80,
+                           wgmma=kind == "cuda" and _arch(target) == "sm_90a",
                            dynamic_shared_bytes=_dynamic_shared_bytes(target))
     if kind != "llvm":
         raise NotImplementedError(
@@ -158,9 +174,14 @@ def _dynamic_shared_bytes(target: tvm.target.Target) -> int:
     return 99 * 1024 if sm >= 80 else 0
 
 
+def _arch(target: tvm.target.Target) -> str:
+    """The ``arch`` of a CUDA target (e.g. ``sm_90a``; empty without one)."""
+    return str(target.attrs["arch"]) if "arch" in target.attrs else ""
+
+
 def _sm_version(target: tvm.target.Target) -> int:
     """Compute capability of a CUDA target as an int (``sm_90a`` -> 90; 0 without an arch)."""
-    arch = str(target.attrs["arch"]) if "arch" in target.attrs else ""
+    arch = _arch(target)
     digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
     return int(digits) if digits else 0
 

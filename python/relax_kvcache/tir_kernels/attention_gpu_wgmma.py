@@ -1,0 +1,400 @@
+"""Hopper schedule of the prefill tile (CUDA sm_90a, float16 / bfloat16): warpgroup MMA.
+
+Same algorithm, masks and chunk ranges as the other tiles (:class:`~.attention_gpu.TileIO`);
+what changes is who moves and multiplies the tiles:
+
+* A block is ``warpgroups`` warpgroups of 128 threads; warpgroup w owns query rows
+  ``[64 w, 64 w + 64)`` of the tile (``q_tokens`` tokens x the GQA group, so one K/V tile
+  serves every query head of a KV head).
+* The query tile and the K/V chunks live in one dynamic shared-memory buffer, in the 128-byte
+  swizzled layout ``wgmma`` reads through matrix descriptors (:func:`sw128`): a ``rows x width``
+  tile is stored as ``width / 64`` blocks of ``rows x 64`` elements, 16-byte piece ``c`` of row
+  ``r`` at piece ``c ^ (r % 8)``; every tile starts 1024-byte aligned.
+* K/V chunks of ``kv_chunk`` rows stream through a ring of ``stages`` buffers with ``cp.async``
+  (16 bytes a thread, rows gathered through the kernel's row accessor: ragged rows or page
+  table lookups, sliding-window sinks included; rows past the end zero-filled), so the next
+  chunks load while one is computed.
+* ``S = Q K^T``: ``wgmma.mma_async`` m64 n``kv_chunk`` k16 with both operands in shared memory
+  (K-major). ``O += P V``: m64 n``head_dim`` k16 with P in registers (the S accumulators
+  rounded to the dtype are the A fragments) and V in shared memory (MN-major, transposed).
+  The accumulator layout is ``mma.sync``'s: lane ``4 g + t`` of warp ``i`` of the warpgroup
+  holds rows ``16 i + g`` and ``16 i + g + 8``, columns ``8 j + 2 t`` and ``8 j + 2 t + 1``, so
+  the online softmax is the tensor-core tile's (:func:`~.attention_gpu_mma.online_fold`).
+* Masks are applied only on chunks that reach past the end, cross the causal diagonal of the
+  tile, or (windows, trees) always; chunks above the diagonal are never visited.
+
+Inline RoPE (``rotary_mode == 1``) rotates K rows on their way into shared memory, which
+``cp.async`` cannot do: those calls run the ``mma.sync`` tile (the kernel holds both and picks
+at run time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .attention_gpu_mma import fold_scores, rescale_rows, shfl_xor
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
+from .schedule import GpuSchedule
+from .spec import AttentionSpec
+
+WG_THREADS = 128
+WG_ROWS = 64  # query rows of one warpgroup: wgmma's M
+SWIZZLE_128B = 3  # T.cuda.wgmma.encode_matrix_descriptor's code for the 128-byte swizzle
+ALIGN_ELEMS = 512  # slack of the shared buffer (1024 bytes of 16-bit elements) for aligning it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WgmmaTileShape:
+    """A warpgroup-MMA tile: ``rows = 64 * warpgroups`` query rows (``q_tokens`` tokens x group
+    heads, padded), ``kv_chunk`` KV rows per step, a ring of ``stages`` K/V chunks."""
+
+    rows: int
+    q_tokens: int
+    kv_chunk: int
+    warpgroups: int
+    stages: int
+    head_dim: int
+
+    @property
+    def threads(self) -> int:
+        return self.warpgroups * WG_THREADS
+
+    @property
+    def shared_elems(self) -> int:
+        """16-bit elements of the shared buffer: Q tile, K/V ring, alignment slack."""
+        return self.rows * self.head_dim + 2 * self.stages * self.kv_chunk * self.head_dim + ALIGN_ELEMS
+
+    @staticmethod
+    def choose(spec: AttentionSpec, sched: GpuSchedule) -> Optional["WgmmaTileShape"]:
+        """The shape for ``spec``, or None where warpgroup MMA does not apply (no sm_90a target,
+        float32, head dims other than 64 / 128 / 256 or unequal, groups wider than the tile)."""
+        G, D = spec.group_size, spec.qk_head_dim
+        if not sched.wgmma or spec.dtype not in ("float16", "bfloat16"):
+            return None
+        if D != spec.v_head_dim or D not in (64, 128, 256):
+            return None
+        warpgroups = sched.wgmma_warpgroups
+        rows = warpgroups * WG_ROWS
+        if G > rows:
+            return None
+        for stages in range(sched.wgmma_stages, 1, -1):  # the deepest ring that fits
+            shape = WgmmaTileShape(rows=rows, q_tokens=rows // G,
+                                   kv_chunk=sched.wgmma_kv_chunk or (128 if D <= 128 else 64),
+                                   warpgroups=warpgroups, stages=stages, head_dim=D)
+            if 2 * shape.shared_elems <= sched.dynamic_shared_bytes:
+                return shape
+        return None
+
+
+def sw128(r, c, rows: int):
+    """Element offset of (row r, column c) in a ``rows``-row tile in the 128-byte swizzled
+    layout (``rows x 64`` column blocks, 16-byte pieces XOR-permuted by ``r % 8``)."""
+    return (c // 64) * (rows * 64) + r * 64 + tirx.bitwise_xor((c % 64) // 8, r % 8) * 8 + c % 8
+
+
+_FENCE_SOURCE = {
+    "float32": '__forceinline__ __device__ void relax_kvcache_fence_f32(float& r) { asm volatile("" : "+f"(r) :: "memory"); }',
+    "uint32": '__forceinline__ __device__ void relax_kvcache_fence_u32(unsigned int& r) { asm volatile("" : "+r"(r) :: "memory"); }',
+}
+
+
+@T.macro
+def fence_registers(buf, count, name, source):
+    """Tie ``count`` registers of ``buf`` to this point of the program: an empty ``asm volatile``
+    reads and writes each (``name`` / ``source``: the float32 or uint32 one of
+    :data:`FENCES`). Placed after ``wgmma.wait_group``, it keeps the compiler from moving reads
+    of a wgmma's accumulators, or writes of its A fragments, above the wait: the asm of
+    ``wgmma`` names its registers only where the instruction is issued."""
+    for i in T.unroll(count):
+        T.evaluate(T.cuda.func_call(name, buf[i], source_code=source))
+
+
+#: (function name, CUDA source) of the register fences, by register dtype
+FENCES = {dtype: (source.split("void ")[1].split("(")[0], source) for dtype, source in _FENCE_SOURCE.items()}
+
+
+def _ptx(name: str):
+    """``T.ptx.<name>`` for a dotted PTX instruction name."""
+    return functools.reduce(getattr, name.split("."), T.ptx)
+
+
+def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
+    """The work item of one block on Hopper tensor cores (same arguments as the other tiles).
+
+    ``io`` is the :class:`~.attention_gpu.TileIO` of the tile (its ``visible`` and
+    ``chunk_range``); ``kv_rows = (locate, elem_at, elem_new)`` find KV row j's slot and
+    element d of a slot (:func:`~.macros.paged_kv_rows`; with ``elem_new``, negative slots are
+    the step's own rows, :func:`~.macros.prefixed_kv_rows`): ``cp.async`` copies from that
+    element's address.
+    """
+    locate, elem_at, elem_new = kv_rows
+    one_source = elem_new is None
+    G, D, dtype = spec.group_size, spec.qk_head_dim, spec.dtype
+    R, TQ, KC, NT, S = shape.rows, shape.q_tokens, shape.kv_chunk, shape.threads, shape.stages
+    NS, NO = KC // 8, D // 8  # accumulator n-tiles of S and O
+    PIECES = D // 8  # 16-byte pieces of a row
+    Q_IT, KV_IT = ceildiv(R * PIECES, NT), ceildiv(KC * PIECES, NT)
+    KV_OFF = R * D  # the ring after the Q tile; stage s: K at KV_OFF + 2 s KC D, V after it
+    ab = "f16" if dtype == "float16" else "bf16"
+    mma_qk = _ptx(f"wgmma.mma_async.sync.aligned.m64n{KC}k16.f32.{ab}.{ab}")
+    mma_pv = _ptx(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}")
+    cvt_pair = _ptx(f"cvt.rn.{ab}x2.f32")
+    visible, chunk_range = io.visible, io.chunk_range
+    fold, rescale, shfl = fold_scores(NS), rescale_rows(NO), shfl_xor
+    local = spec.is_local  # window / chunk masks: every chunk is masked by the general predicate
+
+    def k_at(stage):
+        return KV_OFF + 2 * stage * KC * D
+
+    def qk(sacc, dq, dk, kk):
+        # k-step kk: 32 bytes into a swizzled row, a whole column block every 4 steps
+        return mma_qk(*[sacc[i] for i in range(NS * 4)],
+                      dq[0] + T.uint64((kk // 4) * (R * 128 >> 4) + (kk % 4) * 2),
+                      dk[0] + T.uint64((kk // 4) * (KC * 128 >> 4) + (kk % 4) * 2),
+                      kk > 0, 1, 1, 0, 0)
+
+    def pv(oacc, pa, dv, kk):
+        # k-step kk: 16 V rows of 128 bytes further
+        return mma_pv(*[oacc[i] for i in range(NO * 4)], pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2],
+                      pa[4 * kk + 3], dv[0] + T.uint64(kk * (16 * 128 >> 4)), True, 1, 1, 1)
+
+    @T.macro
+    def copy16(smem, dst, src_elem, full):
+        """Start a 16-byte copy from the element ``src_elem`` to ``smem[dst]`` (zeros unless
+        ``full``)."""
+        T.evaluate(T.ptx["cp.async.cg.shared.global"](
+            T.address_of(smem[dst]), T.address_of(src_elem), 16, T.Cast("uint32", T.if_then_else(full, 16, 0))))
+
+    @T.macro
+    def load_q(smem, base, q, h, qbeg, tile0, nq, tx):
+        """Copy the query tile: row r = token tile0 + r // G, head h G + r % G (zeros past nq
+        tokens)."""
+        for it in T.unroll(Q_IT):
+            if it * NT + tx < R * PIECES:
+                r: T.let[T.int32] = (it * NT + tx) // PIECES
+                c: T.let[T.int32] = (it * NT + tx) % PIECES * 8
+                copy16(smem, base + sw128(r, c, R),
+                       q[qbeg + tile0 + T.min(r // G, T.max(nq - 1, 0)), h * G + r % G, c], r // G < nq)
+
+    @T.macro
+    def copy_row(smem, dst, elem, kv_src, h, slot, c, full):
+        """Copy 16 bytes of K and of V of a slot (read with ``elem``) to ``smem[dst]`` and
+        ``smem[dst + KC D]``."""
+        copy16(smem, dst, elem(kv_src, h, slot, 0, c), full)
+        copy16(smem, dst + KC * D, elem(kv_src, h, slot, 1, c), full)
+
+    @T.macro
+    def load_kv(smem, base, stage, kv_src, h, j0, seq, tx):
+        """Start copying KV rows j0 .. j0 + KC into ring stage ``stage`` (zeros past kv_len =
+        ``seq[2]``), then close the copy group."""
+        for it in T.unroll(KV_IT):
+            if it * NT + tx < KC * PIECES:
+                r: T.let[T.int32] = (it * NT + tx) // PIECES
+                c: T.let[T.int32] = (it * NT + tx) % PIECES * 8
+                slot: T.let[T.int32] = locate(kv_src, T.max(T.min(j0 + r, seq[2] - 1), 0), seq)
+                if one_source:
+                    copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
+                             j0 + r < seq[2])
+                else:
+                    if slot >= 0:
+                        copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
+                                 j0 + r < seq[2])
+                    else:
+                        copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_new, kv_src, h, slot, c,
+                                 j0 + r < seq[2])
+        T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    @T.macro
+    def mask_by_limit(sacc, scale, j0, lim, t):
+        """Scale the scores; -inf at and past each row's first invisible key (``lim``: rows g,
+        g + 8): the causal diagonal and the end of the sequence."""
+        for nn in T.unroll(NS):
+            for e in T.unroll(4):
+                sacc[nn * 4 + e] = T.if_then_else(j0 + nn * 8 + 2 * t + e % 2 < lim[e // 2],
+                                                  sacc[nn * 4 + e] * scale, NEG_INF)
+
+    @T.macro
+    def mask(sacc, scale, j0, nt, nq, vis_src, row0, g, t):
+        """Scale the scores; -inf where (row, key) is invisible or past the chunk's nt rows."""
+        for nn in T.unroll(NS):
+            for e in T.unroll(4):
+                sacc[nn * 4 + e] = T.if_then_else(
+                    T.And(nn * 8 + 2 * t + e % 2 < nt,
+                          visible(vis_src[0], vis_src[1], vis_src[2], vis_src[3], vis_src[4], vis_src[5],
+                                  vis_src[6], vis_src[7] + T.min((row0 + g + e // 2 * 8) // G, T.max(nq - 1, 0)),
+                                  T.min(j0 + nn * 8 + 2 * t + e % 2, vis_src[4] - 1))),
+                    sacc[nn * 4 + e] * scale, NEG_INF)
+
+    @T.macro
+    def store(out, oacc, m2, l2, inv, h, qbeg, tile0, nq, row0, g, t):
+        for hr in T.unroll(2):
+            l2[hr] = l2[hr] + shfl(l2[hr], 1)
+            l2[hr] = l2[hr] + shfl(l2[hr], 2)
+            inv[hr] = T.if_then_else(l2[hr] > ZERO, ONE / l2[hr], ZERO)
+        for hr in T.unroll(2):
+            if T.And((row0 + g + hr * 8) // G < nq, row0 + g + hr * 8 < TQ * G):
+                for nn in T.unroll(NO):
+                    for e in T.vectorized(2):
+                        out[0][qbeg + tile0 + (row0 + g + hr * 8) // G, h * G + (row0 + g + hr * 8) % G,
+                               nn * 8 + 2 * t + e] = T.Cast(dtype, oacc[nn * 4 + hr * 2 + e] * inv[hr])
+                if t == 0:
+                    out[1][qbeg + tile0 + (row0 + g + hr * 8) // G, h * G + (row0 + g + hr * 8) % G] = T.if_then_else(
+                        l2[hr] > ZERO, m2[hr] + T.log2(l2[hr]), NEG_INF)
+
+    @T.macro
+    def scores(smem, base, sacc, dq, dk, c, c_lo, wg):
+        """Issue ``sacc = Q K_c^T`` (asynchronous; one commit group)."""
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dq[0]), T.address_of(smem[base + wg * WG_ROWS * 64]),
+                                              1, 1024 >> 4, SWIZZLE_128B)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dk[0]), T.address_of(smem[base + k_at((c - c_lo) % S)]),
+                                              1, 1024 >> 4, SWIZZLE_128B)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D // 16):
+            T.evaluate(qk(sacc, dq, dk, kk))
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def values(smem, base, oacc, pa, dv, c, c_lo):
+        """Issue ``oacc += P V_c`` with P in ``pa`` (asynchronous; one commit group)."""
+        # V is MN-major: the leading offset steps to the next 64-column block
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(dv[0]),
+                                              T.address_of(smem[base + k_at((c - c_lo) % S) + KC * D]),
+                                              (KC * 128) >> 4, 1024 >> 4, SWIZZLE_128B)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(KC // 16):
+            T.evaluate(pv(oacc, pa, dv, kk))
+        T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def to_probs(sacc, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale, row0, g,
+                 t):
+        """Chunk c's scores (complete in ``sacc``) -> masked probabilities, folded into (m2,
+        l2); the rows' rescale factors in ``alpha``."""
+        if local:  # windows and attention chunks: the general predicate, on every chunk
+            mask(sacc, sm_scale * LOG2E, c * KC, T.min(KC, kv_len - c * KC), nq, vis_src, row0, g, t)
+        elif T.Or(c * KC + KC > kv_len, T.And(causal > 0, c * KC + KC - 1 > kv_len - q_len + tile0)):
+            mask_by_limit(sacc, sm_scale * LOG2E, c * KC, lim, t)
+        else:
+            for x in T.unroll(NS * 4):
+                sacc[x] = sacc[x] * (sm_scale * LOG2E)
+        fold(sacc, m2, l2, alpha, red)
+
+    @T.macro
+    def pack(sacc, pa):
+        """P in the dtype: the A fragments of ``P V`` (only once the previous ``P V``, which
+        reads ``pa`` asynchronously, has completed)."""
+        for x in T.unroll(NS * 2):
+            T.evaluate(cvt_pair(pa[x], sacc[2 * x + 1], sacc[2 * x]))
+
+    @T.macro
+    def chunk_ready(tx):
+        """Every thread's copies of the next chunk have landed (one newer group may be in
+        flight); the fence makes them visible to the tensor cores' (async) proxy."""
+        T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+        T.ptx.fence.proxy.async_()
+        T.evaluate(T.tvm_storage_sync("shared"))
+
+    @T.macro
+    def tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal, sm_scale, tree_src,
+             active, tx):
+        smem = T.sblock_alloc_buffer((shape.shared_elems,), dtype, scope="shared.dyn")
+        sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
+        oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
+        pa = T.sblock_alloc_buffer((NS * 2,), "uint32", scope="local")
+        dq = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        dk = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        dv = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        alpha = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        lim = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
+        base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
+            T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
+        wg: T.let[T.int32] = tx // WG_THREADS
+        row0: T.let[T.int32] = wg * WG_ROWS + tx % WG_THREADS // 32 * 16
+        g: T.let[T.int32] = tx % 32 // 4
+        t: T.let[T.int32] = tx % 4
+        nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
+        if spec.is_local:
+            query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
+        c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
+        c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
+        vis_src = (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0)
+        for hr in T.unroll(2):  # first key row g / g + 8 does not see (causal: past its own position)
+            lim[hr] = T.if_then_else(causal > 0, T.min(kv_len, kv_len - q_len + tile0 + (row0 + g + hr * 8) // G + 1),
+                                     kv_len)
+        # ring: chunk c in stage (c - c_lo) % S; S chunks in flight from the start (a group each)
+        load_q(smem, base, q, h, qbeg, tile0, nq, tx)
+        for s in T.unroll(S):
+            if c_lo + s < c_hi:
+                load_kv(smem, base, s, kv_src, h, (c_lo + s) * KC, (qbeg, q_len, kv_len), tx)
+            else:
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+        for hr in T.unroll(2):
+            m2[hr] = NEG_INF
+            l2[hr] = ZERO
+        for x in T.unroll(NO * 4):
+            oacc[x] = ZERO
+        if c_lo < c_hi:  # chunk c_lo's probabilities, before the loop
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 1))
+            T.ptx.fence.proxy.async_()
+        T.evaluate(T.tvm_storage_sync("shared"))
+        if c_lo < c_hi:
+            scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(sacc, NS * 4, *FENCES["float32"])
+            to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                     row0, g, t)
+            pack(sacc, pa)
+        # chunk c: P_c V_c runs on the tensor cores while chunk c + 1's scores are folded. The
+        # loop body issues the same wgmma groups on every trip (the last chunk is peeled off):
+        # otherwise ptxas cannot tell which group wait_group(1) leaves in flight and serializes.
+        for c in T.serial(c_lo, T.max(c_hi - 1, c_lo)):
+            chunk_ready(tx)
+            scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
+            values(smem, base, oacc, pa, dv, c, c_lo)
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            fence_registers(sacc, NS * 4, *FENCES["float32"])
+            to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                     row0, g, t)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(oacc, NO * 4, *FENCES["float32"])
+            fence_registers(pa, NS * 2, *FENCES["uint32"])
+            rescale(oacc, alpha)
+            pack(sacc, pa)
+            # every warpgroup is done with chunk c's stage: refill it with chunk c + S
+            T.evaluate(T.tvm_storage_sync("shared"))
+            if c + S < c_hi:
+                load_kv(smem, base, (c - c_lo) % S, kv_src, h, (c + S) * KC, (qbeg, q_len, kv_len), tx)
+            else:
+                T.evaluate(T.ptx["cp.async.commit_group"]())
+        if c_lo < c_hi:  # the last chunk's P V (its data landed before its scores were taken)
+            values(smem, base, oacc, pa, dv, c_hi - 1, c_lo)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(oacc, NO * 4, *FENCES["float32"])
+        T.evaluate(T.ptx["cp.async.wait_group"](0))  # no copy outlives the block
+        store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t)
+
+    @T.macro
+    def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
+                    rotary_mode, rope_scale, rope_theta, sm_scale, tree_src, active, tx):
+        # the sequence's scalars in registers: the asm statements below (copies, fences,
+        # barriers) clobber memory, so expressions that load them would be reloaded every use
+        qbeg_: T.let[T.int32] = qbeg
+        q_len_: T.let[T.int32] = q_len
+        tile0_: T.let[T.int32] = tile0
+        kv_len_: T.let[T.int32] = kv_len
+        k_pos0_: T.let[T.int32] = k_pos0
+        kv_base: T.let[T.int32] = kv_src[2]
+        tile(q, out, q_rope_position, (kv_src[0], kv_src[1], kv_base) + tuple(kv_src[3:]), h, qbeg_, q_len_,
+             tile0_, kv_len_, k_pos0_, causal, sm_scale, tree_src, active, tx)
+
+    return attend_tile
