@@ -97,25 +97,24 @@ def sw128(r, c, rows: int):
     return (c // 64) * (rows * 64) + r * 64 + tirx.bitwise_xor((c % 64) // 8, r % 8) * 8 + c % 8
 
 
-_FENCE_SOURCE = {
-    "float32": '__forceinline__ __device__ void relax_kvcache_fence_f32(float& r) { asm volatile("" : "+f"(r) :: "memory"); }',
-    "uint32": '__forceinline__ __device__ void relax_kvcache_fence_u32(unsigned int& r) { asm volatile("" : "+r"(r) :: "memory"); }',
+#: (function name, CUDA source) of the register fences, by register dtype
+FENCES = {
+    "float32": ("relax_kvcache_fence_f32", "__forceinline__ __device__ void relax_kvcache_fence_f32(float& r) "
+                '{ asm volatile("" : "+f"(r) :: "memory"); }'),
+    "uint32": ("relax_kvcache_fence_u32", "__forceinline__ __device__ void relax_kvcache_fence_u32(unsigned int& r) "
+               '{ asm volatile("" : "+r"(r) :: "memory"); }'),
 }
 
 
 @T.macro
 def fence_registers(buf, count, name, source):
     """Tie ``count`` registers of ``buf`` to this point of the program: an empty ``asm volatile``
-    reads and writes each (``name`` / ``source``: the float32 or uint32 one of
-    :data:`FENCES`). Placed after ``wgmma.wait_group``, it keeps the compiler from moving reads
-    of a wgmma's accumulators, or writes of its A fragments, above the wait: the asm of
-    ``wgmma`` names its registers only where the instruction is issued."""
+    reads and writes each (``name`` / ``source``: one of :data:`FENCES`). Placed after
+    ``wgmma.wait_group``, it keeps the compiler from moving reads of a wgmma's accumulators, or
+    writes of its A fragments, above the wait: the asm of ``wgmma`` names its registers only
+    where the instruction is issued."""
     for i in T.unroll(count):
         T.evaluate(T.cuda.func_call(name, buf[i], source_code=source))
-
-
-#: (function name, CUDA source) of the register fences, by register dtype
-FENCES = {dtype: (source.split("void ")[1].split("(")[0], source) for dtype, source in _FENCE_SOURCE.items()}
 
 
 def _ptx(name: str):
