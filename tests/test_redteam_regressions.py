@@ -658,7 +658,7 @@ def test_kernels_that_ignore_sm_scale_are_refused(cache):
     ``sm_scale`` argument passed and was wrong for any other scale."""
     k = cache._kernels
     fixed = CFG.head_dim ** -0.5
-    for role in ("attention_decode", "attention_prefill", "attention_prefill_ragged"):
+    for role in ("attention_decode", "attention_prefill", "attention_prefill_ragged", "attention_prefill_prefixed"):
         original = getattr(k, role)
         ignoring = (lambda f: lambda *a: f(*a[:-1], fixed))(original)
         with pytest.raises(rk.ConfigError, match="does not return float64 attention"):

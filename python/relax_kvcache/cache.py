@@ -220,6 +220,9 @@ class PagedAttentionKVCache:
         self._rotary_mode = int(rope == RopeMode.INLINE and not self._mla)  # MLA: the model applies RoPE
         self._split_rope_argument = None if self._mla else split_rotary_rope_argument(config, device)
         self._windowed_layers = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
+        # prefill steps of one page list per sequence take attention_prefill_prefixed when the
+        # set has it (the creation probe turns it off to probe the three-kernel path too)
+        self._prefixed_enabled = True
         self._step: Optional[md.StepMetadata] = None
         self._device_step: Optional[_DeviceStep] = None
         self._decode_planner = DecodePlanner(config.page_size, config.layer_span)
@@ -753,7 +756,8 @@ class PagedAttentionKVCache:
     def _prefixed(self, step: _DeviceStep, layer: int) -> bool:
         """Whether ``attention_prefill_prefixed`` serves this step and layer: every sequence has
         one plain page list (one depth, one chunk per sequence), no tree, no window."""
-        if (self._kernels.attention_prefill_prefixed is None or step.ragged_tree is not None
+        if (self._kernels.attention_prefill_prefixed is None or not self._prefixed_enabled
+                or step.ragged_tree is not None
                 or len(step.depths) != 1 or self._windowed_layers[layer] or self.config.slides_sequences):
             return False
         depth = step.depths[0]

@@ -284,6 +284,16 @@ def probe_foreign_attention(cache: Any) -> None:
                          max_length=max(1, window_limit - 1) if window_limit else cfg.prefill_chunk_size)
     layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
     run = _probe_mla_step if cfg.is_mla else _probe_mha_step
+    # a set with the prefixed prefill kernel is probed without it (ragged + paged + merge, the
+    # path of the steps it does not serve), then with it
+    for prefixed in ((False, True) if cache._kernels.attention_prefill_prefixed is not None else (True,)):
+        cache._prefixed_enabled = prefixed
+        _probe_steps_once(cache, rng, steps, layers, run)
+    cache._prefixed_enabled = True
+
+
+def _probe_steps_once(cache: Any, rng: np.random.Generator, steps, layers: Sequence[int], run: Callable) -> None:
+    """One pass of :func:`probe_foreign_attention`'s steps on a fresh cache, cleared after."""
     cache.add_sequence(0)
     tree: Optional[Tuple[int, List[int]]] = None  # (committed length, parents of every tree node so far)
     try:
