@@ -481,8 +481,8 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     ``seq_src(bufs, b)`` returns the tile arguments of sequence b, ``(kv_src, kv_len, k_pos0,
     tree_src)``, from the kernel's buffers ``bufs`` (a tuple the macro is given). Where the
     warpgroup-MMA tile applies (sm_90a, no token tree; ``kv_rows``: the KV rows' ``(locate,
-    elem_at)``, :func:`~.macros.paged_kv_rows`) the kernel holds it and the ``mma.sync`` tile,
-    and runs the first unless RoPE is inline (``rotary_mode == 1``).
+    elem_at, elem_new)``, :func:`~.macros.paged_kv_rows`) the kernel holds it and the
+    ``mma.sync`` tile, and runs the first unless RoPE is inline (``rotary_mode == 1``).
     """
     mma_shape = MmaTileShape.choose(spec, sched)
     if mma_shape is not None:

@@ -22,13 +22,9 @@ from .schedule import GpuSchedule, Schedule
 from .spec import MergeSpec
 
 
-def _merge_head(spec: MergeSpec, lanes: int, *, vector_math: bool = True):
-    """Macro merging head h of token i; head_dim is walked in spans of ``lanes``.
-
-    ``vector_math=False`` unrolls the span instead of vectorising it (TVM's CUDA codegen
-    mis-emits float32 vectors of more than 4 lanes)."""
+def _merge_head(spec: MergeSpec):
+    """Macro merging head h of token i (CPU: head_dim is one vectorised span)."""
     D, dtype = spec.head_dim, spec.dtype
-    span_loop = T.vectorized if vector_math else T.unroll
 
     @T.macro
     def merge_head(o, lse, o_other, lse_other, i, h):
@@ -36,11 +32,9 @@ def _merge_head(spec: MergeSpec, lanes: int, *, vector_math: bool = True):
         w0: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse[i, h] - mx))
         w1: T.let[T.float32] = T.if_then_else(mx == NEG_INF, ZERO, T.exp2(lse_other[i, h] - mx))
         inv: T.let[T.float32] = T.if_then_else(w0 + w1 > ZERO, ONE / (w0 + w1), ZERO)
-        for s in T.serial(D // lanes):
-            for d in span_loop(lanes):
-                o[i, h, s * lanes + d] = T.Cast(
-                    dtype, (T.Cast("float32", o[i, h, s * lanes + d]) * w0
-                            + T.Cast("float32", o_other[i, h, s * lanes + d]) * w1) * inv)
+        for d in T.vectorized(D):
+            o[i, h, d] = T.Cast(dtype, (T.Cast("float32", o[i, h, d]) * w0
+                                        + T.Cast("float32", o_other[i, h, d]) * w1) * inv)
         lse[i, h] = T.if_then_else(w0 + w1 > ZERO, mx + T.log2(w0 + w1), NEG_INF)
 
     return merge_head
@@ -49,7 +43,7 @@ def _merge_head(spec: MergeSpec, lanes: int, *, vector_math: bool = True):
 def _cpu_nest(spec: MergeSpec):
     """One parallel work item per token; head_dim is one vectorised span."""
     H = spec.num_heads
-    merge_head = _merge_head(spec, spec.head_dim)
+    merge_head = _merge_head(spec)
 
     @T.macro
     def nest(o, lse, o_other, lse_other, n):
