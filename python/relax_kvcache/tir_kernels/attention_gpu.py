@@ -439,35 +439,44 @@ def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
             found[2] = found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
 
 
-def merge_splits(spec: AttentionSpec, sched: GpuSchedule):
-    """Macro merging ``nsplit`` partial states per (row, head) by LSE into o / lse."""
-    DV, dtype, NT = spec.v_head_dim, spec.dtype, sched.threads
+def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
+    """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
+    into o / lse: a block per row, a thread per output element. The split loops are unrolled
+    and branch-free (loads past ``nsplit`` are clamped to the last split and their weight is
+    zero), so that all of a thread's loads are in flight at once."""
+    DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
+
 
     @T.macro
     def merge(ws_o, ws_lse, o, lse, rows, nsplit):
-        for bx in T.thread_binding(ceildiv(rows * DV, NT), thread="blockIdx.x"):
+        for bx in T.thread_binding(rows, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 with T.sblock("merge_splits"):
                     T.reads()
                     T.writes()
+                    w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                    if bx * NT + tx < rows * DV:
-                        row: T.let[T.int32] = (bx * NT + tx) // DV
-                        d: T.let[T.int32] = (bx * NT + tx) % DV
-                        red[0] = NEG_INF
-                        for sp in T.serial(nsplit):
-                            red[0] = T.max(red[0], ws_lse[row, sp])
-                        red[1] = ZERO
-                        red[2] = ZERO
-                        if red[0] != NEG_INF:
-                            for sp in T.serial(nsplit):
-                                red[1] = red[1] + T.exp2(ws_lse[row, sp] - red[0])
-                                red[2] = red[2] + T.exp2(ws_lse[row, sp] - red[0]) * ws_o[row, sp, d]
-                        o[row // spec.num_qo_heads, row % spec.num_qo_heads, d] = T.Cast(
-                            dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
-                        if d == 0:
-                            lse[row // spec.num_qo_heads, row % spec.num_qo_heads] = T.if_then_else(
-                                red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+                    red[0] = NEG_INF
+                    for sp in T.unroll(max_splits):
+                        # the load unconditional (clamped), the selection on the loaded value:
+                        # a load inside a condition would be a branch, one load at a time
+                        w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
+                        w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
+                        red[0] = T.max(red[0], w[sp])
+                    red[1] = ZERO
+                    for sp in T.unroll(max_splits):
+                        # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
+                        w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
+                        red[1] = red[1] + w[sp]
+                    for k in T.unroll(ceildiv(DV, NT)):
+                        if k * NT + tx < DV:
+                            red[2] = ZERO
+                            for sp in T.unroll(max_splits):
+                                red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
+                            o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
+                                dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
+                    if tx == 0:
+                        lse[bx // Hq, bx % Hq] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
 
     return merge
 
@@ -547,10 +556,15 @@ def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_fi
     return run
 
 
-def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
-    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge."""
-    item, shape = make_decode_item(spec, sched, kv_elem)
-    merge = merge_splits(spec, sched)
+def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
+    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge.
+
+    The function holds two such kernel pairs and runs one: with RoPE inline (``rotary_mode ==
+    1``) or without; the second needs fewer registers, so more of its blocks fit on an SM.
+    ``kv_rows``: :func:`~.macros.paged_kv_rows`."""
+    rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
+    plain_item, _ = make_decode_item(spec, sched, kv_rows, rope=False)
+    merge = merge_splits(spec, sched, sched.decode_splits)
 
     def splits(batch, num_pages):
         """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
@@ -562,22 +576,34 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src):
         return T.min(NS, T.max(1, T.min(sched.decode_wave_blocks // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
+    def make_run(work):
+        @T.macro
+        def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale):
+            # workspace of the splits that run (large batches: one split, a small workspace)
+            ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages), DV), "float32")
+            ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages)), "float32")
+            nsplit: T.let[T.int32] = splits(batch, num_pages)
+            for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
+                for by in T.thread_binding(nsplit, thread="blockIdx.y"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("work"):
+                            T.reads()
+                            T.writes()
+                            src = seq_src(bufs, bx // Hkv)
+                            work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
+                                 bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)
+            merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
+
+        return run
+
+    inline, plain = make_run(rope_item), make_run(plain_item)
+
     @T.macro
     def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
-        # workspace of the splits that run (large batches: one split, a small workspace)
-        ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages), DV), "float32")
-        ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages)), "float32")
-        nsplit: T.let[T.int32] = splits(batch, num_pages)
-        for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
-            for by in T.thread_binding(nsplit, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    with T.sblock("work"):
-                        T.reads()
-                        T.writes()
-                        src = seq_src(bufs, bx // Hkv)
-                        item(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
-                             bx % Hkv, src[1], src[2], rotary_mode, rope_scale, rope_theta, sm_scale, by,
-                             nsplit, tx)
-        merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
+        # loops of 0 / 1 trips, not an `if`: TVM's barrier planner refuses kernels inside conditions
+        for _inline in T.serial(T.if_then_else(rotary_mode == 1, 1, 0)):
+            inline(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
+        for _plain in T.serial(T.if_then_else(rotary_mode == 1, 0, 1)):
+            plain(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
 
     return run

@@ -12,8 +12,9 @@ layout):
 * every thread keeps its query rows and its own online-softmax state (m, l, acc) in registers;
   a score is a lane-local dot product summed across the ``bdx`` lanes with warp shuffles (or
   through shared memory on targets without them);
-* KV rows are loaded into registers ``unroll`` rows at a time, one step ahead of the math,
-  so a thread has the next rows' loads in flight while it computes on the current ones;
+* KV rows are loaded into registers ``unroll`` rows at a time, one step ahead of the math, so
+  a thread has the next rows' loads in flight while it computes on the current ones; the
+  rows' page-table entries are read one step earlier still;
 * at the end the ``bdy`` states of each row are merged by LSE through shared memory and
   written to the split workspace; a second kernel merges the splits.
 """
@@ -72,63 +73,75 @@ class DecodeShape:
         divisors = [z for z in range(1, G + 1) if G % z == 0 and bdx * z <= 1024]
         bdz = next((z for z in divisors if G // z <= 4 and (G // z) * max(ek, ev) <= 64), divisors[-1])
         bdy = max(1, sched.threads // (bdx * bdz))
-        unroll = max(1, min(4, sched.vector_bytes * 4 // (max(ek, ev) * bits // 8)))
+        unroll = sched.decode_unroll or max(1, sched.vector_bytes * 2 // (max(ek, ev) * bits // 8))
         return DecodeShape(bdx=bdx, bdy=bdy, bdz=bdz, ek=ek, ev=ev, k_lanes=sched.lanes_for(bits, ek),
                            v_lanes=sched.lanes_for(bits, ev), rows=G // bdz, unroll=unroll)
 
 
-def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
+def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: bool):
     """Macro computing one (sequence, KV head, split) into the split workspace.
 
-    ``kv_elem(kv_src, h, j, kv, d)`` reads element d of KV row j (kv 0 = K, 1 = V).
+    ``kv_rows = (locate, elem_at, _)`` (:func:`~.macros.paged_kv_rows`): a KV row's pool slot,
+    and element d of a slot (kv 0 = K, 1 = V). Slots are looked up one step before the rows are
+    fetched, so the page-table read is off the fetch's critical path. ``rope``: the item
+    applies RoPE to q and K inline (``rotary_mode == 1``).
     """
     shape = DecodeShape.choose(spec, sched)
+    locate, elem_at, _ = kv_rows
     G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
     BX, BY, NT = shape.bdx, shape.bdy, shape.threads
     EK, EV, KL, VL, GR, U = shape.ek, shape.ev, shape.k_lanes, shape.v_lanes, shape.rows, shape.unroll
     half, groups = D // 2, NT // BX
     shuffle = sched.warp_shuffle
     LOG_BX = BX.bit_length() - 1
+    FULL_MASK = T.uint32(0xFFFFFFFF)  # the fold runs in uniform loops: every lane is active
 
     def first_visible(pos, k_pos0):
         """First KV row a decode query at ``pos`` sees (a local layer: ``span.first_visible(pos)``)."""
         return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
 
-    def rope(x, partner, d, pos, rope_scale, rope_theta):
+    def rotate(x, partner, d, pos, rope_scale, rope_theta):
         """Element d of a RoPE'd row from its value and its pair's (both float32)."""
         angle = T.Cast("float32", pos) * rope_inv_freq_expr(d % half, D, rope_scale, rope_theta)
         sign = T.if_then_else(d < half, T.float32(-1), ONE)
         return x * T.cos(angle) + sign * partner * T.sin(angle)
 
     @T.macro
-    def load_q(qr, q, b, hq0, pos, rotary_mode, rope_scale, rope_theta, scale, lane):
+    def load_q(qr, q, b, hq0, pos, rope_scale, rope_theta, scale, lane):
         for i in T.unroll(GR):
             for x in T.unroll(EK):
-                if rotary_mode == 1:
-                    qr[i, x] = scale * rope(T.Cast("float32", q[b, hq0 + i, lane * EK + x]),
-                                            T.Cast("float32", q[b, hq0 + i, (lane * EK + x + half) % D]),
-                                            lane * EK + x, pos, rope_scale, rope_theta)
+                if rope:
+                    qr[i, x] = scale * rotate(T.Cast("float32", q[b, hq0 + i, lane * EK + x]),
+                                              T.Cast("float32", q[b, hq0 + i, (lane * EK + x + half) % D]),
+                                              lane * EK + x, pos, rope_scale, rope_theta)
                 else:
                     qr[i, x] = scale * T.Cast("float32", q[b, hq0 + i, lane * EK + x])
 
     @T.macro
-    def load_rows(kn, vn, kv_src, h, j0, hi, k_pos0, rotary_mode, rope_scale, rope_theta, ty, lane):
-        """kn/vn[u] = this lane's slices of K/V row ``j0 + u * bdy + ty`` (clamped below hi)."""
+    def locate_rows(slots, kv_src, j0, hi, ty):
+        """slots[u] = pool slot of KV row ``j0 + u * bdy + ty`` (clamped below hi; 0 from
+        ``j0 >= hi`` on: the steps past the split's end, whose slots are never read)."""
         for u in T.unroll(U):
-            j: T.let[T.int32] = T.min(j0 + u * BY + ty, hi - 1)
-            if rotary_mode == 1:
+            slots[u] = T.if_then_else(j0 < hi, locate(kv_src, T.min(j0 + u * BY + ty, hi - 1), ()), 0)
+
+    @T.macro
+    def load_rows(kn, vn, kv_src, h, slots, j0, hi, k_pos0, rope_scale, rope_theta, ty, lane):
+        """kn/vn[u] = this lane's slices of K/V at ``slots[u]`` (row ``j0 + u * bdy + ty``,
+        clamped below hi: its RoPE position)."""
+        for u in T.unroll(U):
+            if rope:
                 for x in T.unroll(EK):
-                    kn[u, x] = T.Cast(dtype, rope(
-                        T.Cast("float32", kv_elem(kv_src, h, j, 0, lane * EK + x)),
-                        T.Cast("float32", kv_elem(kv_src, h, j, 0, (lane * EK + x + half) % D)),
-                        lane * EK + x, k_pos0 + j, rope_scale, rope_theta))
+                    kn[u, x] = T.Cast(dtype, rotate(
+                        T.Cast("float32", elem_at(kv_src, h, slots[u], 0, lane * EK + x)),
+                        T.Cast("float32", elem_at(kv_src, h, slots[u], 0, (lane * EK + x + half) % D)),
+                        lane * EK + x, k_pos0 + T.min(j0 + u * BY + ty, hi - 1), rope_scale, rope_theta))
             else:
                 for v in T.unroll(EK // KL):
                     for x in T.vectorized(KL):
-                        kn[u, v * KL + x] = kv_elem(kv_src, h, j, 0, lane * EK + v * KL + x)
+                        kn[u, v * KL + x] = elem_at(kv_src, h, slots[u], 0, lane * EK + v * KL + x)
             for v in T.unroll(EV // VL):
                 for x in T.vectorized(VL):
-                    vn[u, v * VL + x] = kv_elem(kv_src, h, j, 1, lane * EV + v * VL + x)
+                    vn[u, v * VL + x] = elem_at(kv_src, h, slots[u], 1, lane * EV + v * VL + x)
 
     @T.macro
     def lane_sum(part, red_sh, tx):
@@ -136,7 +149,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
         if shuffle:
             for k in T.unroll(U * GR):
                 for e in T.unroll(LOG_BX):
-                    part[k] = part[k] + T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), part[k], BX >> (e + 1),
+                    part[k] = part[k] + T.tvm_warp_shuffle_xor(FULL_MASK, part[k], BX >> (e + 1),
                                                                sched.warp_size, sched.warp_size)
         else:
             for k in T.unroll(U * GR):
@@ -205,11 +218,33 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
             T.evaluate(T.tvm_storage_sync("shared"))
 
     @T.macro
-    def item(q, out, q_rope_position, kv_src, b, h, kv_len, k_pos0, rotary_mode, rope_scale,
-             rope_theta, sm_scale, split, nsplit, tx):
-        qr = T.sblock_alloc_buffer((GR, EK), "float32", scope="local")
+    def registers(qr, kc, vc, m, l, acc, part, red, red_sh, kv_src, h, s_lo, s_hi, steps, k_pos0, rope_scale,
+                  rope_theta, ty, lane, tx):
+        """Fold the split's rows in, each step's rows loaded into registers one step ahead."""
         kn = T.sblock_alloc_buffer((U, EK), dtype, scope="local")
         vn = T.sblock_alloc_buffer((U, EV), dtype, scope="local")
+        slots = T.sblock_alloc_buffer((U,), "int32", scope="local")
+        locate_rows(slots, kv_src, s_lo, s_hi, ty)
+        if steps > 0:
+            load_rows(kn, vn, kv_src, h, slots, s_lo, s_hi, k_pos0, rope_scale, rope_theta, ty, lane)
+        locate_rows(slots, kv_src, s_lo + BY * U, s_hi, ty)
+        for step in T.serial(steps):
+            for u in T.unroll(U):
+                for x in T.unroll(EK):
+                    kc[u, x] = kn[u, x]
+                for x in T.unroll(EV):
+                    vc[u, x] = vn[u, x]
+            # the next step's rows and the slots of the one after are in flight during the fold
+            if step + 1 < steps:
+                load_rows(kn, vn, kv_src, h, slots, s_lo + (step + 1) * BY * U, s_hi, k_pos0, rope_scale,
+                          rope_theta, ty, lane)
+            locate_rows(slots, kv_src, s_lo + (step + 2) * BY * U, s_hi, ty)
+            fold(qr, kc, vc, m, l, acc, part, red, red_sh, s_lo + step * BY * U, s_hi, ty, tx)
+
+    @T.macro
+    def item(q, out, q_rope_position, kv_src, b, h, kv_len, k_pos0, rope_scale, rope_theta, sm_scale, split,
+             nsplit, tx):
+        qr = T.sblock_alloc_buffer((GR, EK), "float32", scope="local")
         kc = T.sblock_alloc_buffer((U, EK), dtype, scope="local")
         vc = T.sblock_alloc_buffer((U, EV), dtype, scope="local")
         m = T.sblock_alloc_buffer((GR,), "float32", scope="local")
@@ -232,25 +267,14 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_elem):
         s_lo: T.let[T.int32] = lo + split * per_split
         s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)
         steps: T.let[T.int32] = ceildiv(T.max(s_hi - s_lo, 0), BY * U)
-        load_q(qr, q, b, hq0, pos, rotary_mode, rope_scale, rope_theta, sm_scale * LOG2E, lane)
+        load_q(qr, q, b, hq0, pos, rope_scale, rope_theta, sm_scale * LOG2E, lane)
         for i in T.unroll(GR):
             m[i] = NEG_INF
             l[i] = ZERO
             for x in T.unroll(EV):
                 acc[i, x] = ZERO
-        if steps > 0:
-            load_rows(kn, vn, kv_src, h, s_lo, s_hi, k_pos0, rotary_mode, rope_scale, rope_theta, ty, lane)
-        for step in T.serial(steps):
-            for u in T.unroll(U):
-                for x in T.unroll(EK):
-                    kc[u, x] = kn[u, x]
-                for x in T.unroll(EV):
-                    vc[u, x] = vn[u, x]
-            # the next step's rows are in flight while this step's are folded in
-            if step + 1 < steps:
-                load_rows(kn, vn, kv_src, h, s_lo + (step + 1) * BY * U, s_hi, k_pos0, rotary_mode,
-                          rope_scale, rope_theta, ty, lane)
-            fold(qr, kc, vc, m, l, acc, part, red, red_sh, s_lo + step * BY * U, s_hi, ty, tx)
+        registers(qr, kc, vc, m, l, acc, part, red, red_sh, kv_src, h, s_lo, s_hi, steps, k_pos0, rope_scale,
+                  rope_theta, ty, lane, tx)
         merge_groups(out, m, l, acc, sm_m, sm_l, sm_o, red, hq0, ty, tz, lane, tx)
 
     return item, shape

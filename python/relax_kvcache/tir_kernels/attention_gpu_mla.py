@@ -124,7 +124,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
     SMS = sched.mla_wave_blocks
-    merge = merge_splits(spec, sched)
+    merge = merge_splits(spec, sched, sched.mla_decode_splits)
     mma, shfl = mma_m16n8k16(dtype), shfl_xor
 
     def col(row, d):

@@ -65,11 +65,14 @@ class GpuSchedule:
     mla_decode_splits : int
         The same for MLA's absorbed decode (one latent head).
     decode_wave_blocks : int
-        Decode blocks resident at once (four per SM of an H100 / H200: 132 SMs). Decode splits
-        sequences while the blocks fill one such wave: a partial second wave idles most SMs
-        while it runs (H100, 8 KV heads, head_dim 128, kernel only: 4 x 16384 took 162 us with
-        9 splits (288 blocks), 145 with 17 (544: a second wave of 16), 129 with 33 (1056) and
-        115 with 16 (512)). Larger batches split less; from 34 sequences x 8 KV heads, not at all.
+        Decode blocks resident at once: four per SM of an H100 / H200 (132 SMs), as many as
+        the registers of the rope-free decode kernel allow (128 per thread, 128 threads).
+        Decode splits sequences while the blocks fill one such wave: a partial second wave
+        idles most SMs while it runs. Larger batches split less; from 67 sequences x 8 KV
+        heads, not at all.
+    decode_unroll : int
+        KV rows a decode row group loads per step (0: as many as fill two 16-byte vectors per
+        lane; more rows per step cost registers, and so blocks per SM).
     mla_wave_blocks : int
         MLA attention blocks resident at once (one per SM: 132 on an H100 / H200); MLA splits
         its tiles while the blocks fill one such wave.
@@ -111,6 +114,7 @@ class GpuSchedule:
     decode_splits: int = 32
     mla_decode_splits: int = 16
     decode_wave_blocks: int = 528
+    decode_unroll: int = 0
     mla_wave_blocks: int = 132
     warp_size: int = 32
     max_lanes: int = 8

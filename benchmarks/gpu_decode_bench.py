@@ -1,0 +1,151 @@
+"""Paged decode at long and short contexts: our kernel (and schedule variants of it) against
+TVM's, kernel only, as a fraction of the GPU's copy bandwidth.
+
+Decode reads every cached K/V byte once, so its roofline is the copy bandwidth; the figure
+that matters is how close each batch x context gets to it. Float16, 32 query / 8 KV heads,
+head_dim 128, pages of 16 tokens scattered at random over the pool; each call runs the
+attention kernel and, where the KV is split across blocks, the merge of the splits. Every
+output is checked against float64 attention on sampled sequences.
+
+    python benchmarks/gpu_decode_bench.py --prepare .gpu/decode [--variants NAME:knob=v,...]
+    python benchmarks/gpu_decode_bench.py --libs .gpu/decode                 # GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import tvm  # noqa: E402
+
+import gpu_prefill_bench as gpb  # noqa: E402
+
+HQ, HKV, D, PAGE, DTYPE = gpb.HQ, gpb.HKV, gpb.D, gpb.PAGE, "float16"
+CASES = [(1, 1024), (8, 1024), (32, 1024), (8, 4096), (32, 4096), (128, 4096), (1, 16384), (2, 16384),
+         (4, 16384), (1, 65536)]
+
+
+def prepare(out: pathlib.Path, arch: str, variants) -> None:
+    """Our decode kernel (default schedule and ``variants``) and TVM's, with nvcc fatbins."""
+    import gpu_prepare
+    import tvm.relax.frontend.nn.llm.kv_cache as kc
+    from tvm.s_tir import dlight as dl
+
+    from relax_kvcache import tir_kernels as tk
+    from relax_kvcache.build import KernelSetSpec, _pass_config
+    from relax_kvcache.targets import make_target
+
+    target = make_target("cuda", arch=arch)
+    out.mkdir(parents=True, exist_ok=True)
+    spec, sched = KernelSetSpec.from_config(gpb.config(DTYPE)), tk.schedule_for(target)
+    builds = [("ours", spec.kernel_function("attention_decode", sched)),
+              ("tvm", kc._attention_decode(HKV, HQ, D, DTYPE, False, {}, target, page_size=PAGE))]
+    for name, knobs in variants.items():
+        builds.append((f"ours-{name}", spec.kernel_function("attention_decode", dataclasses.replace(sched, **knobs))))
+    for name, func in builds:
+        start = time.perf_counter()
+        mod = tvm.IRModule({"attention_decode": func.with_attr("global_symbol", "attention_decode")})
+        if name == "tvm":
+            with target:
+                mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
+        with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+            built = tvm.tirx.build(mod, target=target)
+        built.export_library(str(out / f"{name}.so"))
+        gpu_prepare.precompile(gpu_prepare.cuda_source(built), arch, out)
+        print(f"{name}.so: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+class Case:
+    """``batch`` sequences of ``context`` cached tokens in scattered pages, one query each."""
+
+    def __init__(self, batch: int, context: int, device, rng) -> None:
+        per_seq = -(-context // PAGE)
+        n = batch * per_seq
+        self.batch, self.context = batch, context
+        self.pages_host = rng.standard_normal((n, 2, HKV, PAGE, D), dtype=np.float32).astype(DTYPE)
+        self.order = rng.permutation(n).astype("int32")
+        self.q_host = rng.standard_normal((batch, HQ, D), dtype=np.float32).astype(DTYPE)
+        ints = lambda v: tvm.runtime.tensor(np.asarray(v, dtype="int32"), device)  # noqa: E731
+        self.args = (tvm.runtime.tensor(self.q_host, device), tvm.runtime.tensor(self.pages_host, device),
+                     ints(np.arange(batch + 1) * per_seq), ints(self.order),
+                     ints([context - (per_seq - 1) * PAGE] * batch), ints([0] * batch), ints([context - 1] * batch))
+        self.device, self.per_seq = device, per_seq
+
+    @property
+    def bytes(self) -> int:
+        return self.batch * self.context * HKV * D * 2 * 2
+
+    def call(self, kernel):
+        o = tvm.runtime.tensor(np.full((self.batch, HQ, D), np.nan, DTYPE), self.device)
+        lse = tvm.runtime.tensor(np.full((self.batch, HQ), np.nan, "float32"), self.device)
+        args = (*self.args, o, lse, 0, 1.0, 1e4, D ** -0.5)
+        return (lambda: kernel(*args)), o
+
+    def reference(self, b: int) -> np.ndarray:
+        """float64 attention of sequence b, (HQ, D)."""
+        rows = self.pages_host[self.order[b * self.per_seq:(b + 1) * self.per_seq]].astype(np.float64)
+        k = rows[:, 0].transpose(0, 2, 1, 3).reshape(-1, HKV, D)[:self.context]  # (ctx, HKV, D)
+        v = rows[:, 1].transpose(0, 2, 1, 3).reshape(-1, HKV, D)[:self.context]
+        q = self.q_host[b].astype(np.float64).reshape(HKV, HQ // HKV, D)
+        s = np.einsum("hgd,thd->hgt", q, k) * D ** -0.5
+        p = np.exp(s - s.max(axis=2, keepdims=True))
+        return np.einsum("hgt,thd->hgd", p / p.sum(axis=2, keepdims=True), v).reshape(HQ, D)
+
+
+def run(libs: pathlib.Path, min_time: float, cases) -> None:
+    import gpu_bench as gb
+    import gpu_prepare as gp
+
+    device = tvm.cuda(0)
+    kernels = {p.stem: gp.load_library(p, device)["attention_decode"] for p in sorted(libs.glob("*.so"))}
+    names = ["ours", "tvm"] + sorted(n for n in kernels if n.startswith("ours-"))
+    bandwidth = gb.measure_copy_bandwidth(device, 1 << 30, min_time)
+    print(f"decode kernels on {gp.describe_device(device)}; {DTYPE}, {HQ}/{HKV} heads, head_dim {D}, page {PAGE}; "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s. Per kernel: us, % of copy bandwidth; max error vs float64")
+    print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in names if n in kernels))
+    rng = np.random.default_rng(0)
+    for batch, context in cases:
+        case = Case(batch, context, device, rng)
+        cells = []
+        for name in names:
+            if name not in kernels:
+                continue
+            fn, o = case.call(kernels[name])
+            t = gpb.time_per_call(fn, device.sync, min_time)
+            out = o.numpy().astype(np.float64)
+            err = max(float(np.abs(out[b] - case.reference(b)).max()) for b in sorted({0, batch - 1}))
+            cells.append(f"{t * 1e6:7.1f} {100 * case.bytes / t / bandwidth:5.1f}% {err:6.0e}")
+        print(f"{batch:>6} x {context:<6} " + " ".join(f"{c:>20}" for c in cells), flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prepare", type=pathlib.Path, help="build the libraries into this folder")
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--variants", nargs="+", help="--prepare: also build ours with GpuSchedule knobs "
+                        "replaced, NAME:knob=value,...")
+    parser.add_argument("--libs", type=pathlib.Path, help="folder built by --prepare (GPU host)")
+    parser.add_argument("--min-time", type=float, default=0.2)
+    parser.add_argument("--cases", nargs="+", help="BATCHxCONTEXT (default: all)")
+    args = parser.parse_args(argv)
+    if args.prepare:
+        prepare(args.prepare, args.arch, gpb.parse_variants(args.variants))
+        return 0
+    if not args.libs:
+        parser.error("--prepare DIR (here) or --libs DIR (GPU host)")
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases] if args.cases else CASES
+    run(args.libs, args.min_time, cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
