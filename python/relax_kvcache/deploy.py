@@ -204,7 +204,8 @@ def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[U
     if actual != expected:
         raise DeployError(f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
                           f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected the "
-                          "bytes `relax-kvcache build` / export_kernels wrote (build it again)")
+                          "bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
+                          "library together with its .sha256 file)")
     return True
 
 
