@@ -8,9 +8,11 @@ installed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import pathlib
+import random
 import shutil
 import subprocess
 import sys
@@ -21,7 +23,7 @@ import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
-from relax_kvcache import deploy
+from relax_kvcache import build, deploy
 from relax_kvcache.cli import main
 
 PYTHON_DIR = pathlib.Path(rk.__file__).resolve().parent.parent
@@ -173,6 +175,61 @@ def test_load_argument_types(cpu_library):
         deploy.load(3)
     with pytest.raises(TypeError, match="device must be a tvm.runtime.Device or None, got str"):
         deploy.load(cpu_library[0], device="cuda")
+
+
+def test_export_writes_a_checksum_that_load_checks(cpu_library, tmp_path):
+    """``<lib>.sha256`` beside the library (``sha256sum`` format); a copy with any changed byte
+    is refused naming the file, an intact copy without a checksum loads unchecked."""
+    path = cpu_library[0]
+    data = path.read_bytes()
+    digest, name = deploy.checksum_path(path).read_text().split()
+    assert digest == hashlib.sha256(data).hexdigest() and name == path.name
+    assert deploy.verify_checksum(path)
+    rng = random.Random(1)
+    for i, at in enumerate([rng.randrange(len(data)) for _ in range(3)] + [len(data) - 1]):
+        copy = tmp_path / f"copy{i}.so"
+        bad = bytearray(data)
+        bad[at] ^= 1 << rng.randrange(8)
+        copy.write_bytes(bytes(bad))
+        shutil.copyfile(deploy.checksum_path(path), deploy.checksum_path(copy))
+        with pytest.raises(deploy.DeployError, match=rf"copy{i}\.so'.*the library is damaged"):
+            deploy.load(copy)
+    unchecked = tmp_path / "unchecked.so"
+    unchecked.write_bytes(data)
+    assert not deploy.verify_checksum(unchecked)
+    assert deploy.load(unchecked).implements_function("attention_decode", query_imports=True)
+
+
+def _replace_with(path, data):
+    """Replace the file (a new inode: this process may have the old one mapped)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_a_damaged_cached_library_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("RELAX_KVCACHE_CACHE_DIR", str(tmp_path))
+    config = rk.KVCacheConfig(num_layers=1, num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=4,
+                              max_num_seqs=4, max_total_seq_len=64, prefill_chunk_size=16, dtype="float32")
+    target = tvm.target.Target("llvm")
+    cached = build.cache_path(build.kernel_set_spec(config), target)
+    rk.export_kernels(config, target, tmp_path / "first.so")  # compiles into the cache; nothing maps it
+    assert deploy.verify_checksum(cached)
+    bad = bytearray(cached.read_bytes())
+    bad[len(bad) // 2] ^= 0x10
+    _replace_with(cached, bytes(bad))
+    messages = []
+    module = build.build_kernels(config, target, progress=messages.append)
+    assert any(m.startswith("compiling kernels") for m in messages), messages
+    assert deploy.verify_checksum(cached) and module is not None
+    _replace_with(cached, bytes(bad))
+    exported = tmp_path / "out.so"
+    rk.export_kernels(config, target, exported)  # a damaged cache entry is not copied out either
+    assert deploy.verify_checksum(exported)
+    deploy.checksum_path(cached).unlink()  # a cache entry without its checksum is compiled again too
+    messages.clear()
+    build.build_kernels(config, target, progress=messages.append)
+    assert any(m.startswith("compiling kernels") for m in messages) and deploy.verify_checksum(cached)
 
 
 @pytest.fixture(scope="module")

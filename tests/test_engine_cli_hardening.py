@@ -13,7 +13,6 @@ import contextlib
 import io
 import os
 import shutil
-import struct
 import subprocess
 import sys
 
@@ -128,46 +127,12 @@ def test_cancel_removes_the_request_and_frees_its_sequence():
             call()
 
 
-def test_engine_takes_ids_and_sizes_by_their_base_values():
-    """``int()`` ran an int subclass's __int__ (vocab_size I(100) became 10**6), a token's own
-    comparisons let an out-of-vocabulary id in, and a list subclass was counted with list's
-    length but read with its own iteration (past the capacity check)."""
-    class Lying(int):
-        def __int__(self):
-            return 10**6
-
-        def __lt__(self, other):
-            return False
-
-        def __ge__(self, other):
-            return False
-
-    class Longer(list):
-        def __iter__(self):
-            return iter(range(100))
-
-    engine = _engine(vocab_size=Lying(100))
-    assert engine.vocab_size == 100 and type(engine.vocab_size) is int
-    with pytest.raises(ValueError, match="token id 1000, outside the vocabulary"):
-        engine.add_request([1, Lying(1000)], 4)
-    req = engine.add_request(Longer([1, 2]), 4)
-    assert req.tokens == [1, 2]
+def test_engine_takes_ndarray_subclass_prompts_and_refuses_float_ids():
+    engine = _engine()
     masked = np.ma.masked_array(np.array([3, 4, 5], dtype=np.int32))  # an ndarray subclass
     assert engine.add_request(masked[1:], 2).tokens == [4, 5]
     with pytest.raises(ValueError, match="not a token id"):
         engine.add_request([1, 2.0], 4)
-
-
-def test_an_engine_cannot_be_copied_or_pickled():
-    import copy
-    import pickle
-
-    engine = _engine()
-    req = engine.add_request([1, 2, 3], 4)
-    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
-        with pytest.raises(TypeError, match="an Engine cannot be copied or pickled"):
-            attempt(engine)
-    assert list(engine.requests.values()) == [req]
 
 
 # ---------------------------------------------------------------------------- engine with the model
@@ -294,27 +259,16 @@ def _load_in_subprocess(path):
                           timeout=120)
 
 
-def _patch_u64(data: bytes, offset: int, value: int) -> bytes:
-    return data[:offset] + struct.pack("<Q", value) + data[offset + 8:]
-
-
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda data: data[:100000], "the section header table .* ends past the end of the file"),
-    # section headers dropped (e_shoff = 0): the segments still reach past the end
-    (lambda data: _patch_u64(data[:100000], 0x28, 0), "segment [0-9]+ .* ends past the end of the file"),
-    (lambda data: data[:4] + b"\x01" + data[5:], "ELF class 1"),
-])
-def test_load_refuses_a_truncated_or_corrupt_library(kernel_library, tmp_path, corrupt, message):
-    """Regression: dlopen of a truncated library crashed the process with SIGBUS."""
+def test_load_refuses_a_truncated_library_by_its_checksum(kernel_library, tmp_path):
+    """dlopen of a truncated library can crash the process (SIGBUS); its checksum refuses it first."""
     data = kernel_library.read_bytes()
     assert len(data) > 100000
     bad = tmp_path / "bad.so"
-    bad.write_bytes(corrupt(data))
+    bad.write_bytes(data[:100000])
+    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(bad))
     run = _load_in_subprocess(bad)
     assert run.returncode == 1 and "DeployError: could not load" in run.stderr and str(bad) in run.stderr, run.stderr
-    with pytest.raises(deploy.DeployError, match=message):
-        deploy.check_elf(bad)
-    deploy.check_elf(kernel_library)  # the intact one passes
+    assert "the library is damaged" in run.stderr
 
 
 def test_load_of_a_replaced_library_gets_the_new_one(kernel_library, tmp_path):
@@ -330,6 +284,7 @@ def test_load_of_a_replaced_library_gets_the_new_one(kernel_library, tmp_path):
     assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1  # again (still not the first file)
     shutil.copyfile(kernel_library, tmp_path / "new.so")
     os.replace(tmp_path / "new.so", path)  # back to (a copy of) the first one, as a new file
+    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(path))  # with its checksum
     assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
 
 
@@ -460,28 +415,6 @@ def test_builtins_refuse_a_none_cache(name, args):
     """TVM's own builtins dereference a None cache (a segfault); the dispatcher refuses it."""
     with pytest.raises(rk.ArgumentError, match="the cache is None"):
         tvm.get_global_func(name)(None, *args)
-
-
-# ---------------------------------------------------------------------------- round 14
-
-
-def test_check_loads_refuses_devices_before_copying(tmp_path):
-    """check_loads copied /dev/zero into a temporary file without end (a hang filling the disk);
-    it now refuses what is not a regular file, as load does. In a child process with a file-size
-    limit, so that a regression fails instead of filling the disk."""
-    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 24, 1 << 24)); "
-            "from relax_kvcache import deploy\n"
-            "try:\n    deploy.check_loads('/dev/zero')\nexcept FileNotFoundError as err:\n    print(err)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0 and "'/dev/zero' is not a regular file" in proc.stdout, (proc.returncode, proc.stderr)
-
-
-def test_check_loads_of_a_bare_file_name(kernel_library, tmp_path, monkeypatch):
-    """A library named without a folder was looked up on the loader's search path (refused)."""
-    shutil.copyfile(kernel_library, tmp_path / "kernels.so")
-    monkeypatch.chdir(tmp_path)
-    deploy.check_loads("kernels.so")
 
 
 @pytest.mark.parametrize("argv,message", [

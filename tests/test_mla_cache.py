@@ -287,12 +287,9 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
     h.step([(0, 3)])  # the cache still works and agrees with the model
 
 
-def test_decompress_callbacks_that_do_not_write_and_workspace_aliases_are_refused(mla_cache):
-    """Regression (red-team): a ``decompress`` that never wrote k / v (or only k, or returned new
-    tensors) let the kernels read stale workspace rows (outputs off by 1e19 or quietly wrong); an
-    ``o`` or ``q`` aliasing the context workspace (a view kept from a callback) was accepted and
-    gave wrong results. Both raise now, the cache unchanged; a correct call afterwards matches the
-    float64 model."""
+def test_outputs_aliasing_the_context_workspace_are_refused(mla_cache):
+    """An ``o`` or ``q`` aliasing the context workspace (a view kept from a callback) raises, the
+    cache unchanged; a correct call afterwards matches the float64 model."""
     h = Harness(mla_cache, seed=8)
     h.add(0)
     h.step([(0, 50)])  # two chunks of 40 rows
@@ -305,14 +302,7 @@ def test_decompress_callbacks_that_do_not_write_and_workspace_aliases_are_refuse
         h.decompress(latent, k, v)
         kept["k"] = k
 
-    lazy = {"nothing": lambda latent, k, v: None,
-            "only k": lambda latent, k, v: k.copyfrom(np.ones(tuple(k.shape), NP_DTYPE)),
-            "new tensors": lambda latent, k, v: (_t(np.ones(tuple(k.shape))), _t(np.ones(tuple(v.shape))))}
     before = snapshot(cache, pages=True)
-    for what, callback in lazy.items():
-        with pytest.raises(ForwardError, match="decompress did not write"):
-            cache.mla_context_attention(0, q, _poisoned((2, HEADS, VDIM)), lse, SM_SCALE, callback)
-    assert_same(before, snapshot(cache, pages=True))
     cache.mla_context_attention(0, q, _poisoned((2, HEADS, VDIM)), lse, SM_SCALE, keeps_k)
     from relax_kvcache.tensors import view
 
@@ -328,32 +318,20 @@ def test_decompress_callbacks_that_do_not_write_and_workspace_aliases_are_refuse
     h.step([(0, 3)])
 
 
-def test_decompress_of_nan_rows_with_the_poison_payload_is_accepted(mla_cache):
-    """Round 14: latent rows holding NaN are stored and used as given; a correct callback that
-    decompresses a NaN whose payload is the cache's poison writes the poison bytes (x86 keeps a
-    NaN's payload through arithmetic) and was refused as 'did not write'. Edge rows decompressed
-    from a NaN are no longer taken for unwritten ones."""
-    from relax_kvcache.mla_context import _POISON_BITS
-
+def test_latent_rows_holding_nan_are_used_as_given(mla_cache):
+    """Latent rows holding NaN are stored and decompressed as given: NaN in, NaN out."""
     h = Harness(mla_cache, seed=9)
     cache = mla_cache
-    uint, bits = _POISON_BITS[DTYPE]
-    rows = np.full((3, LORA + ROPE), bits, dtype=uint).view(NP_DTYPE)
+    rows = np.full((3, LORA + ROPE), np.nan, dtype=NP_DTYPE)
     cache.add_sequence(0)
     cache.begin_forward([0], [3])
     for layer in range(LAYERS):
         cache.append_mla_kv(layer, tvm.runtime.tensor(rows, DEV))
     cache.end_forward()
     cache.begin_forward([0], [2])
-    seen = {}
-
-    def decompress(latent, k, v):
-        h.decompress(latent, k, v)
-        seen["k"] = k.numpy()[0].view(uint)
-
     q, o = _t(np.random.default_rng(2).standard_normal((2, HEADS, NOPE + ROPE))), _poisoned((2, HEADS, VDIM))
-    cache.mla_context_attention(0, q, o, _poisoned((2, HEADS), "float32"), SM_SCALE, decompress)
-    assert (seen["k"] == bits).any()  # the callback did write the poison bytes
+    o.copyfrom(np.zeros((2, HEADS, VDIM), NP_DTYPE))  # NaN below comes from the rows, not the poison
+    cache.mla_context_attention(0, q, o, _poisoned((2, HEADS), "float32"), SM_SCALE, h.decompress)
     assert np.isnan(o.numpy()).all()  # NaN in, NaN out
     cache.end_forward()
 

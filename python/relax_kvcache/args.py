@@ -8,7 +8,6 @@ types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, List, Optional
 
 import numpy as np
@@ -20,32 +19,19 @@ from .tensors import TENSOR_TYPES
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
-#: numpy's own scalar types (exact types: a subclass could override its conversions)
-_NUMPY_INTS = frozenset(t for t in set(np.sctypeDict.values()) if isinstance(t, type) and issubclass(t, np.integer)
-                        and not issubclass(t, np.timedelta64))
-_NUMPY_NUMBERS = _NUMPY_INTS | frozenset(t for t in set(np.sctypeDict.values())
-                                         if isinstance(t, type) and issubclass(t, (np.floating, np.bool_)))
-_PLAIN_TYPES = frozenset((int, float, str, bytes, bool, type(None), complex))
+_BOOLS = (bool, np.bool_)
 
 #: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
 #: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
 _SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
-_array_size, _array_get_item = tvm_ffi.get_global_func("ffi.ArraySize"), tvm_ffi.get_global_func("ffi.ArrayGetItem")
-
-
-def null_handle(value: Any) -> bool:
-    """Whether a tvm-ffi object was made without an object behind it (``Array.__new__``, a
-    subclass skipping ``__init__``): reading it through the FFI would crash the process."""
-    return not tvm_ffi.core.CObject.__chandle__(value)
 
 
 def describe(value: Any) -> str:
-    """A short, safe one-line description of ``value`` for error messages: the repr of plain
-    values (numbers, strings, None, and lists / tuples of them), otherwise the type's name. No
-    user code runs (an object's own ``__repr__`` could call back into the cache), and a tensor's
-    repr (which copies its data) is never taken."""
-    if type(value) in TENSOR_TYPES:
-        if not value.__chandle__():
+    """A short one-line description of ``value`` for error messages: the repr of numbers,
+    strings, None and short lists / tuples of them, otherwise the type's name (a tensor's repr
+    copies its data, and an object's repr may be long or fail)."""
+    if isinstance(value, TENSOR_TYPES):
+        if not value.__chandle__():  # Tensor.__new__: reading its shape would crash
             return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = _plain_repr(value, depth=2)
@@ -54,45 +40,39 @@ def describe(value: Any) -> str:
     return f"{text[:77]}..." if len(text) > 80 else text
 
 
-def _plain_repr(value: Any, depth: int):
-    """``repr(value)`` for exact builtin scalars and numpy scalars, and lists / tuples of them
-    (up to ``depth`` levels, 20 items); None for anything else."""
-    if type(value) in _PLAIN_TYPES or type(value) in _NUMPY_NUMBERS:
+def _plain_repr(value: Any, depth: int) -> Optional[str]:
+    """``repr(value)`` for builtin and numpy scalars, and lists / tuples of them (up to
+    ``depth`` levels, 20 items); None for anything else."""
+    if value is None or isinstance(value, (int, float, str, bytes, complex, np.number, np.bool_)):
         return repr(value)
-    if type(value) in (list, tuple) and depth > 0:
+    if isinstance(value, (list, tuple)) and depth > 0:
         items = [_plain_repr(v, depth - 1) for v in value[:20]]
         if any(item is None for item in items):
             return None
         inner = ", ".join(items) + (", ..." if len(value) > 20 else "")
-        return f"[{inner}]" if type(value) is list else f"({inner}{',' if len(value) == 1 else ''})"
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
     return None
 
 
 def as_int(name: str, value: Any) -> int:
     """``value`` as a Python int: ints, numpy integers and 0-d integer arrays; not bools,
-    floats or other objects (an object's own ``__index__`` is never called, so no user code
-    runs while the cache checks its arguments).
+    floats or other objects.
 
     Raises
     ------
     ArgumentError
         If ``value`` is not an integer.
     """
-    if type(value) is int:  # fast path
-        return value
-    kind = type(value)  # not isinstance: an object can claim any class through __class__
-    if kind is bool or kind is np.bool_:
+    if isinstance(value, _BOOLS):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
-    if issubclass(kind, int):
-        return operator.index(value)  # an int subclass's value; its own __index__ / __int__ do not run
-    if type(value) in _NUMPY_INTS or (type(value) is np.ndarray and value.ndim == 0 and value.dtype.kind in "iu"):
+    if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0
+                                                and value.dtype.kind in "iu"):
         return int(value)
     raise ArgumentError(f"{name} must be an integer, got {describe(value)} of type {type(value).__name__}")
 
 
 def exact_int(value: Any) -> Optional[int]:
-    """``value`` as :func:`as_int` takes it (no method of ``value`` runs), or None where it is
-    not an integer."""
+    """``value`` as :func:`as_int` takes it, or None where it is not an integer."""
     try:
         return as_int("value", value)
     except ArgumentError:
@@ -134,24 +114,13 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         (or ``error``) If it is a range of more than ``max_len`` entries (``why`` says why
         that is the most).
     """
-    kind = type(values)  # not isinstance: an object can claim any class through __class__
-    if not issubclass(kind, _SEQUENCE_TYPES) or (issubclass(kind, np.ndarray) and np.ndarray.ndim.__get__(values) != 1):
+    if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
-    if kind is range:  # lazy: its length is checked before it is expanded
+    if isinstance(values, range):  # lazy: its length is checked before it is expanded
         _check_length(name, range_length(values), max_len, why, error)
         return list(values)
-    if issubclass(kind, list):  # base-class iteration: a subclass's own __iter__ never runs
-        items = list(list.__iter__(values))
-    elif issubclass(kind, tuple):
-        items = list(tuple.__iter__(values))
-    elif issubclass(kind, np.ndarray):
-        items = np.ndarray.tolist(values)
-    else:  # a tvm_ffi Array, read through the FFI: a subclass's __iter__ / __len__ never run
-        if null_handle(values):
-            raise ArgumentError(f"{name} must be a sequence of integers, got an object of type {kind.__name__} "
-                                "made without an array (a null handle)")
-        items = [_array_get_item(values, i) for i in range(_array_size(values))]
+    items = values.tolist() if isinstance(values, np.ndarray) else list(values)
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
@@ -179,15 +148,12 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
         If it is NaN, infinite or beyond float32's range (``not_finite`` names another
         ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
     """
-    kind = type(value)  # not isinstance: an object can claim any class through __class__
-    if kind is np.ndarray and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array, as for ints
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array
         value = value[()]
-        kind = type(value)
-    if kind is bool or kind is np.bool_ or not (issubclass(kind, (int, float)) or kind in _NUMPY_NUMBERS):
-        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {kind.__name__}")
-    try:  # the base types' conversions: a subclass's own __float__ / __index__ does not run
-        result = float.__float__(value) if issubclass(kind, float) else \
-            float(operator.index(value)) if issubclass(kind, int) else float(value)
+    if isinstance(value, _BOOLS) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ArgumentError(f"{name} must be a number, got {describe(value)} of type {type(value).__name__}")
+    try:
+        result = float(value)
     except OverflowError:
         result = math.inf
     if not (math.isfinite(result) and abs(result) <= FLOAT32_MAX):
@@ -205,9 +171,9 @@ def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
     ArgumentError
         Otherwise (``error`` names another ``KVCacheError`` class, e.g. ``ConfigError``).
     """
-    if type(value) in (bool, np.bool_):
+    if isinstance(value, _BOOLS):
         return bool(value)
-    number = exact_int(value)  # an int subclass's own __eq__ / __bool__ do not run
+    number = exact_int(value)
     if number in (0, 1):
         return bool(number)
     raise error(f"{name} must be a bool (or 0 / 1), got {describe(value)}")

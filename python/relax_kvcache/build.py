@@ -2,7 +2,9 @@
 
 The kernel set is one IRModule whose functions are named by role (``KERNEL_ROLES``); it is
 compiled once per (kernel specs, target, TVM version, kernel sources) and stored as a shared
-library under :func:`cache_dir`. Later builds load that library instead of compiling.
+library under :func:`cache_dir`, with its SHA-256 beside it (``<library>.sha256``). Later builds
+load that library instead of compiling (one whose bytes differ from its checksum is compiled
+again).
 
 Targets are any of :data:`relax_kvcache.targets.TARGET_KINDS`. A GPU library can be built on a
 machine without that GPU: it is cached and exported (:func:`export_kernels`) as usual, but it is
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple, Union
 import tvm
 
 from .config import SUPPORTED_DTYPES, KVCacheConfig, LayerSpan
-from .deploy import DeployError, seal_library, verify_seal
+from .deploy import DeployError, verify_checksum, write_checksum
 from .errors import ConfigError
 from .targets import check_can_compile, describe_target
 
@@ -318,7 +320,7 @@ def build_kernels(
         executable = _compile(spec, target, progress, kernel_identity(config))
         return executable.jit() if loadable else executable.mod
     path = cache_path(spec, target)
-    cached = path.exists() and _cached_intact(path)  # hashed once
+    cached = _cached_intact(path)  # hashed once
     if loadable and cached:
         _report(progress, f"loading cached kernels {path.name}")
         return tvm.runtime.load_module(str(path))
@@ -349,7 +351,9 @@ def export_kernels(
     target : tvm.target.Target
         Compilation target (see :func:`relax_kvcache.targets.make_target`).
     path : path-like
-        Library file to write, ending in ``.so``; its folder must exist. Replaced atomically.
+        Library file to write, ending in ``.so``; its folder must exist. Replaced atomically;
+        its SHA-256 is written beside it (``<path>.sha256``), which :func:`relax_kvcache.deploy.load`
+        checks.
     use_cache : bool
         Read and write the on-disk cache (default True).
     progress : callable, optional
@@ -366,7 +370,7 @@ def export_kernels(
         _export_atomic(_compile(spec, target, progress, kernel_identity(config)), dest)
         return dest
     cached = cache_path(spec, target)
-    if cached.exists() and _cached_intact(cached):
+    if _cached_intact(cached):
         _report(progress, f"copying cached kernels {cached.name}")
     else:
         _export_atomic(_compile(spec, target, progress, kernel_identity(config)), cached)
@@ -375,13 +379,12 @@ def export_kernels(
 
 
 def _cached_intact(path: pathlib.Path) -> bool:
-    """Whether a cached library agrees with its seal (one written before seals existed counts as
-    intact); a corrupt one is compiled again and replaced."""
+    """Whether a cached library exists and agrees with its checksum file (``<path>.sha256``);
+    one without a checksum or damaged is compiled again and replaced."""
     try:
-        verify_seal(path)
+        return path.exists() and verify_checksum(path)
     except DeployError:
         return False
-    return True
 
 
 def cache_path(spec: AnyKernelSetSpec, target: tvm.target.Target) -> pathlib.Path:
@@ -510,9 +513,9 @@ def _export_atomic(executable: Executable, path: pathlib.Path) -> None:
         tmp_path = tmp.name
     try:
         executable.export_library(tmp_path)
-        seal_library(tmp_path)
         os.chmod(tmp_path, 0o755)  # a temporary file is private (0600); a library is not
         os.replace(tmp_path, path)
+        write_checksum(path)
     finally:
         if os.path.exists(tmp_path):
             os.unlink(tmp_path)
@@ -525,6 +528,7 @@ def _copy_atomic(src: pathlib.Path, dest: pathlib.Path) -> None:
         shutil.copyfile(src, tmp_path)
         os.chmod(tmp_path, 0o755)
         os.replace(tmp_path, dest)
+        write_checksum(dest)
     finally:
         if os.path.exists(tmp_path):
             os.unlink(tmp_path)

@@ -174,6 +174,10 @@ class PagedAttentionKVCache:
     ``attention_with_fused_qkv`` (or ``self_attention`` / ``cross_attention`` /
     ``merge_attn_output_inplace``), then ``end_forward()``. Sequence structure (remove, fork,
     popn) may only change between steps.
+
+    The cache holds device memory (its pages) and the step in progress: it is not picklable and
+    must not be copied (``copy.copy`` would share the pages but not the step state). Use one
+    cache per model; ``fork_sequence`` shares a sequence's KV.
     """
 
     def __init__(self, config: KVCacheConfig, device: Optional[tvm.runtime.Device] = None, *,
@@ -897,7 +901,8 @@ class PagedAttentionKVCache:
         decompress : callable
             ``decompress(latent (c, W), k (c, Hq, Dqk), v (c, Hq, Dv))`` writes ``k = [latent[:, :L]
             @ W_UK, latent[:, L:]]`` and ``v = latent[:, :L] @ W_UV`` (any packed function or
-            Python callable); ``c <= context_workspace_rows``.
+            Python callable) in place (the cache does not check that it did);
+            ``c <= context_workspace_rows``.
         """
         self._require_kind("mla_context_attention", mla=True)
         layer = self._local_layer(layer_id)
@@ -908,7 +913,7 @@ class PagedAttentionKVCache:
         plan = self._context_plan()
         tmp_o, tmp_lse = view(ws.o, (n, hq, dv), 0, self._dtype), step.tmp_lse
         for i, chunk in enumerate(plan.chunks):
-            k, v = self._decompressed_chunk(layer, ws, chunk, i, decompress)
+            k, v = self._decompressed_chunk(layer, ws, chunk, decompress)
             out, out_lse = (o, lse) if i == 0 else (tmp_o, tmp_lse)
             self._kernels.attention_prefill_ragged(
                 q, step.append_indptr, k, v, chunk.kv_indptr, step.q_rope_position, plan.k_rope_pos_offset,
@@ -939,9 +944,8 @@ class PagedAttentionKVCache:
             ws = self._context_workspace = self._new_context_workspace(dqk, dv)
         return ws
 
-    def _decompressed_chunk(self, layer: int, ws: ContextWorkspace, chunk: Any, index: int,
-                            decompress: Any) -> Tuple[Any, Any]:
-        """Gather a context chunk's latent rows and let ``decompress`` fill its K/V (checked)."""
+    def _decompressed_chunk(self, layer: int, ws: ContextWorkspace, chunk: Any, decompress: Any) -> Tuple[Any, Any]:
+        """Gather a context chunk's latent rows and let ``decompress`` fill its K/V."""
         cfg = self.config
         hq, (dqk, dv) = cfg.num_qo_heads, ws.dims
         rows = max(chunk.rows, 1)
@@ -950,18 +954,12 @@ class PagedAttentionKVCache:
             return k, v
         gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
         self._kernels.debug_get_kv(self._pages[layer], chunk.positions, gathered, 0)
-        ws.poison_edges(k, v)
         latent = view(ws.latent, (rows, cfg.head_dim), 0, self._dtype)
         self._busy = "mla_context_attention's decompress callback"
         try:
             decompress(latent, k, v)
         finally:
             self._busy = None
-        unwritten = ws.unwritten(k, v, latent)
-        if unwritten:
-            raise ForwardError(f"decompress did not write {' and '.join(unwritten)} of context chunk {index} "
-                               f"({rows} rows): it must fill k {tuple(k.shape)} and v {tuple(v.shape)} "
-                               "in place (their first / last rows still hold the cache's poison NaN)")
         return k, v
 
     def _new_context_workspace(self, dqk: int, dv: int) -> ContextWorkspace:
@@ -1220,8 +1218,7 @@ class PagedAttentionKVCache:
 
     def _check_group_tensor(self, name: str, value: Any, shape: Tuple[int, ...]) -> bool:
         """Check a page group tensor; True when it is on the host while the cache is not."""
-        host = (type(value) in TENSOR_TYPES and bool(value.__chandle__()) and value.device == tvm.cpu()
-                and self.device != tvm.cpu())
+        host = isinstance(value, TENSOR_TYPES) and value.device == tvm.cpu() and self.device != tvm.cpu()
         check_tensor(name, value, shape=shape, dtype=self.config.dtype, device=tvm.cpu() if host else self.device)
         return host
 
@@ -1286,20 +1283,6 @@ class PagedAttentionKVCache:
         self._check_not_busy(what)
         if self._step is not None:
             raise ForwardError(f"{what} is not allowed while a forward step is active; call end_forward first")
-
-    def __reduce_ex__(self, protocol):
-        """Refuse ``copy.copy``, ``copy.deepcopy`` and pickling: a copy would share this cache's
-        pages but not its step state (or hold device pages it cannot copy)."""
-        raise ArgumentError(f"a PagedAttentionKVCache cannot be copied or pickled (it owns "
-                            f"{self.config.num_total_pages} pages on {self.device} and the step in "
-                            "progress); expected one owner: fork_sequence shares a sequence's KV, a new "
-                            "cache of the same config starts empty")
-
-    def __copy__(self):
-        self.__reduce_ex__(0)
-
-    def __deepcopy__(self, memo):
-        self.__reduce_ex__(0)
 
     def __repr__(self) -> str:
         cfg = self.config

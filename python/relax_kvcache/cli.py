@@ -161,7 +161,7 @@ def _run_demo_checked(args: argparse.Namespace) -> int:
 
 
 def _run_model_demo(args: argparse.Namespace, log) -> int:
-    from .deploy import seal_library
+    from .deploy import write_checksum
     from .model_demo import compile_model, default_dtype, run_model_demo
     from .models import LlamaConfig
 
@@ -176,7 +176,7 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
         if args.export:
             try:
                 executable.export_library(args.export)
-                seal_library(args.export)
+                write_checksum(args.export)
             except Exception as err:  # noqa: BLE001 - the linker or the file system; one line, exit 2
                 raise _UsageError(f"could not write --export {args.export!r}: {_one_line(err)[-300:]}") from None
             print(f"wrote {args.export}: the demo model ({dtype}) and the cache's kernels for {target}; run it "

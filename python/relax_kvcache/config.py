@@ -7,7 +7,6 @@ import enum
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
-from tvm_ffi import dtype as DataType
 
 from .args import as_bool, as_float, as_int_list, describe, exact_int
 from .errors import ArgumentError, ConfigError, KVCacheError
@@ -95,13 +94,11 @@ def _positive(name: str, value: object) -> int:
 
 
 def _dtype(value: object) -> str:
-    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype (exact
-    types: a str subclass's own comparison is not run)."""
-    if issubclass(type(value), str):
-        name = str.__str__(value)  # the base type's copy: a subclass's own methods do not run
-    elif type(value) is DataType or issubclass(type(value), np.dtype):
+    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype, or a
+    numpy scalar type (``np.float16``, ``ml_dtypes.bfloat16``)."""
+    if isinstance(value, (str, np.dtype)):  # a TVM DataType is a str
         name = str(value)
-    elif type(value) is type and issubclass(value, np.generic):  # np.float16, ml_dtypes.bfloat16
+    elif isinstance(value, type) and issubclass(value, np.generic):
         name = str(np.dtype(value))
     else:
         name = None
@@ -113,7 +110,7 @@ def _dtype(value: object) -> str:
 def _rope_float(name: str, value: object, *, used: bool) -> float:
     """RoPE theta / scale as a float the kernels' float32 arguments hold: finite, and where RoPE
     is used positive and normal (a float32 underflowing to 0 or overflowing to inf gives NaN)."""
-    try:  # a subclass's own __float__ / __index__ do not run
+    try:
         result = as_float(f"KVCacheConfig.{name}", value, not_finite=ConfigError)
     except ArgumentError:
         raise ConfigError(f"KVCacheConfig.{name} must be a number, got {describe(value)}") from None
@@ -134,7 +131,7 @@ def _ext_factors(values: object, head_dim: int) -> Tuple[float, ...]:
     if isinstance(values, np.ndarray):
         numbers = values.dtype.kind in "fiu"
     else:  # each element a Python or numpy number (not a bool, str or bytes, which numpy converts)
-        numbers = all(type(x) in (int, float) or isinstance(x, (np.integer, np.floating)) for x in values)
+        numbers = all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) for x in values)
     if not numbers:
         raise ConfigError(f"KVCacheConfig.rope_ext_factors must hold numbers, got {describe(values)}")
     try:
@@ -472,7 +469,7 @@ class KVCacheConfig:
     def _validated_attn_kinds(self, kinds: Optional[Sequence[int]]) -> Tuple[AttnKind, ...]:
         if kinds is None:
             return (AttnKind.MHA,) * self.num_layers
-        try:  # base-class reads: a subclass's own iteration does not run
+        try:
             kinds = tuple(as_int_list("KVCacheConfig.attn_kinds", kinds, max_len=MAX_NUM_LAYERS))
         except KVCacheError:
             raise ConfigError(f"KVCacheConfig.attn_kinds must be a list, tuple or 1-D array of ints (0, 1, 3 or 4), "

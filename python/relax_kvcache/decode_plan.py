@@ -136,13 +136,9 @@ class DecodePlanner:
 
 
 def _is_int_tuple(values: Any, expected: tuple) -> bool:
-    """Whether ``values`` (a ShapeTuple, tuple or list) holds exactly the ints ``expected``."""
-    # exact types (an object can claim any class through __class__), compared with the base
-    # types' methods: no user __eq__ / __len__ runs (it could call back into the cache)
-    if type(values) is ShapeTuple:  # a tuple of Python ints
-        return tuple.__eq__(values, expected) is True
-    if type(values) not in (tuple, list) or len(values) != len(expected):
-        return False
-    # types first (no user __eq__ runs); bool and float compare equal to ints, and the full
-    # planner rejects them with a message
-    return all(type(v) is int for v in values) and tuple(values) == expected
+    """Whether ``values`` (a ShapeTuple, tuple or list) holds exactly the ints ``expected``
+    (bools and floats compare equal to ints: the full planner refuses them with a message)."""
+    if isinstance(values, ShapeTuple):  # a tuple of Python ints
+        return tuple(values) == expected
+    return (isinstance(values, (tuple, list)) and len(values) == len(expected)
+            and all(type(v) is int for v in values) and tuple(values) == expected)

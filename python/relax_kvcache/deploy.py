@@ -22,16 +22,13 @@ import mmap
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 from typing import Any, List, Optional, Union
 
 import tvm
 import tvm_ffi
 
-from . import elf_check
 from .targets import check_cuda_arch, cuda_arch
 
 #: File name of TVM's CUDA runtime library (device API, CUDA module loader).
@@ -88,16 +85,14 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
     FileNotFoundError
         ``path`` is not a file.
     DeployError
-        The file is not a complete 64-bit ELF shared library, its bytes differ from its seal
-        (the SHA-256 appended to every library we write, :func:`seal_library`), or a trial
-        load in a child process (:func:`check_loads`) fails (all checked before this process
-        maps it: a truncated or corrupt library would crash it); or the CUDA runtime library,
-        the GPU, or nvcc is missing, or nvcc failed.
+        The library's bytes differ from the SHA-256 in its checksum file beside it
+        (``<path>.sha256``, :func:`write_checksum`; a library without one is loaded unchecked),
+        the dynamic loader refuses it, or the CUDA runtime library, the GPU, or nvcc is missing,
+        or nvcc failed.
 
     The file is copied to a private temporary folder first, and the copy is what is checked and
-    loaded: a file replaced or rewritten meanwhile cannot slip past the checks, and a library
-    rebuilt under the same path is loaded anew (the dynamic loader keeps the first library it
-    loaded under a path).
+    loaded: a library rebuilt under the same path is loaded anew (the dynamic loader keeps the
+    first library it loaded under a path).
     """
     library = _checked_library(path)
     if device is not None and not isinstance(device, tvm.runtime.Device):
@@ -108,7 +103,7 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
             shutil.copyfile(library, copy)
         except OSError as err:
             raise DeployError(f"could not read {str(library)!r} ({err}); expected a readable .so file") from None
-        _check_library_file(copy, shown=library)  # before this process maps it
+        verify_checksum(library, copy=copy)  # before this process maps it
         if device is None and library_holds_cuda(copy):
             device = tvm.cuda(0)
         if device is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type():
@@ -116,17 +111,9 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
         return _load_module(copy, shown=library)
 
 
-def _check_library_file(library: pathlib.Path, shown: pathlib.Path) -> None:
-    """Every check of a library file before this process maps it: its ELF tables, its seal
-    (libraries we write), and a trial load in a child process."""
-    check_elf(library, shown=shown)
-    verify_seal(library, shown=shown)
-    check_loads(library, shown=shown)
-
-
 def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
-    """``tvm.runtime.load_module`` of a file `check_elf` passed, re-raising our callback's error
-    (TVM turns it into a RuntimeError). ``shown``: the path named in errors (default ``library``)."""
+    """``tvm.runtime.load_module``, re-raising our callback's error (TVM turns it into a
+    RuntimeError). ``shown``: the path named in errors (default ``library``)."""
     shown = library if shown is None else shown
     _CALLBACK.error = None
     try:
@@ -167,165 +154,59 @@ def _not_a_file(path: pathlib.Path) -> str:
     return "does not exist"
 
 
-def check_elf(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
-    """Raise DeployError unless ``path`` is a well-formed 64-bit ELF shared library
-    (:func:`relax_kvcache.elf_check.check_elf`: the header, segments within the file and the
-    tables the dynamic loader walks). ``shown``: the path named in the error (default ``path``)."""
-    path = _checked_library(path)
-    shown = str(path if shown is None else shown)
-    try:
-        elf_check.check_elf(path)
-    except OSError as err:
-        raise DeployError(f"could not read {shown!r} ({err}); expected a readable library file") from None
-    except elf_check.ElfError as err:
-        raise DeployError(f"could not load {shown!r}: {err}; expected a complete, "
-                          "well-formed 64-bit ELF shared library written by `relax-kvcache build` / export_kernels "
-                          "(or a model's export_library)") from None
+# ----------------------------------------------------------------------------------------------
+# Checksums: ``<library>.sha256`` beside each library we write
+# ----------------------------------------------------------------------------------------------
 
 
-#: The seal appended to every library we write: this mark, then the SHA-256 of the bytes before
-#: the seal. The dynamic loader ignores bytes past what the ELF headers describe, and a copy of
-#: the file keeps its seal.
-SEAL_MARK = b"relax_kvcache-sha256:"
-_SEAL_BYTES = len(SEAL_MARK) + 32
+def checksum_path(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    """Where the checksum of ``library`` is kept: ``<library>.sha256`` beside it."""
+    library = pathlib.Path(library)
+    return library.with_name(library.name + ".sha256")
 
 
-def seal_library(path: Union[str, "os.PathLike[str]"]) -> None:
-    """Append the seal (:data:`SEAL_MARK` and the SHA-256 of the file) to the library at
-    ``path`` unless it has one; :func:`load` then refuses any copy of it whose bytes changed."""
-    path = _checked_library(path)
-    try:
-        if _read_seal(path) is not None:
-            return
-        digest = bytes.fromhex(_sha256_of(path))
-        with open(path, "ab") as f:
-            f.write(SEAL_MARK + digest)
-    except OSError as err:
-        raise DeployError(f"could not seal {str(path)!r} ({err}); expected a writable library file") from None
-
-
-def verify_seal(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> bool:
-    """Check the seal of the library at ``path``.
-
-    Returns True when it has one and its bytes agree with it, False when it has none (a
-    library written by other tools); raises DeployError when they disagree. ``shown``: the
-    path named in the error (default ``path``)."""
-    path = _checked_library(path)
-    shown = str(path if shown is None else shown)
-    try:
-        seal = _read_seal(path)
-        if seal is None:
-            return False
-        actual = _sha256_of(path, size=path.stat().st_size - _SEAL_BYTES)
-    except OSError as err:
-        raise DeployError(f"could not read {shown!r} ({err}); expected a readable library file") from None
-    if actual != seal.hex():
-        raise DeployError(f"could not load {shown!r}: its SHA-256 is {actual[:16]}..., "
-                          f"its seal (written with it) says {seal.hex()[:16]}...: the library is corrupt; expected "
-                          "the bytes `relax-kvcache build` / export_kernels wrote (build it again)")
-    return True
-
-
-def _read_seal(path: pathlib.Path) -> Optional[bytes]:
-    """The digest in the seal at the end of ``path``, or None when it ends otherwise."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < _SEAL_BYTES:
-            return None
-        f.seek(size - _SEAL_BYTES)
-        tail = f.read(_SEAL_BYTES)
-    return tail[len(SEAL_MARK):] if tail.startswith(SEAL_MARK) else None
-
-
-def _sha256_of(path: pathlib.Path, *, size: Optional[int] = None) -> str:
-    """SHA-256 (hex) of the first ``size`` bytes of ``path`` (default: all of them)."""
+def file_sha256(path: Union[str, "os.PathLike[str]"]) -> str:
+    """SHA-256 (hex) of the file at ``path``."""
     digest = hashlib.sha256()
-    left = os.path.getsize(path) if size is None else size
     with open(path, "rb") as f:
-        while left > 0:
-            block = f.read(min(left, 1 << 20))
-            if not block:
-                break
+        for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-            left -= len(block)
     return digest.hexdigest()
 
 
-#: What the trial load runs in a child process: tvm-ffi's library (what generated code calls
-#: back into) made global as in this process, then the library as TVM opens it (lazy binding:
-#: the loader sets up the PLT) and a copy of it with every symbol bound at once (what the
-#: first calls would bind). Exit 0: loaded; 3: the loader refused it (its message on stderr);
-#: anything else: it crashed.
-_TRIAL_LOAD = ("import ctypes, os, sys\n"
-               "for dep in sys.argv[3:]:\n"
-               "    try:\n"
-               "        ctypes.CDLL(dep, mode=os.RTLD_LAZY | os.RTLD_GLOBAL)\n"
-               "    except OSError:\n"
-               "        pass  # then the library's own error names what it misses\n"
-               "try:\n"
-               "    ctypes.CDLL(sys.argv[1], mode=os.RTLD_LAZY | os.RTLD_LOCAL)\n"
-               "    ctypes.CDLL(sys.argv[2], mode=os.RTLD_NOW | os.RTLD_LOCAL)\n"
-               "except OSError as err:\n"
-               "    sys.stderr.write(str(err))\n"
-               "    sys.exit(3)\n")
-_TRIAL_LOAD_TIMEOUT_S = 120.0
+def write_checksum(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    """Write ``<library>.sha256`` (``sha256sum`` format: ``sha256sum -c`` checks it) beside
+    ``library``; :func:`load` then refuses the library if its bytes change. Returns its path."""
+    library = pathlib.Path(library)
+    line = f"{file_sha256(library)}  {library.name}\n"
+    path = checksum_path(library)
+    _write_atomic(path, line.encode())
+    return path
 
 
-def check_loads(path: Union[str, "os.PathLike[str]"], *, shown: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
-    """Open ``path`` with the dynamic loader in a child process (about 0.05 s), as TVM opens it
-    (lazy binding) and, as a copy, binding every symbol at once (``RTLD_NOW``), and raise
-    DeployError unless both succeed: a corrupt
-    library can crash the loader (SIGSEGV, or its own assertion: exit 127) while it relocates
-    the library, and a symbol that cannot be bound would crash the process at its first call.
-    ``shown``: the path named in the error (default ``path``). FileNotFoundError (as
-    :func:`load`) where ``path`` is not a regular file."""
-    shown = str(path if shown is None else shown)
-    # a regular file (a device would be copied without end), by an absolute path: the loader
-    # searches its library path for a bare name
-    path = _checked_library(path).absolute()
-    if not os.path.basename(sys.executable or "").lower().startswith(("python", "pypy")):
-        return  # an embedding program's executable is not a Python interpreter
-    expected = ("expected a shared library written by `relax-kvcache build` / export_kernels (or a model's "
-                "export_library)")
+def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[Union[str, "os.PathLike[str]"]] = None
+                    ) -> bool:
+    """Check ``library`` (or ``copy``, a copy of it) against ``<library>.sha256``.
+
+    Returns True when the checksum file exists and agrees, False when there is none (a library
+    written by other tools); raises DeployError, naming ``library``, when they disagree or the
+    checksum file cannot be read."""
+    library = pathlib.Path(library)
+    path = checksum_path(library)
+    if not path.is_file():
+        return False
     try:
-        with tempfile.TemporaryDirectory(prefix="relax_kvcache_trial_") as tmp:
-            bound_now = pathlib.Path(tmp) / "bound_now.so"  # another file: the loader keeps one per file
-            shutil.copyfile(path, bound_now)
-            cmd = [sys.executable, "-I", "-S", "-c", _TRIAL_LOAD, os.fspath(path), str(bound_now), *_ffi_libraries()]
-            proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  timeout=_TRIAL_LOAD_TIMEOUT_S, check=False)
+        words = path.read_text(errors="replace").split()
+        actual = file_sha256(library if copy is None else copy)
     except OSError as err:
-        raise DeployError(f"could not load {shown!r}: the trial load could not run ({err}); {expected}") from None
-    except subprocess.TimeoutExpired:
-        raise DeployError(f"could not load {shown!r}: opening it with the dynamic loader did not finish in "
-                          f"{_TRIAL_LOAD_TIMEOUT_S:.0f} s (in a child process); {expected}") from None
-    if proc.returncode == 0:
-        return
-    message = (proc.stderr.decode(errors="replace").replace(os.fspath(path), shown).replace(str(bound_now), shown)
-               .strip().splitlines())
-    detail = f": {message[-1][:300]}" if message and proc.returncode > 0 else ""  # the loader's own words
-    if proc.returncode == 3:
-        raise DeployError(f"could not load {shown!r}: the dynamic loader refuses it{detail}; {expected}")
-    if proc.returncode < 0:
-        try:
-            how = signal.Signals(-proc.returncode).name
-        except ValueError:
-            how = f"signal {-proc.returncode}"
-    else:
-        how = f"exit {proc.returncode}"
-    raise DeployError(f"could not load {shown!r}: the dynamic loader crashed on it ({how}, in a child process"
-                      f"{detail}): the library is corrupt; {expected}")
-
-
-def _ffi_libraries() -> List[str]:
-    """tvm-ffi's library as mapped in this process (generated code binds to its symbols), for
-    the trial load."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split(None, 5)[-1].strip() for line in maps if "libtvm_ffi.so" in line}
-    except OSError:
-        return []
-    return sorted(p for p in paths if os.path.basename(p) == "libtvm_ffi.so" and os.path.isfile(p))
+        raise DeployError(f"could not read {str(library)!r} or its checksum {str(path)!r} ({err})") from None
+    expected = words[0].lower() if words else ""
+    if actual != expected:
+        raise DeployError(f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
+                          f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected the "
+                          "bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
+                          "library together with its .sha256 file)")
+    return True
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:

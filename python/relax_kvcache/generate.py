@@ -102,7 +102,11 @@ class Stats:
 
 
 class Engine:
-    """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)."""
+    """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``).
+
+    An engine drives one cache and owns its requests: it is not picklable and must not be copied
+    (a copy would drive the same cache with requests of its own); fork a request for parallel
+    samples."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache, device: tvm.runtime.Device, *,
                  prefill_chunk_size: int, vocab_size: int, reference: Optional[Reference] = None) -> None:
@@ -134,17 +138,6 @@ class Engine:
         self._fork, self._popn = g("vm.builtin.kv_state_fork_sequence"), g("vm.builtin.kv_state_popn")
         self._begin, self._end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
-
-    def __reduce_ex__(self, protocol):
-        """Refuse copies and pickling: a copy would drive the same cache with its own requests."""
-        raise TypeError("an Engine cannot be copied or pickled (it drives one cache and owns its requests); "
-                        "expected one Engine per cache: fork a request for parallel samples")
-
-    def __copy__(self):
-        self.__reduce_ex__(0)
-
-    def __deepcopy__(self, memo):
-        self.__reduce_ex__(0)
 
     # ---------------------------------------------------------------- requests
 
@@ -305,24 +298,22 @@ class Engine:
     def _token_count(self, what: str, tokens: Sequence[int]) -> int:
         """The number of tokens of a list, tuple, range or 1-D integer numpy array (not an
         unordered container such as a dict or a set), read without touching the elements."""
-        kind = type(tokens)  # not isinstance: an object can claim any class through __class__
-        if issubclass(kind, np.ndarray):  # memmaps and masked arrays too: read as ndarray
+        if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
                                  "expected a 1-D integer array of token ids")
             return int(tokens.shape[0])
-        if kind is range:
+        if isinstance(tokens, range):
             return range_length(tokens)  # len() overflows beyond 2**63
-        if not issubclass(kind, (list, tuple)):
+        if not isinstance(tokens, (list, tuple)):
             raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
-                             f"array), got {kind.__name__} ({describe(tokens)})")
-        return list.__len__(tokens) if issubclass(kind, list) else tuple.__len__(tokens)
+                             f"array), got {type(tokens).__name__} ({describe(tokens)})")
+        return len(tokens)
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
         """Token ids as Python ints, each within ``[0, vocab_size)`` (containers as
         :meth:`_token_count` takes them)."""
         count = self._token_count(what, tokens)
-        # the containers' own iteration and the ids' own methods never run: base-class reads
         try:
             ids = as_int_list(what, tokens, max_len=max(count, 1), why="its length")
         except ArgumentError as err:

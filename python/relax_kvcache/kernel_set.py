@@ -7,10 +7,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
-import tvm_ffi
 
-from .args import null_handle
-from .errors import ArgumentError, ConfigError
+from .errors import ConfigError
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
 
@@ -29,6 +27,9 @@ class KernelSet:
     latent pages), the ragged kernel at the decompressed head dims, ``merge_inplace`` at
     ``kv_lora_rank`` and ``merge_general`` at the decompressed v head dim; their
     ``copy_single_page`` and ``debug_get_kv`` have the latent page layout.
+
+    A set holds compiled functions: it is not picklable or deep-copyable (ship a library written
+    by ``export_kernels`` instead, loaded with ``deploy.load`` and :meth:`from_module`).
     """
 
     transpose_append: Optional[Function]
@@ -56,16 +57,6 @@ class KernelSet:
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
     #: has none, so a cache probes its kernels as it does foreign ones.
     identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
-
-    def __copy__(self) -> "KernelSet":
-        return self  # immutable, and compiled functions cannot be copied
-
-    def __deepcopy__(self, memo) -> "KernelSet":
-        return self
-
-    def __reduce_ex__(self, protocol):
-        raise ArgumentError("a KernelSet cannot be pickled (it holds compiled functions); expected a library "
-                            "written by export_kernels, loaded with deploy.load and KernelSet.from_module")
 
     def missing(self, roles: Sequence[str]) -> List[str]:
         """The roles among ``roles`` this set has no kernel for."""
@@ -159,10 +150,9 @@ def _list(value: Any, index: int) -> list:
     """A list argument (None: empty)."""
     if value is None:
         return []
-    null = isinstance(value, tvm_ffi.Array) and null_handle(value)
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or null:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a list, "
-                          f"got {type(value).__name__}" + (" made without an array (a null handle)" if null else ""))
+                          f"got {type(value).__name__}")
     return list(value)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tvm
 
 from .paging import PagingState
-from .tensors import allocate, numpy_dtype, row_view
+from .tensors import allocate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,47 +89,7 @@ class ContextWorkspace:
         self.v = allocate((rows, heads, v_head_dim), dtype, device, "MLA context V workspace")
         self.o = allocate((max_tokens, heads, v_head_dim), dtype, device, "MLA context output workspace")
 
-        self._poison = {name: _poison_row(t.shape[1:], dtype) for name, t in (("k", self.k), ("v", self.v))}
-
-    def poison_edges(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> None:
-        """Fill the first and last row of a chunk's ``k`` / ``v`` views with a NaN of a payload
-        no arithmetic on numbers produces, so `unwritten` can tell whether the callback wrote them."""
-        for name, t in (("k", k), ("v", v)):
-            for row in _edge_rows(t):
-                row.copyfrom(self._poison[name])
-
-    def unwritten(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor,
-                  latent: tvm.runtime.Tensor) -> Tuple[str, ...]:
-        """Names of the views whose first or last row still holds the poison bytes, where the
-        latent row it was decompressed from holds no NaN (arithmetic may carry a NaN's payload,
-        so a correct callback can write the poison bytes from a NaN input)."""
-        def poisoned(row: tvm.runtime.Tensor, poison: np.ndarray) -> bool:
-            return row.numpy().tobytes() == poison.tobytes()
-
-        def nan_input(row: tvm.runtime.Tensor) -> bool:
-            return bool(np.isnan(row.numpy().astype(np.float32)).any())
-
-        return tuple(name for name, t in (("k", k), ("v", v))
-                     if any(poisoned(row, self._poison[name]) and not nan_input(source)
-                            for row, source in zip(_edge_rows(t), _edge_rows(latent))))
-
     def spans(self) -> Tuple[Tuple[str, tvm.runtime.Tensor, int], ...]:
         """``(name, tensor, nbytes)`` of every buffer, for `tensors.check_disjoint`."""
         return tuple((f"the context workspace's {name}", t, int(np.prod(t.shape)) * t.dtype.itemsize)
                      for name, t in (("latent", self.latent), ("k", self.k), ("v", self.v), ("o", self.o)))
-
-
-# quiet-NaN bit patterns with a payload (0x5A...) that float arithmetic does not produce
-_POISON_BITS = {"float32": (np.uint32, 0x7FC05A5A), "float16": (np.uint16, 0x7E5A), "bfloat16": (np.uint16, 0x7FDA)}
-
-
-def _poison_row(shape: Tuple[int, ...], dtype: str) -> np.ndarray:
-    """One row ``shape`` of the poison value, as a host array of ``dtype``."""
-    uint, bits = _POISON_BITS[dtype]
-    return np.full(tuple(shape), bits, dtype=uint).view(numpy_dtype(dtype))
-
-
-def _edge_rows(t: tvm.runtime.Tensor) -> Tuple[tvm.runtime.Tensor, ...]:
-    """Views of the first and (if different) last row of ``t (rows, H, D)``."""
-    rows = t.shape[0]
-    return tuple(row_view(t, i) for i in ((0,) if rows == 1 else (0, rows - 1)))

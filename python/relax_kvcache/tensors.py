@@ -12,7 +12,7 @@ from tvm.runtime import _ffi_api
 
 from .errors import ArgumentError, ConfigError, ForwardError
 
-#: Tensor types the cache reads (exact: a subclass's own properties would run during checks).
+#: Tensor types the cache reads.
 TENSOR_TYPES = (tvm.runtime.Tensor, tvm_ffi.Tensor)
 
 _create_view = _ffi_api.TVMTensorCreateView
@@ -105,11 +105,8 @@ def check_tensor(
     Raises ``ArgumentError`` when ``value`` is not a tensor, otherwise ``ForwardError``, naming
     the argument, what it got and what was expected.
     """
-    if type(value) not in TENSOR_TYPES:  # exact: a subclass's own shape / dtype would run here
-        kind = "a subclass of tvm.runtime.Tensor" if issubclass(type(value), tvm_ffi.Tensor) else type(value).__name__
-        raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {kind}")
-    if not value.__chandle__():  # a Tensor object made without a tensor (Tensor.__new__)
-        raise ArgumentError(f"{name} is a tvm.runtime.Tensor object without a tensor (null handle)")
+    if not isinstance(value, TENSOR_TYPES):
+        raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {type(value).__name__}")
     got = tuple(value.shape)
     if len(got) != len(shape) or any(e is not None and g != e for g, e in zip(got, shape)):
         expected = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"

@@ -113,7 +113,7 @@ def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any])
     fewest, most, signature = arity if arity is not None else (0, 1 << 30, name)
 
     def dispatch(cache: Any, *args: Any) -> Any:
-        if issubclass(type(cache), PagedAttentionKVCache):  # not isinstance: __class__ can lie
+        if isinstance(cache, PagedAttentionKVCache):
             if not fewest <= len(args) <= most:
                 raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "
                                     f"argument(s) after the cache, got {len(args)}")
@@ -132,7 +132,7 @@ _TVM_STATE_KEYS = frozenset({"relax.vm.KVState", "relax.vm.AttentionKVCacheLegac
 
 def _is_tvm_state(obj: Any) -> bool:
     """Whether ``obj`` is one of TVM's state objects (by its tvm-ffi type and its ancestors)."""
-    if not issubclass(type(obj), tvm_ffi.Object):
+    if not isinstance(obj, tvm_ffi.Object):
         return False
     info = getattr(type(obj), "__tvm_ffi_type_info__", None)
     while info is not None:
