@@ -14,9 +14,12 @@ compiled (no GPU needed).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
@@ -25,7 +28,7 @@ from tvm.relax.utils import copy_with_new_vars
 
 import relax_kvcache as rk  # noqa: F401  (before any VirtualMachine: the VM binds vm.builtin.* when made)
 from relax_kvcache import frontend
-from tvm_baseline import CREATE_NATIVE, CREATE_OURS, Builtins
+from tvm_baseline import CREATE_NATIVE, CREATE_OURS, Builtins, Shape, create_args, tvm_kernels
 
 HIDDEN, LAYERS, HQ, HKV, D, INTER, VOCAB = 128, 2, 4, 2, 32, 192, 96
 OURS = "create_relax_kvcache"  # the renamed copy of create_tir_paged_kv_cache
@@ -199,3 +202,67 @@ def test_tutorial_model_compiles_for_cuda():
     assert len(device) == 1
     source = device[0].inspect_source()
     assert "tree_attn_paged_kv_kernel" in source and "batch_tree_attn_kernel" in source
+
+
+# ------------------------------------------------------------------ the creation arguments one by one
+
+SHAPE = Shape(num_layers=2, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, rope_mode=1, max_num_seqs=4,
+              max_total_seq_len=256, prefill_chunk_size=32)
+
+
+def _create_ours(**replaced):
+    """Our cache from TVM's creation arguments with TVM's CPU kernels; ``a<i>=value`` replaces one."""
+    args = create_args(SHAPE, tvm_kernels(SHAPE))
+    for key, value in replaced.items():
+        args[int(key[1:])] = value
+    return tvm.get_global_func(CREATE_OURS)(*args)
+
+
+def test_tvm_null_rope_ext_factors_mean_no_factors():
+    """TVM's C++ cache reads any non-tensor argument 11 as no factors; its frontends pass
+    ``PrimValue(0)``. Ours takes 0 and lists of ones as none too, and refuses other non-tensors
+    (factors TVM would drop silently)."""
+    for null in (0, np.int64(0), [1.0], [1.0] * D, (1, 1.0), tvm_ffi.Array([1.0, 1.0])):
+        cache = _create_ours(a11=null)
+        assert cache.config.rope_ext_factors is None and cache.empty()
+    for value in (1, 0.0, False, [], [1.0, 2.0], [True], "0", [[1.0]]):
+        with pytest.raises(rk.ArgumentError, match=r"rope_ext_factors \(argument 11\) must be None, 0"):
+            _create_ours(a11=value)
+
+
+def test_tree_kernels_in_tvms_llvm_order_are_swapped_back():
+    """TVM 0.27's llvm path passes the ragged tree kernel as argument 20 and the paged one as 21.
+    Told apart by their parameter counts (14 and 16), each serves its own role: the creation
+    probe runs a two-step token tree through both and checks it against float64 attention."""
+    k = tvm_kernels(SHAPE)
+    with pytest.warns(UserWarning, match=r"argument 20 \(f_attention_prefill_with_tree_mask_paged_kv\) holds the "
+                                         r"ragged tree-attention kernel and argument 21 .* the paged one"):
+        cache = _create_ours(a20=["tirx", k["tree_attn"]], a21=["tirx", k["tree_attn_paged"]])
+    assert cache._kernels.attention_prefill_tree.same_as(k["tree_attn_paged"])
+    assert cache._kernels.attention_prefill_ragged_tree.same_as(k["tree_attn"])
+    assert cache._kernels.source("attention_prefill_tree") == "argument 21 (f_attention_prefill_with_tree_mask)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TVM's CUDA order (the C++ cache's): no warning
+        cache = _create_ours()
+    assert cache._kernels.source("attention_prefill_tree") == "argument 20 (f_attention_prefill_with_tree_mask_paged_kv)"
+
+
+def test_kernels_in_a_role_they_cannot_serve_are_refused_naming_the_argument():
+    k = tvm_kernels(SHAPE)
+    for replaced, match in [
+            # parameter counts: refused before anything is built
+            (dict(a17=["tirx", k["attention_prefill"]]), r"argument 17 \(f_attention_decode\) is a kernel of 15 "
+                                                         r"parameters.*expected the attention_decode kernel, of 13"),
+            (dict(a20=["tirx", k["tree_attn"]]), r"argument 20 \(f_attention_prefill_with_tree_mask_paged_kv\) is a "
+                                                 "kernel of 14 parameters"),
+            (dict(a24=k["copy_single_page"]), r"argument 24 \(f_split_rotary\) is a kernel of 4 parameters"),
+            (dict(a23=[k["merge_inplace"], k["attention_decode"]]), r"argument 23 \(f_merge_inplace\[1\]\) is a kernel "
+                                                                    "of 13 parameters"),
+            # the right count, the wrong role: the creation probe names the argument
+            (dict(a21=["tirx", k["attention_prefill_ragged"]]),
+             r"creation argument 21 \(f_attention_prefill_with_tree_mask\): the attention_prefill_ragged_tree kernel "
+             "fails on this cache's tensors .TypeError"),
+            (dict(a13=k["compact_copy"]), r"creation argument 13 \(f_transpose_append_mha\): the transpose_append "
+                                          "kernel fails")]:
+        with pytest.raises(rk.ConfigError, match=match):
+            _create_ours(**replaced)

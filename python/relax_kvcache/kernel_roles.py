@@ -85,7 +85,7 @@ def check_role(role: str, kernel: Any, where: str, count: Optional[int] = None) 
     expected = PARAMETER_COUNTS[role]
     if count is not None and count not in expected:
         fits = [other for other, counts in PARAMETER_COUNTS.items() if count in counts and other != role]
-        hint = f" (the count of {', '.join(fits[:3])} kernels)" if fits else ""
+        hint = f" (as {', '.join(fits[:3])} kernels take)" if fits else ""
         raise ConfigError(f"paged_attention_kv_cache_create: {where} is a kernel of {count} parameters{hint}; "
                           f"expected the {role} kernel, of {' or '.join(map(str, expected))} parameters "
                           "(TVM's convention for this argument)")
