@@ -73,7 +73,7 @@ def parameter_count(kernel: Any) -> Optional[int]:
     return None
 
 
-def check_role(role: str, kernel: Any, where: str, count: Optional[int] = None) -> None:
+def check_role(role: str, kernel: Any, where: str) -> None:
     """Refuse ``kernel`` for ``role`` when its parameter count is known and not the role's.
 
     Raises
@@ -81,7 +81,7 @@ def check_role(role: str, kernel: Any, where: str, count: Optional[int] = None) 
     ConfigError
         Naming ``where`` (the creation argument), the kernel's count and the role's.
     """
-    count = parameter_count(kernel) if count is None else count
+    count = parameter_count(kernel)
     expected = PARAMETER_COUNTS[role]
     if count is not None and count not in expected:
         fits = [other for other, counts in PARAMETER_COUNTS.items() if count in counts and other != role]
