@@ -244,7 +244,8 @@ def test_tree_kernels_in_tvms_llvm_order_are_swapped_back():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # TVM's CUDA order (the C++ cache's): no warning
         cache = _create_ours()
-    assert cache._kernels.source("attention_prefill_tree") == "argument 20 (f_attention_prefill_with_tree_mask_paged_kv)"
+    assert cache._kernels.source("attention_prefill_tree") == ("argument 20 "
+                                                               "(f_attention_prefill_with_tree_mask_paged_kv)")
 
 
 def test_kernels_in_a_role_they_cannot_serve_are_refused_naming_the_argument():

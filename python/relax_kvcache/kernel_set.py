@@ -126,7 +126,7 @@ class KernelSet:
         sources = {role: roles.label(index) for index, (role, _) in roles.CREATION_KERNELS.items()}
         kernels[20], kernels[21], swapped = roles.order_tree_kernels(kernels[20], kernels[21])
         if swapped:
-            sources["attention_prefill_tree"], sources["attention_prefill_ragged_tree"] = roles.label(21), roles.label(20)
+            sources.update(attention_prefill_tree=roles.label(21), attention_prefill_ragged_tree=roles.label(20))
         found = {roles.CREATION_KERNELS[index][0]: kernel for index, kernel in kernels.items()}
         found["merge_inplace"] = _function(merges[0], 23)
         found["merge_general"] = _function(merges[1] if len(merges) > 1 else merges[0], 23)
