@@ -814,7 +814,7 @@ def _creation_hostiles(kernels: KernelSet) -> Dict[int, Tuple[Tuple[str, ...], L
         9: (("rope_scale",), _scale_hostiles(None) + [Hostile("value", -1.0), Hostile("value", 0.0),
                                                       Hostile("overflow", 10**400, "finite")]),
         10: (("rope_theta",), _scale_hostiles(None) + [Hostile("value", -1.0), Hostile("overflow", 10**400, "finite")]),
-        11: (("rope_ext_factors",), [Hostile("not a tensor", v, "LongRoPE") for v in (0, [], "x", [1.0], 1.5)] + [
+        11: (("rope_ext_factors",), [Hostile("not a tensor", v, "LongRoPE") for v in (1, [], "x", [1.0, 2.0], 1.5)] + [
             Hostile("tensor", tvm.runtime.tensor(np.full(shape, value, dtype)), "rope_ext_factors")
             for shape, value, dtype in (((32,), 1.0, "float16"), ((2, 16), 1.0, "float32"), ((31,), 1.0, "float32"),
                                         ((32,), np.nan, "float32"), ((32,), -1.0, "float32"),

@@ -290,7 +290,9 @@ def test_creation_refuses_bad_factor_tensors():
     args = tb.create_args(shape, tb.our_kernels(shape))
     create = tvm.get_global_func(tb.CREATE_OURS)
     for value, error, match in [
-            ([1.0] * D, rk.ArgumentError, "must be None or a float32 tensor"),
+            ([1.1] * D, rk.ArgumentError, "must be None, 0 .TVM's null value., a list of ones"),
+            # ones in a list carry no factors (as in TVM): these LongRoPE kernels then lack theirs
+            ([1.0] * D, rk.ConfigError, "split_rotary kernel fails"),
             (tvm.runtime.tensor(np.ones(D, np.float16)), rk.ConfigError, "1-D float32 tensor"),
             (tvm.runtime.tensor(np.ones((2, D // 2), np.float32)), rk.ConfigError, "1-D float32 tensor"),
             (tvm.runtime.tensor(np.ones(D - 1, np.float32)), rk.ConfigError, "holds 31 factors; expected an even count"),

@@ -12,6 +12,7 @@ append, cannot fail later on a mismatched kernel), and clears itself.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -64,9 +65,9 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
             summary = _summary(err)
             longrope = (" and the rope_ext_factors tensor as its last argument (TVM's LongRoPE convention)"
                         if role == "split_rotary" and config.rope_ext_factors is not None else "")
-            raise ConfigError(f"the {role} kernel fails on this cache's tensors ({config.dtype} pages of shape "
-                              f"{shape}{longrope}; {type(err).__name__}: {summary}); expected kernels built for "
-                              "this config") from err
+            raise ConfigError(f"{kernels.origin(role)}the {role} kernel fails on this cache's tensors ({config.dtype} "
+                              f"pages of shape {shape}{longrope}; {type(err).__name__}: {summary}); expected kernels "
+                              "built for this config") from err
 
 
 #: Largest decompressed head dim :func:`decompressed_head_dims` looks for (DeepSeek-V3: 192 / 128).
@@ -189,7 +190,8 @@ class _PageProbe:
             got = page.numpy().astype(np.float64)
             if not np.array_equal(got, want):
                 wrong = int(np.count_nonzero(got != want))
-                raise ConfigError(f"the {role} kernel does not {what}: {wrong} values of page {i} differ from "
+                raise ConfigError(f"{self.kernels.origin(role)}the {role} kernel does not {what}: {wrong} values of "
+                                  f"page {i} differ from "
                                   "the expected result; expected kernels built for this config")
 
 
@@ -211,14 +213,16 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     q, k, v = (t.numpy().astype(np.float64) for t in tensors[2:])
     given = {"q": qkv[:, :hq], "k": qkv[:, hq:hq + hkv], "v": qkv[:, hq + hkv:]}
     tol = 1e-3 if config.dtype == "float32" else 5e-2
+    kernel = kernels.origin("split_rotary") + "the split_rotary kernel"
     ratios = {}
     rotary = config.rotary_dim  # a partial rotary dim: the features past it are copied
     for name, got in (("q", q), ("k", k), ("v", v)):
         if name == "v" or not applies_rope:
-            _expect_close(f"{name} (a copy of the fused input)", got, given[name], tol)
+            _expect_close(kernel, f"{name} (a copy of the fused input)", got, given[name], tol)
             continue
         if rotary < d:
-            _expect_close(f"{name} past the rotary dim {rotary} (a copy)", got[..., rotary:], given[name][..., rotary:], tol)
+            _expect_close(kernel, f"{name} past the rotary dim {rotary} (a copy)", got[..., rotary:],
+                          given[name][..., rotary:], tol)
         ratios[name] = (np.linalg.norm(got[..., :rotary], axis=-1)
                         / np.maximum(np.linalg.norm(given[name][..., :rotary], axis=-1), 1e-6))
     if ratios:  # a rotation: every head vector keeps its length (times LongRoPE's attention factor)
@@ -226,18 +230,18 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
         if config.rope_ext_factors is not None:
             factor = float(np.median(ratios["q"]))
             if not factor > 0:
-                raise ConfigError(f"the split_rotary kernel does not compute q as a rotation: head vectors scaled by "
+                raise ConfigError(f"{kernel} does not compute q as a rotation: head vectors scaled by "
                                   f"{factor:.3g}; expected kernels built for this config")
         for name, ratio in ratios.items():
-            _expect_close(f"{name} as a rotation (head vectors keep their length"
+            _expect_close(kernel, f"{name} as a rotation (head vectors keep their length"
                           + (f", times {factor:.4g}" if factor != 1.0 else "") + ")",
                           ratio / factor, np.ones_like(ratio), tol)
 
 
-def _expect_close(what: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:
+def _expect_close(kernel: str, what: str, got: np.ndarray, want: np.ndarray, tol: float) -> None:
     err = float(np.abs(got - want).max())
     if not err <= tol:
-        raise ConfigError(f"the split_rotary kernel does not compute {what}: max error {err:.3g}; expected kernels "
+        raise ConfigError(f"{kernel} does not compute {what}: max error {err:.3g}; expected kernels "
                           "built for this config")
 
 
@@ -284,20 +288,47 @@ def probe_foreign_attention(cache: Any) -> None:
                          max_length=max(1, window_limit - 1) if window_limit else cfg.prefill_chunk_size)
     layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
     run = _probe_mla_step if cfg.is_mla else _probe_mha_step
-    # a set with the prefixed prefill kernel is probed without it (ragged + paged + merge, the
-    # path of the steps it does not serve), then with it
-    for prefixed in ((False, True) if cache._kernels.attention_prefill_prefixed is not None else (True,)):
-        cache._prefixed_enabled = prefixed
-        _probe_steps_once(cache, rng, steps, layers, run)
-    cache._prefixed_enabled = True
+    kernels, calls = cache._kernels, []
+    cache._kernels = _recording(kernels, calls)  # the roles each step calls, for error messages
+    try:
+        # a set with the prefixed prefill kernel is probed without it (ragged + paged + merge, the
+        # path of the steps it does not serve), then with it
+        for prefixed in ((False, True) if kernels.attention_prefill_prefixed is not None else (True,)):
+            cache._prefixed_enabled = prefixed
+            _probe_steps_once(cache, rng, steps, layers, run, kernels, calls)
+    finally:
+        cache._kernels = kernels
+        cache._prefixed_enabled = True
 
 
-def _probe_steps_once(cache: Any, rng: np.random.Generator, steps, layers: Sequence[int], run: Callable) -> None:
+def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
+    """``kernels`` with each kernel wrapped to append its role to ``calls`` before it runs."""
+    def wrap(role: str, kernel: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            calls.append(role)
+            return kernel(*args)
+        return call
+
+    return dataclasses.replace(kernels, **{field.name: wrap(field.name, getattr(kernels, field.name))
+                                           for field in dataclasses.fields(kernels)
+                                           if field.init and callable(getattr(kernels, field.name))})
+
+
+def _called(kernels: KernelSet, calls: List[str]) -> str:
+    """The kernels of the failing step, with their creation arguments where known."""
+    roles = list(dict.fromkeys(calls))
+    named = [f"{role} = creation {kernels.source(role)}" if kernels.source(role) else role for role in roles]
+    return "; kernels of that step: " + ", ".join(named) if named else ""
+
+
+def _probe_steps_once(cache: Any, rng: np.random.Generator, steps, layers: Sequence[int], run: Callable,
+                      kernels: KernelSet, calls: List[str]) -> None:
     """One pass of :func:`probe_foreign_attention`'s steps on a fresh cache, cleared after."""
     cache.add_sequence(0)
     tree: Optional[Tuple[int, List[int]]] = None  # (committed length, parents of every tree node so far)
     try:
         for length, parents in steps:
+            calls.clear()
             if parents is not None:
                 tree = (cache.get_sequence_length(0), []) if tree is None else tree
                 tree[1].extend(parents)
@@ -308,13 +339,17 @@ def _probe_steps_once(cache: Any, rng: np.random.Generator, steps, layers: Seque
                     run(cache, rng, layer, _visible(cache.get_sequence_length(0), length, tree))
             finally:
                 cache.end_forward()
+        calls.clear()
         _probe_debug_get_kv(cache, layers)
         _probe_merge(cache, rng)
-    except ConfigError:
-        raise
+    except ConfigError as err:
+        if kernels.sources is None or not calls:
+            raise
+        raise ConfigError(f"{err}{_called(kernels, calls)}") from err
     except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
         summary = _summary(err)
-        raise ConfigError(f"an attention kernel fails on this cache's tensors ({type(err).__name__}: {summary}); "
+        which = f"{kernels.origin(calls[-1])}the {calls[-1]} kernel" if calls else "an attention kernel"
+        raise ConfigError(f"{which} fails on this cache's tensors ({type(err).__name__}: {summary}); "
                           "expected kernels built for this config") from err
     finally:
         cache.clear()

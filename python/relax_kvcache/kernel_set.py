@@ -8,6 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import tvm
 
+from . import kernel_roles as roles
 from .errors import ConfigError
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
@@ -57,6 +58,9 @@ class KernelSet:
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
     #: has none, so a cache probes its kernels as it does foreign ones.
     identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
+    #: (role, creation argument) pairs of a set made by :meth:`from_creation_args` (None
+    #: otherwise): which argument each role's kernel came from, for error messages
+    sources: Optional[Tuple[Tuple[str, str], ...]] = dataclasses.field(default=None, init=False)
 
     def missing(self, roles: Sequence[str]) -> List[str]:
         """The roles among ``roles`` this set has no kernel for."""
@@ -96,30 +100,46 @@ class KernelSet:
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
         """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``, and
         the optional 29th (index 28; TVM's creation ignores it): ``["tirx", f]``, the windowed
-        ragged kernel of ``MHA_SLIDING`` layers (``relax_kvcache.frontend`` passes ours)."""
+        ragged kernel of ``MHA_SLIDING`` layers (``relax_kvcache.frontend`` passes ours).
+
+        A kernel whose parameter count (:mod:`relax_kvcache.kernel_roles`) is not its role's is
+        refused, naming its argument; the two tree-attention kernels in each other's place (TVM
+        0.27's order for ``llvm`` targets) are swapped back, with a warning.
+        """
         merges = _list(args[23], 23)
         if not merges:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is empty; "
                               "at least one merge_inplace function is required")
-        return cls(
-            transpose_append=_optional_function(args[13], 13),
-            split_rotary=_optional_function(args[24], 24),
-            copy_single_page=_function(args[25], 25),
-            compact_copy=_optional_function(args[27], 27),
-            debug_get_kv=_optional_function(args[26], 26),
-            merge_inplace=_function(merges[0], 23),
-            merge_general=_function(merges[1] if len(merges) > 1 else merges[0], 23),
-            attention_prefill_ragged=_attention(args[15], 15),
-            attention_prefill=_attention(args[16], 16),
-            attention_decode=_attention(args[17], 17),
-            attention_prefill_sliding_window=_attention(args[18], 18),
-            attention_decode_sliding_window=_attention(args[19], 19),
-            attention_prefill_tree=_attention(args[20], 20),
-            attention_prefill_ragged_tree=_attention(args[21], 21),
-            attention_prefill_ragged_sliding_window=_attention(args[28], 28) if len(args) > 28 else None,
-            transpose_append_mla=_optional_function(args[14], 14),
-            attention_prefill_mla=_attention(args[22], 22),
-        )
+        kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index == 28 else
+                           _optional_function(args[index], index))
+                   for index in roles.CREATION_KERNELS if index != 23 and index < len(args)}
+        kernels[25] = _function(args[25], 25)
+        sources = {role: roles.label(index) for index, (role, _) in roles.CREATION_KERNELS.items()}
+        kernels[20], kernels[21], swapped = roles.order_tree_kernels(kernels[20], kernels[21])
+        if swapped:
+            sources.update(attention_prefill_tree=roles.label(21), attention_prefill_ragged_tree=roles.label(20))
+        found = {roles.CREATION_KERNELS[index][0]: kernel for index, kernel in kernels.items()}
+        found["merge_inplace"] = _function(merges[0], 23)
+        found["merge_general"] = _function(merges[1] if len(merges) > 1 else merges[0], 23)
+        sources["merge_inplace"] = roles.label(23, 0)
+        sources["merge_general"] = roles.label(23, 1 if len(merges) > 1 else 0)
+        for role, kernel in found.items():
+            if kernel is not None:
+                roles.check_role(role, kernel, sources[role])
+        kernel_set = cls(**found)
+        object.__setattr__(kernel_set, "sources", tuple(sorted(sources.items())))
+        return kernel_set
+
+    def source(self, role: str) -> Optional[str]:
+        """The creation argument a role's kernel came from (``"argument 21
+        (f_attention_prefill_with_tree_mask)"``), or None for a set not made from creation arguments."""
+        return dict(self.sources or ()).get(role)
+
+    def origin(self, role: str) -> str:
+        """A prefix for error messages about a role's kernel: ``"creation argument 21
+        (f_attention_prefill_with_tree_mask): "``, or "" where :meth:`source` is None."""
+        where = self.source(role)
+        return f"creation {where}: " if where else ""
 
 
 def split_rotary_rope_argument(config: Any, device: tvm.runtime.Device) -> Any:

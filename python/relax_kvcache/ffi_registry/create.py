@@ -11,13 +11,15 @@ Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create``
  6    attn_kinds (per layer, AttnKind values)
  7    enable_kv_transfer (must be False)
  8-10 rope_mode, rope_scale, rope_theta
- 11   rope_ext_factors: None, or LongRoPE factors, a float32 tensor (rotary_dim,) (long, then short;
-      fewer than qk_head_dim: a partial rotary dim); they need rope_mode NORMAL and are passed to
-      split_rotary (which defines their use)
+ 11   rope_ext_factors: None (also TVM's null value 0, or a list of ones: no factors), or LongRoPE
+      factors, a float32 tensor (rotary_dim,) (long, then short; fewer than qk_head_dim: a partial
+      rotary dim); they need rope_mode NORMAL and are passed to split_rotary (which defines their use)
  12   a tensor whose dtype and device are the cache's
 13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
       decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
-      prefill, merge functions, split_rotary, copy_single_page, debug_get_kv, compact_copy
+      prefill, merge functions, split_rotary, copy_single_page, debug_get_kv, compact_copy; each
+      must take its role's parameter count (kernel_roles), and tree-mask kernels in TVM's llvm
+      order (ragged, paged) are swapped back with a warning
 ====  ==========================================================================================
 """
 
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import tvm_ffi
 
-from ..args import as_bool, as_float, as_int, as_int_list, describe
+from ..args import as_bool, as_float, as_int, as_int_list, describe, exact_int
 from ..cache import PagedAttentionKVCache
 from ..config import MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
@@ -102,14 +105,28 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
 
 
 def _ext_factors(value: Any) -> Optional[Tuple[float, ...]]:
-    """Argument 11: None, or a 1-D float32 tensor of LongRoPE factors (read to the host once)."""
-    if value is None:
+    """Argument 11: None, or a 1-D float32 tensor of LongRoPE factors (read to the host once).
+
+    TVM's C++ cache reads any argument that is not a tensor as no factors. Its frontends pass
+    ``PrimValue(0)`` for that (an int 0 here); a list of factors that are all 1.0 carries none
+    either. Both are taken as no factors, as in TVM; other non-tensors (a list of other factors,
+    which TVM would ignore silently) are refused.
+    """
+    if value is None or exact_int(value) == 0 or _ones(value):
         return None
     if type(value) not in TENSOR_TYPES or not value.__chandle__():
-        # TVM reads any non-tensor as none; factors given as a list would then be ignored silently
-        raise ArgumentError(f"rope_ext_factors (argument 11) must be None or a float32 tensor of LongRoPE factors, "
-                            f"got {describe(value)} of type {type(value).__name__}")
+        raise ArgumentError(f"rope_ext_factors (argument 11) must be None, 0 (TVM's null value), a list of ones (no "
+                            f"factors) or a float32 tensor of LongRoPE factors, got {describe(value)} of type "
+                            f"{type(value).__name__}")
     if str(value.dtype) != "float32" or len(value.shape) != 1:
         raise ConfigError(f"rope_ext_factors (argument 11) must be a 1-D float32 tensor (rotary-dim factors: long, "
                           f"then short), got {value.dtype} of shape {tuple(value.shape)}")
     return tuple(float(x) for x in value.numpy())
+
+
+def _ones(value: Any) -> bool:
+    """Whether ``value`` is a non-empty list, tuple or tvm_ffi Array of numbers all equal to 1."""
+    if not isinstance(value, (list, tuple, tvm_ffi.Array)):
+        return False
+    items = list(value)
+    return bool(items) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1 for x in items)
