@@ -13,7 +13,7 @@ and writes them with a ``manifest.json`` (configurations, workloads, file names)
 with nvcc here (``--no-nvcc`` skips this) into ``<out>/cache/cuda-fatbin``, the fatbin cache
 ``relax_kvcache.deploy`` reads on the host: nvcc errors show up here, and the host loads the
 libraries without compiling. With ``--bundle`` it also packs TVM's runtime-only bundle
-(``/work/shared/gpu/make_bundle.sh``) into ``<out>/bundle``, so that the folder is all the GPU
+(``tools/make_bundle.sh``) into ``<out>/bundle``, so that the folder is all the GPU
 host needs beside the repository. Everything sent must stay under 64 MiB.
 
 The module also holds what the check and the benchmark share: the configurations, the manifest
@@ -48,7 +48,7 @@ from tvm_baseline import KERNEL_NAMES, Shape  # noqa: E402
 
 MANIFEST = "manifest.json"
 SIZE_LIMIT = 64 << 20  # bytes the device tool carries, bundle included
-BUNDLE_SCRIPT = pathlib.Path("/work/shared/gpu/make_bundle.sh")
+BUNDLE_SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "tools" / "make_bundle.sh"
 
 
 # ----------------------------------------------------------------------------- configurations
