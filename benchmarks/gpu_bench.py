@@ -11,7 +11,11 @@ Both caches run in one process on the same inputs, with the kernels ``gpu_prepar
   FLOPs = 4 * num_qo_heads * head_dim * (visible query-key pairs);
 * one whole decode step (``begin_forward`` + every layer + ``end_forward``, synchronised) of
   1 x 1024 with 8 layers;
-* for every shape, the max abs difference between our output and TVM's on the same inputs.
+* for every shape, the max abs difference between our output and TVM's on the same inputs;
+* with ``--prefill DIR`` (libraries of ``gpu_prefill_bench.py --prepare``), causal prefill
+  1 x 2048, 8 x 512, 1 x 8192 and 4 x 4096 in float16 and bfloat16, ragged and over a cached
+  first half, against PyTorch SDPA's FlashAttention-2 and cuDNN backends and TVM's kernels in
+  the same process (``gpu_prefill_bench.py``'s table: TFLOP/s and ratios).
 
 Ratios are ours / native times (below 1: ours is faster). Timing: calls are queued back to back
 between two device synchronisations, so Python launch overhead counts where the GPU would
@@ -459,6 +463,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also decode 64 x 2048 and prefill 1 x 2048 on the robustness shapes "
                              "(head_dim 64 / 256, 8:1 GQA; libraries from gpu_prepare.py)")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this JSON file (plot_bench.py)")
+    parser.add_argument("--prefill", type=pathlib.Path, metavar="DIR",
+                        help="also run the prefill comparison with FlashAttention-2 / cuDNN (libraries of "
+                             "gpu_prefill_bench.py --prepare DIR)")
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda"
@@ -574,6 +581,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     diffs += [r["diff"] for _, _, *rs in robust_rows for r in rs if r["diff"] is not None]
     diffs += [r["graph_diff"] for _, r in step_rows if r.get("graph_diff") is not None]
     flagged = [d for d in diffs if not d <= DIFF_WARN]
+    if args.prefill is not None:
+        import gpu_prefill_bench
+
+        print("\nCausal prefill against PyTorch SDPA (FlashAttention-2, cuDNN) and TVM's kernels", flush=True)
+        gpu_prefill_bench.main(["--libs", str(args.prefill)])
     if flagged:
         print(f"WARNING: ours and native outputs differ by more than {DIFF_WARN} on {len(flagged)} shape(s) (!)")
         return 1

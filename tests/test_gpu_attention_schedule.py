@@ -265,22 +265,24 @@ def test_sm90a_prefill_assembles_without_serialized_wgmma(tmp_path):
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not installed")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_decode_kernel_fits_the_wave_it_is_split_for(tmp_path, dtype):
-    """Decode splits a batch's KV until ``decode_wave_blocks`` blocks run (four per H100 SM):
-    that many are resident only if the rope-free decode kernel needs at most 65536 / (4 x 128)
-    registers per thread (ptxas reports each kernel; the inline-RoPE one may use more)."""
+    """A 4:1 GQA decode runs on tensor cores, and decode splits a batch's KV until
+    ``decode_mma_wave_blocks`` blocks run (three per H100 SM): that many are resident only if
+    both decode kernels (rope-free and inline-RoPE, one of which runs) need at most
+    65536 / (3 x 128) registers per thread (ptxas reports each kernel)."""
     import re
     import subprocess
 
     from relax_kvcache import tir_kernels
 
     sched = schedule_for(make_target("cuda", arch="sm_90a"))
+    code = device_source(tir_kernels.make_paged_decode, dtype, SM90)
+    assert code.count("mma.sync.aligned.m16n8k16") >= 2  # Q K^T and V^T P^T
     source = tmp_path / "decode.cu"
-    source.write_text(device_source(tir_kernels.make_paged_decode, dtype, SM90))
+    source.write_text(code)
     proc = subprocess.run(["nvcc", "--cubin", "-O3", "-w", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
                            "-o", str(tmp_path / "decode.cubin"), str(source)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     registers = sorted(int(n) for n in re.findall(r"Used (\d+) registers", proc.stderr))
-    threads, per_sm = sched.threads, sched.decode_wave_blocks // 132
-    # two merges (few registers), the rope-free decode kernel, the inline-RoPE one
+    # two merges (few registers) and the two decode kernels
     assert len(registers) == 4, proc.stderr[-2000:]
-    assert registers[2] * threads * per_sm <= 65536, registers
+    assert registers[3] * sched.threads * (sched.decode_mma_wave_blocks // 132) <= 65536, registers

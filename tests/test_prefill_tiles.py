@@ -146,3 +146,46 @@ def test_prefixed_prefill_many_tiles(kernel_build, name, causal, rotary):
                                              k_pos0=k_pos0[b], theta=theta, scale=scale, sm_scale=sm_scale)
         check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype, f"seq {b} ({prefix} + {n})",
                                 rotary)
+
+
+#: decode KV lengths: empty, one row, a chunk edge, and contexts that split across many blocks
+#: (each block's warps taking many 16-row chunks) on a GPU
+DECODE_KV = [0, 1, 15, 16, 17, 333, 700, 4000, 9001]
+
+
+@pytest.mark.parametrize("name,sliding", [("bf16_gqa128", False), ("f16_gqa64_sw", False), ("f16_gqa64_sw", True)])
+@pytest.mark.parametrize("rotary", [0, 1])
+def test_decode_many_splits(kernel_build, name, sliding, rotary):
+    """Paged decode over long contexts: on sm_80+ GPUs these GQA configs run the tensor-core
+    decode item (``rotary`` 0) and the CUDA-core one (inline RoPE), both split across blocks."""
+    cfg = TILE_CONFIGS[name]
+    mod = kernel_build(cfg)
+    rng = np.random.default_rng(seed_of("decode_splits", name, sliding, rotary))
+    ps, layouts = cfg.page_size, []
+    for i, nkv in enumerate(DECODE_KV):
+        if not sliding or nkv < 2 * ps:
+            layouts.append(plain_layout(nkv, ps))
+            continue
+        sink = int(rng.integers(0, ps + 1)) if i % 2 else 0
+        off = sink + int(rng.integers(1, 2 * ps))
+        total = nkv - sink + off
+        npg = -(-total // ps)
+        layouts.append((npg, total - (npg - 1) * ps, off, sink))
+    batch = PagedBatch(rng, cfg, layouts, sliding)
+    B = len(layouts)
+    q = randn(rng, (B, cfg.num_qo_heads, cfg.head_dim), cfg.dtype)
+    q_pos = rng.integers(0, 3000, B).astype(np.int32)
+    k_pos0 = rng.integers(0, 3000, B).astype(np.int32)
+    theta, scale = rope_args(rng)
+    sm_scale = 1.3 / math.sqrt(cfg.head_dim)
+    o, lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like(q.shape[:2], np.float32))
+    role = "attention_decode_sliding_window" if sliding else "attention_decode"
+    mod[role](tensor(q), tensor(batch.pages), tensor(batch.page_indptr), tensor(batch.page_indices),
+              tensor(batch.length_info), tensor(k_pos0), tensor(q_pos), o, lse, rotary, scale, theta, sm_scale)
+    got_o, got_lse = o.numpy(), lse.numpy()
+    for b in range(B):
+        K, V = batch.kv(b)
+        exp_o, exp_lse = reference_attention(q[b:b + 1], K, V, causal=False, rotary=rotary, q_pos=q_pos[b:b + 1],
+                                             k_pos0=k_pos0[b], theta=theta, scale=scale, sm_scale=sm_scale)
+        check_attention_outputs(got_o[b:b + 1], got_lse[b:b + 1], exp_o, exp_lse, cfg.dtype,
+                                f"seq {b} (layout {layouts[b]})", rotary)

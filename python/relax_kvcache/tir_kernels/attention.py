@@ -57,6 +57,7 @@ from .macros import (
     window_mask_chunk,
 )
 from . import attention_gpu as gpu
+from .attention_gpu_decode import decode_grid
 from .schedule import CpuSchedule, GpuSchedule, Schedule
 from .spec import AttentionSpec
 
@@ -255,7 +256,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
     on_gpu = isinstance(sched, GpuSchedule)
     if on_gpu:
         kv_elem, seq_src = paged_kv_access(spec), _paged_seq_src(spec)
-        run_gpu = (gpu.decode_grid(spec, sched, paged_kv_rows(spec), seq_src) if decode
+        run_gpu = (decode_grid(spec, sched, paged_kv_rows(spec), seq_src) if decode
                    else gpu.prefill_grid(spec, sched, kv_elem, seq_src, kv_rows=paged_kv_rows(spec)))
         attend_sequence = None
     else:

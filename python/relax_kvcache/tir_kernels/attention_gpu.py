@@ -17,10 +17,8 @@ stage the query tile and each KV chunk in shared memory with 16-byte vector load
   so lanes hit different banks), one thread per row updates the softmax state, and ``p @ V``
   accumulates into register micro-tiles (``o_rows x o_cols`` per thread).
 
-Prefill grids map blocks to (query tile, KV head). Decode (:mod:`.attention_gpu_decode`) maps
-them to (sequence x KV head, split), splitting a sequence's KV range across blocks when the
-batch alone would leave the GPU idle; a second kernel in the same function merges the splits by
-LSE.
+Prefill grids map blocks to (query tile, KV head). Decode has its own schedule and grid
+(:mod:`.attention_gpu_decode`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from tvm.script import tirx as T
 
 from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, query_position_range,
                      rope_inv_freq_expr)
-from .attention_gpu_decode import make_decode_item
 from .attention_gpu_mma import MmaTileShape, make_mma_tile
 from .attention_gpu_wgmma import WgmmaTileShape, make_wgmma_tile
 from .schedule import GpuSchedule
@@ -439,48 +436,6 @@ def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
             found[2] = found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
 
 
-def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
-    """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
-    into o / lse: a block per row, a thread per output element. The split loops are unrolled
-    and branch-free (loads past ``nsplit`` are clamped to the last split and their weight is
-    zero), so that all of a thread's loads are in flight at once."""
-    DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
-
-
-    @T.macro
-    def merge(ws_o, ws_lse, o, lse, rows, nsplit):
-        for bx in T.thread_binding(rows, thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                with T.sblock("merge_splits"):
-                    T.reads()
-                    T.writes()
-                    w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
-                    red = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                    red[0] = NEG_INF
-                    for sp in T.unroll(max_splits):
-                        # the load unconditional (clamped), the selection on the loaded value:
-                        # a load inside a condition would be a branch, one load at a time
-                        w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
-                        w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
-                        red[0] = T.max(red[0], w[sp])
-                    red[1] = ZERO
-                    for sp in T.unroll(max_splits):
-                        # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
-                        w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
-                        red[1] = red[1] + w[sp]
-                    for k in T.unroll(ceildiv(DV, NT)):
-                        if k * NT + tx < DV:
-                            red[2] = ZERO
-                            for sp in T.unroll(max_splits):
-                                red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
-                            o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
-                                dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
-                    if tx == 0:
-                        lse[bx // Hq, bx % Hq] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
-
-    return merge
-
-
 # ---------------------------------------------------------------------------- grids
 
 
@@ -552,58 +507,5 @@ def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_fi
                         tile(q, (o, lse), q_rope_position, src[0], by, qo_indptr[b],
                              qo_indptr[b + 1] - qo_indptr[b], found[1], src[1], src[2], causal,
                              rotary_mode, rope_scale, rope_theta, sm_scale, src[3], found[0] >= 0, tx)
-
-    return run
-
-
-def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
-    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge.
-
-    The function holds two such kernel pairs and runs one: with RoPE inline (``rotary_mode ==
-    1``) or without; the second needs fewer registers, so more of its blocks fit on an SM.
-    ``kv_rows``: :func:`~.macros.paged_kv_rows`."""
-    rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
-    plain_item, _ = make_decode_item(spec, sched, kv_rows, rope=False)
-    merge = merge_splits(spec, sched, sched.decode_splits)
-
-    def splits(batch, num_pages):
-        """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
-        ``decode_wave_blocks`` holds (a partial second wave would idle most SMs while it runs),
-        but none shorter than one step of the block's row groups over the batch's mean context
-        (``num_pages``: the pages the kernel is given; their mean per sequence times the page
-        size is at most a sequence's length plus the slots' headroom, far from int32's limit)."""
-        by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
-        return T.min(NS, T.max(1, T.min(sched.decode_wave_blocks // T.max(batch * Hkv, 1), by_rows)))
-    Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
-
-    def make_run(work):
-        @T.macro
-        def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale):
-            # workspace of the splits that run (large batches: one split, a small workspace)
-            ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages), DV), "float32")
-            ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages)), "float32")
-            nsplit: T.let[T.int32] = splits(batch, num_pages)
-            for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
-                for by in T.thread_binding(nsplit, thread="blockIdx.y"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        with T.sblock("work"):
-                            T.reads()
-                            T.writes()
-                            src = seq_src(bufs, bx // Hkv)
-                            work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
-                                 bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)
-            merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
-
-        return run
-
-    inline, plain = make_run(rope_item), make_run(plain_item)
-
-    @T.macro
-    def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
-        # loops of 0 / 1 trips, not an `if`: TVM's barrier planner refuses kernels inside conditions
-        for _inline in T.serial(T.if_then_else(rotary_mode == 1, 1, 0)):
-            inline(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
-        for _plain in T.serial(T.if_then_else(rotary_mode == 1, 0, 1)):
-            plain(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
 
     return run

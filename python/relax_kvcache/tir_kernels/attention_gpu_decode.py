@@ -1,4 +1,5 @@
-"""GPU schedule of decode attention (one query token per sequence).
+"""GPU schedule of decode attention (one query token per sequence), its grid and the merge of
+its splits.
 
 The algorithm is the one of :mod:`.attention`: an online softmax over a sequence's KV rows in
 log2 units, split across work items and merged by LSE. Decode reads every KV byte once and
@@ -17,6 +18,10 @@ layout):
   rows' page-table entries are read one step earlier still;
 * at the end the ``bdy`` states of each row are merged by LSE through shared memory and
   written to the split workspace; a second kernel merges the splits.
+
+GQA groups of 4-8 heads in float16 / bfloat16 on sm_80+ run the tensor-core item of
+:mod:`.attention_gpu_decode_mma` instead (same grid, workspace and merge); this CUDA-core item
+serves the rest and inline RoPE.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import dataclasses
 
 from tvm.script import tirx as T
 
+from .attention_gpu_decode_mma import decode_mma_applies, make_decode_mma_item
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, rope_inv_freq_expr
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -278,3 +284,102 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
         merge_groups(out, m, l, acc, sm_m, sm_l, sm_o, red, hq0, ty, tz, lane, tx)
 
     return item, shape
+
+
+def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
+    """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
+    into o / lse: a block per row, a thread per output element. The split loops are unrolled
+    and branch-free (loads past ``nsplit`` are clamped to the last split and their weight is
+    zero), so that all of a thread's loads are in flight at once."""
+    DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
+
+
+    @T.macro
+    def merge(ws_o, ws_lse, o, lse, rows, nsplit):
+        for bx in T.thread_binding(rows, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                with T.sblock("merge_splits"):
+                    T.reads()
+                    T.writes()
+                    w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
+                    red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    red[0] = NEG_INF
+                    for sp in T.unroll(max_splits):
+                        # the load unconditional (clamped), the selection on the loaded value:
+                        # a load inside a condition would be a branch, one load at a time
+                        w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
+                        w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
+                        red[0] = T.max(red[0], w[sp])
+                    red[1] = ZERO
+                    for sp in T.unroll(max_splits):
+                        # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
+                        w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
+                        red[1] = red[1] + w[sp]
+                    for k in T.unroll(ceildiv(DV, NT)):
+                        if k * NT + tx < DV:
+                            red[2] = ZERO
+                            for sp in T.unroll(max_splits):
+                                red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
+                            o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
+                                dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
+                    if tx == 0:
+                        lse[bx // Hq, bx % Hq] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+
+    return merge
+
+
+def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
+    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge.
+
+    The function holds two such kernel pairs and runs one: with RoPE inline (``rotary_mode ==
+    1``) or without; the second needs fewer registers, so more of its blocks fit on an SM, and
+    runs on tensor cores where they apply (:mod:`.attention_gpu_decode_mma`: GQA groups of 4-8
+    heads, float16 / bfloat16, sm_80+). ``kv_rows``: :func:`~.macros.paged_kv_rows`."""
+    rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
+    tensor_cores = decode_mma_applies(spec, sched)
+    plain_item = (make_decode_mma_item(spec, sched, kv_rows) if tensor_cores
+                  else make_decode_item(spec, sched, kv_rows, rope=False)[0])
+    wave = sched.decode_mma_wave_blocks if tensor_cores else sched.decode_wave_blocks
+    merge = merge_splits(spec, sched, sched.decode_splits)
+
+    def splits(batch, num_pages):
+        """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
+        ``wave`` blocks holds (a partial second wave would idle most SMs while it runs),
+        but none shorter than one step of the block's row groups over the batch's mean context
+        (``num_pages``: the pages the kernel is given; their mean per sequence times the page
+        size is at most a sequence's length plus the slots' headroom, far from int32's limit)."""
+        by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
+        return T.min(NS, T.max(1, T.min(wave // T.max(batch * Hkv, 1), by_rows)))
+    Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
+
+    def make_run(work):
+        @T.macro
+        def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale):
+            # workspace of the splits that run (large batches: one split, a small workspace)
+            ws_o = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages), DV), "float32")
+            ws_lse = T.sblock_alloc_buffer((batch * Hq, splits(batch, num_pages)), "float32")
+            nsplit: T.let[T.int32] = splits(batch, num_pages)
+            for bx in T.thread_binding(batch * Hkv, thread="blockIdx.x"):
+                for by in T.thread_binding(nsplit, thread="blockIdx.y"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.sblock("work"):
+                            T.reads()
+                            T.writes()
+                            src = seq_src(bufs, bx // Hkv)
+                            work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
+                                 bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)
+            merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
+
+        return run
+
+    inline, plain = make_run(rope_item), make_run(plain_item)
+
+    @T.macro
+    def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):
+        # loops of 0 / 1 trips, not an `if`: TVM's barrier planner refuses kernels inside conditions
+        for _inline in T.serial(T.if_then_else(rotary_mode == 1, 1, 0)):
+            inline(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
+        for _plain in T.serial(T.if_then_else(rotary_mode == 1, 0, 1)):
+            plain(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale)
+
+    return run

@@ -42,7 +42,8 @@ import dataclasses
 
 from tvm.script import tirx as T
 
-from .attention_gpu import find_tile, merge_splits, swizzled
+from .attention_gpu import find_tile, swizzled
+from .attention_gpu_decode import merge_splits
 from .attention_gpu_mma import mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule

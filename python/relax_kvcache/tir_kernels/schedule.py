@@ -66,10 +66,14 @@ class GpuSchedule:
         The same for MLA's absorbed decode (one latent head).
     decode_wave_blocks : int
         Decode blocks resident at once: four per SM of an H100 / H200 (132 SMs), as many as
-        the registers of the rope-free decode kernel allow (128 per thread, 128 threads).
+        the registers of the rope-free CUDA-core decode kernel allow (128 per thread, 128
+        threads).
         Decode splits sequences while the blocks fill one such wave: a partial second wave
         idles most SMs while it runs. Larger batches split less; from 67 sequences x 8 KV
         heads, not at all.
+    decode_mma_wave_blocks : int
+        The same for the tensor-core decode kernel (GQA groups of 4-8 heads, sm_80+): three
+        blocks per SM (150 registers per thread).
     decode_unroll : int
         KV rows a decode row group loads per step (0: as many as fill two 16-byte vectors per
         lane; more rows per step cost registers, and so blocks per SM).
@@ -114,6 +118,7 @@ class GpuSchedule:
     decode_splits: int = 32
     mla_decode_splits: int = 16
     decode_wave_blocks: int = 528
+    decode_mma_wave_blocks: int = 396
     decode_unroll: int = 0
     mla_wave_blocks: int = 132
     warp_size: int = 32

@@ -1,0 +1,208 @@
+"""Tensor-core schedule of GQA decode (CUDA sm_80 and newer, float16 / bfloat16, 4-8 query
+heads per KV head).
+
+The algorithm is the one of :mod:`.attention_gpu_decode` (an online softmax over a split of a
+sequence's KV rows, merged by LSE); what changes is who does the arithmetic. On CUDA cores a
+KV row costs each of its 16 lanes ~75 instructions (conversions, one FMA per element and query
+head, warp shuffles per score), so a GQA decode is bound by instruction issue long before the
+memory pipe fills. Here a warp takes 16 KV rows at a time and computes
+
+* ``S = Q K^T`` with ``mma.sync.m16n8k16`` (A: the group's query heads, rows ``G..15`` zero;
+  B: two 8-row tiles of K), and
+* ``O^T += V^T P^T`` (A: V of the 16 rows, transposed in registers; B: P, whose accumulator
+  layout from the first product is already the B-operand layout of the second),
+
+so a KV row costs about a dozen warp instructions. Register fragments are filled straight
+from global memory with 16-byte loads: the head dimension is permuted so that each lane's
+share of a K row, and of a V row, is contiguous (a dot product and an output column do not
+depend on the order in which dimensions are visited, as long as Q and K, and V and O, use the
+same one):
+
+* K / Q: lane ``4 g + t`` holds dims ``[t D / 4, (t + 1) D / 4)``; k-step kk of the mma uses
+  its dims ``t D / 4 + 4 kk + (0..3)``;
+* V / O: lane ``4 g + t`` holds dims ``[g W, (g + 1) W)`` (``W = DV / 8``) of KV rows
+  ``2 t, 2 t + 1, 2 t + 8, 2 t + 9`` of the chunk; row slot g / g + 8 of output m-tile mt is
+  dim ``g W + 2 mt`` / ``g W + 2 mt + 1``.
+
+The warps of a block take the split's chunks in turn; at the end their states are merged by
+LSE through shared memory and written to the split workspace (as the CUDA-core item does).
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .attention_gpu_mma import fold_scores, mma_m16n8k16, shfl_xor
+from .macros import LOG2E, NEG_INF, ZERO, ceildiv
+from .schedule import GpuSchedule
+from .spec import AttentionSpec
+
+CHUNK = 16  # KV rows per warp step
+
+
+def decode_mma_applies(spec: AttentionSpec, sched: GpuSchedule) -> bool:
+    """Whether the tensor-core decode item serves ``spec`` (mma on the target, float16 /
+    bfloat16, 4 to 8 query heads per KV head, head dims multiples of 16 / 64: whole 16-byte
+    loads of a lane's K and V slices)."""
+    D, DV, G = spec.qk_head_dim, spec.v_head_dim, spec.group_size
+    return (sched.mma and spec.dtype in ("float16", "bfloat16") and 4 <= G <= 8 and D % 16 == 0
+            and DV % 64 == 0 and sched.threads % 32 == 0)
+
+
+def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
+    """Macro computing one (sequence, KV head, split) into the split workspace on tensor cores
+    (the arguments of :func:`.attention_gpu_decode.make_decode_item`'s rope-free item)."""
+    locate, elem_at, _ = kv_rows
+    G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
+    NT = sched.threads
+    NW, KQ, W, MT = NT // 32, D // 4, DV // 8, DV // 16  # warps, K dims per lane, V dims per lane, m-tiles
+    KK = D // 16  # k-steps of Q K^T
+    VEC = min(8, W)  # halves per vector load (16 bytes; DV = 64 leaves 8 dims per lane)
+    mma, fold = mma_m16n8k16(dtype), fold_scores(2)
+
+    def first_visible(pos, k_pos0):
+        return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
+
+    def shfl_from(x, lane):
+        return T.tvm_warp_shuffle(T.tvm_warp_activemask(), x, lane, 32, 32)
+
+    @T.macro
+    def locate_chunk(slots, kv_src, j0, hi, g, t):
+        """slots = pool slots of this lane's K rows (``j0 + g``, ``j0 + 8 + g``) and V rows
+        (``j0 + 2 t, + 1, + 8, + 9``) of the chunk at j0 (clamped below hi; 0 past hi)."""
+        for r in T.unroll(2):
+            slots[r] = T.if_then_else(j0 < hi, locate(kv_src, T.min(j0 + r * 8 + g, hi - 1), ()), 0)
+        for r in T.unroll(4):
+            slots[2 + r] = T.if_then_else(
+                j0 < hi, locate(kv_src, T.min(j0 + r // 2 * 8 + 2 * t + r % 2, hi - 1), ()), 0)
+
+    @T.macro
+    def load_chunk(kr, vr, kv_src, h, slots, g, t):
+        for r in T.unroll(2):
+            for v in T.unroll(KQ // VEC):
+                for x in T.vectorized(VEC):
+                    kr[r, v * VEC + x] = elem_at(kv_src, h, slots[r], 0, t * KQ + v * VEC + x)
+        for r in T.unroll(4):
+            for v in T.unroll(W // VEC):
+                for x in T.vectorized(VEC):
+                    vr[r, v * VEC + x] = elem_at(kv_src, h, slots[2 + r], 1, g * W + v * VEC + x)
+
+    @T.macro
+    def scores(sacc, qf, kr, af, bf, scale, j0, hi, t):
+        """sacc = S of the chunk (two 16 x 8 tiles: heads g, g + 8 x KV rows), scaled to log2
+        units, -inf past hi."""
+        for x in T.unroll(8):
+            sacc[x] = ZERO
+        for kk in T.unroll(KK):
+            for x in T.unroll(8):
+                af[x] = qf[kk * 8 + x]
+            for nt in T.unroll(2):
+                for x in T.unroll(4):
+                    bf[x] = kr[nt, kk * 4 + x]
+                T.evaluate(mma(af, bf, sacc, nt))
+        for nt in T.unroll(2):
+            for e in T.unroll(4):
+                sacc[nt * 4 + e] = T.if_then_else(j0 + nt * 8 + 2 * t + e % 2 < hi, sacc[nt * 4 + e] * scale, NEG_INF)
+
+    @T.macro
+    def values(oacc, sacc, vr, af, bf, alpha, t):
+        """oacc (O^T: dims x heads) = oacc * alpha(head) + V^T P^T of the chunk."""
+        # alpha of heads 2 t and 2 t + 1 (kept by lanes 4 head + any t)
+        for e in T.unroll(2):
+            alpha[2 + e] = shfl_from(alpha[0], 4 * (2 * t + e))
+        for mt in T.unroll(MT):
+            for e in T.unroll(4):
+                oacc[mt * 4 + e] = oacc[mt * 4 + e] * alpha[2 + e % 2]
+        bf[0] = T.Cast(dtype, sacc[0])
+        bf[1] = T.Cast(dtype, sacc[1])
+        bf[2] = T.Cast(dtype, sacc[4])
+        bf[3] = T.Cast(dtype, sacc[5])
+        for mt in T.unroll(MT):
+            for x in T.unroll(8):
+                # (dim slot g or g + 8, KV row 2 t + x % 2 (+ 8 from x = 4 on))
+                af[x] = vr[x // 4 * 2 + x % 2, 2 * mt + x // 2 % 2]
+            T.evaluate(mma(af, bf, oacc, mt))
+
+    @T.macro
+    def merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx):
+        """Merge the warps' states by LSE and write the group's rows of the split workspace
+        (``out = (ws_o, ws_lse, first workspace row, split)``, rows ``h G .. h G + G``)."""
+        for e in T.unroll(2):
+            l2[0] = l2[0] + shfl_xor(l2[0], 1 + e)
+        if t == 0:
+            if g < G:
+                sm_m[w, g] = m2[0]
+                sm_l[w, g] = l2[0]
+        for mt in T.unroll(MT):
+            for e in T.unroll(4):
+                if 2 * t + e % 2 < G:
+                    sm_o[w, 2 * t + e % 2, g * W + 2 * mt + e // 2] = oacc[mt * 4 + e]
+        T.evaluate(T.tvm_storage_sync("shared"))
+        for it in T.serial(ceildiv(G * DV, NT)):
+            if it * NT + tx < G * DV:
+                hd: T.let[T.int32] = (it * NT + tx) // DV
+                d: T.let[T.int32] = (it * NT + tx) % DV
+                red[0] = NEG_INF
+                for v in T.unroll(NW):
+                    red[0] = T.max(red[0], sm_m[v, hd])
+                red[1] = ZERO
+                red[2] = ZERO
+                for v in T.unroll(NW):
+                    red[3] = T.if_then_else(sm_m[v, hd] == NEG_INF, ZERO, T.exp2(sm_m[v, hd] - red[0]))
+                    red[1] = red[1] + sm_l[v, hd] * red[3]
+                    red[2] = red[2] + sm_o[v, hd, d] * red[3]
+                out[0][out[2] + h * G + hd, out[3], d] = T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO)
+                if d == 0:
+                    out[1][out[2] + h * G + hd, out[3]] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+
+    @T.macro
+    def item(q, out, q_rope_position, kv_src, b, h, kv_len, k_pos0, rope_scale, rope_theta, sm_scale, split,
+             nsplit, tx):
+        qf = T.sblock_alloc_buffer((KK * 8,), dtype, scope="local")
+        kr = T.sblock_alloc_buffer((2, KQ), dtype, scope="local")
+        vr = T.sblock_alloc_buffer((4, W), dtype, scope="local")
+        af = T.sblock_alloc_buffer((8,), dtype, scope="local")
+        bf = T.sblock_alloc_buffer((4,), dtype, scope="local")
+        sacc = T.sblock_alloc_buffer((8,), "float32", scope="local")
+        oacc = T.sblock_alloc_buffer((MT * 4,), "float32", scope="local")
+        m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        alpha = T.sblock_alloc_buffer((4,), "float32", scope="local")
+        red = T.sblock_alloc_buffer((4,), "float32", scope="local")
+        slots = T.sblock_alloc_buffer((6,), "int32", scope="local")
+        sm_m = T.sblock_alloc_buffer((NW, G), "float32", scope="shared")
+        sm_l = T.sblock_alloc_buffer((NW, G), "float32", scope="shared")
+        sm_o = T.sblock_alloc_buffer((NW, G, DV), "float32", scope="shared")
+        w: T.let[T.int32] = tx // 32
+        g: T.let[T.int32] = tx % 32 // 4
+        t: T.let[T.int32] = tx % 4
+        pos: T.let[T.int32] = q_rope_position[b]
+        lo: T.let[T.int32] = first_visible(pos, k_pos0)
+        per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
+        s_lo: T.let[T.int32] = lo + split * per_split
+        s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)
+        # this warp's chunks: s_lo + (w + NW i) CHUNK for i < steps
+        steps: T.let[T.int32] = ceildiv(T.max(ceildiv(T.max(s_hi - s_lo, 0), CHUNK) - w, 0), NW)
+        # Q fragments (rows g, g + 8: heads of the group, zero past G), k-steps in order
+        for kk in T.unroll(KK):
+            for x in T.unroll(4):
+                qf[kk * 8 + x // 2 * 4 + x % 2] = T.if_then_else(
+                    g < G, q[b, h * G + T.min(g, G - 1), t * KQ + kk * 4 + x // 2 * 2 + x % 2], T.Cast(dtype, ZERO))
+                qf[kk * 8 + x // 2 * 4 + 2 + x % 2] = T.Cast(dtype, ZERO)
+        for hr in T.unroll(2):
+            m2[hr] = NEG_INF
+            l2[hr] = ZERO
+        for x in T.unroll(MT * 4):
+            oacc[x] = ZERO
+        locate_chunk(slots, kv_src, s_lo + w * CHUNK, s_hi, g, t)
+        for i in T.serial(steps):
+            j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK
+            load_chunk(kr, vr, kv_src, h, slots, g, t)
+            # the next chunk's page-table reads are in flight during this chunk's math
+            locate_chunk(slots, kv_src, j0 + NW * CHUNK, s_hi, g, t)
+            scores(sacc, qf, kr, af, bf, sm_scale * LOG2E, j0, s_hi, t)
+            fold(sacc, m2, l2, alpha, red)
+            values(oacc, sacc, vr, af, bf, alpha, t)
+        merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx)
+
+    return item
