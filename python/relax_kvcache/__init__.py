@@ -5,7 +5,7 @@ TVM's ``vm.builtin.kv_state_*`` / ``vm.builtin.attention_kv_cache_*`` functions 
 :class:`PagedAttentionKVCache` (they keep serving TVM's native caches).
 """
 
-from .runtime import configure_cpu_threads
+from .host import configure_cpu_threads
 
 configure_cpu_threads()
 

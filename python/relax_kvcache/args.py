@@ -8,29 +8,41 @@ types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+import sys
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
-import tvm
-import tvm_ffi
 
 from .errors import ArgumentError, ForwardError, SequenceError
-from .tensors import TENSOR_TYPES
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _BOOLS = (bool, np.bool_)
 
-#: Containers accepted for a list of ints: Python sequences (not str / bytes), TVM's
-#: ShapeTuple and Array (what ``vm.builtin`` functions receive), 1-D numpy arrays.
-_SEQUENCE_TYPES = (list, tuple, range, tvm_ffi.Shape, tvm_ffi.Array, np.ndarray)
+#: Containers accepted for a list of ints: Python sequences (not str / bytes), 1-D numpy arrays
+#: and TVM's ShapeTuple and Array (what ``vm.builtin`` functions receive; :func:`_ffi_types`).
+_SEQUENCE_TYPES = (list, tuple, range, np.ndarray)
+_FFI_TYPES: Dict[str, Tuple[type, ...]] = {}
+
+
+def _ffi_types(*names: str) -> Tuple[type, ...]:
+    """The types ``tvm_ffi.<name>`` once tvm_ffi is loaded, else ``()``: no object of them can
+    exist before. This module imports no TVM, so that the paging layer (which uses it) does not."""
+    key = ",".join(names)
+    found = _FFI_TYPES.get(key)
+    if found is None:
+        module = sys.modules.get("tvm_ffi")
+        if module is None:
+            return ()
+        found = _FFI_TYPES[key] = tuple(getattr(module, name) for name in names)
+    return found
 
 
 def describe(value: Any) -> str:
     """A short one-line description of ``value`` for error messages: the repr of numbers,
     strings, None and short lists / tuples of them, otherwise the type's name (a tensor's repr
     copies its data, and an object's repr may be long or fail)."""
-    if isinstance(value, TENSOR_TYPES):
+    if isinstance(value, _ffi_types("Tensor")):  # tvm.runtime.Tensor is one
         if not value.__chandle__():  # Tensor.__new__: reading its shape would crash
             return "a Tensor object without a tensor (null handle)"
         return f"a Tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
@@ -114,7 +126,8 @@ def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = 
         (or ``error``) If it is a range of more than ``max_len`` entries (``why`` says why
         that is the most).
     """
-    if not isinstance(values, _SEQUENCE_TYPES) or (isinstance(values, np.ndarray) and values.ndim != 1):
+    if (not isinstance(values, _SEQUENCE_TYPES + _ffi_types("Shape", "Array"))
+            or (isinstance(values, np.ndarray) and values.ndim != 1)):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
     if isinstance(values, range):  # lazy: its length is checked before it is expanded
@@ -177,42 +190,3 @@ def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
     if number in (0, 1):
         return bool(number)
     raise error(f"{name} must be a bool (or 0 / 1), got {describe(value)}")
-
-
-def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any = None) -> int:
-    """Check ``PagedAttentionKVCache``'s device, kernels, layer_offset and target; return the offset.
-
-    Raises
-    ------
-    ArgumentError
-        ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
-        ``layer_offset`` not an int, or ``target`` not a ``tvm.target.Target`` (or None).
-    ConfigError
-        ``layer_offset`` is negative or beyond int32, the device index is negative or the
-        device does not exist here, or ``target`` compiles for another kind of device than
-        ``device``.
-    """
-    from .errors import ConfigError
-    from .kernel_set import KernelSet
-
-    if not isinstance(device, tvm.runtime.Device):
-        raise ArgumentError(f"device must be a tvm.runtime.Device or None, got {describe(device)} "
-                            f"of type {type(device).__name__}")
-    if device.index < 0:
-        raise ConfigError(f"device {device} has a negative index {device.index}; expected a device that exists")
-    if not device.exist:
-        raise ConfigError(f"device {device} does not exist in this process (no such GPU, driver or TVM runtime "
-                          "for it); expected a device this process can use (deploy.prepare_cuda loads TVM's "
-                          "CUDA runtime on a runtime-only install)")
-    if kernels is not None and not isinstance(kernels, KernelSet):
-        raise ArgumentError(f"kernels must be a KernelSet or None, got {type(kernels).__name__}")
-    offset = as_int("layer_offset", layer_offset)
-    if not 0 <= offset <= INT32_MAX:
-        raise ConfigError(f"layer_offset must be in [0, {INT32_MAX}], got {offset}")
-    if target is not None and not isinstance(target, tvm.target.Target):
-        raise ArgumentError(f"target must be a tvm.target.Target or None, got {describe(target)} of type "
-                            f"{type(target).__name__} (e.g. relax_kvcache.targets.make_target('cuda'))")
-    if target is not None and target.get_target_device_type() != int(device.dlpack_device_type()):
-        raise ConfigError(f"target {target.kind.name} compiles for another kind of device than {device}; expected "
-                          "a target of the device's kind (or None: the device's default target)")
-    return offset

@@ -17,9 +17,10 @@ import tvm
 
 from . import checkpoint as ckpt
 from . import metadata as md
-from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, check_cache_args, describe
+from .args import as_float as _as_float, as_int as _as_int, as_int32, as_int_list as _as_int_list, describe
 from .aux_buffer import AuxBuffer, SlotBuffer
 from .build import build_kernels, kernel_identity
+from .cache_args import check_cache_args
 from .config import _DTYPE_BYTES, LOCAL_KINDS, KVCacheConfig, RopeMode
 from .decode_plan import DecodePlanner
 from .errors import ArgumentError, ConfigError, ForwardError, KVCacheError, SequenceError

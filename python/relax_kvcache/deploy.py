@@ -29,7 +29,13 @@ from typing import Any, List, Optional, Union
 import tvm
 import tvm_ffi
 
+from .errors import DeployError
+from .kernel_cache import cache_dir, checksum_path, file_sha256, verify_checksum, write_atomic, write_checksum
 from .targets import check_cuda_arch, cuda_arch
+
+__all__ = ["CUDA_COMPILE_CALLBACK", "CUDA_RUNTIME_LIB", "DeployError", "checksum_path", "cuda_runtime_registered",
+           "fatbin_cache_path", "file_sha256", "find_nvcc", "install_cuda_compile_callback", "library_holds_cuda",
+           "load", "load_cuda_runtime", "nvcc_compile", "prepare_cuda", "verify_checksum", "write_checksum"]
 
 #: File name of TVM's CUDA runtime library (device API, CUDA module loader).
 CUDA_RUNTIME_LIB = "libtvm_runtime_cuda.so"
@@ -42,10 +48,6 @@ _CUDA_MODULE_MARK = (4).to_bytes(8, "little") + b"cuda"
 _STDERR_TAIL_CHARS = 4000
 #: Folders searched for nvcc after PATH, $CUDA_HOME/bin and $CUDA_PATH/bin.
 _NVCC_FALLBACK_DIRS = ("/usr/local/cuda/bin",)
-
-
-class DeployError(RuntimeError):
-    """A kernel library cannot be loaded here: a runtime library, nvcc or a device is missing."""
 
 
 @dataclasses.dataclass
@@ -152,61 +154,6 @@ def _not_a_file(path: pathlib.Path) -> str:
     if path.exists():
         return "is not a regular file (a device, a pipe or a socket)"
     return "does not exist"
-
-
-# ----------------------------------------------------------------------------------------------
-# Checksums: ``<library>.sha256`` beside each library we write
-# ----------------------------------------------------------------------------------------------
-
-
-def checksum_path(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
-    """Where the checksum of ``library`` is kept: ``<library>.sha256`` beside it."""
-    library = pathlib.Path(library)
-    return library.with_name(library.name + ".sha256")
-
-
-def file_sha256(path: Union[str, "os.PathLike[str]"]) -> str:
-    """SHA-256 (hex) of the file at ``path``."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_checksum(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
-    """Write ``<library>.sha256`` (``sha256sum`` format: ``sha256sum -c`` checks it) beside
-    ``library``; :func:`load` then refuses the library if its bytes change. Returns its path."""
-    library = pathlib.Path(library)
-    line = f"{file_sha256(library)}  {library.name}\n"
-    path = checksum_path(library)
-    _write_atomic(path, line.encode())
-    return path
-
-
-def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[Union[str, "os.PathLike[str]"]] = None
-                    ) -> bool:
-    """Check ``library`` (or ``copy``, a copy of it) against ``<library>.sha256``.
-
-    Returns True when the checksum file exists and agrees, False when there is none (a library
-    written by other tools); raises DeployError, naming ``library``, when they disagree or the
-    checksum file cannot be read."""
-    library = pathlib.Path(library)
-    path = checksum_path(library)
-    if not path.is_file():
-        return False
-    try:
-        words = path.read_text(errors="replace").split()
-        actual = file_sha256(library if copy is None else copy)
-    except OSError as err:
-        raise DeployError(f"could not read {str(library)!r} or its checksum {str(path)!r} ({err})") from None
-    expected = words[0].lower() if words else ""
-    if actual != expected:
-        raise DeployError(f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
-                          f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected the "
-                          "bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
-                          "library together with its .sha256 file)")
-    return True
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:
@@ -361,7 +308,7 @@ def nvcc_compile(code: str, *, arch: str, use_cache: bool = True) -> bytes:
     """Compile CUDA source to a fatbin with ``nvcc --fatbin -O3 -arch=ARCH``, cached on disk.
 
     The cache is ``<relax_kvcache cache dir>/cuda-fatbin/<sha256(arch, source)>.fatbin`` (see
-    :func:`relax_kvcache.build.cache_dir`); clear it after changing the CUDA toolkit.
+    :func:`relax_kvcache.kernel_cache.cache_dir`); clear it after changing the CUDA toolkit.
 
     Parameters
     ----------
@@ -385,14 +332,12 @@ def nvcc_compile(code: str, *, arch: str, use_cache: bool = True) -> bytes:
         return cached.read_bytes()
     fatbin = _run_nvcc(code, arch)
     if use_cache:
-        _write_atomic(cached, fatbin)
+        write_atomic(cached, fatbin)
     return fatbin
 
 
 def fatbin_cache_path(code: str, *, arch: str) -> pathlib.Path:
     """Where :func:`nvcc_compile` caches the fatbin of ``code`` for ``arch``."""
-    from .build import cache_dir
-
     key = hashlib.sha256(f"{arch}\n{code}".encode()).hexdigest()
     return cache_dir() / "cuda-fatbin" / f"{key}.fatbin"
 
@@ -437,15 +382,3 @@ def _nvcc_failure(cmd: List[str], proc: subprocess.CompletedProcess, arch: str) 
     first = next((line.strip() for line in output.splitlines() if "error" in line), "")
     return (f"nvcc failed (exit {proc.returncode}) compiling CUDA source for {arch}: {' '.join(cmd)}\n"
             f"first error: {first}\n--- stderr (tail) ---\n{output[-_STDERR_TAIL_CHARS:]}")
-
-
-def _write_atomic(path: pathlib.Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-        tmp.write(data)
-    try:
-        os.chmod(tmp.name, 0o644)
-        os.replace(tmp.name, path)
-    finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)

@@ -29,3 +29,7 @@ class ArgumentError(KVCacheError, TypeError):
     """An argument of the wrong type (e.g. None or a float where an int is expected, a list
     where a tensor is), or a ``vm.builtin`` function called with the wrong number of arguments.
     Also a ``TypeError``; the cache state is unchanged."""
+
+
+class DeployError(RuntimeError):
+    """A kernel library cannot be loaded here: a runtime library, nvcc or a device is missing."""

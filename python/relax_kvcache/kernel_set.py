@@ -9,14 +9,18 @@ import numpy as np
 import tvm
 
 from . import kernel_roles as roles
+from .config import RopeMode
 from .errors import ConfigError
+from .identity import read_identity
+from .tensors import allocate
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """Kernels by role; argument conventions are TVM's (DESIGN.md, "Kernel ABI").
+    """Kernels by role (one field per role of :data:`relax_kvcache.kernel_roles.CATALOGUE`);
+    argument conventions are TVM's (DESIGN.md, "Kernel ABI").
 
     ``merge_general`` is the merge used by ``merge_attn_output_inplace`` (TVM's second merge
     function, which it keeps for MLA's other head dim); it defaults to ``merge_inplace``.
@@ -53,7 +57,7 @@ class KernelSet:
     #: ours only (not among TVM's creation arguments): attention over a cached prefix and the
     #: step's own K/V in one kernel (``tir_kernels.make_prefixed_prefill``)
     attention_prefill_prefixed: Optional[Function] = None
-    #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
+    #: :func:`relax_kvcache.identity.kernel_identity` of the config the kernels were built for, as
     #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it). Set
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
     #: has none, so a cache probes its kernels as it does foreign ones.
@@ -72,28 +76,10 @@ class KernelSet:
         def get(role: str) -> Optional[Function]:
             return mod.get_function(role, query_imports=True) if mod.implements_function(role, query_imports=True) else None
 
-        merge = get("merge_inplace")
-        kernels = cls(
-            transpose_append=get("transpose_append"),
-            split_rotary=get("split_rotary"),
-            copy_single_page=get("copy_single_page"),
-            compact_copy=get("compact_copy"),
-            debug_get_kv=get("debug_get_kv"),
-            merge_inplace=merge,
-            merge_general=get("merge_general") or merge,
-            attention_prefill_ragged=get("attention_prefill_ragged"),
-            attention_prefill=get("attention_prefill"),
-            attention_decode=get("attention_decode"),
-            attention_prefill_sliding_window=get("attention_prefill_sliding_window"),
-            attention_decode_sliding_window=get("attention_decode_sliding_window"),
-            attention_prefill_ragged_sliding_window=get("attention_prefill_ragged_sliding_window"),
-            attention_prefill_ragged_tree=get("attention_prefill_ragged_tree"),
-            attention_prefill_tree=get("attention_prefill_tree"),
-            transpose_append_mla=get("transpose_append_mla"),
-            attention_prefill_mla=get("attention_prefill_mla"),
-            attention_prefill_prefixed=get("attention_prefill_prefixed"),
-        )
-        object.__setattr__(kernels, "identity", _identity(get))
+        found = {role.name: get(role.name) for role in roles.CATALOGUE}
+        found["merge_general"] = found["merge_general"] or found["merge_inplace"]
+        kernels = cls(**found)
+        object.__setattr__(kernels, "identity", read_identity(get))
         return kernels
 
     @classmethod
@@ -146,24 +132,11 @@ def split_rotary_rope_argument(config: Any, device: tvm.runtime.Device) -> Any:
     """The last argument of ``split_rotary`` for ``config`` (TVM's convention): the LongRoPE
     factors ``(rotary_dim,) float32`` on ``device`` when the config has ``rope_ext_factors``,
     else the apply-RoPE flag (1 when RoPE is applied at append time, NORMAL mode)."""
-    from .config import RopeMode
-    from .tensors import allocate
-
     if config.rope_ext_factors is None:
         return int(config.effective_rope_mode == RopeMode.NORMAL)
     factors = allocate((config.rotary_dim,), "float32", device, "RoPE extension factors")
     factors.copyfrom(np.array(config.rope_ext_factors, dtype=np.float32))
     return factors
-
-
-def _identity(get) -> Optional[Tuple[Tuple[str, float], ...]]:
-    """The ``kernel_spec_<field>`` values of a library built by ``relax_kvcache.build``."""
-    from .build import IDENTITY_FIELDS, IDENTITY_PREFIX
-
-    functions = [(name, get(IDENTITY_PREFIX + name)) for name in IDENTITY_FIELDS]
-    if any(f is None for _, f in functions):
-        return None
-    return tuple((name, f()) for name, f in functions)
 
 
 def _list(value: Any, index: int) -> list:

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional
 import tvm
 import tvm_ffi
 
+from .host import physical_core_count
+
 #: Target kinds relax_kvcache compiles its kernels for.
 TARGET_KINDS = ("llvm", "cuda", "rocm", "metal", "webgpu", "opencl", "vulkan")
 
@@ -60,7 +62,7 @@ def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm
     -------
     tvm.target.Target
         For ``llvm`` without ``arch`` or options: the host CPU, as
-        :func:`relax_kvcache.runtime.default_target` picks it for ``tvm.cpu()``.
+        :func:`host_target`, as :func:`relax_kvcache.runtime.default_target` picks it for ``tvm.cpu()``.
 
     Raises
     ------
@@ -79,12 +81,19 @@ def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm
     if arch is not None and not isinstance(arch, str):
         raise TypeError(f"arch must be a str or None, got {type(arch).__name__}")
     if kind == "llvm" and arch is None and not options:
-        from .runtime import host_target
-
         return host_target()
     target = _create(_target_config(kind, arch, options))
     check_can_compile(target)
     return target
+
+
+def host_target() -> tvm.target.Target:
+    """The ``llvm`` target of this machine's CPU: its model (``mcpu``) and physical core count."""
+    config = {"kind": "llvm", "num-cores": physical_core_count()}
+    cpu = tvm.target.codegen.llvm_get_system_cpu()
+    if cpu and cpu != "generic":
+        config["mcpu"] = cpu
+    return tvm.target.Target(config)
 
 
 def _target_config(kind: str, arch: Optional[str], options: Dict[str, Any]) -> Dict[str, Any]:

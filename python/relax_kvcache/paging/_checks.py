@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..args import as_int  # noqa: F401 - the paging modules' integer check (ArgumentError)
 from ..errors import SequenceError
+from .sequences import Sequence
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -20,3 +21,35 @@ def as_seq_id(value: object) -> int:
 def ceil_div(a: int, b: int) -> int:
     """Ceiling of ``a / b`` for ``a >= 0`` and ``b > 0``."""
     return -(-a // b)
+
+
+def check_range(seq: Sequence, start: object, end: object) -> tuple[int, int]:
+    """``(start, end)`` as ints within ``seq`` (``end`` None: its length)."""
+    start = as_int("start position", start)
+    end = seq.seq_length if end is None else as_int("end position", end)
+    if not 0 <= start <= end <= seq.seq_length:
+        raise SequenceError(
+            f"position range [{start}, {end}) is invalid for sequence {seq.seq_id}: "
+            f"expected 0 <= start <= end <= {seq.seq_length}"
+        )
+    return start, end
+
+def check_append_length(seq: Sequence, length: object) -> int:
+    """``length`` as an int >= 1 (tokens to append to ``seq``)."""
+    length = as_int("append length", length)
+    if length < 1:
+        raise SequenceError(
+            f"append length {length} for sequence {seq.seq_id} is invalid: expected >= 1"
+        )
+    return length
+
+
+def check_pop_length(seq: Sequence, n) -> int:
+    """``n`` as an int in ``[0, seq.seq_length]``, else SequenceError / ArgumentError."""
+    n = as_int("pop length", n)
+    if not 0 <= n <= seq.seq_length:
+        raise SequenceError(
+            f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
+            f"expected 0 <= n <= {seq.seq_length}"
+        )
+    return n

@@ -11,11 +11,14 @@ reservation outside the lane, windows, token trees) invalidates it.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 
 import numpy as np
 
-from .block_pool import Block
+from ._checks import ceil_div
+from .block_pool import Block, BlockPool
+from .page_pool import PagePool
 from .sequences import Sequence
 
 
@@ -46,3 +49,50 @@ class DecodeLane:
     page_capacity: np.ndarray
     last_page: np.ndarray
     _pairs: tuple[tuple[Sequence, Block], ...] = dataclasses.field(repr=False)
+
+
+def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
+              seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
+    """`PagingState.open_lane` over its sequences and blocks at ``version``."""
+    lane_seqs, lane_blocks = [], []
+    for seq_id in seq_ids:
+        seq = seqs.get(seq_id) if type(seq_id) is int else None
+        if (seq is None or seq.sliding_window_size != -1 or not seq.accepted_indices_committed
+                or seq.last_append_length != 1):
+            return None
+        block = blocks[seq.last_block]
+        if (block.ref_count != 1 or block.sink_length or block.sliding_window_offset
+                or len(block.page_ids) != ceil_div(block.seq_length, page_size)):
+            return None
+        lane_seqs.append(seq)
+        lane_blocks.append(block)
+    if len(set(map(id, lane_seqs))) != len(lane_seqs):
+        return None
+    ps = page_size
+    return DecodeLane(
+        version=version,
+        seq_ids=tuple(seq_ids),
+        seq_length=np.array([s.seq_length for s in lane_seqs], dtype=np.int64),
+        block_length=np.array([b.seq_length for b in lane_blocks], dtype=np.int64),
+        page_capacity=np.array([len(b.page_ids) * ps for b in lane_blocks], dtype=np.int64),
+        last_page=np.array([b.page_ids[-1] if b.page_ids else -1 for b in lane_blocks], dtype=np.int64),
+        _pairs=tuple(zip(lane_seqs, lane_blocks)),
+    )
+
+
+def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int) -> None:
+    """Append one token to every sequence of ``lane``, giving a page to the last blocks at
+    indices ``full`` (enough pages are free: checked by `PagingState.advance_lane`)."""
+    if len(full):
+        new_pages = pages.allocate(len(full))
+        pairs = lane._pairs
+        for i, page in zip(full.tolist(), new_pages):
+            pairs[i][1].page_ids.append(page)
+        lane.page_capacity[full] += page_size
+        lane.last_page[full] = new_pages
+    for seq, block in lane._pairs:  # last_append_length is 1 already (see open_lane)
+        seq.seq_length += 1
+        block.seq_length += 1
+    lane.seq_length += 1
+    lane.block_length += 1
+    lane.version = version

@@ -12,6 +12,10 @@ Sliding windows (StreamingLLM-style attention sinks): once a windowed sequence i
 its window, its last block keeps its first ``sink_length`` tokens and the most recent ones;
 pages that slide out entirely return to the pool. Deliberate departures from TVM, both where
 TVM's own bookkeeping would become inconsistent, are documented on `fork_sequence` and `popn`.
+
+`PagingState` owns the sequences and checks every request; the block tree and page pool
+(:mod:`.tree`), sliding windows (:mod:`.windows`), batches of appends (:mod:`.appends`) and
+decode lanes (:mod:`.decode_lane`) are carried out by their own modules.
 """
 
 from __future__ import annotations
@@ -19,81 +23,20 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
-import typing
 
 import numpy as np
 
-from ..errors import CacheFullError, ConfigError, KVCacheError, SequenceError
-from ._checks import as_int, as_seq_id, ceil_div
-from .block_pool import Block, BlockPool
+from ..errors import ConfigError, KVCacheError, SequenceError
+from . import appends, decode_lane, windows
+from ._checks import as_int, as_seq_id, ceil_div, check_append_length, check_pop_length, check_range
+from .block_pool import Block
 from .decode_lane import DecodeLane
-from .page_pool import PagePool
 from .sequences import Sequence
+from .tree import BlockTree, PageCopy
+
+__all__ = ["PageCopy", "PagingState"]
 
 _INT32_MAX = 2**31 - 1
-_TEMP_PAGE = -1  # TVM's kPagedKVCacheTempPageId: a page borrowed until sliding frees one
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PageCopy:
-    """Copy the first ``length`` slots of page ``src_page`` into page ``dst_page``.
-
-    TVM's ``CopySinglePage``: the caller performs it on the KV data of every layer, in order.
-    """
-
-    src_page: int
-    dst_page: int
-    length: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _PopPlan:
-    """What `PagingState.popn` will do, computed before any mutation."""
-
-    freed_blocks: tuple[int, ...]  # unshared blocks dropped whole, last block first
-    trim_block: int  # the unshared block trimmed in place, or -1
-    trim_pages: int  # pages dropped from the end of ``trim_block``
-    trim_length: int  # tokens dropped from ``trim_block``
-    remaining: int  # tokens still to pop once a shared block is reached (fork fallback)
-    shared_block: int  # the shared block reached when ``remaining > 0``, else -1
-    reset_window: bool = False  # the trim pops into a slid block's sink: unslide the block
-
-
-class _SlidePlan(typing.NamedTuple):
-    """What `reserve_append` does to one windowed sequence, computed before any mutation."""
-
-    real: int  # pages taken from the free list before sliding
-    temp: int  # temporary (-1) pages borrowed after them
-    sink_length: int  # the block's sink length once the slide starts
-    first_slid: int  # index of the first page after the sink pages (slid pages start here)
-    dropped: int  # pages slid out, from ``first_slid`` on (temporary ones are not freed)
-    freed: int  # real pages among the dropped ones: they go back to the pool
-    temps_left: int  # temporary pages still in the block after the slide, then replaced
-    block_length: int  # the block's length after sliding
-    window_offset: int  # the block's sliding-window offset after sliding
-    seq_length: int  # the sequence's length after sliding
-
-
-class _BatchPages:
-    """The page pool as one `reserve_append` batch uses it while windows slide: records the
-    pages that slide out holding earlier tokens and are handed to new tokens of the same batch
-    (``reused``), whose old contents the step's appends overwrite."""
-
-    def __init__(self, pages: PagePool) -> None:
-        self._pages = pages
-        self._fresh: set[int] = set()  # allocated in this batch: no earlier tokens
-        self._slid_out: set[int] = set()
-        self.reused: list[int] = []
-
-    def allocate(self, n: int) -> list[int]:
-        pages = self._pages.allocate(n)
-        self.reused.extend(p for p in pages if p in self._slid_out)
-        self._fresh.update(pages)
-        return pages
-
-    def release(self, pages: list[int]) -> None:
-        self._pages.release(pages)
-        self._slid_out.update(p for p in pages if p not in self._fresh)
 
 
 class PagingState:
@@ -128,10 +71,9 @@ class PagingState:
                 f"num_pages * page_size = {num_pages * page_size} exceeds the int32 slot range"
             )
         self._page_size = page_size
-        self._pages = PagePool(num_pages)
-        self._blocks = BlockPool()
+        self._tree = BlockTree(num_pages, page_size)
+        self._pages, self._blocks = self._tree.pages, self._tree.blocks
         self._seqs: dict[int, Sequence] = {}
-        self._lanes = np.arange(page_size, dtype=np.int32)  # in-page offsets
         self._slide_windows = bool(slide_windows)
         self._num_windowed = 0  # live sequences with a window: 0 keeps the fast append path
         self._version = 0  # bumped by every change; a DecodeLane is valid at one version
@@ -198,19 +140,11 @@ class PagingState:
 
     def block_trace(self, seq_id: int) -> list[int]:
         """Return the block indices of sequence ``seq_id``, root first (TVM's ``GetBlockTrace``)."""
-        return self._trace(self._seq(seq_id).last_block)
+        return self._tree.trace(self._seq(seq_id).last_block)
 
     def trace_blocks(self, seq_id: int) -> list[Block]:
         """Return the blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
-        blocks = self._blocks
-        trace = []
-        idx = self._seq(seq_id).last_block
-        while idx != -1:
-            block = blocks[idx]
-            trace.append(block)
-            idx = block.parent
-        trace.reverse()
-        return trace
+        return self._tree.trace_blocks(self._seq(seq_id).last_block)
 
     def empty(self) -> bool:
         """Return True if no sequence, block or page is in use (TVM's ``Empty``)."""
@@ -234,8 +168,8 @@ class PagingState:
             Tokens to append, ``>= 1``.
         """
         seq = self._seq(seq_id)
-        length = self._check_append_length(seq, length)
-        return self._block_pages_needed(self._blocks[seq.last_block], length)
+        length = check_append_length(seq, length)
+        return self._tree.block_pages_needed(self._blocks[seq.last_block], length)
 
     def position_map(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
         """Return the KV slot (``page_id * page_size + in_page_offset``) of each position.
@@ -257,20 +191,8 @@ class PagingState:
             int32 array of ``end - start`` slots.
         """
         seq = self._seq(seq_id)
-        start, end = self._check_range(seq, start, end)
-        parts: list[np.ndarray] = []
-        block_end = seq.seq_length
-        idx = seq.last_block
-        while idx != -1 and block_end > start:
-            block = self._blocks[idx]
-            block_start = block_end - block.seq_length
-            lo, hi = max(start, block_start), min(end, block_end)
-            if hi > lo:
-                parts.append(self._block_slots(block, lo - block_start, hi - block_start))
-            block_end, idx = block_start, block.parent
-        if not parts:
-            return np.empty(0, dtype=np.int32)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1])
+        start, end = check_range(seq, start, end)
+        return self._tree.slots(seq, start, end)
 
     def debug_snapshot(self) -> dict[str, object]:
         """Return a deep, plain-data copy of the whole state (for tests and debugging)."""
@@ -320,7 +242,7 @@ class PagingState:
         """
         seq = self._seq(seq_id)
         self._version += 1
-        self._release_path(seq.last_block)
+        self._tree.release_path(seq.last_block)
         del self._seqs[seq.seq_id]
         if seq.sliding_window_size != -1:
             self._num_windowed -= 1
@@ -351,39 +273,12 @@ class PagingState:
             slide) a window smaller than the sequence's prefix in earlier blocks.
         """
         seq = self._seq(seq_id)
-        window_size = as_int("sliding window size", window_size)
-        sink_size = as_int("attention sink size", sink_size)
-        if sink_size < 0:
-            raise SequenceError(
-                f"attention sink size {sink_size} for sequence {seq.seq_id} is invalid: "
-                f"expected >= 0"
-            )
-        if window_size <= 0:
-            raise SequenceError(
-                f"sliding window size {window_size} for sequence {seq.seq_id} is invalid: "
-                f"expected >= 1"
-            )
-        if sink_size >= window_size:
-            raise SequenceError(
-                f"attention sink size {sink_size} for sequence {seq.seq_id} must be less than "
-                f"the sliding window size {window_size}"
-            )
-        if seq.sliding_window_size != -1:
-            raise SequenceError(
-                f"sequence {seq.seq_id} already has a sliding window (size "
-                f"{seq.sliding_window_size}); it cannot be enabled twice"
-            )
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
-        if self._slide_windows and window_size < prefix:
-            raise SequenceError(
-                f"sliding window size {window_size} for sequence {seq.seq_id} is smaller than its "
-                f"{prefix}-token prefix in shared blocks, which cannot slide: expected a window "
-                f">= {prefix} (every later append would fail)"
-            )
+        window_size, sink_size = windows.check_window(seq, window_size, sink_size, prefix, self._slide_windows)
         self._version += 1
         seq.attn_sink_size = sink_size
         seq.sliding_window_size = window_size
-        self._recompute_last_sink(seq)
+        self._tree.recompute_last_sink(seq)
         self._num_windowed += 1
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list[PageCopy]:
@@ -426,11 +321,11 @@ class PagingState:
         """
         parent = self._seq(parent_id)
         child_id = self._check_absent(child_id)
-        pos = self._check_fork_pos(parent, fork_pos)
-        if self._fork_copy_length(parent, pos) > 0:
-            self._check_free_pages(1, 0, f"fork sequence {parent.seq_id} at position {pos}")
+        pos = self._tree.fork_position(parent, fork_pos)
+        if self._tree.fork_copy_length(parent, pos) > 0:
+            self._tree.check_free_pages(1, 0, f"fork sequence {parent.seq_id} at position {pos}")
         self._version += 1
-        child_block, copies = self._fork_blocks(parent, pos)
+        child_block, copies = self._tree.fork_blocks(parent, pos)
         self._insert_sequence(child_id, child_block, pos)
         return copies
 
@@ -475,14 +370,14 @@ class PagingState:
             the trimming frees).
         """
         seq = self._seq(seq_id)
-        n = self._pop_length(seq, n)
+        n = check_pop_length(seq, n)
         if n == 0:
             return []
-        plan = self._plan_pop(seq, n)
+        plan = self._tree.plan_pop(seq, n)
         if plan.remaining:
-            self._check_pop_fork(seq, plan)
+            self._tree.check_pop_fork(seq, plan)
         self._version += 1
-        self._apply_trim(seq, plan)
+        self._tree.apply_trim(seq, plan)
         left_of_last_step = max(0, seq.last_append_length - n)  # what commit's leaf -1 would pop
         seq.last_append_length = left_of_last_step
         if not plan.remaining:
@@ -503,15 +398,15 @@ class PagingState:
         refork = False
         for seq_id, n in pops:
             seq = self._seq(seq_id)
-            n = self._pop_length(seq, n)
-            refork = refork or (n > 0 and self._plan_pop(seq, n).remaining > 0)
+            n = check_pop_length(seq, n)
+            refork = refork or (n > 0 and self._tree.plan_pop(seq, n).remaining > 0)
         if refork and len(pops) > 1:
             trial = copy.deepcopy(self)
             for seq_id, n in pops:
                 trial.popn(seq_id, n)
         elif refork:
             seq_id, n = pops[0]
-            self._check_pop_fork(self._seq(seq_id), self._plan_pop(self._seq(seq_id), n))
+            self._tree.check_pop_fork(self._seq(seq_id), self._tree.plan_pop(self._seq(seq_id), n))
 
     def reserve_append(
         self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
@@ -555,24 +450,16 @@ class PagingState:
             (their old contents are overwritten by this step's appends), in allocation order;
             empty when nothing slides.
         """
-        items, total = self._plan_reserve(seq_ids, lengths)
+        items, total = appends.plan(self._seqs, self._tree, seq_ids, lengths, self._seq)
         if self._num_windowed and self._slide_windows:
-            plans = self._plan_sliding(items)
+            plans = windows.plan_sliding(items, self._pages, self._page_size)
             self._version += 1
-            reused = self._apply_sliding(items, plans)
-            self._record_appends(items)
+            reused = windows.apply_sliding(items, plans, self._pages)
+            appends.record(items)
             return reused
-        self._check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
+        self._tree.check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         self._version += 1
-        pages = self._pages.allocate(total)
-        at = 0
-        for seq, block, length, need in items:
-            if need:
-                block.page_ids.extend(pages[at : at + need])
-                at += need
-            block.seq_length += length
-            seq.seq_length += length
-            seq.last_append_length = length
+        appends.apply(items, self._pages.allocate(total))
         return ()
 
     def import_sequence(self, seq_id: int, length: int) -> np.ndarray:
@@ -603,8 +490,8 @@ class PagingState:
                 raise SequenceError(f"sequence {seq_id} has {seq.seq_length} token(s)"
                                     + (" and a sliding window" if seq.sliding_window_size != -1 else "")
                                     + "; a checkpoint imports into a new or empty sequence without a window")
-            self._appendable_block(seq)
-        self._check_free_pages(ceil_div(length, self._page_size), 0, f"import {length} token(s) into sequence {seq_id}")
+            self._tree.appendable_block(seq)
+        self._tree.check_free_pages(ceil_div(length, self._page_size), 0, f"import {length} token(s) into sequence {seq_id}")
         if seq is None:
             self.add_sequence(seq_id)
         if length:
@@ -620,30 +507,7 @@ class PagingState:
         block must not have slid (no sink pinned, no window offset) and must hold just the
         pages its tokens fill.
         """
-        seqs, blocks = [], []
-        for seq_id in seq_ids:
-            seq = self._seqs.get(seq_id) if type(seq_id) is int else None
-            if (seq is None or seq.sliding_window_size != -1 or not seq.accepted_indices_committed
-                    or seq.last_append_length != 1):
-                return None
-            block = self._blocks[seq.last_block]
-            if (block.ref_count != 1 or block.sink_length or block.sliding_window_offset
-                    or len(block.page_ids) != ceil_div(block.seq_length, self._page_size)):
-                return None
-            seqs.append(seq)
-            blocks.append(block)
-        if len(set(map(id, seqs))) != len(seqs):
-            return None
-        ps = self._page_size
-        return DecodeLane(
-            version=self._version,
-            seq_ids=tuple(seq_ids),
-            seq_length=np.array([s.seq_length for s in seqs], dtype=np.int64),
-            block_length=np.array([b.seq_length for b in blocks], dtype=np.int64),
-            page_capacity=np.array([len(b.page_ids) * ps for b in blocks], dtype=np.int64),
-            last_page=np.array([b.page_ids[-1] if b.page_ids else -1 for b in blocks], dtype=np.int64),
-            _pairs=tuple(zip(seqs, blocks)),
-        )
+        return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version, seq_ids)
 
     def advance_lane(self, lane: DecodeLane) -> None:
         """Append one token to every sequence of ``lane``: `reserve_append` with lengths 1.
@@ -663,22 +527,10 @@ class PagingState:
                 f"decode lane is stale: opened at state version {lane.version}, the state is at "
                 f"version {self._version}; open a new lane"
             )
-        full = np.flatnonzero(lane.block_length >= lane.page_capacity)
-        self._check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks that need a page
+        self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
         self._version += 1
-        if len(full):
-            pages = self._pages.allocate(len(full))
-            pairs = lane._pairs
-            for i, page in zip(full.tolist(), pages):
-                pairs[i][1].page_ids.append(page)
-            lane.page_capacity[full] += self._page_size
-            lane.last_page[full] = pages
-        for seq, block in lane._pairs:  # last_append_length is 1 already (see open_lane)
-            seq.seq_length += 1
-            block.seq_length += 1
-        lane.seq_length += 1
-        lane.block_length += 1
-        lane.version = self._version
+        decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the (accumulated) token tree of the last steps of ``seq_id``; it stays
@@ -697,11 +549,6 @@ class PagingState:
         seq.accepted_indices_committed = True
         seq.last_append_length = 0
 
-    @staticmethod
-    def _record_appends(items) -> None:
-        for seq, _, length, _ in items:
-            seq.last_append_length = length
-
     # ------------------------------------------------------------- internals: checks
 
     def _seq(self, seq_id: object) -> Sequence:
@@ -719,458 +566,22 @@ class PagingState:
             raise SequenceError(f"sequence {seq_id} is already in the cache")
         return seq_id
 
-    def _check_free_pages(self, needed: int, extra: int, what: str) -> None:
-        available = self._pages.num_free + extra
-        if needed > available:
-            raise CacheFullError(
-                f"the KV cache is full: cannot {what}: {needed} page(s) needed, "
-                f"{available} free"
-            )
-
-    def _check_range(self, seq: Sequence, start: object, end: object) -> tuple[int, int]:
-        start = as_int("start position", start)
-        end = seq.seq_length if end is None else as_int("end position", end)
-        if not 0 <= start <= end <= seq.seq_length:
-            raise SequenceError(
-                f"position range [{start}, {end}) is invalid for sequence {seq.seq_id}: "
-                f"expected 0 <= start <= end <= {seq.seq_length}"
-            )
-        return start, end
-
-    def _check_append_length(self, seq: Sequence, length: object) -> int:
-        length = as_int("append length", length)
-        if length < 1:
-            raise SequenceError(
-                f"append length {length} for sequence {seq.seq_id} is invalid: expected >= 1"
-            )
-        return length
-
-    def _appendable_block(self, seq: Sequence) -> Block:
-        block = self._blocks[seq.last_block]
-        if block.ref_count != 1:
-            raise SequenceError(
-                f"the last block {block.index} of sequence {seq.seq_id} is referenced by "
-                f"{block.ref_count - 1} other block(s) and cannot accept new tokens "
-                f"(expected exactly 1 reference)"
-            )
-        return block
-
-    def _check_fork_pos(self, parent: Sequence, fork_pos: object) -> int:
-        fork_pos = as_int("fork position", fork_pos)
-        if not -1 <= fork_pos <= parent.seq_length:
-            raise SequenceError(
-                f"fork position {fork_pos} is out of range [-1, {parent.seq_length}] for "
-                f"parent sequence {parent.seq_id}"
-            )
-        pos = parent.seq_length if fork_pos == -1 else fork_pos
-        self._check_forkable(parent, parent.seq_length, self._blocks[parent.last_block], pos)
-        return pos
-
-    def _check_committed(self, seq: Sequence) -> None:
-        if not seq.accepted_indices_committed:
-            raise SequenceError(
-                f"sequence {seq.seq_id} has uncommitted token-tree nodes and cannot be forked"
-            )
-
-    def _check_forkable(self, seq: Sequence, seq_length: int, last: Block, pos: int) -> None:
-        """TVM's ForkSequence state checks on a parent of ``seq_length`` ending at ``last``."""
-        self._check_committed(seq)
-        if seq.sliding_window_size == -1:
-            return
-        sink_size = seq_length - last.seq_length + seq.last_block_attn_sink_size
-        if pos > sink_size:
-            raise SequenceError(
-                f"fork position {pos} of sequence {seq.seq_id} is past its attention sink: "
-                f"a sliding-window sequence can only be forked within {sink_size} tokens"
-            )
-
-    def _plan_reserve(
-        self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
-    ) -> tuple[list[tuple[Sequence, Block, int, int]], int]:
-        if len(seq_ids) != len(lengths):
-            raise KVCacheError(
-                f"got {len(seq_ids)} sequence ids but {len(lengths)} append lengths"
-            )
-        items: list[tuple[Sequence, Block, int, int]] = []
-        seen: set[int] = set()
-        total = 0
-        seqs, blocks = self._seqs, self._blocks
-        for raw_id, length in zip(seq_ids, lengths):  # per-step hot loop: fast path inline
-            seq = seqs.get(raw_id) if type(raw_id) is int else None
-            if seq is None or type(length) is not int or length < 1 or seq.seq_id in seen:
-                seq, length = self._check_reserve_item(raw_id, length, seen)
-            block = blocks[seq.last_block]
-            if block.ref_count != 1:
-                self._appendable_block(seq)  # raises
-            seen.add(seq.seq_id)
-            need = self._block_pages_needed(block, length)
-            total += need
-            items.append((seq, block, length, need))
-        return items, total
-
-    def _check_reserve_item(
-        self, raw_id: object, length: object, seen: set[int]
-    ) -> tuple[Sequence, int]:
-        """Slow path of `_plan_reserve`: validate one batch entry, raising on a bad one."""
-        seq = self._seq(raw_id)
-        if seq.seq_id in seen:
-            raise SequenceError(f"sequence {seq.seq_id} appears more than once in the batch")
-        return seq, self._check_append_length(seq, length)
 
     # ------------------------------------------------------------ internals: helpers
-
-    def _block_pages_needed(self, block: Block, length: int) -> int:
-        used = block.seq_length - block.sink_length + block.sliding_window_offset + length
-        return max(0, -(-used // self._page_size) - len(block.page_ids))
-
-    def _block_slots(self, block: Block, lo: int, hi: int) -> np.ndarray:
-        """Slots of the tokens ``[lo, hi)`` of ``block`` (TVM's ``DebugGetKV`` offsets)."""
-        sink = block.sink_length
-        if lo >= sink:  # no sink token in range: one contiguous run of page slots
-            shift = block.sliding_window_offset - sink
-            return self._run_slots(block.page_ids, lo + shift, hi + shift)
-        if hi <= sink:
-            return self._run_slots(block.page_ids, lo, hi)
-        shift = block.sliding_window_offset - sink
-        head = self._run_slots(block.page_ids, lo, sink)
-        return np.concatenate([head, self._run_slots(block.page_ids, sink + shift, hi + shift)])
-
-    def _run_slots(self, page_ids: list[int], lo: int, hi: int) -> np.ndarray:
-        """Slots of the contiguous in-block offsets ``[lo, hi)``, as int32."""
-        ps = self._page_size
-        first = lo // ps
-        table = np.array(page_ids[first : ceil_div(hi, ps)], dtype=np.int32) * ps
-        grid = (table[:, None] + self._lanes).ravel()
-        return grid[lo - first * ps : hi - first * ps]
-
-    def _trace(self, last_block: int) -> list[int]:
-        trace = []
-        idx = last_block
-        while idx != -1:
-            trace.append(idx)
-            idx = self._blocks[idx].parent
-        trace.reverse()
-        return trace
-
     def _insert_sequence(self, seq_id: int, last_block: int, seq_length: int) -> None:
         """Register a sequence ending at ``last_block`` (TVM's ``Sequence`` constructor)."""
         self._blocks.retain(last_block)
         self._seqs[seq_id] = Sequence(seq_id, last_block, seq_length)
 
-    def _release_path(self, last_block: int) -> None:
-        """Drop one sequence's hold on the path ending at ``last_block`` (RemoveSequence)."""
-        idx = last_block
-        while idx != -1 and self._blocks[idx].ref_count == 1:
-            block = self._blocks[idx]
-            self._pages.release(block.page_ids)
-            parent = block.parent
-            self._blocks.free(idx)
-            idx = parent
-        if idx != -1:
-            self._blocks.release(idx)
-
-    # ---------------------------------------------------------------- internals: fork
-
-    def _adds_empty_block(self, parent: Sequence, pos: int) -> bool:
-        """Whether forking at ``pos`` first gives the parent a new empty last block."""
-        return (
-            pos == parent.seq_length
-            and pos % self._page_size == 0
-            and self._blocks[parent.last_block].seq_length > 0
-        )
-
-    def _locate(self, last_block: int, pos: int) -> tuple[int, int]:
-        """Return the block of the path ending at ``last_block`` a fork at ``pos`` cuts, and
-        the offset of ``pos`` in it (non-last blocks are skipped when ``pos`` is past them)."""
-        trace = self._trace(last_block)
-        offset = pos
-        for idx in trace[:-1]:
-            length = self._blocks[idx].seq_length
-            if length > offset:
-                return idx, offset
-            offset -= length
-        return trace[-1], offset
-
-    def _fork_copy_length(self, parent: Sequence, pos: int) -> int:
-        """Tokens a fork of ``parent`` at ``pos`` copies into a fresh page (0: no page)."""
-        if self._adds_empty_block(parent, pos):
-            return 0
-        return self._locate(parent.last_block, pos)[1] % self._page_size
-
-    def _fork_blocks(self, parent: Sequence, pos: int) -> tuple[int, list[PageCopy]]:
-        """Build the child's last block for a fork of ``parent`` at ``pos`` (checks done)."""
-        if self._adds_empty_block(parent, pos):
-            self._append_empty_block(parent)
-        child_idx = self._blocks.new_block()
-        forked_idx, offset = self._locate(parent.last_block, pos)
-        in_page = offset % self._page_size
-        moved_pages = offset // self._page_size
-        if moved_pages == 0:
-            self._link(child_idx, self._blocks[forked_idx].parent)
-        else:
-            self._split_block(parent, forked_idx, moved_pages, child_idx)
-        child = self._blocks[child_idx]
-        child.start_pos = pos - in_page
-        child.seq_length = in_page
-        if in_page == 0:
-            return child_idx, []
-        page = self._pages.allocate(1)[0]
-        child.page_ids.append(page)
-        return child_idx, [PageCopy(self._blocks[forked_idx].page_ids[0], page, in_page)]
-
-    def _append_empty_block(self, seq: Sequence) -> None:
-        if seq.sliding_window_size != -1:
-            # The old last block becomes a prefix block: the new last block's sink is what is
-            # left of the old one (TVM keeps the old value, which makes the sink grow).
-            old_length = self._blocks[seq.last_block].seq_length
-            seq.last_block_attn_sink_size = max(seq.last_block_attn_sink_size - old_length, 0)
-        idx = self._blocks.new_block()
-        block = self._blocks[idx]
-        block.start_pos = seq.seq_length
-        block.parent = seq.last_block  # the old last block's reference moves to this block
-        self._blocks.retain(idx)
-        seq.last_block = idx
-
-    def _link(self, child_idx: int, parent_idx: int) -> None:
-        self._blocks[child_idx].parent = parent_idx
-        if parent_idx != -1:
-            self._blocks.retain(parent_idx)
-
-    def _split_block(
-        self, seq: Sequence, forked_idx: int, moved_pages: int, child_idx: int
-    ) -> None:
-        """Move the first ``moved_pages`` pages of ``forked_idx`` into a new parent block
-        shared by ``forked_idx`` and ``child_idx``."""
-        head_idx = self._blocks.new_block()
-        head, forked = self._blocks[head_idx], self._blocks[forked_idx]
-        moved = moved_pages * self._page_size
-        head.parent = forked.parent
-        forked.parent = head_idx
-        self._blocks[child_idx].parent = head_idx
-        self._blocks.retain(head_idx, 2)
-        head.page_ids = forked.page_ids[:moved_pages]
-        del forked.page_ids[:moved_pages]
-        head.start_pos = forked.start_pos
-        forked.start_pos += moved
-        head.seq_length = moved
-        forked.seq_length -= moved
-        if seq.sliding_window_size != -1 and forked_idx == seq.last_block:
-            # ``moved <= last_block_attn_sink_size``: forks stay within the sink.
-            seq.last_block_attn_sink_size -= moved
-            if forked.sink_length:  # slid already: the moved pages held sink tokens only
-                forked.sink_length -= moved
-                forked.sliding_window_offset -= moved
-
-    # ------------------------------------------------------- internals: sliding window
-
-    def _plan_sliding(
-        self, items: list[tuple[Sequence, Block, int, int]]
-    ) -> list[_SlidePlan | None]:
-        """Plan `reserve_append` when windows slide, raising before anything changes.
-
-        Sequences are processed in batch order as in TVM, so the pages a slide frees are the
-        next ones handed out (LIFO), to the same sequence's borrowed pages or to the next
-        sequences of the batch. Returns one plan per item (None: nothing slides or is borrowed).
-        """
-        free = self._pages.num_free
-        taken = freed = 0  # pages taken from / returned to the pool so far in the batch
-        plans: list[_SlidePlan | None] = []
-        for seq, block, length, need in items:
-            window = seq.sliding_window_size
-            if window == -1 or (seq.seq_length + length <= window and need <= free):
-                plan, got, back = None, need, 0  # nothing slides, nothing is borrowed
-            else:
-                plan = self._plan_slide(seq, block, length, need, free)
-                got, back = plan.real + plan.temps_left, plan.freed
-            taken += got
-            freed += back
-            if got > free + back:
-                raise CacheFullError(
-                    f"the KV cache is full: cannot append to {len(items)} sequence(s): "
-                    f"{taken} page(s) needed, {self._pages.num_free + freed} free (counting "
-                    f"{freed} page(s) freed by sliding windows) by sequence {seq.seq_id} of "
-                    f"the batch"
-                )
-            free += back - got
-            plans.append(plan)
-        return plans
-
-    def _apply_sliding(
-        self, items: list[tuple[Sequence, Block, int, int]], plans: list[_SlidePlan | None]
-    ) -> tuple[int, ...]:
-        """Carry out `_plan_sliding`'s plans, in batch order; return the slid-out pages that
-        were allocated again in the batch."""
-        pool = _BatchPages(self._pages)
-        for (seq, block, length, need), plan in zip(items, plans):
-            if plan is None:
-                if need:
-                    block.page_ids.extend(pool.allocate(need))
-                block.seq_length += length
-                seq.seq_length += length
-            else:
-                self._apply_slide(seq, block, plan, pool)
-        return tuple(pool.reused)
-
-    def _plan_slide(
-        self, seq: Sequence, block: Block, length: int, need: int, free: int
-    ) -> _SlidePlan:
-        """Plan ``ReserveAppendLengthInSeq`` + ``SlideWindowForSequence`` for one windowed
-        sequence with ``free`` pages in the pool at its turn; raise on TVM's internal checks."""
-        ps = self._page_size
-        real = min(need, free)
-        sink, offset = block.sink_length, block.sliding_window_offset
-        block_length = block.seq_length + length
-        seq_length = seq.seq_length + length
-        window = seq.sliding_window_size
-        first_slid = dropped = freed = 0
-        if seq_length > window:
-            slide = seq_length - window
-            if seq.last_block_attn_sink_size > 0 and sink == 0:  # first slide: pin the sink
-                if offset != 0:
-                    raise KVCacheError(
-                        f"cannot slide sequence {seq.seq_id}: its last block {block.index} has "
-                        f"slid without a sink (window offset {offset}) but the sequence now "
-                        f"has a {seq.last_block_attn_sink_size}-token sink"
-                    )
-                sink = offset = seq.last_block_attn_sink_size
-            if block_length - slide < sink:
-                prefix = seq.seq_length - block.seq_length
-                raise SequenceError(
-                    f"cannot slide sequence {seq.seq_id} by {slide} token(s): its window of "
-                    f"{window} token(s) is smaller than its {prefix}-token prefix in earlier "
-                    f"blocks (which cannot slide) plus its {sink}-token sink; its last block "
-                    f"would keep {block_length - slide} token(s)"
-                )
-            first_slid = -(-sink // ps)
-            page_after, in_page = divmod(offset + slide, ps)
-            if page_after > first_slid:
-                dropped = page_after - first_slid
-                page_after = first_slid
-                # Temporary pages come after the block's pages and the real new ones.
-                real_end = len(block.page_ids) + real
-                freed = max(0, min(first_slid + dropped, real_end) - first_slid)
-            elif page_after < first_slid - 1:  # TVM's check; cannot fail while offset >= sink
-                raise KVCacheError(
-                    f"cannot slide sequence {seq.seq_id}: window offset {offset} lies before "
-                    f"its {sink}-token sink"
-                )
-            offset = page_after * ps + in_page
-            block_length -= slide
-            seq_length = window
-        pages_after = len(block.page_ids) + need - dropped
-        if pages_after != -(-(block_length - sink + offset) // ps):
-            raise KVCacheError(
-                f"cannot slide sequence {seq.seq_id}: its last block {block.index} would hold "
-                f"{pages_after} page(s) for {block_length} token(s) (sink {sink}, window "
-                f"offset {offset})"
-            )
-        temp = need - real
-        return _SlidePlan(
-            real, temp, sink, first_slid, dropped, freed, temp - (dropped - freed),
-            block_length, offset, seq_length,
-        )
-
-    @staticmethod
-    def _apply_slide(seq: Sequence, block: Block, plan: _SlidePlan, pool: _BatchPages) -> None:
-        """Carry out a `_plan_slide` plan, in TVM's order of page operations."""
-        page_ids = block.page_ids
-        if plan.real:
-            page_ids.extend(pool.allocate(plan.real))
-        if plan.temp:
-            page_ids.extend([_TEMP_PAGE] * plan.temp)
-        if plan.dropped:
-            first, last = plan.first_slid, plan.first_slid + plan.dropped
-            released = [p for p in page_ids[first:last] if p != _TEMP_PAGE]
-            del page_ids[first:last]
-            pool.release(released)
-        block.sink_length = plan.sink_length
-        block.sliding_window_offset = plan.window_offset
-        block.seq_length = plan.block_length
-        seq.seq_length = plan.seq_length
-        if plan.temps_left:
-            temps = [i for i, p in enumerate(page_ids) if p == _TEMP_PAGE]
-            for i, page in zip(temps, pool.allocate(len(temps))):
-                page_ids[i] = page
-
     # ----------------------------------------------------------------- internals: popn
-
-    @staticmethod
-    def _pop_length(seq: Sequence, n) -> int:
-        """``n`` as an int in ``[0, seq.seq_length]``, else SequenceError / ArgumentError."""
-        n = as_int("pop length", n)
-        if not 0 <= n <= seq.seq_length:
-            raise SequenceError(
-                f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
-                f"expected 0 <= n <= {seq.seq_length}"
-            )
-        return n
-
-    def _plan_pop(self, seq: Sequence, n: int) -> _PopPlan:
-        freed: list[int] = []
-        idx = seq.last_block
-        while idx != -1 and self._blocks[idx].ref_count == 1:
-            block = self._blocks[idx]
-            if n > block.seq_length:
-                n -= block.seq_length
-                freed.append(idx)
-                idx = block.parent
-                continue
-            left = block.seq_length - n
-            # popping the whole window of a slid block, or into its sink: only sink tokens are
-            # left, at their original slots (a slid block never becomes a prefix block)
-            reset = left <= block.sink_length
-            used = left if reset else left - block.sink_length + block.sliding_window_offset
-            drop = max(0, len(block.page_ids) - ceil_div(used, self._page_size))
-            return _PopPlan(tuple(freed), idx, drop, n, 0, -1, reset)
-        return _PopPlan(tuple(freed), -1, 0, 0, n, idx)
-
-    def _check_pop_fork(self, seq: Sequence, plan: _PopPlan) -> None:
-        """Check, before trimming, that the fork fallback of `popn` will succeed."""
-        trimmed = sum(self._blocks[i].seq_length for i in plan.freed_blocks)
-        pos = seq.seq_length - trimmed - plan.remaining
-        self._check_committed(seq)  # a re-fork inside the prefix blocks: no sink check
-        if self._locate(plan.shared_block, pos)[1] % self._page_size == 0:
-            return
-        freed_pages = sum(len(self._blocks[i].page_ids) for i in plan.freed_blocks)
-        self._check_free_pages(
-            1, freed_pages, f"pop {plan.remaining} shared tokens from sequence {seq.seq_id}"
-        )
-
-    def _apply_trim(self, seq: Sequence, plan: _PopPlan) -> None:
-        for idx in plan.freed_blocks:
-            block = self._blocks[idx]
-            self._pages.release(block.page_ids)
-            seq.seq_length -= block.seq_length
-            seq.last_block = block.parent  # the freed block's reference passes to the parent
-            self._blocks.free(idx)
-        if plan.freed_blocks:
-            self._recompute_last_sink(seq)
-        if plan.trim_block == -1:
-            return
-        block = self._blocks[plan.trim_block]
-        if plan.trim_pages:
-            dropped = block.page_ids[-plan.trim_pages :]
-            del block.page_ids[-plan.trim_pages :]
-            self._pages.release(reversed(dropped))
-        block.seq_length -= plan.trim_length
-        seq.seq_length -= plan.trim_length
-        if plan.reset_window:
-            block.sink_length = 0
-            block.sliding_window_offset = 0
-
-    def _recompute_last_sink(self, seq: Sequence) -> None:
-        """A windowed sequence's last-block sink from its ``attn_sink_size`` and prefix."""
-        if seq.sliding_window_size != -1:
-            prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
-            seq.last_block_attn_sink_size = max(seq.attn_sink_size - prefix, 0)
 
     def _refork(self, seq: Sequence, pos: int) -> list[PageCopy]:
         """Replace ``seq`` by a fork of its own prefix of length ``pos`` (PopN's fallback)."""
-        child_block, copies = self._fork_blocks(seq, pos)
+        child_block, copies = self._tree.fork_blocks(seq, pos)
         self._blocks.retain(child_block)
-        self._release_path(seq.last_block)
+        self._tree.release_path(seq.last_block)
         fresh = Sequence(seq.seq_id, child_block, pos, sliding_window_size=seq.sliding_window_size,
                          attn_sink_size=seq.attn_sink_size)
         self._seqs[seq.seq_id] = fresh
-        self._recompute_last_sink(fresh)  # the window is kept (see popn)
+        self._tree.recompute_last_sink(fresh)  # the window is kept (see popn)
         return copies

@@ -1,0 +1,160 @@
+"""Kernel libraries on disk: the cache folder and keys, SHA-256 checksum files, atomic writes.
+
+Compiled kernel sets are kept under :func:`cache_dir` as ``kernels-<kind>-<key>.so``
+(:func:`cache_path`), keyed by their specs, target, TVM version, kernel sources and
+:data:`LIBRARY_FORMAT` (:func:`build_key`). Every library we write gets its SHA-256 beside it
+(``<library>.sha256``, :func:`write_checksum`); a cached library whose bytes differ from it is
+compiled again, and :func:`relax_kvcache.deploy.load` refuses it. Files are replaced atomically
+(written to a temporary file in the same folder, then renamed).
+
+Nothing here needs TVM's compiler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import tvm
+
+from .errors import DeployError
+
+if TYPE_CHECKING:
+    from tvm.runtime.executable import Executable
+
+_KERNEL_SOURCE_DIR = pathlib.Path(__file__).parent / "tir_kernels"
+#: Version of what a built library holds besides the kernels (3: ``kernel_spec_*`` functions;
+#: 6: LongRoPE, rotary-dim and interleaved-RoPE fields among them; 7: the attention chunk).
+LIBRARY_FORMAT = 7
+
+
+def cache_dir() -> pathlib.Path:
+    """Folder of compiled kernel libraries: ``$RELAX_KVCACHE_CACHE_DIR`` or ``~/.cache/relax_kvcache``."""
+    env = os.environ.get("RELAX_KVCACHE_CACHE_DIR")
+    path = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "relax_kvcache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _kernel_source_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(_KERNEL_SOURCE_DIR.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def build_key(spec: Any, target: tvm.target.Target) -> str:
+    """Cache key of a kernel set (``spec``: its :mod:`~relax_kvcache.kernel_specs` spec): specs, target, TVM version, the kernel sources and the
+    library format (:data:`LIBRARY_FORMAT`)."""
+    text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest(), str(LIBRARY_FORMAT)])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def cached_intact(path: pathlib.Path) -> bool:
+    """Whether a cached library exists and agrees with its checksum file (``<path>.sha256``);
+    one without a checksum or damaged is compiled again and replaced."""
+    try:
+        return path.exists() and verify_checksum(path)
+    except DeployError:
+        return False
+
+
+def cache_path(spec: Any, target: tvm.target.Target) -> pathlib.Path:
+    """Where the on-disk cache keeps the library of ``spec`` compiled for ``target``."""
+    return cache_dir() / f"kernels-{target.kind.name}-{build_key(spec, target)}.so"
+
+
+def checksum_path(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    """Where the checksum of ``library`` is kept: ``<library>.sha256`` beside it."""
+    library = pathlib.Path(library)
+    return library.with_name(library.name + ".sha256")
+
+
+def file_sha256(path: Union[str, "os.PathLike[str]"]) -> str:
+    """SHA-256 (hex) of the file at ``path``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksum(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
+    """Write ``<library>.sha256`` (``sha256sum`` format: ``sha256sum -c`` checks it) beside
+    ``library``; :func:`relax_kvcache.deploy.load` then refuses the library if its bytes change. Returns its path."""
+    library = pathlib.Path(library)
+    line = f"{file_sha256(library)}  {library.name}\n"
+    path = checksum_path(library)
+    write_atomic(path, line.encode())
+    return path
+
+
+def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[Union[str, "os.PathLike[str]"]] = None
+                    ) -> bool:
+    """Check ``library`` (or ``copy``, a copy of it) against ``<library>.sha256``.
+
+    Returns True when the checksum file exists and agrees, False when there is none (a library
+    written by other tools); raises DeployError, naming ``library``, when they disagree or the
+    checksum file cannot be read."""
+    library = pathlib.Path(library)
+    path = checksum_path(library)
+    if not path.is_file():
+        return False
+    try:
+        words = path.read_text(errors="replace").split()
+        actual = file_sha256(library if copy is None else copy)
+    except OSError as err:
+        raise DeployError(f"could not read {str(library)!r} or its checksum {str(path)!r} ({err})") from None
+    expected = words[0].lower() if words else ""
+    if actual != expected:
+        raise DeployError(f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
+                          f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected the "
+                          "bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
+                          "library together with its .sha256 file)")
+    return True
+
+
+def export_atomic(executable: Executable, path: pathlib.Path) -> None:
+    """``executable.export_library(path)`` through a temporary file in the same folder."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
+        tmp_path = tmp.name
+    try:
+        executable.export_library(tmp_path)
+        os.chmod(tmp_path, 0o755)  # a temporary file is private (0600); a library is not
+        os.replace(tmp_path, path)
+        write_checksum(path)
+    finally:
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)
+
+
+def copy_atomic(src: pathlib.Path, dest: pathlib.Path) -> None:
+    """Copy the library ``src`` to ``dest`` with its checksum."""
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
+        tmp_path = tmp.name
+    try:
+        shutil.copyfile(src, tmp_path)
+        os.chmod(tmp_path, 0o755)
+        os.replace(tmp_path, dest)
+        write_checksum(dest)
+    finally:
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)
+
+
+def write_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (readable by all), creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
+        tmp.write(data)
+    try:
+        os.chmod(tmp.name, 0o644)
+        os.replace(tmp.name, path)
+    finally:
+        if os.path.exists(tmp.name):
+            os.unlink(tmp.name)

@@ -1,0 +1,191 @@
+"""Kernel set specs: what the kernels of a cache configuration depend on, and how they are made.
+
+:func:`kernel_set_spec` turns a :class:`~relax_kvcache.config.KVCacheConfig` into a
+:class:`KernelSetSpec` (multi-head caches) or :class:`MLAKernelSetSpec` (MLA caches): typed
+specs of :mod:`relax_kvcache.tir_kernels`, and nothing else of the config. Each spec makes the
+PrimFuncs of its roles through the factories of the role catalogue
+(:data:`relax_kvcache.kernel_roles.CATALOGUE`). The factories need TVMScript, which a
+runtime-only TVM lacks: they are imported only when a spec is made or a kernel built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
+
+from .config import KVCacheConfig, LayerSpan
+from .errors import ConfigError
+from .kernel_roles import KERNEL_ROLES, MLA_KERNEL_ROLES, ROLES, Factory
+
+if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lacks
+    from tvm import tirx
+
+    from . import tir_kernels as tk
+
+
+def _longrope_spec(config: KVCacheConfig) -> Optional[tk.LongRopeSpec]:
+    """The LongRoPE spec of ``config``'s split_rotary (None without ``rope_ext_factors``)."""
+    if config.rope_ext_factors is None:
+        return None
+    if config.rope_original_max_position_embeddings is None:
+        raise ConfigError("building LongRoPE kernels needs KVCacheConfig.rope_original_max_position_embeddings "
+                          "(the position from which the long factors apply), got None")
+    from . import tir_kernels as tk
+
+    return tk.LongRopeSpec(original_max_position_embeddings=config.rope_original_max_position_embeddings,
+                           attention_factor=config.rope_attention_factor)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelSetSpec:
+    """What the kernels of a cache depend on (nothing else of the config enters the key)."""
+
+    page: tk.PageLayoutSpec
+    rope: tk.RopeSplitSpec
+    merge: tk.MergeSpec
+    attention: tk.AttentionSpec
+    sliding_window: bool
+    layer_span: LayerSpan = LayerSpan()
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig) -> "KernelSetSpec":
+        if config.is_mla:
+            raise ValueError("an MLA configuration has an MLAKernelSetSpec; use kernel_set_spec(config)")
+        from . import tir_kernels as tk
+
+        attention = tk.AttentionSpec(
+            num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+            qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
+            page_size=config.page_size)
+        return cls(
+            page=tk.PageLayoutSpec(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                                   page_size=config.page_size, dtype=config.dtype),
+            rope=tk.RopeSplitSpec(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+                                  head_dim=config.head_dim, dtype=config.dtype,
+                                  rope_theta=config.rope_theta, rope_scale=config.rope_scale,
+                                  longrope=_longrope_spec(config),
+                                  rotary_dim=None if config.rotary_dim == config.head_dim else config.rotary_dim,
+                                  interleaved=config.rope_interleaved),
+            merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
+                               dtype=config.dtype),
+            attention=attention,
+            sliding_window=config.support_sliding_window or config.has_layer_windows,
+            layer_span=config.layer_span,
+        )
+
+    @property
+    def windowed(self) -> tk.AttentionSpec:
+        """The attention of the ``_sliding_window`` kernels: ``[3, B]`` length info, and keys
+        outside what each query sees masked in local layers (``layer_span``)."""
+        return dataclasses.replace(self.attention, sliding_window=True, window=self.layer_span.window,
+                                   attention_chunk=self.layer_span.chunk)
+
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set (those :meth:`kernel_functions` makes), in
+        :data:`KERNEL_ROLES` order."""
+        return tuple(name for name in KERNEL_ROLES if _present(ROLES[name].requires, self))
+
+    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
+        """The PrimFuncs of the set, keyed by role (:meth:`roles`).
+
+        The ``_sliding_window`` variants take ``[3, B]`` length info; with local layers
+        (``layer_span``: a window or an attention chunk) they also mask keys outside what each
+        query sees, and a windowed ragged kernel serves the new tokens of local layers.
+        """
+        return {role: self.kernel_function(role, sched) for role in self.roles()}
+
+    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
+        if role not in self.roles():
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+        return _make(ROLES[role].mha, self, sched)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLAKernelSetSpec:
+    """What the kernels of an MLA cache depend on.
+
+    ``latent``: the page layout; ``absorbed``: attention of the W_UK-absorbed queries over the
+    one latent head (output ``kv_lora_rank`` wide); ``ragged``: causal self-attention over the
+    step's decompressed K/V (one KV head per query head, ``mla_original_*`` head dims), also the
+    kernel of :meth:`~relax_kvcache.PagedAttentionKVCache.mla_context_attention`.
+    """
+
+    latent: tk.LatentPageSpec
+    absorbed: tk.AttentionSpec
+    ragged: tk.AttentionSpec
+
+    @classmethod
+    def from_config(cls, config: KVCacheConfig) -> "MLAKernelSetSpec":
+        if not config.is_mla:
+            raise ValueError("MLAKernelSetSpec needs an MLA configuration; use kernel_set_spec(config)")
+        if config.mla_original_qk_head_dim is None:
+            raise ConfigError("building MLA kernels needs KVCacheConfig.mla_original_qk_head_dim and "
+                              "mla_original_v_head_dim (the decompressed self-attention head dims), got None")
+        from . import tir_kernels as tk
+
+        hq, dtype, ps = config.num_qo_heads, config.dtype, config.page_size
+        return cls(
+            latent=tk.LatentPageSpec(width=config.head_dim, page_size=ps, dtype=dtype),
+            absorbed=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=1, qk_head_dim=config.head_dim,
+                                      v_head_dim=config.v_head_dim, dtype=dtype, page_size=ps),
+            ragged=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=hq, qk_head_dim=config.mla_original_qk_head_dim,
+                                    v_head_dim=config.mla_original_v_head_dim, dtype=dtype, page_size=ps),
+        )
+
+    @property
+    def attention(self) -> tk.AttentionSpec:
+        """The attention over the cache's pages (for messages and benchmarks)."""
+        return self.absorbed
+
+    @property
+    def absorbed_merge(self) -> tk.MergeSpec:
+        """The merge of absorbed-attention outputs (``kv_lora_rank`` wide): ``merge_inplace``."""
+        from . import tir_kernels as tk
+
+        return tk.MergeSpec(num_heads=self.absorbed.num_qo_heads, head_dim=self.absorbed.v_head_dim,
+                            dtype=self.absorbed.dtype)
+
+    @property
+    def ragged_merge(self) -> tk.MergeSpec:
+        """The merge at the decompressed v head dim: ``merge_general``."""
+        from . import tir_kernels as tk
+
+        return tk.MergeSpec(num_heads=self.absorbed.num_qo_heads, head_dim=self.ragged.v_head_dim,
+                            dtype=self.absorbed.dtype)
+
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES`."""
+        return MLA_KERNEL_ROLES
+
+    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
+        """The PrimFuncs of the set, keyed by role (:meth:`roles`). ``debug_get_kv`` has TVM's
+        MLA convention ``(pages, position_map, kv_out (L, n, W), layer_id)``."""
+        return {role: self.kernel_function(role, sched) for role in self.roles()}
+
+    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
+        if role not in self.roles():
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+        return _make(ROLES[role].mla, self, sched)
+
+
+AnyKernelSetSpec = Union[KernelSetSpec, MLAKernelSetSpec]
+
+
+def kernel_set_spec(config: KVCacheConfig) -> AnyKernelSetSpec:
+    """The kernel set spec of a configuration: :class:`MLAKernelSetSpec` for MLA caches, else
+    :class:`KernelSetSpec`."""
+    return MLAKernelSetSpec.from_config(config) if config.is_mla else KernelSetSpec.from_config(config)
+
+
+def _present(requires: Optional[str], spec: KernelSetSpec) -> bool:
+    """Whether a multi-head set has a role that ``requires`` a true spec attribute (None: always)."""
+    return requires is None or bool(getattr(spec, requires))
+
+
+def _make(factory: Factory, spec: AnyKernelSetSpec, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+    """``tir_kernels.<factory.function>(spec.<factory.spec>, sched)``."""
+    from . import tir_kernels as tk
+
+    return getattr(tk, factory.function)(getattr(spec, factory.spec), sched)
