@@ -37,6 +37,9 @@ _CUDA_ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
 _COMPUTE_VERSION = re.compile(r"^(\d+)\.(\d+)$")
 _AMDGPU_TRIPLE = "amdgcn-amd-amdhsa"
 
+#: ``ROCM_PATH`` for Debian's ``rocm-device-libs`` (it installs ``amdgcn/bitcode`` here).
+DEBIAN_ROCM_PATH = "/usr/lib/x86_64-linux-gnu"
+
 
 class TargetUnavailableError(RuntimeError):
     """The installed TVM or the system toolchain cannot compile for (or run on) a target."""
@@ -216,7 +219,8 @@ def check_rocm_toolchain() -> Dict[str, str]:
 
     TVM's AMDGPU code generator links the ROCm device libraries (``ocml.bc`` ...) into each
     module and then calls ``ld.lld`` to turn the object into a code object. On Debian:
-    ``apt-get install lld-<N> rocm-device-libs`` and ``ROCM_PATH=/usr/lib/x86_64-linux-gnu``.
+    ``apt-get install lld-<N> rocm-device-libs`` and ``ROCM_PATH=/usr/lib/x86_64-linux-gnu``
+    (:data:`DEBIAN_ROCM_PATH`).
 
     Raises
     ------
@@ -294,8 +298,8 @@ def _find_rocm_bitcode() -> str:
             return folder
     where = f"ROCM_PATH={root}" if root is not None else "no ROCm found (ROCM_PATH unset, no hipcc)"
     hint = ""
-    if os.path.isfile("/usr/lib/x86_64-linux-gnu/amdgcn/bitcode/ocml.bc"):
-        hint = " Debian's rocm-device-libs is installed here: set ROCM_PATH=/usr/lib/x86_64-linux-gnu."
+    if os.path.isfile(os.path.join(DEBIAN_ROCM_PATH, "amdgcn", "bitcode", "ocml.bc")):
+        hint = f" Debian's rocm-device-libs is installed here: set ROCM_PATH={DEBIAN_ROCM_PATH}."
     raise TargetUnavailableError(
         "building for ROCm needs the ROCm device libraries (ocml.bc, ockl.bc, ...); "
         f"{where}{'' if folder is None else f', looked in {folder}'}. Install ROCm, or Debian's "
