@@ -118,9 +118,18 @@ def test_cuda_float32_prefill_uses_cuda_cores():
 
 
 def test_cuda_decode_reduces_with_warp_shuffles_and_16_byte_loads():
-    source = device_source(make_paged_decode, "float16", SM90)
-    assert "__shfl_xor_sync" in source
-    assert "*(uint4*)(kn" in source and "*(uint4*)(vn" in source  # K/V rows into registers, 16 B
+    """Before sm_80 (no mma.sync) a GQA decode runs on CUDA cores: K/V rows into registers in
+    16-byte vectors, scores summed across lanes with warp shuffles."""
+    source = device_source(make_paged_decode, "float16", (("kind", "cuda"), ("arch", "sm_75")))
+    assert "__shfl_xor_sync" in source and "mma.sync" not in source
+    assert "*(uint4*)(kn" in source and "*(uint4*)(vn" in source
+
+
+def test_cuda_gqa_decode_loads_tensor_core_fragments_from_pages():
+    """From sm_80 on, a 4:1 GQA decode loads its mma fragments from the pages in 16-byte pieces."""
+    source = device_source(make_paged_decode, "float16", SM80)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in source
+    assert "*(uint4*)(kr" in source and "*(uint4*)(vr" in source
 
 
 @pytest.mark.parametrize("kind", ["metal", "webgpu", "opencl"])

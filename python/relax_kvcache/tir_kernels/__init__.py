@@ -2,12 +2,12 @@
 
 from .attention import (
     make_paged_decode,
-    make_paged_mla,
     make_paged_prefill,
     make_paged_tree_prefill,
     make_ragged_prefill,
     make_ragged_tree_prefill,
 )
+from .attention_mla import make_paged_mla
 from .attention_prefixed import make_prefixed_prefill
 from .merge import make_merge_inplace
 from .page_ops import (

@@ -41,7 +41,6 @@ from .macros import (
     prefetch,
     tree_mask_chunk,
     init_state,
-    latent_kv_access,
     load_q_tile,
     query_position_range,
     ragged_kv_access,
@@ -106,7 +105,7 @@ def make_paged_decode(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     return _make_paged(spec, sched, decode=True)
 
 
-def _make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, kv_elem,
+def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, kv_elem,
                           tree: bool = False):
     """The work item shared by all CPU attention kernels: one sequence, one KV head.
 
@@ -260,7 +259,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
                    else gpu.prefill_grid(spec, sched, kv_elem, seq_src, kv_rows=paged_kv_rows(spec)))
         attend_sequence = None
     else:
-        attend_sequence = _make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile,
+        attend_sequence = make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile,
                                                 chunk=ps, kv_elem=paged_kv_access(spec))
 
     @T.macro
@@ -368,7 +367,7 @@ def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
         run_gpu = gpu.prefill_grid(spec, sched, ragged_kv_access(spec), _ragged_seq_src,
                                    kv_rows=ragged_kv_rows(spec))
     else:
-        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+        attend_sequence = make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
                                                 kv_elem=ragged_kv_access(spec))
 
     @T.prim_func(s_tir=True)
@@ -426,7 +425,7 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
     if on_gpu:
         run_gpu = gpu.prefill_grid(spec, sched, paged_kv_access(spec), _paged_seq_src(spec), tree=True)
     else:
-        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
+        attend_sequence = make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=ps,
                                                 kv_elem=paged_kv_access(spec), tree=True)
 
     @T.prim_func(s_tir=True)
@@ -498,7 +497,7 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
     if on_gpu:
         run_gpu = gpu.prefill_grid(spec, sched, ragged_kv_access(spec), _ragged_seq_src, tree=True)
     else:
-        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+        attend_sequence = make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
                                                 kv_elem=ragged_kv_access(spec), tree=True)
 
     @T.prim_func(s_tir=True)
@@ -543,73 +542,3 @@ def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimF
                         (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
     return ragged_tree_prefill
-
-
-def _cpu_mla_grid(spec: AttentionSpec, sched: Schedule):
-    """Macro running absorbed MLA attention on CPU: one parallel work item per sequence, the
-    MHA work item with the latent accessor."""
-    ps = spec.page_size
-    # All Hq heads share each latent chunk: tiles of about 32 rows, staged once per chunk.
-    attend_sequence = _make_attend_sequence(spec, sched, q_tile=max(1, 32 // spec.num_qo_heads), chunk=ps,
-                                            kv_elem=latent_kv_access(spec))
-
-    @T.macro
-    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q):
-        for b in T.parallel(B):
-            with T.sblock("work"):
-                T.reads()
-                T.writes()
-                # no RoPE and no window: the q_rope_position argument (qo_indptr here) is not read
-                attend_sequence(q, o, lse, qo_indptr, (pages, page_indices, page_indptr[b], length_info, b), 0,
-                                qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
-                                paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, False),
-                                0, causal, 0, T.float32(1), T.float32(1), sm_scale, ())
-
-    return run
-
-
-def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
-    """Absorbed MLA attention over latent pages (TVM's ``attention_prefill_mla`` convention).
-
-    Arguments: ``q (total_q, Hq, W), qo_indptr, pages (P, page_size, W), page_indptr,
-    page_indices, length_info (B,), o (total_q, Hq, v_head_dim), lse (total_q, Hq), causal,
-    sm_scale`` with ``W = qk_head_dim = kv_lora_rank + rope dim`` and ``v_head_dim =
-    kv_lora_rank``. Queries arrive multiplied by W_UK and RoPE'd; every query head attends to
-    the one latent head: score = q . latent row, output = probabilities @ latent[:, :v_head_dim].
-    Serves decode (one query per sequence) and prefill alike, as in TVM.
-    """
-    Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
-    if spec.num_kv_heads != 1 or DV > W or spec.sliding_window or spec.span:
-        raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "
-                         f"got {spec}")
-    if isinstance(sched, GpuSchedule):
-        from .attention_gpu_mla import mla_grid
-
-        run = mla_grid(spec, sched)
-    else:
-        run = _cpu_mla_grid(spec, sched)
-
-    @T.prim_func(s_tir=True)
-    def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                  var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
-                  causal: T.int32, sm_scale: T.float32):
-        T.func_attr({"tirx.noalias": True})
-        B = T.int32()
-        total_q = T.int32()
-        P = T.int64()
-        nnz = T.int32()
-        off_qo = T.int32()
-        off_indptr = T.int32()
-        off_indices = T.int32()
-        off_len = T.int32()
-        q = T.match_buffer(var_q, (total_q, Hq, W), dtype)
-        qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
-        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
-        page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
-        page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
-        length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
-        o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
-        lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
-        run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q)
-
-    return paged_mla

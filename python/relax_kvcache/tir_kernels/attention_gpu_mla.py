@@ -1,6 +1,6 @@
 """Tensor-core schedule of absorbed MLA attention (CUDA sm_80 and newer, float16 / bfloat16).
 
-The algorithm is the one of :func:`.attention.make_paged_mla`: every query head attends to the
+The algorithm is the one of :func:`.attention_mla.make_paged_mla`: every query head attends to the
 one latent head, score = q . latent row (``W = kv_lora_rank + rope dim`` features), output =
 softmax @ latent[:, :v_head_dim], folded chunk by chunk into an online-softmax state in log2
 units. MLA's shapes set the schedule: the 16 query rows of a tile all read the same latent
@@ -109,7 +109,7 @@ def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
 
 def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     """Macro running absorbed MLA attention over a batch on CUDA tensor cores: the body of
-    :func:`.attention.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``)."""
+    :func:`.attention_mla.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``)."""
     tile = MlaTile.choose(spec, sched)
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
     KC, CG, KS = tile.kv_chunk, tile.col_groups, tile.k_slices

@@ -12,7 +12,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import attention_gpu as gpu
-from .attention import _make_attend_sequence
+from .attention import make_attend_sequence
 from .macros import paged_kv_len, prefixed_kv_access, prefixed_kv_rows
 from .schedule import GpuSchedule, Schedule
 from .spec import AttentionSpec
@@ -46,7 +46,7 @@ def make_prefixed_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc
     if on_gpu:
         run_gpu = gpu.prefill_grid(spec, sched, kv_elem, _prefixed_seq_src(spec), kv_rows=prefixed_kv_rows(spec))
     else:
-        attend_sequence = _make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
+        attend_sequence = make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
                                                 kv_elem=kv_elem)
 
     @T.prim_func(s_tir=True)
