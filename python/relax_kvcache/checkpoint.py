@@ -418,6 +418,16 @@ class CheckpointIO:
                                 "import_page_group each before finish_import")
         self.importing = None
 
+    @property
+    def importing_id(self) -> Optional[int]:
+        """The sequence whose import is in progress, if any."""
+        return self.importing.seq_id if self.importing is not None else None
+
+    def abandon(self, seq_id: int) -> None:
+        """Drop the import into ``seq_id`` (a removed sequence), if there is one."""
+        if self.importing_id == seq_id:
+            self.importing = None
+
     def check_not_importing(self, seq_id: int, what: str) -> None:
         """Refuse ``what`` on the sequence whose import is unfinished."""
         if self.importing is not None and self.importing.seq_id == seq_id:

@@ -134,9 +134,7 @@ class PagedAttentionKVCache:
         seq_id = as_int("seq_id", seq_id)
         self._require_no_step("remove_sequence")
         self._paging.remove_sequence(seq_id)
-        importing = self._checkpoints.importing
-        if importing is not None and importing.seq_id == seq_id:
-            self._checkpoints.importing = None  # removing the sequence abandons its checkpoint import
+        self._checkpoints.abandon(seq_id)  # removing the sequence abandons its checkpoint import
 
     def fork_sequence(self, parent_seq_id: int, child_seq_id: int, fork_pos: int = -1) -> None:
         """Create ``child_seq_id`` sharing the first ``fork_pos`` tokens of the parent (-1: all)."""
@@ -268,9 +266,7 @@ class PagedAttentionKVCache:
         self._check_not_busy("begin_forward")
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
-        importing = self._checkpoints.importing
-        meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr,
-                                  importing.seq_id if importing is not None else None)
+        meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta))
 
     def end_forward(self) -> None:
@@ -336,7 +332,7 @@ class PagedAttentionKVCache:
             qkv = view(qkv, (n,) + shape[1:], 0, self._dtype)
             o = view(o, (n, cfg.num_qo_heads, cfg.head_dim), 0, self._dtype)
         sm_scale = as_float("sm_scale", sm_scale)
-        self._check_not_overwritten(step, f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
+        step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         mha.fused_qkv(step, layer, qkv, o, sm_scale)
         step.appended.add(layer)
 
@@ -368,7 +364,7 @@ class PagedAttentionKVCache:
             raise ForwardError(f"attention_with_shared_kv reads layer {source_layer_id}'s KV, which this step has not "
                                "appended yet; call it after that layer's attention_with_fused_qkv")
         if step.meta.reused_pages:
-            raise ForwardError(self._reused_pages_message(step, "attention_with_shared_kv", source_layer_id))
+            raise ForwardError(step.reused_pages_message("attention_with_shared_kv", source_layer_id))
         mha.attend(step, layer, q, k, v, o, step.device.merged_lse, sm_scale)
 
     def self_attention(self, layer_id: int, q: tvm.runtime.Tensor, k: tvm.runtime.Tensor,
@@ -418,7 +414,7 @@ class PagedAttentionKVCache:
         check_disjoint([("o", o, rows * cfg.v_head_dim * self._itemsize), ("lse", lse, rows * 4)],
                        [("q", q, rows * cfg.head_dim * self._itemsize)])
         sm_scale = as_float("sm_scale", sm_scale)
-        self._check_not_overwritten(step, f"cross_attention({layer_id})", layer, layer_id)
+        step.check_not_overwritten(f"cross_attention({layer_id})", layer, layer_id)
         self._attention.paged(step, layer, q, o, lse, sm_scale, first=True, write_empty=True)
 
     def merge_attn_output_inplace(self, o_self_attn: tvm.runtime.Tensor, lse_self_attn: tvm.runtime.Tensor,
@@ -444,20 +440,6 @@ class PagedAttentionKVCache:
             check_disjoint(outputs, [("o_cross_attn", o_cross_attn, o_bytes), ("lse_cross_attn", lse_cross_attn, lse_bytes)])
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
         return o_self_attn, lse_self_attn
-
-    def _check_not_overwritten(self, step: Step, what: str, layer: int, layer_id: int) -> None:
-        """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote pages that slid
-        out of a window this step."""
-        if step.meta.reused_pages and layer in step.appended:
-            raise ForwardError(self._reused_pages_message(step, what, layer_id))
-
-    @staticmethod
-    def _reused_pages_message(step: Step, what: str, layer_id: int) -> str:
-        return (f"{what} would read layer {layer_id}'s KV after its append overwrote page(s) "
-                f"{list(dict.fromkeys(step.meta.reused_pages))[:8]}: in this step they slid out of a sequence's window, "
-                "whose attention reads their old tokens, and hold new tokens of this step. Steps where "
-                "windows slide attend before appending, so a layer's KV can be read only by its own "
-                "attention_with_fused_qkv call (a batch whose windows free no page for others avoids this)")
 
     # ------------------------------------------------------------------ MLA
 

@@ -21,6 +21,7 @@ import tvm
 from .. import metadata as md
 from ..aux_buffer import AuxBuffer, SlotBuffer
 from ..config import KVCacheConfig
+from ..errors import ForwardError
 from ..tensors import allocate, view
 
 #: Page ids per sequence that fixed decode slots leave free for the page lists to grow into.
@@ -142,6 +143,19 @@ class Step:
     @property
     def total_tokens(self) -> int:
         return self.meta.total_tokens
+
+    def check_not_overwritten(self, what: str, layer: int, layer_id: int) -> None:
+        """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote pages that slid
+        out of a window this step."""
+        if self.meta.reused_pages and layer in self.appended:
+            raise ForwardError(self.reused_pages_message(what, layer_id))
+
+    def reused_pages_message(self, what: str, layer_id: int) -> str:
+        return (f"{what} would read layer {layer_id}'s KV after its append overwrote page(s) "
+                f"{list(dict.fromkeys(self.meta.reused_pages))[:8]}: in this step they slid out of a sequence's window, "
+                "whose attention reads their old tokens, and hold new tokens of this step. Steps where "
+                "windows slide attend before appending, so a layer's KV can be read only by its own "
+                "attention_with_fused_qkv call (a batch whose windows free no page for others avoids this)")
 
 
 @dataclasses.dataclass(frozen=True)
