@@ -39,7 +39,7 @@ def _read_kv(cache, seq_id: int, length: int) -> Tuple[np.ndarray, ...]:
 def snapshot(cache, *, pages: bool = False) -> Snapshot:
     """The state of ``cache`` (see the module docstring)."""
     contents = {}
-    state = getattr(cache, "_import", None)
+    state = cache._checkpoints.importing
     for seq_id in cache._paging.seq_ids():
         length = cache._paging.sequence_length(seq_id)
         if length and not (state is not None and state.seq_id == seq_id):  # unreadable while importing

@@ -179,7 +179,7 @@ def test_page_groups_move_in_chunks(direction):
         _step(src, shape, [(0, n)], rng)
     meta, groups = _export(src, 0)
     _import(dst, 0, meta, groups)
-    assert src._group_mover._buffers[0].shape[1] < 53  # more than one chunk
+    assert src._checkpoints._mover._buffers[0].shape[1] < 53  # more than one chunk
     for a, b in zip(_kv(src, shape, 0, 53), _kv(dst, shape, 0, 53)):
         np.testing.assert_array_equal(a, b)
 

@@ -15,7 +15,7 @@ import pytest
 import tvm
 
 import relax_kvcache as rk
-from relax_kvcache import cache as cache_module
+from relax_kvcache.cache import step as step_module
 from test_cache import CONFIGS, Harness, cache_factory  # noqa: F401 (fixture)
 
 # (caches with support_sliding_window attend before appending: always planned in full)
@@ -41,10 +41,10 @@ class Twin:
         self.h.ref.layer_chunks = [config.attention_chunk_size if k == rk.AttnKind.MHA_CHUNKED_LOCAL else 0
                                    for k in config.attn_kinds]
         self.full = cache_factory(config)
-        self.full._decode_planner.next_step = lambda *args: None
+        self.full._planner.decode.next_step = lambda *args: None
         self.incremental_steps = 0
         self.depths_seen = set()
-        planner = self.h.cache._decode_planner
+        planner = self.h.cache._planner.decode
         original = planner.next_step
 
         def counted(*args):
@@ -65,13 +65,13 @@ class Twin:
     def step(self, batch):
         ids, lengths = [s for s, _ in batch], [n for _, n in batch]
         self.full.begin_forward(ids, lengths)
-        expected = self.full._step
+        expected = self.full._step.meta
         self.full.end_forward()
         original_begin = self.h.cache.begin_forward
 
         def begin_and_compare(*args):
             original_begin(*args)
-            same_step(self.h.cache._step, expected)
+            same_step(self.h.cache._step.meta, expected)
 
         self.h.cache.begin_forward = begin_and_compare
         try:
@@ -149,7 +149,7 @@ def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory):
     for _ in range(16):  # 0 and 1 take a page at once, 2 one step later: 1 free
         t.step([(0, 1), (1, 1), (2, 1)])
     cache = t.h.cache
-    assert cache._decode_planner.current is not None
+    assert cache._planner.decode.current is not None
     before = cache._paging.debug_snapshot()
     with pytest.raises(rk.CacheFullError, match=r"2 page\(s\) needed, 1 free"):  # 0 and 1 are full again, 1 page free
         cache.begin_forward([0, 1, 2], [1, 1, 1])
@@ -184,7 +184,7 @@ def test_bad_repeated_batch_is_refused(cache_factory, seq_ids, lengths, match):
 
 @pytest.mark.parametrize("name", ["fp32-gqa-normal", "chunked-normal"])
 def test_fixed_slots_keep_kernel_arguments_until_the_batch_changes(cache_factory, monkeypatch, name):
-    monkeypatch.setattr(cache_module, "_DECODE_PAGE_HEADROOM", 1)
+    monkeypatch.setattr(step_module, "DECODE_PAGE_HEADROOM", 1)
     config = dataclasses.replace(LOCAL[name], page_size=16) if name in LOCAL else CONFIGS[name]
     h = Harness(cache_factory(config), np.random.default_rng(4))
     h.ref.layer_chunks = [config.attention_chunk_size if k == rk.AttnKind.MHA_CHUNKED_LOCAL else 0
@@ -198,7 +198,7 @@ def test_fixed_slots_keep_kernel_arguments_until_the_batch_changes(cache_factory
 
     def record(what):
         step = original(what)
-        seen.append(step)
+        seen.append(step.device)
         return step
 
     cache._active_step = record

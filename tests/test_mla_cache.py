@@ -347,7 +347,7 @@ def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
         KVCacheConfig(**{**fields, "context_chunk_size": 10**9, "max_total_seq_len": 2**31 - 1, "num_qo_heads": 512})
     huge_chunk = KVCacheConfig(**{**fields, "context_chunk_size": 10**9})  # capped by the 2048-token pool
     cache = PagedAttentionKVCache(huge_chunk, DEV, kernels=mla_kernels)
-    assert cache._context_workspace.k.shape[0] == huge_chunk.num_total_pages * huge_chunk.page_size
+    assert cache._attention.workspace.k.shape[0] == huge_chunk.num_total_pages * huge_chunk.page_size
 
 
 def test_context_longer_than_the_pages_is_chunked_by_the_workspace(mla_kernels):
@@ -410,7 +410,7 @@ def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel
         cache.mla_context_attention(0, q, o, lse, SM_SCALE, None)
     with pytest.raises(KVCacheError, match="sm_scale"):
         cache.mla_context_attention(0, q, o, lse, None, lambda *a: calls.append(a))
-    assert not calls and cache._context_workspace is None  # made at the first call that runs (code audit)
+    assert not calls and cache._attention.workspace is None  # made at the first call that runs (code audit)
     assert_same(before, snapshot(cache, pages=True))
     cache.end_forward()
 

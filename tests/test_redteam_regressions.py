@@ -261,7 +261,7 @@ def test_shared_kv_is_refused_when_slid_out_pages_hold_new_tokens():
         n = sum(lens)
         qkv = rng.standard_normal((n, 4, 16)).astype(np.float32)
         c.begin_forward(ids, lens)
-        assert bool(c._step.reused_pages) == reused
+        assert bool(c._step.meta.reused_pages) == reused
         own = out(n)
         c.attention_with_fused_qkv(0, T(qkv), own, 0.3)
         shared_args = (T(qkv[:, :2].copy()), T(qkv[:, 2:3].copy()), T(qkv[:, 3:4].copy()), out(n), 0.3)
@@ -417,7 +417,7 @@ def test_cross_attention_after_an_append_that_reused_a_slid_page_is_refused():
         c.cross_attention(0, q, o, lse, 0.3)  # before the append: allowed
         qkv = tvm.runtime.tensor(rng.standard_normal((n, 8, 16)).astype("float32"))
         c.attention_with_fused_qkv(0, qkv, tvm.runtime.empty((n, 4, 16), "float32"), 0.3)
-        if c._step.reused_pages:
+        if c._step.meta.reused_pages:
             _unchanged(c, lambda: c.cross_attention(0, q, o, lse, 0.3), rk.ForwardError,
                        r"cross_attention\(0\) would read layer 0's KV after its append overwrote page")
             refused += 1
@@ -451,15 +451,15 @@ def test_debug_get_kv_of_another_layer_is_refused_when_that_layer_holds_the_same
     held the probe's own rows (freed pages of an earlier probe, reused by the allocator), a
     ``debug_get_kv`` reading layer 1 passed (a CI run failed this way). The unprobed layers'
     pages are now poisoned first; here layer 1 is made to hold layer 0's bytes on purpose."""
-    from relax_kvcache import kernel_probe
+    from relax_kvcache import attention_probe
 
-    original = kernel_probe._probe_debug_get_kv
+    original = attention_probe._probe_debug_get_kv
 
     def with_layer_one_a_copy(probed, layers):
-        probed._pages[1].copyfrom(probed._pages[0])
+        probed.pages[1].copyfrom(probed.pages[0])
         original(probed, layers)
 
-    monkeypatch.setattr(kernel_probe, "_probe_debug_get_kv", with_layer_one_a_copy)
+    monkeypatch.setattr(attention_probe, "_probe_debug_get_kv", with_layer_one_a_copy)
     k = cache._kernels
     other = tvm_ffi.convert(lambda pages, pos, kd, vd, layer: k.debug_get_kv(pages, pos, kd, vd, 1 - layer))
     with pytest.raises(rk.ConfigError, match="debug_get_kv does not return the K/V stored"):

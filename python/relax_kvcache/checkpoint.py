@@ -8,23 +8,27 @@ then V, the layout of a page), the last page's unused slots zero. The metadata n
 layout (and its 64-bit FNV-1a *layout hash*, of the same string TVM hashes), the sequence
 length and the groups; an import checks that the layout matches this cache's.
 
-This module owns the format: the layout string and hash, writing and validating metadata
-(:func:`metadata_json`, :func:`parse_import`), and moving page groups with the cache's own
-kernels (:class:`PageGroupMover`). The cache owns the import state.
+This module owns the format (the layout string and hash, writing and validating metadata:
+:func:`metadata_json`, :func:`parse_import`), moving page groups with the cache's own kernels
+(:class:`PageGroupMover`) and a cache's checkpoint I/O (:class:`CheckpointIO`: export, and the
+import in progress), to which the cache's checkpoint methods delegate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import tvm
 
+from .args import as_int
 from .config import AttnKind, KVCacheConfig, RopeMode
-from .errors import ArgumentError, CacheFullError, ConfigError
+from .errors import ArgumentError, CacheFullError, ConfigError, KVCacheError, SequenceError
+from .paging import PagingState
 from .paging._checks import INT64_MAX, INT64_MIN
-from .tensors import allocate, numpy_dtype, view
+from .tensors import TENSOR_TYPES, allocate, check_tensor, numpy_dtype, view
 
 FORMAT_VERSION = 1
 CACHE_TYPE = "relax.vm.PagedAttentionKVCache"
@@ -317,3 +321,158 @@ class PageGroupMover:
 def group_as_pages(group: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
     """A page group ``(1, P, 2, H, ps, D)`` seen as pages ``(P, 2, H, ps, D)``."""
     return view(group, tuple(group.shape[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportState:
+    """A checkpoint import in progress: the sequence, its positions' slots, groups still due."""
+
+    seq_id: int
+    slots: np.ndarray  # (seq_length,) int32
+    pending: frozenset
+
+
+class CheckpointIO:
+    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress.
+
+    Parameters
+    ----------
+    config, layer_offset
+        The cache's config and first layer id (both part of the layout).
+    kernels : KernelSet
+    device : tvm.runtime.Device
+    paging : PagingState
+    pages : list of Tensor
+        The cache's page tensor of each layer.
+    require_no_step : callable
+        ``require_no_step(what)`` raises while a forward step (or a callback) is active.
+    """
+
+    def __init__(self, config: KVCacheConfig, layer_offset: int, kernels: Any, device: tvm.runtime.Device,
+                 paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None]) -> None:
+        self._config, self._layer_offset, self._kernels, self._device = config, layer_offset, kernels, device
+        self._paging, self._pages, self._require_no_step = paging, pages, require_no_step
+        self._mover = PageGroupMover(config, kernels, device)
+        self.importing: Optional[ImportState] = None
+
+    def layout_hash(self) -> str:
+        self._require_checkpointable("get_layout_hash")
+        return layout_hash(self._config, self._layer_offset)
+
+    def metadata(self, seq_id: Any) -> str:
+        seq_id = self._checkpoint_sequence(seq_id, "get_checkpoint_metadata")
+        length = self._paging.sequence_length(seq_id)
+        return metadata_json(metadata(self._config, self._layer_offset, seq_id, length, self._config.max_num_seqs))
+
+    def export_group(self, seq_id: Any, group_id: Any, out: Any) -> None:
+        seq_id = self._checkpoint_sequence(seq_id, "export_page_group")
+        group = self._group_id(group_id)
+        length = self._paging.sequence_length(seq_id)
+        shape = group_shape(self._config, length)
+        host = self._check_group_tensor("out", out, shape)
+        if length == 0:
+            return
+        target = allocate(shape, self._config.dtype, self._device, "page group") if host else out
+        pages = group_as_pages(target)
+        self._mover.move(self._pages[group], self._paging.position_map(seq_id), pages,
+                         np.arange(length, dtype=np.int32))
+        self._mover.zero(pages, np.arange(length, shape[1] * self._config.page_size, dtype=np.int32))
+        if host:
+            target.copyto(out)
+
+    def prepare(self, seq_id: Any, text: Any) -> None:
+        seq_id = as_int("seq_id", seq_id)
+        self._require_no_step("prepare_import")
+        self._require_checkpointable("prepare_import")
+        if self.importing is not None:
+            raise SequenceError(f"prepare_import({seq_id}): the import into sequence {self.importing.seq_id} is not "
+                                "finished; finish_import it or remove that sequence first")
+        length = parse_import(self._config, self._layer_offset, text)
+        slots = self._paging.import_sequence(seq_id, length)
+        self.importing = ImportState(seq_id, slots, frozenset(range(self._config.num_layers)))
+
+    def import_group(self, seq_id: Any, group_id: Any, group: Any) -> None:
+        self._require_checkpointable("import_page_group")
+        seq_id, group_id = as_int("seq_id", seq_id), self._group_id(group_id)
+        self._require_no_step("import_page_group")
+        state = self._importing(seq_id, "import_page_group")
+        if group_id not in state.pending:
+            raise SequenceError(f"page group {group_id} of sequence {seq_id} was already imported")
+        shape = group_shape(self._config, len(state.slots))
+        if self._check_group_tensor("group", group, shape):  # a host tensor: upload it first
+            staged = allocate(shape, self._config.dtype, self._device, "page group")
+            staged.copyfrom(group)
+            group = staged
+        if len(state.slots):
+            self._mover.move(group_as_pages(group), np.arange(len(state.slots), dtype=np.int32),
+                             self._pages[group_id], state.slots)
+        self.importing = dataclasses.replace(state, pending=state.pending - {group_id})
+
+    def finish(self, seq_id: Any) -> None:
+        self._require_checkpointable("finish_import")
+        seq_id = as_int("seq_id", seq_id)
+        self._require_no_step("finish_import")
+        state = self._importing(seq_id, "finish_import")
+        if state.pending:
+            raise SequenceError(f"the import into sequence {seq_id} is missing page group(s) {sorted(state.pending)}; "
+                                "import_page_group each before finish_import")
+        self.importing = None
+
+    @property
+    def importing_id(self) -> Optional[int]:
+        """The sequence whose import is in progress, if any."""
+        return self.importing.seq_id if self.importing is not None else None
+
+    def abandon(self, seq_id: int) -> None:
+        """Drop the import into ``seq_id`` (a removed sequence), if there is one."""
+        if self.importing_id == seq_id:
+            self.importing = None
+
+    def check_not_importing(self, seq_id: int, what: str) -> None:
+        """Refuse ``what`` on the sequence whose import is unfinished."""
+        if self.importing is not None and self.importing.seq_id == seq_id:
+            raise SequenceError(f"{what}: sequence {seq_id} is importing a checkpoint; finish_import it (or remove "
+                                "it) first")
+
+    def _checkpoint_sequence(self, seq_id: Any, what: str) -> int:
+        """A sequence that can be saved now (its id)."""
+        seq_id = as_int("seq_id", seq_id)
+        self._require_no_step(what)
+        self._require_checkpointable(what)
+        self.check_not_importing(seq_id, what)
+        seq = self._paging.sequence(seq_id)
+        if seq.token_tree is not None or seq.sliding_window_size != -1:
+            raise SequenceError(f"{what}: sequence {seq_id} has " + ("an uncommitted token tree; commit it first"
+                                if seq.token_tree is not None else "a sliding window, which checkpoints do not "
+                                "hold (as in TVM)"))
+        return seq_id
+
+    def _require_checkpointable(self, what: str) -> None:
+        why = unsupported_layout(self._config)
+        if why is not None:
+            raise NotImplementedError(f"{what}: checkpoints of caches with {why} are not supported")
+        missing = self._kernels.missing(["debug_get_kv", "transpose_append"])
+        if missing:
+            raise KVCacheError(f"{what} needs the {' and '.join(missing)} kernel(s), which this cache was "
+                               "created without")
+
+    def _check_group_tensor(self, name: str, value: Any, shape: Tuple[int, ...]) -> bool:
+        """Check a page group tensor; True when it is on the host while the cache is not."""
+        host = isinstance(value, TENSOR_TYPES) and value.device == tvm.cpu() and self._device != tvm.cpu()
+        check_tensor(name, value, shape=shape, dtype=self._config.dtype, device=tvm.cpu() if host else self._device)
+        return host
+
+    def _group_id(self, group_id: Any) -> int:
+        group_id, layers = as_int("group_id", group_id), self._config.num_layers
+        if not 0 <= group_id < layers:
+            raise ArgumentError(f"group_id {group_id} is out of range [0, {layers}): a checkpoint "
+                                "has one page group per layer of the cache")
+        return group_id
+
+    def _importing(self, seq_id: int, what: str) -> ImportState:
+        state = self.importing
+        if state is None or state.seq_id != seq_id:
+            raise SequenceError(f"{what}: no checkpoint import into sequence {seq_id} is in progress"
+                                + (f" (sequence {state.seq_id} is importing)" if state else
+                                   "; call prepare_import first"))
+        return state

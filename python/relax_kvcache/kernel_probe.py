@@ -1,27 +1,116 @@
-"""Check kernels that carry no record of their config before a cache relies on them.
+"""Check a kernel set against the config of the cache that would run it.
 
-Our kernel libraries name the config they were built for (``build.kernel_identity``); kernels
-passed through TVM's creation arguments (TVM's own, or ours compiled into a model's module by
-the frontend) do not. A cache built on them runs each kernel it calls in the middle of a
-mutating operation once at construction, on inputs where the right answer is known, so kernels
-of another shape or dtype fail there with a `ConfigError` instead of halfway through a fork, a
-commit or a step; then it drives a probe sequence through a few steps, so that every attention
-kernel it calls has run on its tensors (and a decode step's attention, which follows the step's
-append, cannot fail later on a mismatched kernel), and clears itself.
+``check_kernels`` runs at the start of ``PagedAttentionKVCache.__init__``, before the cache
+allocates anything. Every set must have the kernels the config's steps call. Our kernel
+libraries name the config they were built for (``KernelSet.identity``, ``build.kernel_identity``),
+which must be this one; kernels passed through TVM's creation arguments (TVM's own, or ours
+compiled into a model's module by the frontend) carry no such record and are probed: each page
+kernel the cache calls in the middle of a mutating operation runs on two random pages, where the
+right answer is known, so kernels of another shape or dtype fail here with a `ConfigError`
+instead of halfway through a fork, a commit or a step; then a small probe cache built on the set
+drives a probe sequence through a few steps, so that every attention kernel has run on its
+tensors (a decode step's attention, which follows the step's append, cannot fail later).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
 
+from .build import kernel_identity
 from .config import KVCacheConfig, RopeMode
 from .errors import ConfigError
 from .kernel_set import KernelSet, split_rotary_rope_argument
-from .tensors import numpy_dtype, row_view, view
+from .tensors import row_view, view
+from .attention_probe import (ProbeCache, exact_random, host_tensor, page_slot, probe_attention, recording, summary,
+                              write_values)
+
+
+def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
+                  new_cache: Callable[[KVCacheConfig, KernelSet], ProbeCache]) -> KVCacheConfig:
+    """Refuse kernels a cache of ``config`` cannot run on; return the config to build it with.
+
+    ``new_cache(config, kernels)`` builds an unchecked cache for the probe. An MLA config
+    without decompressed head dims gets those the foreign kernels accept.
+
+    Raises
+    ------
+    ConfigError
+        Our kernels built for another config, a kernel the config's steps call is missing, or a
+        foreign kernel fails its probe (see the module docstring).
+    """
+    if kernels.identity is not None:
+        _check_kernels_match(config, kernels.identity)
+    _check_required_kernels(config, kernels)
+    if kernels.identity is not None:  # ours, built for this config
+        return config
+    if config.is_mla and config.mla_original_qk_head_dim is None:
+        config = _with_kernel_head_dims(config, kernels, device)
+    probe_config = _small(config)
+    # a set with the prefixed prefill kernel is probed without it first (ragged + paged + merge,
+    # the path of the steps it does not serve), then with it
+    passes = [kernels]
+    if kernels.attention_prefill_prefixed is not None:
+        passes.insert(0, dataclasses.replace(kernels, attention_prefill_prefixed=None))
+    for i, kernel_set in enumerate(passes):
+        calls: List[str] = []
+        probe = new_cache(probe_config, recording(kernel_set, calls))  # roles each step calls
+        if i == 0:
+            probe_foreign_kernels(probe_config, kernels, probe.pages[0], device)
+        probe_attention(probe, kernels, calls)
+    return config
+
+
+def _small(config: KVCacheConfig) -> KVCacheConfig:
+    """``config`` with a pool of about 16 pages (enough for every probe step), when it has more."""
+    small = dataclasses.replace(config, max_total_seq_len=min(config.max_total_seq_len, 15 * config.page_size),
+                                max_num_seqs=1)
+    return small if 16 <= small.num_total_pages <= config.num_total_pages else config
+
+
+def _check_kernels_match(config: KVCacheConfig, built_for: Tuple[Tuple[str, float], ...]) -> None:
+    """Refuse kernels built for another configuration (they would read pages of another shape)."""
+    expected = kernel_identity(config)
+    differ = [f"{name} {value!r} (kernels) vs {expected[name]!r} (config)" for name, value in built_for
+              if value != expected[name]]
+    if differ:
+        raise ConfigError("the kernels were built for another configuration: " + "; ".join(differ)
+                          + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for this "
+                          "config with relax_kvcache.build_kernels(config, target)")
+
+
+def _check_required_kernels(config: KVCacheConfig, kernels: KernelSet) -> None:
+    """Refuse a kernel set without a kernel every step of this config calls (e.g. TVM's creation
+    arguments with None), before any step could append K/V and then fail."""
+    if config.is_mla:
+        roles = ["transpose_append_mla", "attention_prefill_mla", "attention_prefill_ragged"]
+    else:
+        roles = ["transpose_append", "split_rotary", "attention_prefill_ragged", "attention_prefill",
+                 "attention_decode"]
+        if config.slides_sequences or config.has_layer_windows:
+            roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
+        if config.layer_span.chunk:  # the plain ragged kernel cannot split a step at chunk boundaries
+            roles += ["attention_prefill_ragged_sliding_window"]
+    roles += ["copy_single_page", "merge_inplace", "merge_general"]
+    missing = kernels.missing(roles)
+    if missing:
+        raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
+                          "calls in every step; pass them (or let the cache build its own; TVM has no kernels for "
+                          "MHA_CHUNKED_LOCAL layers)")
+
+
+def _with_kernel_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> KVCacheConfig:
+    """An MLA config without decompressed head dims, given the dims its foreign kernels accept."""
+    qk, v = decompressed_head_dims(config, kernels, device)
+    try:
+        return dataclasses.replace(config, mla_original_qk_head_dim=qk, mla_original_v_head_dim=v)
+    except ConfigError as err:
+        raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims the ragged kernel "
+                          f"and merge_general accept) do not fit this config: {err}") from None
+
 
 # token positions of the split_rotary probe (rotations by different angles)
 _PROBE_POSITIONS = (7, 1000)
@@ -62,11 +151,11 @@ def probe_foreign_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.
         except ConfigError:
             raise
         except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
-            summary = _summary(err)
+            text = summary(err)
             longrope = (" and the rope_ext_factors tensor as its last argument (TVM's LongRoPE convention)"
                         if role == "split_rotary" and config.rope_ext_factors is not None else "")
             raise ConfigError(f"{kernels.origin(role)}the {role} kernel fails on this cache's tensors ({config.dtype} "
-                              f"pages of shape {shape}{longrope}; {type(err).__name__}: {summary}); expected kernels "
+                              f"pages of shape {shape}{longrope}; {type(err).__name__}: {text}); expected kernels "
                               "built for this config") from err
 
 
@@ -90,8 +179,8 @@ def decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet,
         No head dim up to :data:`MAX_PROBED_HEAD_DIM` is accepted.
     """
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
-    wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
-    lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
+    wide = [host_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
+    lse = [host_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
     ints = {v: tvm.runtime.tensor(np.array(v, dtype=np.int32), device) for v in ((0, 1), (0,))}
 
     def per_head(i: int, dim: int) -> tvm.runtime.Tensor:
@@ -104,7 +193,7 @@ def decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet,
     if v_dim is None:
         raise ConfigError(f"the merge_general kernel accepts no state of head dim 1 to {widest} ({dtype}, "
                           f"{hq} heads); expected TVM's second merge function, at the decompressed v head dim")
-    v_buf = [_tensor(np.zeros((1, hq, v_dim)), dtype, device) for _ in range(2)]
+    v_buf = [host_tensor(np.zeros((1, hq, v_dim)), dtype, device) for _ in range(2)]
 
     def ragged(dim: int) -> None:
         kernels.attention_prefill_ragged(per_head(0, dim), ints[(0, 1)], per_head(1, dim), v_buf[0], ints[(0, 1)],
@@ -129,12 +218,6 @@ def _first_accepted(call: Callable[[int], None], dims: Sequence[int]) -> Optiona
     return None
 
 
-def _summary(err: Exception) -> str:
-    """An exception's message on one line, at most 200 characters (TVM's span several lines)."""
-    text = " ".join(str(err).split())
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
 class _PageProbe:
     """Pages 0 and 1 of a layer's page tensor, their expected contents, and the page kernels'
     probes (each runs a kernel, updates the expected contents and compares)."""
@@ -145,26 +228,26 @@ class _PageProbe:
         self.pages = pages
         self.views = [row_view(pages, i) for i in (0, 1)]
         self.rng = np.random.default_rng(2)
-        self.want = [_exact_random(self.rng, tuple(pages.shape[1:])) for _ in (0, 1)]
+        self.want = [exact_random(self.rng, tuple(pages.shape[1:])) for _ in (0, 1)]
 
     def fill(self) -> None:
         for page, values in zip(self.views, self.want):
-            _write(page, values, self.config.dtype)
+            write_values(page, values, self.config.dtype)
 
     def slot(self, page: np.ndarray, slot: int) -> np.ndarray:
-        return _slot(page, slot, is_mla=self.config.is_mla)
+        return page_slot(page, slot, is_mla=self.config.is_mla)
 
     def append(self) -> None:
         """Append one token to position 0 (page 0, slot 0)."""
         cfg, position = self.config, tvm.runtime.tensor(np.zeros(1, dtype=np.int32), self.device)
         if cfg.is_mla:
-            kv = _exact_random(self.rng, (1, cfg.head_dim))
-            self.kernels.transpose_append_mla(self.pages, _tensor(kv, cfg.dtype, self.device), position)
+            kv = exact_random(self.rng, (1, cfg.head_dim))
+            self.kernels.transpose_append_mla(self.pages, host_tensor(kv, cfg.dtype, self.device), position)
             self.slot(self.want[0], 0)[...] = kv[0]
         else:
-            k, v = (_exact_random(self.rng, (1, cfg.num_kv_heads, d)) for d in (cfg.head_dim, cfg.v_head_dim))
-            self.kernels.transpose_append(self.pages, _tensor(k, cfg.dtype, self.device),
-                                          _tensor(v, cfg.dtype, self.device), position)
+            k, v = (exact_random(self.rng, (1, cfg.num_kv_heads, d)) for d in (cfg.head_dim, cfg.v_head_dim))
+            self.kernels.transpose_append(self.pages, host_tensor(k, cfg.dtype, self.device),
+                                          host_tensor(v, cfg.dtype, self.device), position)
             self.slot(self.want[0], 0)[...] = np.stack([k[0], v[0]])
         role = "transpose_append_mla" if cfg.is_mla else "transpose_append"
         self.expect(role, "write one token's K/V to its position (and nothing else)")
@@ -177,8 +260,8 @@ class _PageProbe:
     def compact_copy(self) -> None:
         """Move page 1's last slot to page 0's slot 0 (page 1 refilled first)."""
         ps = self.config.page_size
-        self.want[1] = _exact_random(self.rng, self.want[1].shape)
-        _write(self.views[1], self.want[1], self.config.dtype)
+        self.want[1] = exact_random(self.rng, self.want[1].shape)
+        write_values(self.views[1], self.want[1], self.config.dtype)
         indptr = tvm.runtime.tensor(np.array([0, 1], dtype=np.int32), self.device)
         positions = tvm.runtime.tensor(np.array([[2 * ps - 1], [0]], dtype=np.int32), self.device)
         self.kernels.compact_copy(self.pages, indptr, positions, 1)
@@ -203,8 +286,8 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     LongRoPE factors the kernel gets them (TVM's convention) and may scale every head vector by
     one attention factor (positive, the same for all)."""
     hq, hkv, d = config.num_qo_heads, config.num_kv_heads, config.head_dim
-    qkv = _exact_random(np.random.default_rng(0), (len(_PROBE_POSITIONS), hq + 2 * hkv, d))
-    tensors = [_tensor(qkv, config.dtype, device)]
+    qkv = exact_random(np.random.default_rng(0), (len(_PROBE_POSITIONS), hq + 2 * hkv, d))
+    tensors = [host_tensor(qkv, config.dtype, device)]
     tensors.append(tvm.runtime.tensor(np.array(_PROBE_POSITIONS, dtype=np.int32), device))
     n = len(_PROBE_POSITIONS)
     tensors += [tvm.runtime.empty((n, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
@@ -244,333 +327,3 @@ def _expect_close(kernel: str, what: str, got: np.ndarray, want: np.ndarray, tol
         raise ConfigError(f"{kernel} does not compute {what}: max error {err:.3g}; expected kernels "
                           "built for this config")
 
-
-def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    out = tvm.runtime.empty(values.shape, dtype, device)
-    _write(out, values, dtype)
-    return out
-
-
-def _write(tensor: tvm.runtime.Tensor, values: np.ndarray, dtype: str) -> None:
-    """Copy host ``values`` (any float dtype) into ``tensor`` of cache dtype ``dtype``."""
-    tensor.copyfrom(values.astype(numpy_dtype(dtype)))
-
-
-def _slot(page: np.ndarray, slot: int, *, is_mla: bool) -> np.ndarray:
-    """A slot's values in a page's host array (latent ``(ps, W)``, MHA ``(2, H, ps, D)``)."""
-    return page[slot] if is_mla else page[:, :, slot]
-
-
-def probe_foreign_attention(cache: Any) -> None:
-    """Run the attention kernels of a fresh cache once, through its own API, then clear it.
-
-    A probe sequence takes a decode step of one token, a prefill step over that prefix that
-    crosses into a second page (pages of at most 256 tokens), another decode step and, where the
-    cache takes them, a token-tree step, as far as the page pool and the chunk size allow; one
-    layer of each attention kind attends in each. Decode and prefill outputs must match float64
-    attention over the K/V stored in the pages where the host can tell the queries the kernels
-    see (RoPE NONE or NORMAL, MLA, and any one-key decode); the others must be finite.
-    ``merge_attn_output_inplace`` merges two states of different LSE. ``clear()`` then restores
-    the fresh state (free list order included).
-
-    Raises
-    ------
-    ConfigError
-        A kernel raises on this cache's tensors, writes a non-finite output, or an output
-        differs from float64 attention (or the merge from its float64 value).
-    """
-    cfg = cache.config
-    rng = np.random.default_rng(1)
-    # TVM's windowed prefill kernel gives NaN for a query whose window holds no cached token (a
-    # chunk as long as the window over a prefix): keep the prefill step shorter than the window
-    window_limit = cache._unwindowed_chunk_limit
-    steps = _probe_steps(cfg, tree=cache._token_tree_refusal() is None,
-                         max_length=max(1, window_limit - 1) if window_limit else cfg.prefill_chunk_size)
-    layers = sorted({cfg.attn_kinds.index(kind) for kind in cfg.attn_kinds})
-    run = _probe_mla_step if cfg.is_mla else _probe_mha_step
-    kernels, calls = cache._kernels, []
-    cache._kernels = _recording(kernels, calls)  # the roles each step calls, for error messages
-    try:
-        # a set with the prefixed prefill kernel is probed without it (ragged + paged + merge, the
-        # path of the steps it does not serve), then with it
-        for prefixed in ((False, True) if kernels.attention_prefill_prefixed is not None else (True,)):
-            cache._prefixed_enabled = prefixed
-            _probe_steps_once(cache, rng, steps, layers, run, kernels, calls)
-    finally:
-        cache._kernels = kernels
-        cache._prefixed_enabled = True
-
-
-def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
-    """``kernels`` with each kernel wrapped to append its role to ``calls`` before it runs."""
-    def wrap(role: str, kernel: Callable) -> Callable:
-        def call(*args: Any) -> Any:
-            calls.append(role)
-            return kernel(*args)
-        return call
-
-    return dataclasses.replace(kernels, **{field.name: wrap(field.name, getattr(kernels, field.name))
-                                           for field in dataclasses.fields(kernels)
-                                           if field.init and callable(getattr(kernels, field.name))})
-
-
-def _called(kernels: KernelSet, calls: List[str]) -> str:
-    """The kernels of the failing step, with their creation arguments where known."""
-    roles = list(dict.fromkeys(calls))
-    named = [f"{role} = creation {kernels.source(role)}" if kernels.source(role) else role for role in roles]
-    return "; kernels of that step: " + ", ".join(named) if named else ""
-
-
-def _probe_steps_once(cache: Any, rng: np.random.Generator, steps, layers: Sequence[int], run: Callable,
-                      kernels: KernelSet, calls: List[str]) -> None:
-    """One pass of :func:`probe_foreign_attention`'s steps on a fresh cache, cleared after."""
-    cache.add_sequence(0)
-    tree: Optional[Tuple[int, List[int]]] = None  # (committed length, parents of every tree node so far)
-    try:
-        for length, parents in steps:
-            calls.clear()
-            if parents is not None:
-                tree = (cache.get_sequence_length(0), []) if tree is None else tree
-                tree[1].extend(parents)
-            cache.begin_forward([0], [length], parents)
-            try:
-                for layer in layers:
-                    _poison_scratch(cache, length)
-                    run(cache, rng, layer, _visible(cache.get_sequence_length(0), length, tree))
-            finally:
-                cache.end_forward()
-        calls.clear()
-        _probe_debug_get_kv(cache, layers)
-        _probe_merge(cache, rng)
-    except ConfigError as err:
-        if kernels.sources is None or not calls:
-            raise
-        raise ConfigError(f"{err}{_called(kernels, calls)}") from err
-    except Exception as err:  # noqa: BLE001 - any failure of a foreign kernel
-        summary = _summary(err)
-        which = f"{kernels.origin(calls[-1])}the {calls[-1]} kernel" if calls else "an attention kernel"
-        raise ConfigError(f"{which} fails on this cache's tensors ({type(err).__name__}: {summary}); "
-                          "expected kernels built for this config") from err
-    finally:
-        cache.clear()
-
-
-def _probe_steps(cfg: KVCacheConfig, *, tree: bool, max_length: int) -> List[Tuple[int, Optional[Sequence[int]]]]:
-    """(length, token-tree parents) of the probe steps that fit in the pool, the chunk size
-    and ``max_length``; the tree last, as it stays uncommitted: two roots, then a child of the
-    first in a second step (whose paged part holds the first step's nodes: the paged tree
-    kernel)."""
-    capacity, ps = cfg.num_total_pages * cfg.page_size, cfg.page_size
-    prefill = max(1, min(cfg.prefill_chunk_size, max_length, ps + 1 if ps <= 256 else 2, capacity - 2))
-    steps = [(1, None), (prefill, None), (1, None)]
-    if tree and min(cfg.prefill_chunk_size, max_length) >= 2:
-        steps += [(2, [-1, -1]), (1, [0])]
-    kept, total = [], 0
-    for length, parents in steps:
-        total += length
-        if total <= capacity:
-            kept.append((length, parents))
-    return kept
-
-
-def _visible(length: int, n: int, tree: Optional[Tuple[int, List[int]]]) -> np.ndarray:
-    """Which of a sequence's ``length`` stored rows each of the step's ``n`` (last) tokens sees:
-    causal, or in a token tree the committed prefix and the node's ancestors and itself."""
-    rows = np.arange(length)
-    if tree is None:
-        return rows[None, :] < np.arange(length - n + 1, length + 1)[:, None]
-    base, parents = tree
-    mask = np.zeros((n, length), dtype=bool)
-    mask[:, :base] = True
-    for i, node in enumerate(range(len(parents) - n, len(parents))):
-        while node != -1:
-            mask[i, base + node] = True
-            node = parents[node]
-    return mask
-
-
-def _probe_mha_step(cache: Any, rng: np.random.Generator, layer: int, visible: np.ndarray) -> None:
-    cfg = cache.config
-    n = len(visible)
-    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
-    qkv = _exact_random(rng, (n, hq + 2 * hkv, d))
-    o = _poisoned((n, hq, d), cfg.dtype, cache.device)
-    scale = _scale(rng, d)
-    cache.attention_with_fused_qkv(cache.layer_offset + layer, _tensor(qkv, cfg.dtype, cache.device), o, scale)
-    want = None
-    k, v = _stored_rows(cache, layer)  # the step's tokens included (appended before or after attention)
-    rope, span = cfg.effective_rope_mode, cfg.layer_span
-    windowed = cache._windowed_layers[layer]
-    if windowed and span.chunk:  # keys of the query's own chunk (rows are positions: nothing slides)
-        q_pos = np.arange(len(k) - n, len(k))
-        visible = visible & (np.arange(len(k))[None, :] >= span.first_visible(q_pos)[:, None])
-    # a window is checked only while it spans the sequence (TVM's kernels, which the creation
-    # function may pass, window the new tokens of a step per page list, not per query)
-    checked = not windowed or span.chunk or span.window >= len(k)
-    if len(k) == 1 or (rope != RopeMode.INLINE and checked):  # queries as the kernel sees them
-        q = qkv[:, :hq] if rope == RopeMode.NONE else _rows(cache._scratch_q, n)
-        group = hq // hkv
-        want = _attention(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), scale, visible)
-    _check_output("attention_with_fused_qkv", o, want, cfg.dtype, expected="float64 attention over the stored K/V")
-
-
-def _probe_mla_step(cache: Any, rng: np.random.Generator, layer: int, visible: np.ndarray) -> None:
-    cfg = cache.config
-    n = len(visible)
-    hq, width, lora = cfg.num_qo_heads, cfg.head_dim, cfg.v_head_dim
-    cache.append_mla_kv(cache.layer_offset + layer, _tensor(_exact_random(rng, (n, width)), cfg.dtype, cache.device))
-    q = _exact_random(rng, (n, hq, width))
-    o, lse = _poisoned((n, hq, lora), cfg.dtype, cache.device), _poisoned((n, hq), "float32", cache.device)
-    scale = _scale(rng, width)
-    cache.cross_attention(cache.layer_offset + layer, _tensor(q, cfg.dtype, cache.device), o, lse, scale)
-    # absorbed attention over the stored latent rows: a decode step's include its new token, a
-    # prefill step's queries see the prefix only (self_attention covers the new tokens)
-    latent = _stored_rows(cache, layer)[0][:, 0]
-    keys = np.broadcast_to(latent[:, None], (len(latent), hq, width))
-    seen = len(latent) if n == 1 else len(latent) - n
-    want = (_attention(q, keys, keys[..., :lora], scale, np.arange(len(latent))[None, :] < seen)
-            if seen else None)
-    _check_output("cross_attention", o, want, cfg.dtype, expected="float64 attention over the stored latent rows")
-    dqk, dv = cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
-    q, k, v = (_exact_random(rng, (n, hq, dim)) for dim in (dqk, dqk, dv))
-    scale = _scale(rng, dqk)
-    o_self = _poisoned((n, hq, dv), cfg.dtype, cache.device)
-    lse_self = _poisoned((n, hq), "float32", cache.device)
-    cache.self_attention(cache.layer_offset + layer, *(_tensor(x, cfg.dtype, cache.device) for x in (q, k, v)),
-                         o_self, lse_self, scale)
-    want = _attention(q, k, v, scale, _visible(n, n, None))  # causal over the step's tokens
-    _check_output("self_attention", o_self, want, cfg.dtype, expected="float64 causal attention")
-
-
-def _stored_rows(cache: Any, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-    """The probe sequence's stored K and V ``(L, Hkv, D)`` of a layer, read from its pages
-    (MLA: the latent rows as K ``(L, 1, W)``, V empty)."""
-    cfg = cache.config
-    read = {}
-    k, v = [], []
-    for position in cache._paging.position_map(0, 0, cache.get_sequence_length(0)):
-        page, slot = divmod(int(position), cfg.page_size)
-        if page not in read:
-            with np.errstate(invalid="ignore"):  # unused slots of the page may hold any bits
-                read[page] = row_view(cache._pages[layer], page).numpy().astype(np.float64)
-        values = _slot(read[page], slot, is_mla=cfg.is_mla)
-        if cfg.is_mla:
-            k.append(values[None])
-        else:
-            k.append(values[0])
-            v.append(values[1])
-    return np.stack(k), (np.stack(v) if v else np.zeros(0))
-
-
-def _probe_debug_get_kv(cache: Any, layers: Sequence[int]) -> None:
-    """``debug_get_kv`` (MLA: ``debug_get_kv_mla``) of the probe sequence must return exactly
-    the rows stored in the pages of the probed layers (MLA's chunked context reads through it)."""
-    cfg = cache.config
-    if cache._kernels.debug_get_kv is None:
-        return
-    length = cache.get_sequence_length(0)
-    _poison_unprobed_pages(cache, layers)
-    row = (cfg.head_dim,) if cfg.is_mla else (cfg.num_kv_heads, cfg.head_dim)
-    outputs = [_poisoned((cfg.num_layers, length) + row, cfg.dtype, cache.device) for _ in range(1 if cfg.is_mla else 2)]
-    if cfg.is_mla:
-        cache.debug_get_kv_mla(0, 0, length, outputs[0])
-    else:
-        cache.debug_get_kv(0, 0, length, *outputs)
-    with np.errstate(invalid="ignore"):  # layers the probe did not write hold any bits
-        got = [out.numpy().astype(np.float64) for out in outputs]
-    for layer in layers:
-        stored = _stored_rows(cache, layer)
-        want = [stored[0][:, 0]] if cfg.is_mla else list(stored)
-        if not all(np.array_equal(g[layer], w) for g, w in zip(got, want)):
-            raise ConfigError("the kernel behind debug_get_kv does not return the K/V stored in the pages; "
-                              "expected kernels built for this config")
-
-
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, visible: np.ndarray) -> np.ndarray:
-    """Float64 attention of ``q (n, H, D)`` over ``k (L, H, D)``, ``v (L, H, Dv)``; query i sees
-    the keys where ``visible[i]`` (a bool ``(n, L)`` or ``(1, L)`` mask) is true."""
-    scores = np.einsum("nhd,lhd->nhl", q, k) * scale
-    scores = np.where(visible[:, None, :], scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=2, keepdims=True))
-    weights /= weights.sum(axis=2, keepdims=True)
-    return np.einsum("nhl,lhd->nhd", weights, v)
-
-
-def _rows(tensor: tvm.runtime.Tensor, rows: int) -> np.ndarray:
-    """The first rows of a tensor, as float64 (without copying the rest to the host)."""
-    shape = (rows,) + tuple(tensor.shape[1:])
-    return view(tensor, shape).numpy().astype(np.float64)
-
-
-def _probe_merge(cache: Any, rng: np.random.Generator) -> None:
-    """Merge two states whose base-2 LSEs differ: ``o = (2^a o_a + 2^b o_b) / (2^a + 2^b)``,
-    with ``merge_inplace`` (the merge over block depths, at the cache's v head dim) and through
-    ``merge_attn_output_inplace`` (``merge_general``: MLA's decompressed v head dim)."""
-    cfg = cache.config
-    _probe_merge_kernel(cache, rng, "merge_inplace", cfg.v_head_dim, cache._kernels.merge_inplace)
-    dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
-    _probe_merge_kernel(cache, rng, "merge_attn_output_inplace", dv, cache.merge_attn_output_inplace)
-
-
-def _probe_merge_kernel(cache: Any, rng: np.random.Generator, what: str, dv: int, merge: Callable) -> None:
-    cfg, hq = cache.config, cache.config.num_qo_heads
-    o = [_exact_random(rng, (1, hq, dv)) for _ in range(2)]
-    lse = [_exact_random(rng, (1, hq)) for _ in range(2)]
-    weights = [np.exp2(x)[..., None] for x in lse]
-    want_o = (weights[0] * o[0] + weights[1] * o[1]) / (weights[0] + weights[1])
-    want_lse = np.log2(np.exp2(lse[0]) + np.exp2(lse[1]))
-    tensors = [_tensor(o[0], cfg.dtype, cache.device), _tensor(lse[0], "float32", cache.device),
-               _tensor(o[1], cfg.dtype, cache.device), _tensor(lse[1], "float32", cache.device)]
-    merge(*tensors)
-    expected = "the LSE-weighted mean of two states"
-    _check_output(what, tensors[0], want_o, cfg.dtype, expected=expected)
-    _check_output(what, tensors[1], want_lse, "float32", expected=expected + " (its LSE)")
-
-
-def _check_output(what: str, out: tvm.runtime.Tensor, want: Optional[np.ndarray], dtype: str, *,
-                  expected: str) -> None:
-    got = out.numpy().astype(np.float64)
-    if not np.isfinite(got).all():
-        raise ConfigError(f"the kernel behind {what} writes non-finite values on a probe step; expected "
-                          "kernels built for this config")
-    if want is not None:
-        err = float(np.abs(got - np.reshape(want, got.shape)).max())
-        if not err <= (1e-3 if dtype == "float32" else 2e-2):
-            raise ConfigError(f"the kernel behind {what} does not return {expected} (max error {err:.3g}); "
-                              "expected kernels built for this config")
-
-
-def _poison_unprobed_pages(cache: Any, probed: Sequence[int]) -> None:
-    """NaN in the probe sequence's pages of the layers the probe did not attend in: fresh pages
-    hold any bits, possibly the probed layer's rows (an earlier probe's freed pages), so a
-    ``debug_get_kv`` reading another layer could return them."""
-    pages = sorted({int(p) // cache.config.page_size
-                    for p in cache._paging.position_map(0, 0, cache.get_sequence_length(0))})
-    for layer in sorted(set(range(cache.config.num_layers)) - set(probed)):
-        for page in pages:
-            target = row_view(cache._pages[layer], page)
-            _write(target, np.full(tuple(target.shape), np.nan), cache.config.dtype)
-
-
-def _poison_scratch(cache: Any, rows: int) -> None:
-    """NaN in the first rows of the cache's partial-state scratch, so that a paged kernel that
-    writes nothing makes the merged output non-finite instead of merging stale values."""
-    for scratch in (cache._scratch_o, cache._scratch_lse, cache._scratch_merged_lse):
-        shape = (rows,) + tuple(scratch.shape[1:])
-        _write(view(scratch, shape), np.full(shape, np.nan), str(scratch.dtype))
-
-
-def _poisoned(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    """An output tensor full of NaN: a kernel that writes nothing leaves it non-finite."""
-    return _tensor(np.full(shape, np.nan), dtype, device)
-
-
-def _scale(rng: np.random.Generator, head_dim: int) -> float:
-    """A softmax scale other than ``head_dim ** -0.5`` (a kernel that ignores its ``sm_scale``
-    argument for the usual value fails), a float32 value."""
-    return float(np.float32(rng.uniform(0.4, 0.8) * head_dim ** -0.5))
-
-
-def _exact_random(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:
-    """Multiples of 1/8 in [-2, 2]: exact in every cache dtype."""
-    return rng.integers(-16, 17, size=shape) / 8.0

@@ -232,6 +232,47 @@ class BatchStructure:
         )
 
 
+def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int],
+              trees: Optional[List[TokenTree]], *, sliding_window: bool, layer_span: LayerSpan
+              ) -> Tuple[StepMetadata, Tuple[int, ...]]:
+    """Plan a checked step in full: snapshot the batch's blocks, reserve its pages, build its
+    arrays. Returns the step and the depth each sequence's last block is attended at.
+
+    A decode batch (and a step extending an uncommitted token tree) appends before attention,
+    so its depth arrays are built after the reservation (the paged kernels see the new
+    tokens); other steps build them before it (the ragged kernel covers the new tokens).
+    ``trees``: each sequence's token tree after the step (tree steps), stored in the paging
+    state once the pages are reserved.
+    """
+    structure = BatchStructure.collect(paging, seq_ids, append_lengths, trees)
+    extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
+    append_before_attn = (not sliding_window and structure.use_decode_kernel[-1]) or extends_tree
+    if append_before_attn:
+        reused = paging.reserve_append(seq_ids, append_lengths)
+        depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
+    else:
+        depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
+        reused = paging.reserve_append(seq_ids, append_lengths)
+    if trees is not None:
+        for seq_id, tree in zip(seq_ids, trees):
+            paging.set_token_tree(seq_id, tree)
+    ragged_tree, depth_trees = build_tree_masks(structure, append_before_attn=append_before_attn)
+    q_rope_position, append_position = build_token_maps(paging, structure)
+    step = StepMetadata(
+        seq_ids=tuple(seq_ids),
+        append_lengths=tuple(append_lengths),
+        append_indptr=indptr(append_lengths),
+        k_ragged_rope_pos_offset=np.asarray(structure.rope_offsets, dtype=np.int32),
+        q_rope_position=q_rope_position,
+        append_position=append_position,
+        depths=tuple(dataclasses.replace(d, tree=t) if t is not None else d for d, t in zip(depths, depth_trees)),
+        append_before_attn=append_before_attn,
+        ragged_tree=ragged_tree,
+        reused_pages=tuple(reused),
+    )
+    return step, tuple(structure.last_depths)
+
+
 def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], positions: Sequence[int],
                  is_decode: bool, *, coalesce: bool) -> Tuple[Tuple[Tuple[Optional[Block], int, int], ...], bool]:
     """Chunks of one depth and whether it uses the decode kernel (TVM's ``GetChunkedBlockIds``).

@@ -1,0 +1,187 @@
+"""Attention components: which kernels a layer's attention launches, with a step's views.
+
+A cache holds one component, chosen at construction: :class:`MHAAttention` here, or
+:class:`~relax_kvcache.cache.mla.MLAAttention`. Both share :class:`Attention`'s helpers:
+ragged attention over the step's own K/V and paged attention over the cached pages, depth by
+depth, merged by log-sum-exp. Components only launch kernels; the cache checks every argument
+first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import tvm
+
+from ..config import LOCAL_KINDS, KVCacheConfig, RopeMode
+from ..errors import ForwardError, KVCacheError
+from ..kernel_set import KernelSet, split_rotary_rope_argument
+from .step import DepthViews, PageViews, Step
+
+
+class Attention:
+    """Kernel launches shared by MHA and MLA layers (see the module docstring).
+
+    Parameters
+    ----------
+    config : KVCacheConfig
+    kernels : KernelSet
+    pages : list of Tensor
+        The cache's page tensor of each layer.
+    """
+
+    #: "MHA" or "MLA": the layers this component attends.
+    kind = ""
+
+    def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: List[tvm.runtime.Tensor]) -> None:
+        self.config, self.kernels, self.pages = config, kernels, pages
+        self.windowed = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
+        self.rotary_mode = 0
+
+    def self_attention_dims(self) -> Tuple[int, int, int]:
+        """``(KV heads, q / k head dim, v head dim)`` of ``self_attention``'s tensors."""
+        raise NotImplementedError
+
+    def merge_v_dim(self) -> int:
+        """Head dim of the states ``merge_attn_output_inplace`` merges."""
+        raise NotImplementedError
+
+    def tree_refusal(self) -> Optional[KVCacheError]:
+        """Why this cache cannot take token-tree steps (the error to raise), or None."""
+        raise NotImplementedError
+
+    def ragged(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
+        """Causal attention of the step's queries over the step's k/v (windowed on local layers
+        when the kernel set has the windowed ragged kernel)."""
+        cfg, kernels, dev = self.config, self.kernels, step.device
+        if dev.ragged_tree is not None:
+            kernels.attention_prefill_ragged_tree(
+                q, dev.append_indptr, k, v, dev.append_indptr, dev.q_rope_position, dev.ragged_tree.mn_indptr,
+                dev.ragged_tree.mask, o, lse, self.rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+            return
+        f = kernels.attention_prefill_ragged
+        if self.windowed[layer] and kernels.attention_prefill_ragged_sliding_window is not None:
+            f = kernels.attention_prefill_ragged_sliding_window
+        f(q, dev.append_indptr, k, v, dev.append_indptr, dev.q_rope_position,
+          dev.k_ragged_rope_pos_offset, o, lse, 1, self.rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+
+    def paged(self, step: Step, layer: int, q, o, lse, sm_scale: float, *, first: bool,
+              write_empty: bool = False) -> None:
+        """Attend q to a layer's cached pages depth by depth, merging into (o, lse).
+
+        ``first``: the first depth writes (o, lse) directly; otherwise every depth is merged into
+        them. ``write_empty``: when no depth has pages, run depth 0 anyway so that (o, lse)
+        become the empty state (o = 0, lse = -inf).
+        """
+        dev, windowed = step.device, self.windowed[layer]
+        depths = dev.depths_with_pages(windowed)
+        if not depths and write_empty:
+            depth = dev.depths[0]
+            depths = ((depth, depth.window if windowed else depth.pages),)
+        for depth, views in depths:
+            out, out_lse = (o, lse) if first else (dev.tmp_o, dev.tmp_lse)
+            self.run_depth(step, layer, depth, views, q, out, out_lse, sm_scale)
+            if not first:
+                self.kernels.merge_inplace(o, lse, dev.tmp_o, dev.tmp_lse)
+            first = False
+
+    def run_depth(self, step: Step, layer: int, depth: DepthViews, views: PageViews, q, o, lse,
+                  sm_scale: float) -> None:
+        """One depth's paged attention."""
+        raise NotImplementedError
+
+
+class MHAAttention(Attention):
+    """Attention of MHA layers (``MHA``, ``MHA_SLIDING``, ``MHA_CHUNKED_LOCAL``): the model
+    passes fused QKV; ``split_rotary`` splits it (RoPE in NORMAL mode) and ``transpose_append``
+    stores K/V."""
+
+    kind = "MHA"
+
+    def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: List[tvm.runtime.Tensor],
+                 device: tvm.runtime.Device) -> None:
+        super().__init__(config, kernels, pages)
+        self.rotary_mode = int(config.effective_rope_mode == RopeMode.INLINE)
+        self._split_rope_argument = split_rotary_rope_argument(config, device)
+
+    def self_attention_dims(self) -> Tuple[int, int, int]:
+        cfg = self.config
+        return cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim
+
+    def merge_v_dim(self) -> int:
+        return self.config.v_head_dim
+
+    def tree_refusal(self) -> Optional[KVCacheError]:
+        cfg = self.config
+        if cfg.effective_rope_mode == RopeMode.INLINE:
+            return ForwardError("token-tree attention does not support inline RoPE (rope_mode INLINE, or a cache "
+                                "created with support_sliding_window)")
+        if cfg.slides_sequences or cfg.has_layer_windows:
+            return ForwardError("token-tree attention does not support sliding windows or chunked local layers")
+        missing = self.kernels.missing(("attention_prefill_tree", "attention_prefill_ragged_tree"))
+        if missing:
+            return KVCacheError(f"token-tree steps need the {' and '.join(missing)} kernel(s), which this cache "
+                                "was created without")
+        return None
+
+    def fused_qkv(self, step: Step, layer: int, qkv: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
+                  sm_scale: float) -> None:
+        """Split ``qkv`` (n rows), append its K/V and attend (the order the step's plan says)."""
+        k, dev = self.kernels, step.device
+        k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
+        pages = self.pages[layer]
+        if step.meta.append_before_attn:
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+        self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
+        if not step.meta.append_before_attn:
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+
+    def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
+        """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
+        if step.meta.append_before_attn:  # the new K/V are already in the pages
+            self.paged(step, layer, q, o, lse, sm_scale, first=True)
+        elif self._prefixed(step, layer):  # one kernel over the cached prefix and the new rows
+            dev, cfg = step.device, self.config
+            depth = dev.depths[0].pages
+            self.kernels.attention_prefill_prefixed(
+                q, dev.append_indptr, self.pages[layer], depth.page_indptr, depth.page_indices,
+                depth.length_info, depth.k_rope_pos_offset, dev.q_rope_position, k, v, o, lse, 1,
+                self.rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+        else:
+            self.ragged(step, layer, q, k, v, o, lse, sm_scale)
+            self.paged(step, layer, q, o, lse, sm_scale, first=False)
+
+    def _prefixed(self, step: Step, layer: int) -> bool:
+        """Whether ``attention_prefill_prefixed`` serves this step and layer: every sequence has
+        one plain page list (one depth, one chunk per sequence), no tree, no window."""
+        dev = step.device
+        if (self.kernels.attention_prefill_prefixed is None or dev.ragged_tree is not None
+                or len(dev.depths) != 1 or self.windowed[layer] or self.config.slides_sequences):
+            return False
+        depth = dev.depths[0]
+        return (depth.pages.has_pages and not depth.use_decode_kernel and depth.tree is None
+                and depth.qo_indptr.shape[0] == dev.append_indptr.shape[0])
+
+    def run_depth(self, step: Step, layer: int, depth: DepthViews, views: PageViews, q, o, lse,
+                  sm_scale: float) -> None:
+        """Kernel choice and ``causal`` follow TVM: sliding-window variants for local layers and
+        for caches whose sequences slide; ``causal`` is set for local layers outside decode
+        (their kernels mask by position)."""
+        cfg, k, dev = self.config, self.kernels, step.device
+        windowed = self.windowed[layer]
+        sliding = windowed or cfg.slides_sequences
+        pages = self.pages[layer]
+        rope: Tuple[Any, ...] = (self.rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+        if depth.tree is not None:
+            k.attention_prefill_tree(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices,
+                                     views.length_info, views.k_rope_pos_offset, dev.q_rope_position, o, lse,
+                                     *rope, depth.tree.mn_indptr, depth.tree.mask)
+        elif depth.use_decode_kernel:
+            f = k.attention_decode_sliding_window if sliding else k.attention_decode
+            f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
+              dev.q_rope_position, o, lse, *rope)
+        else:
+            f = k.attention_prefill_sliding_window if sliding else k.attention_prefill
+            causal = int(windowed and not step.meta.append_before_attn)
+            f(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
+              views.k_rope_pos_offset, dev.q_rope_position, o, lse, causal, *rope)
