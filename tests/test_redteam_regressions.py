@@ -451,15 +451,15 @@ def test_debug_get_kv_of_another_layer_is_refused_when_that_layer_holds_the_same
     held the probe's own rows (freed pages of an earlier probe, reused by the allocator), a
     ``debug_get_kv`` reading layer 1 passed (a CI run failed this way). The unprobed layers'
     pages are now poisoned first; here layer 1 is made to hold layer 0's bytes on purpose."""
-    from relax_kvcache import attention_probe
+    from relax_kvcache import kernel_probe
 
-    original = attention_probe._probe_debug_get_kv
+    original = kernel_probe._probe_debug_get_kv
 
     def with_layer_one_a_copy(probed, layers):
         probed.pages[1].copyfrom(probed.pages[0])
         original(probed, layers)
 
-    monkeypatch.setattr(attention_probe, "_probe_debug_get_kv", with_layer_one_a_copy)
+    monkeypatch.setattr(kernel_probe, "_probe_debug_get_kv", with_layer_one_a_copy)
     k = cache._kernels
     other = tvm_ffi.convert(lambda pages, pos, kd, vd, layer: k.debug_get_kv(pages, pos, kd, vd, 1 - layer))
     with pytest.raises(rk.ConfigError, match="debug_get_kv does not return the K/V stored"):

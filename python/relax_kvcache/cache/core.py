@@ -19,12 +19,11 @@ import tvm
 
 from ..args import as_float, as_int, as_int32, as_int_list, describe
 from ..cache_args import check_cache_args
-from ..attention_probe import ProbeCache
 from ..build import build_kernels
 from ..checkpoint import CheckpointIO
 from ..config import _DTYPE_BYTES, KVCacheConfig
 from ..errors import ArgumentError, ForwardError, KVCacheError, SequenceError
-from ..kernel_probe import check_kernels
+from ..kernel_probe import ProbeCache, check_kernels
 from ..kernel_set import KernelSet
 from ..paging import PageCopy, PagingState
 from ..runtime import default_target
