@@ -71,7 +71,7 @@ vector load of K (half rows, for RoPE pairs) / V rows.
     @staticmethod
     def choose(spec: AttentionSpec, sched: GpuSchedule) -> "TileShape":
         G, D, DV = spec.group_size, spec.qk_head_dim, spec.v_head_dim
-        elem = _bits(spec.dtype) // 8
+        elem = sched.bfloat16_shared_bytes if spec.dtype == "bfloat16" else _bits(spec.dtype) // 8
         q_tokens = max(1, sched.q_rows // G)
         chunk = sched.kv_chunk
 

@@ -86,6 +86,9 @@ class GpuSchedule:
         Most elements of one vector type (Metal and WebGPU have no 8-lane vectors).
     shared_bytes : int
         Shared (workgroup) memory one attention block may use, with room to spare.
+    bfloat16_shared_bytes : int
+        Bytes a bfloat16 element of a shared tile takes: 2, or 4 on ROCm, where TVM 0.27 keeps
+        bfloat16 shared buffers in float32.
     dynamic_shared_bytes : int
         Shared memory a block may use when it opts in to a larger dynamic allocation (CUDA:
         227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on other sm_8x / sm_12x);
@@ -124,6 +127,7 @@ class GpuSchedule:
     warp_size: int = 32
     max_lanes: int = 8
     shared_bytes: int = 46 * 1024
+    bfloat16_shared_bytes: int = 2
     dynamic_shared_bytes: int = 0
     warp_shuffle: bool = True
     mma: bool = False
@@ -156,6 +160,7 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
         small = kind in ("metal", "webgpu", "opencl", "vulkan")
         return GpuSchedule(warp_size=warp, max_lanes=4 if kind in ("metal", "webgpu") else 8,
                            shared_bytes=(30 if small else 46) * 1024, warp_shuffle=kind == "cuda",
+                           bfloat16_shared_bytes=4 if kind == "rocm" else 2,
                            mma=kind == "cuda" and _sm_version(target) >= 80,
                            wgmma=kind == "cuda" and _arch(target) == "sm_90a",
                            dynamic_shared_bytes=_dynamic_shared_bytes(target))
