@@ -99,7 +99,7 @@ BENCH_SHAPE = Shape(num_layers=8, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                     rope_mode=int(rk.RopeMode.NORMAL), rope_theta=5e5, dtype="float16")
 
 
-#: Robustness shapes (issue 7): the benchmark shape with head_dim 64 or 256, or an 8:1 GQA group.
+#: Robustness shapes: the benchmark shape with head_dim 64 or 256, or an 8:1 GQA group.
 ROBUST_SHAPES: Dict[str, Shape] = {
     "d64": dataclasses.replace(BENCH_SHAPE, head_dim=64),
     "d256": dataclasses.replace(BENCH_SHAPE, head_dim=256),
@@ -107,7 +107,7 @@ ROBUST_SHAPES: Dict[str, Shape] = {
 }
 
 
-#: The cost of pages (issue 7): our kernels with one 4096-token page per sequence, the contiguous
+#: The cost of pages: our kernels with one 4096-token page per sequence, the contiguous
 #: layout a 4096-token context would have (``gpu_kernel_bench.py --page-cost``).
 PAGE_COST_SHAPE = dataclasses.replace(BENCH_SHAPE, page_size=4096)
 

@@ -1,4 +1,4 @@
-"""Regressions of an independent red-team campaign against the public API (issue 9).
+"""Regressions of faults found by adversarial testing of the public API.
 
 Each case raised too late, raised the wrong exception, crashed, or silently accepted bad input
 before; each must now raise our exception naming the problem and leave the cache unchanged
