@@ -31,7 +31,7 @@ import dataclasses
 from tvm.script import tirx as T
 
 from .attention_gpu_decode_mma import decode_mma_applies, make_decode_mma_item
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, rope_inv_freq_expr
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row, rope_inv_freq_expr
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -101,10 +101,6 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
     shuffle = sched.warp_shuffle
     LOG_BX = BX.bit_length() - 1
     FULL_MASK = T.uint32(0xFFFFFFFF)  # the fold runs in uniform loops: every lane is active
-
-    def first_visible(pos, k_pos0):
-        """First KV row a decode query at ``pos`` sees (a local layer: ``span.first_visible(pos)``)."""
-        return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
 
     def rotate(x, partner, d, pos, rope_scale, rope_theta):
         """Element d of a RoPE'd row from its value and its pair's (both float32)."""
@@ -268,7 +264,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
         hq0: T.let[T.int32] = h * G + tz * GR
         pos: T.let[T.int32] = q_rope_position[b]
         # rows a window or attention chunk leaves visible: positions in [first visible, pos]
-        lo: T.let[T.int32] = first_visible(pos, k_pos0)
+        lo: T.let[T.int32] = first_visible_row(span, pos, k_pos0)
         per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
         s_lo: T.let[T.int32] = lo + split * per_split
         s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .attention_gpu_mma import fold_scores, mma_m16n8k16, shfl_xor
-from .macros import LOG2E, NEG_INF, ZERO, ceildiv
+from .macros import LOG2E, NEG_INF, ZERO, ceildiv, first_visible_row
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -59,9 +59,6 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
     KK = D // 16  # k-steps of Q K^T
     VEC = min(8, W)  # halves per vector load (16 bytes; DV = 64 leaves 8 dims per lane)
     mma, fold = mma_m16n8k16(dtype), fold_scores(2)
-
-    def first_visible(pos, k_pos0):
-        return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
 
     def shfl_from(x, lane):
         return T.tvm_warp_shuffle(T.tvm_warp_activemask(), x, lane, 32, 32)
@@ -177,7 +174,7 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
         g: T.let[T.int32] = tx % 32 // 4
         t: T.let[T.int32] = tx % 4
         pos: T.let[T.int32] = q_rope_position[b]
-        lo: T.let[T.int32] = first_visible(pos, k_pos0)
+        lo: T.let[T.int32] = first_visible_row(span, pos, k_pos0)
         per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
         s_lo: T.let[T.int32] = lo + split * per_split
         s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)

@@ -38,6 +38,13 @@ def paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):
     return T.if_then_else(npages > 0, rows, 0)
 
 
+def first_visible_row(span, pos, k_pos0):
+    """First KV row a single query at ``pos`` sees: 0, or for a local layer (``span``, the
+    spec's :class:`LayerSpan` or None) the row of ``span.first_visible(pos)`` (rows start at
+    position ``k_pos0``)."""
+    return T.max(span.first_visible(pos) - k_pos0, 0) if span else T.int32(0)
+
+
 def paged_row_offset(j, length_info, b, sliding_window: bool):
     """Offset of logical KV row j inside the sequence's page list (sinks, then the window)."""
     if not sliding_window:
