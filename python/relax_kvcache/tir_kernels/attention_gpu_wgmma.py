@@ -37,7 +37,7 @@ from typing import Optional
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .attention_gpu_mma import fold_scores, rescale_rows, shfl_xor
+from .attention_gpu_mma import fold_scores, mma_m16n8k16, rescale_rows, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -59,6 +59,7 @@ class WgmmaTileShape:
     warpgroups: int
     stages: int
     head_dim: int
+    sync: bool = False
 
     @property
     def threads(self) -> int:
@@ -71,10 +72,11 @@ class WgmmaTileShape:
 
     @staticmethod
     def choose(spec: AttentionSpec, sched: GpuSchedule) -> Optional["WgmmaTileShape"]:
-        """The shape for ``spec``, or None where warpgroup MMA does not apply (no sm_90a target,
-        float32, head dims other than 64 / 128 / 256 or unequal, groups wider than the tile)."""
+        """The shape for ``spec``, or None where the ring tile does not apply (no tensor cores,
+        float32, head dims other than 64 / 128 / 256 or unequal, groups wider than the tile).
+        Without ``wgmma`` (sm_80 - sm_89, sm_90 without ``a``) the tile runs ``mma.sync``."""
         G, D = spec.group_size, spec.qk_head_dim
-        if not sched.wgmma or spec.dtype not in ("float16", "bfloat16"):
+        if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16"):
             return None
         if D != spec.v_head_dim or D not in (64, 128, 256):
             return None
@@ -83,9 +85,10 @@ class WgmmaTileShape:
         if G > rows:
             return None
         for stages in range(sched.wgmma_stages, 1, -1):  # the deepest ring that fits
-            shape = WgmmaTileShape(rows=rows, q_tokens=rows // G,
-                                   kv_chunk=sched.wgmma_kv_chunk or (128 if D <= 128 else 64),
-                                   warpgroups=warpgroups, stages=stages, head_dim=D)
+            # mma.sync keeps the scores in registers, not the tensor cores: half the chunk
+            chunk = (128 if D <= 128 else 64) // (1 if sched.wgmma else 2)
+            shape = WgmmaTileShape(rows=rows, q_tokens=rows // G, kv_chunk=sched.wgmma_kv_chunk or chunk,
+                                   warpgroups=warpgroups, stages=stages, head_dim=D, sync=not sched.wgmma)
             if 2 * shape.shared_elems <= sched.dynamic_shared_bytes:
                 return shape
         return None
@@ -146,6 +149,9 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
     visible, chunk_range = io.visible, io.chunk_range
     fold, rescale, shfl = fold_scores(NS), rescale_rows(NO), shfl_xor
     local = spec.is_local  # window / chunk masks: every chunk is masked by the general predicate
+    SYNC = shape.sync
+    Q_REGS = D <= 128  # mma.sync: the query fragments stay in registers (64 per lane at most)
+    mma = mma_m16n8k16(dtype)
 
     def k_at(stage):
         return KV_OFF + 2 * stage * KC * D
@@ -290,6 +296,44 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         for x in T.unroll(NS * 2):
             T.evaluate(cvt_pair(pa[x], sacc[2 * x + 1], sacc[2 * x]))
 
+    def ldmatrix(frag, smem, offset, trans: bool):
+        return T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, 0, smem.access_ptr("r"), offset, dtype=dtype)
+
+    @T.macro
+    def q_fragments(smem, base, qf, kk, row0, lane):
+        """qf[8 kk : 8 kk + 8] (or qf[0 : 8]) = this warp's A fragments of Q over k-step kk:
+        matrices rows 0-7 / 8-15 x columns 0-7, then the same x columns 8-15."""
+        T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", qf.data, kk * 8 if Q_REGS else 0, smem.access_ptr("r"),
+                                         base + sw128(row0 + lane % 16, kk * 16 + lane // 16 * 8, R),
+                                         dtype=dtype))
+
+    @T.macro
+    def scores_sync(smem, base, sacc, qf, bf, c, c_lo, row0, lane):
+        """sacc = Q K_c^T with ``mma.sync``: per k-step, one ``ldmatrix`` of K per two n-tiles
+        (matrices: key rows 0-7 x columns 0-7 / 8-15, then rows 8-15 x the same)."""
+        for x in T.unroll(NS * 4):
+            sacc[x] = ZERO
+        for kk in T.unroll(D // 16):
+            if not Q_REGS:
+                q_fragments(smem, base, qf, kk, row0, lane)
+            for p in T.unroll(NS // 2):
+                T.evaluate(ldmatrix(bf, smem, base + k_at((c - c_lo) % S)
+                                    + sw128(p * 16 + lane // 16 * 8 + lane % 8, kk * 16 + lane % 16 // 8 * 8, KC),
+                                    trans=False))
+                T.evaluate(mma(qf, bf, sacc, 2 * p, a_at=kk * 8 if Q_REGS else 0, b_at=0))
+                T.evaluate(mma(qf, bf, sacc, 2 * p + 1, a_at=kk * 8 if Q_REGS else 0, b_at=4))
+
+    @T.macro
+    def values_sync(smem, base, oacc, pa, vf, c, c_lo, lane):
+        """oacc += P V_c with ``mma.sync``: V's B fragments by ``ldmatrix.trans`` (matrices: key
+        rows 0-7 / 8-15 x columns 0-7, then the same x columns 8-15)."""
+        for kk in T.unroll(KC // 16):
+            for p in T.unroll(NO // 2):
+                T.evaluate(ldmatrix(vf, smem, base + k_at((c - c_lo) % S) + KC * D
+                                    + sw128(kk * 16 + lane % 16, p * 16 + lane // 16 * 8, KC), trans=True))
+                T.evaluate(mma(pa, vf, oacc, 2 * p, a_at=4 * kk, b_at=0))
+                T.evaluate(mma(pa, vf, oacc, 2 * p + 1, a_at=4 * kk, b_at=4))
+
     @T.macro
     def chunk_ready(tx):
         """Every thread's copies of the next chunk have landed (one newer group may be in
@@ -297,6 +341,32 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
         T.ptx.fence.proxy.async_()
         T.evaluate(T.tvm_storage_sync("shared"))
+
+    @T.macro
+    def ring_sync(smem, base, sacc, oacc, pa, qf, bf, vf, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h, qbeg, q_len,
+                  tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx):
+        """The chunks on ``mma.sync``. Each trip waits for chunk c (over-waiting by one group on
+        the first trip), and after the barrier, at which every warp is done with chunk c - 1,
+        refills that stage with chunk c - 1 + S: one barrier per chunk, S - 1 chunks in flight."""
+        if Q_REGS:
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 1))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            for kk in T.unroll(D // 16):
+                q_fragments(smem, base, qf, kk, row0, tx % 32)
+        for c in T.serial(c_lo, c_hi):
+            T.evaluate(T.ptx["cp.async.wait_group"](S - 2))
+            T.evaluate(T.tvm_storage_sync("shared"))
+            if c > c_lo:
+                if c - 1 + S < c_hi:
+                    load_kv(smem, base, (c - 1 - c_lo) % S, kv_src, h, (c - 1 + S) * KC, (qbeg, q_len, kv_len), tx)
+                else:
+                    T.evaluate(T.ptx["cp.async.commit_group"]())
+            scores_sync(smem, base, sacc, qf, bf, c, c_lo, row0, tx % 32)
+            to_probs(sacc, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale, row0, g,
+                     t)
+            rescale(oacc, alpha)
+            pack(sacc, pa)
+            values_sync(smem, base, oacc, pa, vf, c, c_lo, tx % 32)
 
     @T.macro
     def tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal, sm_scale, tree_src,
@@ -314,6 +384,9 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
         bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
         lim = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        qf = T.sblock_alloc_buffer(((D // 16 if Q_REGS else 1) * 8,), dtype, scope="local")
+        bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+        vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
         # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
         base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
             T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
@@ -342,43 +415,47 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             l2[hr] = ZERO
         for x in T.unroll(NO * 4):
             oacc[x] = ZERO
-        if c_lo < c_hi:  # chunk c_lo's probabilities, before the loop
-            T.evaluate(T.ptx["cp.async.wait_group"](S - 1))
-            T.ptx.fence.proxy.async_()
-        T.evaluate(T.tvm_storage_sync("shared"))
-        if c_lo < c_hi:
-            scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(sacc, NS * 4, *FENCES["float32"])
-            to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                     row0, g, t)
-            pack(sacc, pa)
-        # chunk c: P_c V_c runs on the tensor cores while chunk c + 1's scores are folded. The
-        # loop body issues the same wgmma groups on every trip (the last chunk is peeled off):
-        # otherwise ptxas cannot tell which group wait_group(1) leaves in flight and serializes.
-        for c in T.serial(c_lo, T.max(c_hi - 1, c_lo)):
-            chunk_ready(tx)
-            scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
-            values(smem, base, oacc, pa, dv, c, c_lo)
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            fence_registers(sacc, NS * 4, *FENCES["float32"])
-            to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                     row0, g, t)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(oacc, NO * 4, *FENCES["float32"])
-            fence_registers(pa, NS * 2, *FENCES["uint32"])
-            rescale(oacc, alpha)
-            pack(sacc, pa)
-            # every warpgroup is done with chunk c's stage: refill it with chunk c + S
+        if SYNC:
+            ring_sync(smem, base, sacc, oacc, pa, qf, bf, vf, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h, qbeg,
+                      q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx)
+        else:
+            if c_lo < c_hi:  # chunk c_lo's probabilities, before the loop
+                T.evaluate(T.ptx["cp.async.wait_group"](S - 1))
+                T.ptx.fence.proxy.async_()
             T.evaluate(T.tvm_storage_sync("shared"))
-            if c + S < c_hi:
-                load_kv(smem, base, (c - c_lo) % S, kv_src, h, (c + S) * KC, (qbeg, q_len, kv_len), tx)
-            else:
-                T.evaluate(T.ptx["cp.async.commit_group"]())
-        if c_lo < c_hi:  # the last chunk's P V (its data landed before its scores were taken)
-            values(smem, base, oacc, pa, dv, c_hi - 1, c_lo)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(oacc, NO * 4, *FENCES["float32"])
+            if c_lo < c_hi:
+                scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(sacc, NS * 4, *FENCES["float32"])
+                to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                         row0, g, t)
+                pack(sacc, pa)
+            # chunk c: P_c V_c runs on the tensor cores while chunk c + 1's scores are folded. The
+            # loop body issues the same wgmma groups on every trip (the last chunk is peeled off):
+            # otherwise ptxas cannot tell which group wait_group(1) leaves in flight and serializes.
+            for c in T.serial(c_lo, T.max(c_hi - 1, c_lo)):
+                chunk_ready(tx)
+                scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
+                values(smem, base, oacc, pa, dv, c, c_lo)
+                T.ptx.wgmma.wait_group.sync.aligned(1)
+                fence_registers(sacc, NS * 4, *FENCES["float32"])
+                to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                         row0, g, t)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(oacc, NO * 4, *FENCES["float32"])
+                fence_registers(pa, NS * 2, *FENCES["uint32"])
+                rescale(oacc, alpha)
+                pack(sacc, pa)
+                # every warpgroup is done with chunk c's stage: refill it with chunk c + S
+                T.evaluate(T.tvm_storage_sync("shared"))
+                if c + S < c_hi:
+                    load_kv(smem, base, (c - c_lo) % S, kv_src, h, (c + S) * KC, (qbeg, q_len, kv_len), tx)
+                else:
+                    T.evaluate(T.ptx["cp.async.commit_group"]())
+            if c_lo < c_hi:  # the last chunk's P V (its data landed before its scores were taken)
+                values(smem, base, oacc, pa, dv, c_hi - 1, c_lo)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                fence_registers(oacc, NO * 4, *FENCES["float32"])
         T.evaluate(T.ptx["cp.async.wait_group"](0))  # no copy outlives the block
         store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t)
 
