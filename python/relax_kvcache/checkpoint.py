@@ -24,7 +24,7 @@ import numpy as np
 import tvm
 
 from .args import as_int
-from .config import AttnKind, KVCacheConfig, RopeMode
+from .config import DTYPE_BYTES, AttnKind, KVCacheConfig, RopeMode
 from .errors import ArgumentError, CacheFullError, ConfigError, KVCacheError, SequenceError
 from .paging import PagingState
 from .paging._checks import INT64_MAX, INT64_MIN
@@ -36,7 +36,6 @@ PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
 _KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding",
                AttnKind.MHA_CHUNKED_LOCAL: "mha_chunked_local"}  # the last is ours (TVM has no such kind)
 _ROPE_NAMES = {RopeMode.NONE: "none", RopeMode.NORMAL: "normal", RopeMode.INLINE: "inline"}
-_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Longest sequence a checkpoint may hold (TVM's sizes are int32).
 MAX_SEQ_LENGTH = 2**31 - 1
 
@@ -143,7 +142,7 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
         ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
                      "num_logical_pages": pages,
                      "dtype": config.dtype, "shape": shape,
-                     "nbytes": int(np.prod(shape)) * _BYTES[config.dtype]} for g in range(config.num_layers)]),
+                     "nbytes": int(np.prod(shape)) * DTYPE_BYTES[config.dtype]} for g in range(config.num_layers)]),
     ]
     return dict(fields)
 

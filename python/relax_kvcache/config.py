@@ -21,7 +21,7 @@ MAX_INT = 2**31 - 1
 MAX_TENSOR_BYTES = 2**48
 #: Most layers per cache (one page tensor each; models have at most a few hundred).
 MAX_NUM_LAYERS = 2**16
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RopeMode(enum.IntEnum):
@@ -333,7 +333,7 @@ class KVCacheConfig:
                                               ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
                                                "mla_original_v_head_dim"))
         for what, (elements, fields) in sizes.items():
-            nbytes = elements * _DTYPE_BYTES[self.dtype]
+            nbytes = elements * DTYPE_BYTES[self.dtype]
             if nbytes > MAX_TENSOR_BYTES:
                 given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
