@@ -316,54 +316,42 @@ class KVCacheConfig:
         self._check_tensor_sizes()
 
     def _check_tensor_sizes(self) -> None:
-        """Refuse configs whose page or scratch tensors no device holds (and whose byte counts
-        would overflow the allocator's arithmetic: a 2**62-element tensor allocates 0 bytes)."""
-        width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        dims = (self.head_dim, self.v_head_dim, self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0)
-        sizes = {
-            "page tensors": (self.num_layers * self.num_total_pages * self.page_size * width,
-                             ("num_layers", "max_total_seq_len", "page_size", "num_kv_heads", "head_dim")),
-            "per-step scratch tensors": (self.prefill_chunk_size * self.num_qo_heads * max(dims),
-                                         ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
-        }
-        if self.is_mla and self.mla_original_qk_head_dim:
-            decompressed = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
-            sizes["MLA context workspace"] = (self.context_workspace_rows * (self.num_qo_heads * decompressed
-                                                                             + self.head_dim),
-                                              ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
-                                               "mla_original_v_head_dim"))
-        for what, (elements, fields) in sizes.items():
-            nbytes = elements * DTYPE_BYTES[self.dtype]
-            if nbytes > MAX_TENSOR_BYTES:
-                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
-                raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
-                                  f"{MAX_TENSOR_BYTES} ({given})")
-        self._check_int32_indices(width, max(dims))
-
-    def _check_int32_indices(self, page_width: int, widest: int) -> None:
-        """Refuse configs whose tensors the kernels cannot index: a page's elements are a
-        compile-time int32 stride, and the per-step tensors (a step's queries, K/V and outputs;
-        MLA context chunks) have int32 shapes, so their element counts must fit in int32."""
+        """Refuse configs whose tensors no device holds (byte counts beyond that would also
+        overflow the allocator's arithmetic) or the kernels cannot index: a page's elements are
+        a compile-time int32 stride and the per-step tensors have int32 shapes."""
+        qk, v = self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0
+        widest = max(self.head_dim, self.v_head_dim, qk, v)
+        page_width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        chunk, heads, rows = self.prefill_chunk_size, self.num_qo_heads, self.context_workspace_rows
+        mla_fields = ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim", "mla_original_v_head_dim")
+        sizes = [  # (what, elements, the fields that set it)
+            ("page tensors", self.num_layers * self.num_total_pages * self.page_size * page_width,
+             ("num_layers", "max_total_seq_len", "page_size", "num_kv_heads", "head_dim")),
+            ("per-step scratch tensors", chunk * heads * widest,
+             ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim"))]
+        counts = [("one page", self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim"))]
         if self.is_mla:  # q (n, Hq, latent width), outputs (n, Hq, v dims): no fused q / k / v
-            step = ("a step's queries / outputs", self.prefill_chunk_size * self.num_qo_heads * widest,
-                    ("prefill_chunk_size", "num_qo_heads", "head_dim"))
+            counts.append(("a step's queries / outputs", chunk * heads * widest,
+                           ("prefill_chunk_size", "num_qo_heads", "head_dim")))
         else:
-            step = ("a step's fused q / k / v",
-                    self.prefill_chunk_size * (self.num_qo_heads + 2 * self.num_kv_heads) * widest,
-                    ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim"))
-        counts = [("one page", self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim")), step]
-        if self.is_mla and self.mla_original_qk_head_dim:
-            rows = self.context_workspace_rows  # k (C, Hq, qk), v (C, Hq, v), latent rows (C, width)
-            counts.append(("an MLA context chunk's k / v",
-                           rows * max(self.num_qo_heads * max(self.mla_original_qk_head_dim,
-                                                              self.mla_original_v_head_dim), self.head_dim),
-                           ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
-                            "mla_original_v_head_dim")))
+            counts.append(("a step's fused q / k / v", chunk * (heads + 2 * self.num_kv_heads) * widest,
+                           ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim")))
+        if self.is_mla and qk:  # k (C, Hq, qk), v (C, Hq, v), latent rows (C, width)
+            sizes.append(("MLA context workspace", rows * (heads * (qk + v) + self.head_dim), mla_fields))
+            counts.append(("an MLA context chunk's k / v", rows * max(heads * max(qk, v), self.head_dim),
+                           mla_fields))
+
+        def given(fields: Tuple[str, ...]) -> str:
+            return ", ".join(f"{name}={getattr(self, name)}" for name in fields)
+
+        for what, elements, fields in sizes:
+            if elements * DTYPE_BYTES[self.dtype] > MAX_TENSOR_BYTES:
+                raise ConfigError(f"KVCacheConfig: the {what} would take {elements * DTYPE_BYTES[self.dtype]} bytes, "
+                                  f"more than {MAX_TENSOR_BYTES} ({given(fields)})")
         for what, elements, fields in counts:
             if elements > MAX_INT:
-                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: {what} would hold {elements} elements; the kernels index it with "
-                                  f"int32, so at most {MAX_INT} ({given})")
+                                  f"int32, so at most {MAX_INT} ({given(fields)})")
 
     def _check_mha(self) -> None:
         if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:
