@@ -76,14 +76,6 @@ class LayerSpan:
         return pos - pos % self.chunk
 
 
-def _kind(value: object) -> int:
-    """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
-    number = exact_int(value)  # not int(): it accepts floats, bools and strings
-    if number is None:
-        raise ValueError(value)
-    return number
-
-
 def _positive(name: str, value: object) -> int:
     """A positive int32 (Python or numpy integer) as a Python int."""
     number = exact_int(value)
@@ -293,7 +285,7 @@ class KVCacheConfig:
         object.__setattr__(self, "v_head_dim", v_head_dim)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         try:
-            object.__setattr__(self, "rope_mode", RopeMode(_kind(self.rope_mode)))
+            object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:
             raise ConfigError(
                 f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {describe(self.rope_mode)}"
@@ -364,12 +356,12 @@ class KVCacheConfig:
         for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
             if getattr(self, name) is not None:
                 raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {describe(getattr(self, name))} "
-                                  f"with attn_kinds {[k.name for k in self.attn_kinds]}")
+                                  f"with attn_kinds {self._kind_names}")
 
     def _check_mla(self) -> None:
         if any(kind != AttnKind.MLA for kind in self.attn_kinds):
             raise ConfigError(f"KVCacheConfig.attn_kinds mixes MLA with other kinds "
-                              f"({[k.name for k in self.attn_kinds]}); expected all layers MLA or none")
+                              f"({self._kind_names}); expected all layers MLA or none")
         if self.num_kv_heads != 1:
             raise ConfigError(f"KVCacheConfig.num_kv_heads must be 1 for MLA (one latent head), got {self.num_kv_heads}")
         if self.head_dim % 2 != 0 or self.head_dim > MAX_LATENT_WIDTH or not self.v_head_dim < self.head_dim:
@@ -398,14 +390,14 @@ class KVCacheConfig:
             if self.attention_chunk_size is not None:
                 raise ConfigError(f"KVCacheConfig.attention_chunk_size applies to AttnKind.MHA_CHUNKED_LOCAL layers "
                                   f"only, got {describe(self.attention_chunk_size)} with attn_kinds "
-                                  f"{[k.name for k in self.attn_kinds]}")
+                                  f"{self._kind_names}")
             return
         if AttnKind.MHA_SLIDING in self.attn_kinds:
             raise ConfigError("KVCacheConfig.attn_kinds mixes MHA_SLIDING and MHA_CHUNKED_LOCAL layers "
-                              f"({[k.name for k in self.attn_kinds]}); a cache has one kind of local layer")
+                              f"({self._kind_names}); a cache has one kind of local layer")
         if self.attention_chunk_size is None:
             raise ConfigError("KVCacheConfig.attention_chunk_size is required with AttnKind.MHA_CHUNKED_LOCAL layers "
-                              f"(attn_kinds {[k.name for k in self.attn_kinds]}), got None")
+                              f"(attn_kinds {self._kind_names}), got None")
         object.__setattr__(self, "attention_chunk_size", _positive("attention_chunk_size", self.attention_chunk_size))
 
     def _check_rotary_dim(self) -> None:
@@ -428,6 +420,10 @@ class KVCacheConfig:
         object.__setattr__(self, "rope_rotary_dim", rotary)
 
     @property
+    def _kind_names(self) -> list:
+        return [kind.name for kind in self.attn_kinds]
+
+    @property
     def rotary_dim(self) -> int:
         """Features of a q / k head that RoPE rotates: ``rope_rotary_dim`` or ``head_dim``."""
         return self.head_dim if self.rope_rotary_dim is None else self.rope_rotary_dim
@@ -447,7 +443,7 @@ class KVCacheConfig:
             raise ConfigError("KVCacheConfig.rope_ext_factors (LongRoPE) need rope_mode NORMAL on an MHA cache "
                               f"without support_sliding_window (as in TVM), got rope_mode {self.rope_mode.name}, "
                               f"support_sliding_window {self.support_sliding_window}, "
-                              f"attn_kinds {[k.name for k in self.attn_kinds]}")
+                              f"attn_kinds {self._kind_names}")
         object.__setattr__(self, "rope_ext_factors", _ext_factors(factors, self.rotary_dim))
         if self.rope_original_max_position_embeddings is not None:
             object.__setattr__(self, "rope_original_max_position_embeddings",
@@ -466,7 +462,7 @@ class KVCacheConfig:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds has {len(kinds)} entries, expected num_layers={self.num_layers}")
         try:
-            return tuple(AttnKind(_kind(k)) for k in kinds)
+            return tuple(AttnKind(exact_int(k)) for k in kinds)
         except ValueError:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 (MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), "
