@@ -222,14 +222,10 @@ def _short(value: Any) -> str:
 
 
 class PageGroupMover:
-    """Moves a sequence's positions between the page pool and a page group, in chunks, with the
-    cache's ``debug_get_kv`` (gather) and ``transpose_append`` (scatter) kernels.
-
-    A page group ``(1, P, 2, H, page_size, D)`` has a page pool's layout, so position ``p`` of
-    the sequence is slot ``p`` of the group seen as pages ``(P, 2, H, page_size, D)``. A chunk
-    is gathered into two ``(L, C, H, D)`` buffers (``L`` = 1, or the cache's layer count for a
-    foreign ``debug_get_kv`` compiled for it) and appended where it belongs.
-    """
+    """Moves a sequence's positions between the page pool and a page group (a page pool's layout:
+    position ``p`` is slot ``p``) in chunks, gathered with ``debug_get_kv`` into ``(L, C, H, D)``
+    buffers (``L`` = 1, or the layer count a foreign kernel was compiled for) and scattered with
+    ``transpose_append``."""
 
     def __init__(self, config: KVCacheConfig, kernels: Any, device: tvm.runtime.Device) -> None:
         self._config, self._kernels, self._device = config, kernels, device
@@ -305,20 +301,8 @@ class ImportState:
 
 
 class CheckpointIO:
-    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress.
-
-    Parameters
-    ----------
-    config, layer_offset
-        The cache's config and first layer id (both part of the layout).
-    kernels : KernelSet
-    device : tvm.runtime.Device
-    paging : PagingState
-    pages : list of Tensor
-        The cache's page tensor of each layer.
-    require_no_step : callable
-        ``require_no_step(what)`` raises while a forward step (or a callback) is active.
-    """
+    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress
+    (``require_no_step(what)`` raises while a forward step or a callback is active)."""
 
     def __init__(self, config: KVCacheConfig, layer_offset: int, kernels: Any, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None]) -> None:

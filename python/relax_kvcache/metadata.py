@@ -283,13 +283,9 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
 
 
 def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], List[int]]:
-    """(window offset, sink size) of each page list, in slots of the list.
-
-    A list is a block, or at the deepest level a chain of blocks whose last one alone may have
-    slid. The earlier blocks of a chain are whole pages read in full, so a slid last block's sink
-    and window offset move past them (the kernels skip slots ``[sink, offset)`` of the list); TVM
-    takes the last block's values as they are, which drops the chain's first tokens instead.
-    """
+    """(window offset, sink size) of each page list (a block, or at the deepest level a chain of
+    blocks whose last one alone may have slid), in slots of the list: a slid last block's values
+    move past the chain's earlier, whole pages (the kernels skip slots ``[sink, offset)``)."""
     offsets, sinks = [], []
     for n, block in zip(lengths, lasts):
         before = n - block.seq_length if block.sliding_window_offset else 0
@@ -300,12 +296,9 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
 
 def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
                  starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
-    """Per chunk, the pages from the first key its earliest query can see (see WindowPages).
-
-    The chunks' full page lists (``page_indptr``, ``page_indices``, ``last_page_len``), the
-    position of each chunk's first key (``starts``) and of its earliest query
-    (``min_positions``); vectorised, as repeated decode steps recompute it every step.
-    """
+    """Per chunk, the pages from the first key its earliest query (at ``min_positions``) can see,
+    from the chunks' full page lists whose first keys are at ``starts`` (see WindowPages);
+    vectorised, as repeated decode steps recompute it every step."""
     npages = np.diff(page_indptr).astype(np.int64)
     last = np.asarray(last_page_len, dtype=np.int64)
     lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
@@ -325,12 +318,9 @@ def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_le
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
-    """RoPE positions and pool positions of the step's new tokens, after their reservation.
-
-    Returns ``(q_rope_position [n], append_position [n])``, vectorised over the batch: token t of
-    sequence i sits at in-block offset ``start_i + t`` of its last block, whose page is looked up
-    in the slice of that block's page table the new tokens touch. A token whose slot is pinned by
-    an attention sink gets position -1 (not written), as in TVM.
+    """``(q_rope_position [n], append_position [n])`` of the step's new tokens, after their
+    reservation, vectorised over the batch: token t of sequence i sits at in-block offset
+    ``start_i + t`` of its last block. A token whose slot is pinned by a sink gets -1, as in TVM.
     """
     page_size = paging.page_size
     # A sequence whose new tokens do not all have a slot (an attention sink, or a window that slid
@@ -387,11 +377,9 @@ def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
                      ) -> Tuple[Optional[TreeMask], Tuple[Optional[TreeMask], ...]]:
     """Tree masks of a step: ``(ragged_tree, per-depth trees)``.
 
-    Before attention nothing of the trees is in the pages: the ragged kernel masks the new tokens
-    (unless every tree is a chain: plain causal). When the step extends uncommitted trees (the
-    trees' earlier nodes are in the pages, appended before attention) each sequence's tree is
-    masked at the depth of its last block, by the paged tree kernel, unless every tree there is
-    a chain and the depth runs the decode kernel.
+    Without an append before attention the ragged kernel masks the new tokens (unless every tree
+    is a chain). A step extending uncommitted trees masks each tree at the depth of its last
+    block, with the paged tree kernel, unless every tree there is a chain on the decode kernel.
     """
     trees = structure.trees
     num_depths = len(structure.chunks)
