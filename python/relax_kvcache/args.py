@@ -1,15 +1,15 @@
-"""Argument checks at the cache's boundary: ints, lists of ints and floats, with clear errors.
+"""Argument checks at the cache's boundary: ints, lists of ints, floats and bools.
 
-Every public entry point converts its arguments with these before changing anything. Wrong
-types raise :class:`~relax_kvcache.errors.ArgumentError` (a ``TypeError`` and a
-``KVCacheError``) naming the argument and the value.
+Every public entry point converts its arguments with these before changing anything; wrong
+types raise `ArgumentError` naming the argument and the value.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
@@ -19,29 +19,26 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _BOOLS = (bool, np.bool_)
 
-#: Containers accepted for a list of ints: Python sequences (not str / bytes), 1-D numpy arrays
-#: and TVM's ShapeTuple and Array (what ``vm.builtin`` functions receive; :func:`_ffi_types`).
+#: Containers accepted for a list of ints, besides TVM's ShapeTuple and Array (what
+#: ``vm.builtin`` functions receive).
 _SEQUENCE_TYPES = (list, tuple, range, np.ndarray)
-_FFI_TYPES: Dict[str, Tuple[type, ...]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded_ffi_types(*names: str) -> Tuple[type, ...]:
+    return tuple(getattr(sys.modules["tvm_ffi"], name) for name in names)
 
 
 def _ffi_types(*names: str) -> Tuple[type, ...]:
-    """The types ``tvm_ffi.<name>`` once tvm_ffi is loaded, else ``()``: no object of them can
-    exist before. This module imports no TVM, so that the paging layer (which uses it) does not."""
-    key = ",".join(names)
-    found = _FFI_TYPES.get(key)
-    if found is None:
-        module = sys.modules.get("tvm_ffi")
-        if module is None:
-            return ()
-        found = _FFI_TYPES[key] = tuple(getattr(module, name) for name in names)
-    return found
+    """The types ``tvm_ffi.<name>`` once tvm_ffi is loaded, else ``()`` (no object of them can
+    exist before): this module imports no TVM, so that the paging layer does not."""
+    return _loaded_ffi_types(*names) if "tvm_ffi" in sys.modules else ()
 
 
 def describe(value: Any) -> str:
-    """A short one-line description of ``value`` for error messages: the repr of numbers,
-    strings, None and short lists / tuples of them, otherwise the type's name (a tensor's repr
-    copies its data, and an object's repr may be long or fail)."""
+    """A one-line description of ``value`` for error messages: the repr of numbers, strings,
+    None and short lists / tuples of them, else the type's name (a tensor's repr copies its
+    data, and an object's repr may be long or fail)."""
     if isinstance(value, _ffi_types("Tensor")):  # tvm.runtime.Tensor is one
         if not value.__chandle__():  # Tensor.__new__: reading its shape would crash
             return "a Tensor object without a tensor (null handle)"
@@ -53,8 +50,7 @@ def describe(value: Any) -> str:
 
 
 def _plain_repr(value: Any, depth: int) -> Optional[str]:
-    """``repr(value)`` for builtin and numpy scalars, and lists / tuples of them (up to
-    ``depth`` levels, 20 items); None for anything else."""
+    """``repr(value)`` of scalars and lists / tuples of them (``depth`` levels, 20 items), or None."""
     if value is None or isinstance(value, (int, float, str, bytes, complex, np.number, np.bool_)):
         return repr(value)
     if isinstance(value, (list, tuple)) and depth > 0:
@@ -67,14 +63,8 @@ def _plain_repr(value: Any, depth: int) -> Optional[str]:
 
 
 def as_int(name: str, value: Any) -> int:
-    """``value`` as a Python int: ints, numpy integers and 0-d integer arrays; not bools,
-    floats or other objects.
-
-    Raises
-    ------
-    ArgumentError
-        If ``value`` is not an integer.
-    """
+    """``value`` (an int, numpy integer or 0-d integer array; not a bool) as a Python int, else
+    ArgumentError."""
     if isinstance(value, _BOOLS):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0
@@ -92,16 +82,8 @@ def exact_int(value: Any) -> Optional[int]:
 
 
 def as_int32(name: str, value: Any) -> int:
-    """``value`` as an int within int32, TVM's type for sliding-window and attention-sink sizes
-    (they reach the kernels' int32 metadata).
-
-    Raises
-    ------
-    ArgumentError
-        If ``value`` is not an integer.
-    SequenceError
-        If it is outside int32.
-    """
+    """``value`` as an int within int32 (SequenceError outside), TVM's type for window and sink
+    sizes (they reach the kernels' int32 metadata)."""
     result = as_int(name, value)
     if not -INT32_MAX - 1 <= result <= INT32_MAX:
         raise SequenceError(f"{name} {result} is out of range: expected an int32, at most {INT32_MAX}")
@@ -111,37 +93,25 @@ def as_int32(name: str, value: Any) -> int:
 def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = "",
                 error: type = SequenceError) -> List[int]:
     """``values`` (a list, tuple, range, ShapeTuple, tvm_ffi Array or 1-D integer numpy array)
-    as a list of Python ints.
+    as a list of Python ints; ArgumentError for another container or a non-integer element.
 
     A ``range``, the one lazy container, is expanded only when it has at most ``max_len``
-    entries (a huge one would take the memory a list of its size takes); the callers check
-    the lengths of the others against the cache's state afterwards.
-
-    Raises
-    ------
-    ArgumentError
-        If ``values`` is not such a container (a str, dict, set or generator is not) or an
-        element is not an integer.
-    SequenceError
-        (or ``error``) If it is a range of more than ``max_len`` entries (``why`` says why
-        that is the most).
+    entries (else ``error``, saying ``why``); callers check the others' lengths afterwards.
     """
     if (not isinstance(values, _SEQUENCE_TYPES + _ffi_types("Shape", "Array"))
             or (isinstance(values, np.ndarray) and values.ndim != 1)):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
                             f"{describe(values)} of type {type(values).__name__}")
     if isinstance(values, range):  # lazy: its length is checked before it is expanded
-        _check_length(name, range_length(values), max_len, why, error)
+        length = range_length(values)
+        if length > max_len:
+            because = f" ({why})" if why else ""
+            raise error(f"{name} has {length} entries, more than {max_len}{because}")
         return list(values)
     items = values.tolist() if isinstance(values, np.ndarray) else list(values)
     if all(type(v) is int for v in items):  # fast path: ShapeTuple / list of ints
         return items
     return [as_int(f"{name}[{i}]", v) for i, v in enumerate(items)]
-
-
-def _check_length(name: str, length: int, max_len: int, why: str, error: type) -> None:
-    if length > max_len:
-        raise error(f"{name} has {length} entries, more than {max_len}" + (f" ({why})" if why else ""))
 
 
 def range_length(values: range) -> int:
@@ -151,16 +121,8 @@ def range_length(values: range) -> int:
 
 def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float:
     """``value`` (an int, float or numpy number, not a bool) as a Python float within float32's
-    finite range (kernels take their scalars as float32).
-
-    Raises
-    ------
-    ArgumentError
-        If ``value`` is not a number.
-    ForwardError
-        If it is NaN, infinite or beyond float32's range (``not_finite`` names another
-        ``KVCacheError`` class for that, e.g. ``ConfigError`` for configuration values).
-    """
+    finite range (kernels take their scalars as float32): ArgumentError for a non-number,
+    ``not_finite`` for NaN, infinities and values beyond float32."""
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array
         value = value[()]
     if isinstance(value, _BOOLS) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -176,14 +138,8 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
 
 
 def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
-    """``value`` as a bool: a bool (Python or numpy) or the integer 0 or 1 (what Relax passes for
-    a boolean), not any truthy value (the string "no" would be True).
-
-    Raises
-    ------
-    ArgumentError
-        Otherwise (``error`` names another ``KVCacheError`` class, e.g. ``ConfigError``).
-    """
+    """``value`` (a bool, or the integer 0 or 1, what Relax passes for a boolean; not any truthy
+    value) as a bool, else ``error``."""
     if isinstance(value, _BOOLS):
         return bool(value)
     number = exact_int(value)

@@ -10,6 +10,7 @@ Other GPUs copy synchronously.
 
 from __future__ import annotations
 
+import itertools
 from typing import List, Sequence, Tuple
 
 import numpy as np
@@ -22,15 +23,8 @@ _INT32_BYTES = 4
 
 
 class AuxBuffer:
-    """Reusable host/device int32 buffer for per-step metadata.
-
-    Parameters
-    ----------
-    device : tvm.runtime.Device
-        Where the kernels run.
-    capacity : int
-        Initial capacity in int32 elements; the buffer grows (doubling) when a step needs more.
-    """
+    """Reusable host/device int32 buffer for per-step metadata, of ``capacity`` elements at
+    first; it grows (doubling) when a step needs more."""
 
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
         self._device = device
@@ -53,11 +47,6 @@ class AuxBuffer:
                           else np.empty(capacity, dtype=np.int32))
         self._dtype = self._device_buffer.dtype
 
-    @property
-    def asynchronous(self) -> bool:
-        """True when uploads are asynchronous (CUDA): call :meth:`wait` before using the views."""
-        return self._on_cuda
-
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""
         if self._pinned is not None:
@@ -69,27 +58,22 @@ class AuxBuffer:
         total = sum(sizes)
         if total > self._capacity:
             self._allocate(max(total, 2 * self._capacity))
-        views = []
-        offset = 0
-        self._begin_write()
-        for array, size in zip(arrays, sizes):
-            self._host[offset:offset + size] = array.ravel()
-            views.append(self.view(array.shape, offset))
-            offset += size
-        self._send(total)
-        return views
+        offsets = list(itertools.accumulate(sizes, initial=0))
+        self.write(arrays, offsets)
+        return [self.view(array.shape, offset) for array, offset in zip(arrays, offsets)]
 
     def view(self, shape: Tuple[int, ...], offset: int) -> tvm.runtime.Tensor:
         """A device view of ``shape`` at element ``offset`` of the buffer."""
         return view(self._device_buffer, shape, offset * _INT32_BYTES, self._dtype)
 
-    def _begin_write(self) -> None:
-        """Wait until the host buffer may be overwritten (the previous copy has read it)."""
+    def write(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
+        """Write ``arrays`` at element ``offsets`` and copy the buffer up to the last one's end
+        to the device (on CPU they are one buffer), once the previous copy has read it."""
         if self._pinned is not None:
             self._pinned.ready_for_write()
-
-    def _send(self, count: int) -> None:
-        """Copy ``host[:count]`` to the device (nothing to do on CPU: they are one buffer)."""
+        for array, offset in zip(arrays, offsets):
+            self._host[offset:offset + array.size] = array.ravel()
+        count = offsets[len(arrays) - 1] + arrays[-1].size if arrays else 0
         if self._pinned is not None:
             self._pinned.copy(count)
         elif not self._on_cpu and count:
@@ -97,22 +81,13 @@ class AuxBuffer:
 
 
 class SlotBuffer:
-    """Metadata arrays at fixed places: one slot per array, device views created once.
+    """Metadata arrays at fixed places: one slot of each of ``shapes`` per array, device views
+    created once.
 
     Repeated decode steps have the same arrays every step, only their contents change (and the
-    page lists grow). Writing them into fixed slots saves creating views each step and keeps
-    every kernel argument at the same address with the same shape, which is what replaying a
-    captured CUDA graph needs.
-
-    Parameters
-    ----------
-    device : tvm.runtime.Device
-        Where the kernels run.
-    shapes : sequence of tuple of int
-        Shape of each slot's view.
-    partial : sequence of bool
-        Per slot (1-D): whether an array shorter than the slot may go there (page lists, which
-        kernels read through their indptr); other arrays must match their slot's shape.
+    page lists grow). Fixed slots keep every kernel argument at the same address with the same
+    shape, which is what replaying a captured CUDA graph needs. ``partial[i]``: whether a shorter
+    1-D array may go in slot i (page lists, which kernels read through their indptr).
     """
 
     def __init__(self, device: tvm.runtime.Device, shapes: Sequence[Tuple[int, ...]],
@@ -131,15 +106,8 @@ class SlotBuffer:
             for a, s, p in zip(arrays, self._shapes, self._partial))
 
     def upload(self, arrays: Sequence[np.ndarray]) -> None:
-        """Write ``arrays`` into their slots and copy them to the device (see `AuxBuffer`).
-
-        ``fits(arrays)`` must hold.
-        """
-        buffer, offsets = self._buffer, self._offsets
-        buffer._begin_write()
-        for array, offset in zip(arrays, offsets):
-            buffer._host[offset:offset + array.size] = array.ravel()
-        buffer._send(offsets[len(arrays) - 1] + arrays[-1].size)
+        """Write ``arrays`` (``fits(arrays)`` holds) into their slots and copy them to the device."""
+        self._buffer.write(arrays, self._offsets)
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""

@@ -1,17 +1,14 @@
 """Checkpoint export / import of one sequence's KV, in TVM 0.27's format.
 
-TVM's ``vm.builtin.attention_kv_cache_{get_checkpoint_metadata, get_layout_hash,
-export_page_group, prepare_import, import_page_group, finish_import}`` save a sequence as JSON
-metadata plus one *page group* per layer: a tensor ``(1, num_logical_pages, 2, num_kv_heads,
-page_size, head_dim)`` holding the sequence's positions in page-size runs from position 0 (K
-then V, the layout of a page), the last page's unused slots zero. The metadata names the
-layout (and its 64-bit FNV-1a *layout hash*, of the same string TVM hashes), the sequence
-length and the groups; an import checks that the layout matches this cache's.
+TVM saves a sequence as JSON metadata plus one *page group* per layer: a tensor ``(1,
+num_logical_pages, 2, num_kv_heads, page_size, head_dim)`` holding the sequence's positions in
+page-size runs from position 0 (K then V, the layout of a page), the last page's unused slots
+zero. The metadata names the layout (and its 64-bit FNV-1a *layout hash*, of the string TVM
+hashes), the sequence length and the groups; an import checks that the layout matches.
 
-This module owns the format (the layout string and hash, writing and validating metadata:
-:func:`metadata_json`, :func:`parse_import`), moving page groups with the cache's own kernels
-(:class:`PageGroupMover`) and a cache's checkpoint I/O (:class:`CheckpointIO`: export, and the
-import in progress), to which the cache's checkpoint methods delegate.
+This module owns the format (:func:`metadata`, :func:`parse_import`), moving page groups with
+the cache's own kernels (:class:`PageGroupMover`) and a cache's checkpoint I/O
+(:class:`CheckpointIO`), to which the cache's checkpoint methods delegate.
 """
 
 from __future__ import annotations
@@ -24,44 +21,28 @@ import numpy as np
 import tvm
 
 from .args import as_int
-from .config import AttnKind, KVCacheConfig, RopeMode
+from .config import DTYPE_BYTES, AttnKind, KVCacheConfig
 from .errors import ArgumentError, CacheFullError, ConfigError, KVCacheError, SequenceError
 from .paging import PagingState
-from .paging._checks import INT64_MAX, INT64_MIN
+from .paging._checks import INT64_MAX, INT64_MIN, ceil_div
 from .tensors import TENSOR_TYPES, allocate, check_tensor, numpy_dtype, view
 
 FORMAT_VERSION = 1
 CACHE_TYPE = "relax.vm.PagedAttentionKVCache"
 PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
-_KIND_NAMES = {AttnKind.MHA: "mha", AttnKind.MLA: "mla", AttnKind.MHA_SLIDING: "mha_sliding",
-               AttnKind.MHA_CHUNKED_LOCAL: "mha_chunked_local"}  # the last is ours (TVM has no such kind)
-_ROPE_NAMES = {RopeMode.NONE: "none", RopeMode.NORMAL: "normal", RopeMode.INLINE: "inline"}
-_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Longest sequence a checkpoint may hold (TVM's sizes are int32).
 MAX_SEQ_LENGTH = 2**31 - 1
 
 
-def _c_double(value: float) -> str:
-    """A double as TVM writes it into the layout string (``%.17g``)."""
-    return f"{value:.17g}"
-
-
-def _json_double(value: float) -> str:
-    """A double as TVM's JSON writer writes it: ``%.1f`` when whole and below 2**53 in
-    magnitude, ``%.17g`` otherwise."""
-    if value == int(value) and abs(value) < 2.0 ** 53:
-        return f"{value:.1f}"
-    return f"{value:.17g}"
-
-
 def _json(value: Any) -> str:
-    """Compact JSON with TVM's float format (the metadata holds dicts, lists, str, bool, int, float)."""
+    """Compact JSON as TVM writes it: floats ``%.1f`` when whole and below 2**53 in magnitude,
+    ``%.17g`` otherwise (the metadata holds dicts, lists, str, bool, int, float)."""
     if isinstance(value, dict):
         return "{" + ",".join(f"{json.dumps(key)}:{_json(item)}" for key, item in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ",".join(_json(item) for item in value) + "]"
     if isinstance(value, float):
-        return _json_double(value)
+        return f"{value:.1f}" if value == int(value) and abs(value) < 2.0**53 else f"{value:.17g}"
     return json.dumps(value)
 
 
@@ -77,7 +58,7 @@ def _layout(config: KVCacheConfig, layer_offset: int) -> List[Tuple[str, Any]]:
 
 def _rope_fields(config: KVCacheConfig) -> List[Tuple[str, Any]]:
     return [
-        ("rope_mode", _ROPE_NAMES[config.effective_rope_mode]), ("rotary_scale", float(config.rope_scale)),
+        ("rope_mode", config.effective_rope_mode.name.lower()), ("rotary_scale", float(config.rope_scale)),
         ("rotary_theta", float(config.rope_theta)), ("has_rope_ext_factors", config.rope_ext_factors is not None),
         ("support_sliding_window", config.support_sliding_window),
         ("support_layer_sliding_window", AttnKind.MHA_SLIDING in config.attn_kinds),
@@ -86,13 +67,13 @@ def _rope_fields(config: KVCacheConfig) -> List[Tuple[str, Any]]:
 
 def layout_string(config: KVCacheConfig, layer_offset: int = 0) -> str:
     """The string TVM hashes for the layout hash (``key=value;``, TVM's order and formatting)."""
-    def text(value: Any) -> str:
+    def text(value: Any) -> str:  # doubles as %.17g
         if isinstance(value, bool):
             return str(int(value))
-        return _c_double(value) if isinstance(value, float) else str(value)
+        return f"{value:.17g}" if isinstance(value, float) else str(value)
 
     fields = _layout(config, layer_offset) + [("dtype", config.dtype)] + _rope_fields(config)
-    kinds = ",".join(_KIND_NAMES[kind] for kind in config.attn_kinds)
+    kinds = ",".join(kind.name.lower() for kind in config.attn_kinds)
     return ("".join(f"{key}={text(value)};" for key, value in fields)
             + f"page_group_layout={PAGE_GROUP_LAYOUT};attn_kinds={kinds}")
 
@@ -114,25 +95,21 @@ def unsupported_layout(config: KVCacheConfig) -> Optional[str]:
     return None
 
 
-def num_logical_pages(length: int, page_size: int) -> int:
-    return -(-length // page_size)
-
-
 def group_shape(config: KVCacheConfig, length: int) -> Tuple[int, ...]:
     """Shape of a page group of a sequence of ``length`` tokens."""
-    return (1, num_logical_pages(length, config.page_size), 2, config.num_kv_heads, config.page_size,
+    return (1, ceil_div(length, config.page_size), 2, config.num_kv_heads, config.page_size,
             config.head_dim)
 
 
 def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
              reserved_num_seqs: int) -> Dict[str, Any]:
     """The metadata of sequence ``seq_id`` of ``length`` tokens (TVM's fields, in its order)."""
-    ps, pages = config.page_size, num_logical_pages(length, config.page_size)
+    ps, pages = config.page_size, ceil_div(length, config.page_size)
     shape = list(group_shape(config, length))
     fields = _layout(config, layer_offset) + [
         ("reserved_num_seqs", reserved_num_seqs), ("num_total_pages", config.num_total_pages),
         ("prefill_chunk_size", config.prefill_chunk_size), ("dtype", config.dtype),
-        ("attn_kinds", [_KIND_NAMES[kind] for kind in config.attn_kinds])] + _rope_fields(config) + [
+        ("attn_kinds", [kind.name.lower() for kind in config.attn_kinds])] + _rope_fields(config) + [
         ("page_group_layout", PAGE_GROUP_LAYOUT), ("layout_hash", layout_hash(config, layer_offset)),
         ("seq_id", seq_id), ("seq_length", length),
         *([("rope_rotary_dim", config.rotary_dim)] if config.rotary_dim != config.head_dim else []),
@@ -143,14 +120,9 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
         ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
                      "num_logical_pages": pages,
                      "dtype": config.dtype, "shape": shape,
-                     "nbytes": int(np.prod(shape)) * _BYTES[config.dtype]} for g in range(config.num_layers)]),
+                     "nbytes": int(np.prod(shape)) * DTYPE_BYTES[config.dtype]} for g in range(config.num_layers)]),
     ]
     return dict(fields)
-
-
-def metadata_json(meta: Dict[str, Any]) -> str:
-    """Compact JSON, as TVM writes it."""
-    return _json(meta)
 
 
 def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
@@ -202,7 +174,7 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
     length = _field(meta, "seq_length", int)
     if not 0 <= length <= MAX_SEQ_LENGTH:
         raise ArgumentError(f"checkpoint seq_length must be in [0, {MAX_SEQ_LENGTH}], got {length}")
-    pages = num_logical_pages(length, config.page_size)
+    pages = ceil_div(length, config.page_size)
     if pages > meta["num_total_pages"]:
         raise ArgumentError(f"checkpoint seq_length {length} needs {pages} pages, more than its num_total_pages "
                             f"{meta['num_total_pages']}")
@@ -250,14 +222,10 @@ def _short(value: Any) -> str:
 
 
 class PageGroupMover:
-    """Moves a sequence's positions between the page pool and a page group, in chunks, with the
-    cache's ``debug_get_kv`` (gather) and ``transpose_append`` (scatter) kernels.
-
-    A page group ``(1, P, 2, H, page_size, D)`` has a page pool's layout, so position ``p`` of
-    the sequence is slot ``p`` of the group seen as pages ``(P, 2, H, page_size, D)``. A chunk
-    is gathered into two ``(L, C, H, D)`` buffers (``L`` = 1, or the cache's layer count for a
-    foreign ``debug_get_kv`` compiled for it) and appended where it belongs.
-    """
+    """Moves a sequence's positions between the page pool and a page group (a page pool's layout:
+    position ``p`` is slot ``p``) in chunks, gathered with ``debug_get_kv`` into ``(L, C, H, D)``
+    buffers (``L`` = 1, or the layer count a foreign kernel was compiled for) and scattered with
+    ``transpose_append``."""
 
     def __init__(self, config: KVCacheConfig, kernels: Any, device: tvm.runtime.Device) -> None:
         self._config, self._kernels, self._device = config, kernels, device
@@ -333,20 +301,8 @@ class ImportState:
 
 
 class CheckpointIO:
-    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress.
-
-    Parameters
-    ----------
-    config, layer_offset
-        The cache's config and first layer id (both part of the layout).
-    kernels : KernelSet
-    device : tvm.runtime.Device
-    paging : PagingState
-    pages : list of Tensor
-        The cache's page tensor of each layer.
-    require_no_step : callable
-        ``require_no_step(what)`` raises while a forward step (or a callback) is active.
-    """
+    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress
+    (``require_no_step(what)`` raises while a forward step or a callback is active)."""
 
     def __init__(self, config: KVCacheConfig, layer_offset: int, kernels: Any, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None]) -> None:
@@ -362,7 +318,7 @@ class CheckpointIO:
     def metadata(self, seq_id: Any) -> str:
         seq_id = self._checkpoint_sequence(seq_id, "get_checkpoint_metadata")
         length = self._paging.sequence_length(seq_id)
-        return metadata_json(metadata(self._config, self._layer_offset, seq_id, length, self._config.max_num_seqs))
+        return _json(metadata(self._config, self._layer_offset, seq_id, length, self._config.max_num_seqs))
 
     def export_group(self, seq_id: Any, group_id: Any, out: Any) -> None:
         seq_id = self._checkpoint_sequence(seq_id, "export_page_group")

@@ -21,7 +21,7 @@ MAX_INT = 2**31 - 1
 MAX_TENSOR_BYTES = 2**48
 #: Most layers per cache (one page tensor each; models have at most a few hundred).
 MAX_NUM_LAYERS = 2**16
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RopeMode(enum.IntEnum):
@@ -74,14 +74,6 @@ class LayerSpan:
         if self.window:
             return pos - self.window + 1
         return pos - pos % self.chunk
-
-
-def _kind(value: object) -> int:
-    """An attention kind's int value (rejecting floats, bools and strings, which int() accepts)."""
-    number = exact_int(value)  # not int(): it accepts floats, bools and strings
-    if number is None:
-        raise ValueError(value)
-    return number
 
 
 def _positive(name: str, value: object) -> int:
@@ -293,7 +285,7 @@ class KVCacheConfig:
         object.__setattr__(self, "v_head_dim", v_head_dim)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         try:
-            object.__setattr__(self, "rope_mode", RopeMode(_kind(self.rope_mode)))
+            object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:
             raise ConfigError(
                 f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {describe(self.rope_mode)}"
@@ -316,54 +308,42 @@ class KVCacheConfig:
         self._check_tensor_sizes()
 
     def _check_tensor_sizes(self) -> None:
-        """Refuse configs whose page or scratch tensors no device holds (and whose byte counts
-        would overflow the allocator's arithmetic: a 2**62-element tensor allocates 0 bytes)."""
-        width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
-        dims = (self.head_dim, self.v_head_dim, self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0)
-        sizes = {
-            "page tensors": (self.num_layers * self.num_total_pages * self.page_size * width,
-                             ("num_layers", "max_total_seq_len", "page_size", "num_kv_heads", "head_dim")),
-            "per-step scratch tensors": (self.prefill_chunk_size * self.num_qo_heads * max(dims),
-                                         ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim")),
-        }
-        if self.is_mla and self.mla_original_qk_head_dim:
-            decompressed = self.mla_original_qk_head_dim + self.mla_original_v_head_dim
-            sizes["MLA context workspace"] = (self.context_workspace_rows * (self.num_qo_heads * decompressed
-                                                                             + self.head_dim),
-                                              ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
-                                               "mla_original_v_head_dim"))
-        for what, (elements, fields) in sizes.items():
-            nbytes = elements * _DTYPE_BYTES[self.dtype]
-            if nbytes > MAX_TENSOR_BYTES:
-                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
-                raise ConfigError(f"KVCacheConfig: the {what} would take {nbytes} bytes, more than "
-                                  f"{MAX_TENSOR_BYTES} ({given})")
-        self._check_int32_indices(width, max(dims))
-
-    def _check_int32_indices(self, page_width: int, widest: int) -> None:
-        """Refuse configs whose tensors the kernels cannot index: a page's elements are a
-        compile-time int32 stride, and the per-step tensors (a step's queries, K/V and outputs;
-        MLA context chunks) have int32 shapes, so their element counts must fit in int32."""
+        """Refuse configs whose tensors no device holds (byte counts beyond that would also
+        overflow the allocator's arithmetic) or the kernels cannot index: a page's elements are
+        a compile-time int32 stride and the per-step tensors have int32 shapes."""
+        qk, v = self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0
+        widest = max(self.head_dim, self.v_head_dim, qk, v)
+        page_width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
+        chunk, heads, rows = self.prefill_chunk_size, self.num_qo_heads, self.context_workspace_rows
+        mla_fields = ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim", "mla_original_v_head_dim")
+        sizes = [  # (what, elements, the fields that set it)
+            ("page tensors", self.num_layers * self.num_total_pages * self.page_size * page_width,
+             ("num_layers", "max_total_seq_len", "page_size", "num_kv_heads", "head_dim")),
+            ("per-step scratch tensors", chunk * heads * widest,
+             ("prefill_chunk_size", "num_qo_heads", "head_dim", "v_head_dim"))]
+        counts = [("one page", self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim"))]
         if self.is_mla:  # q (n, Hq, latent width), outputs (n, Hq, v dims): no fused q / k / v
-            step = ("a step's queries / outputs", self.prefill_chunk_size * self.num_qo_heads * widest,
-                    ("prefill_chunk_size", "num_qo_heads", "head_dim"))
+            counts.append(("a step's queries / outputs", chunk * heads * widest,
+                           ("prefill_chunk_size", "num_qo_heads", "head_dim")))
         else:
-            step = ("a step's fused q / k / v",
-                    self.prefill_chunk_size * (self.num_qo_heads + 2 * self.num_kv_heads) * widest,
-                    ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim"))
-        counts = [("one page", self.page_size * page_width, ("page_size", "num_kv_heads", "head_dim")), step]
-        if self.is_mla and self.mla_original_qk_head_dim:
-            rows = self.context_workspace_rows  # k (C, Hq, qk), v (C, Hq, v), latent rows (C, width)
-            counts.append(("an MLA context chunk's k / v",
-                           rows * max(self.num_qo_heads * max(self.mla_original_qk_head_dim,
-                                                              self.mla_original_v_head_dim), self.head_dim),
-                           ("context_chunk_size", "num_qo_heads", "mla_original_qk_head_dim",
-                            "mla_original_v_head_dim")))
+            counts.append(("a step's fused q / k / v", chunk * (heads + 2 * self.num_kv_heads) * widest,
+                           ("prefill_chunk_size", "num_qo_heads", "num_kv_heads", "head_dim")))
+        if self.is_mla and qk:  # k (C, Hq, qk), v (C, Hq, v), latent rows (C, width)
+            sizes.append(("MLA context workspace", rows * (heads * (qk + v) + self.head_dim), mla_fields))
+            counts.append(("an MLA context chunk's k / v", rows * max(heads * max(qk, v), self.head_dim),
+                           mla_fields))
+
+        def given(fields: Tuple[str, ...]) -> str:
+            return ", ".join(f"{name}={getattr(self, name)}" for name in fields)
+
+        for what, elements, fields in sizes:
+            if elements * DTYPE_BYTES[self.dtype] > MAX_TENSOR_BYTES:
+                raise ConfigError(f"KVCacheConfig: the {what} would take {elements * DTYPE_BYTES[self.dtype]} bytes, "
+                                  f"more than {MAX_TENSOR_BYTES} ({given(fields)})")
         for what, elements, fields in counts:
             if elements > MAX_INT:
-                given = ", ".join(f"{name}={getattr(self, name)}" for name in fields)
                 raise ConfigError(f"KVCacheConfig: {what} would hold {elements} elements; the kernels index it with "
-                                  f"int32, so at most {MAX_INT} ({given})")
+                                  f"int32, so at most {MAX_INT} ({given(fields)})")
 
     def _check_mha(self) -> None:
         if self.head_dim % 2 != 0 or self.head_dim > MAX_HEAD_DIM:
@@ -376,12 +356,12 @@ class KVCacheConfig:
         for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
             if getattr(self, name) is not None:
                 raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {describe(getattr(self, name))} "
-                                  f"with attn_kinds {[k.name for k in self.attn_kinds]}")
+                                  f"with attn_kinds {self._kind_names}")
 
     def _check_mla(self) -> None:
         if any(kind != AttnKind.MLA for kind in self.attn_kinds):
             raise ConfigError(f"KVCacheConfig.attn_kinds mixes MLA with other kinds "
-                              f"({[k.name for k in self.attn_kinds]}); expected all layers MLA or none")
+                              f"({self._kind_names}); expected all layers MLA or none")
         if self.num_kv_heads != 1:
             raise ConfigError(f"KVCacheConfig.num_kv_heads must be 1 for MLA (one latent head), got {self.num_kv_heads}")
         if self.head_dim % 2 != 0 or self.head_dim > MAX_LATENT_WIDTH or not self.v_head_dim < self.head_dim:
@@ -410,14 +390,14 @@ class KVCacheConfig:
             if self.attention_chunk_size is not None:
                 raise ConfigError(f"KVCacheConfig.attention_chunk_size applies to AttnKind.MHA_CHUNKED_LOCAL layers "
                                   f"only, got {describe(self.attention_chunk_size)} with attn_kinds "
-                                  f"{[k.name for k in self.attn_kinds]}")
+                                  f"{self._kind_names}")
             return
         if AttnKind.MHA_SLIDING in self.attn_kinds:
             raise ConfigError("KVCacheConfig.attn_kinds mixes MHA_SLIDING and MHA_CHUNKED_LOCAL layers "
-                              f"({[k.name for k in self.attn_kinds]}); a cache has one kind of local layer")
+                              f"({self._kind_names}); a cache has one kind of local layer")
         if self.attention_chunk_size is None:
             raise ConfigError("KVCacheConfig.attention_chunk_size is required with AttnKind.MHA_CHUNKED_LOCAL layers "
-                              f"(attn_kinds {[k.name for k in self.attn_kinds]}), got None")
+                              f"(attn_kinds {self._kind_names}), got None")
         object.__setattr__(self, "attention_chunk_size", _positive("attention_chunk_size", self.attention_chunk_size))
 
     def _check_rotary_dim(self) -> None:
@@ -440,6 +420,10 @@ class KVCacheConfig:
         object.__setattr__(self, "rope_rotary_dim", rotary)
 
     @property
+    def _kind_names(self) -> list:
+        return [kind.name for kind in self.attn_kinds]
+
+    @property
     def rotary_dim(self) -> int:
         """Features of a q / k head that RoPE rotates: ``rope_rotary_dim`` or ``head_dim``."""
         return self.head_dim if self.rope_rotary_dim is None else self.rope_rotary_dim
@@ -459,7 +443,7 @@ class KVCacheConfig:
             raise ConfigError("KVCacheConfig.rope_ext_factors (LongRoPE) need rope_mode NORMAL on an MHA cache "
                               f"without support_sliding_window (as in TVM), got rope_mode {self.rope_mode.name}, "
                               f"support_sliding_window {self.support_sliding_window}, "
-                              f"attn_kinds {[k.name for k in self.attn_kinds]}")
+                              f"attn_kinds {self._kind_names}")
         object.__setattr__(self, "rope_ext_factors", _ext_factors(factors, self.rotary_dim))
         if self.rope_original_max_position_embeddings is not None:
             object.__setattr__(self, "rope_original_max_position_embeddings",
@@ -478,7 +462,7 @@ class KVCacheConfig:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds has {len(kinds)} entries, expected num_layers={self.num_layers}")
         try:
-            return tuple(AttnKind(_kind(k)) for k in kinds)
+            return tuple(AttnKind(exact_int(k)) for k in kinds)
         except ValueError:
             raise ConfigError(
                 f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 (MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), "

@@ -1,9 +1,8 @@
 """Asynchronous host-to-device copies on a side stream, through the CUDA runtime (ctypes).
 
-TVM's runtime copies tensors synchronously when no stream is given, and its Python API exposes
-no stream argument for copies. Per-step metadata needs the opposite (seed 004): one pinned host
-buffer, one copy on a separate stream issued at ``begin_forward``, and the compute stream waiting
-for it only before the step's first kernel. This module is that, and nothing else.
+TVM's Python API copies tensors synchronously. Per-step metadata needs one pinned host buffer,
+one copy on a separate stream issued at ``begin_forward``, and the compute stream waiting for it
+only before the step's first kernel.
 """
 
 from __future__ import annotations
@@ -48,15 +47,8 @@ def check_status(status: int, what: str) -> None:
 
 
 class PinnedUploader:
-    """A pinned int32 host buffer copied to a device buffer on its own stream.
-
-    Parameters
-    ----------
-    device : tvm.runtime.Device
-        A CUDA device.
-    capacity : int
-        Elements of the host and device buffers.
-    """
+    """A pinned int32 host buffer of ``capacity`` elements copied to a device buffer of a CUDA
+    ``device`` on its own stream."""
 
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
         lib = cudart()

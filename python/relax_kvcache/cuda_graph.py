@@ -1,26 +1,9 @@
-"""CUDA-graph capture and replay of decode steps (SGLang's capture/replay, seed 003).
+"""CUDA-graph capture and replay of decode steps (SGLang's capture/replay).
 
 A decode step launches a few kernels per layer; at small batch the launches and the Python
 around them cost more than the kernels. Repeated decode steps of one batch keep every kernel
-argument fixed (metadata in fixed slots, see `PagedAttentionKVCache.capturable_step`), so the
-step's launches can be recorded once as a CUDA graph and replayed with one launch per step;
-only ``begin_forward`` (host planning and one metadata copy) runs each step.
-
-Usage, with the step's inputs and outputs in tensors that stay the same (static buffers)::
-
-    graphs = DecodeGraphs(cache)
-    with graphs.stream_context():              # every step on the graphs' stream
-        for _ in range(steps):
-            cache.begin_forward(seq_ids, [1] * len(seq_ids))
-            graphs.run(forward)                # forward(): e.g. every layer's attention call
-            cache.end_forward()
-    graphs.synchronize()
-
-``run`` calls ``forward`` eagerly the first time it sees a set of kernel arguments (which also
-loads every kernel), captures it the second time and replays it from then on. A step that is
-not capturable (prefill, a changed batch) runs eagerly. The cache keeps one set of fixed slots
-at a time, so a set of kernel arguments never comes back once replaced (another batch, or page
-lists that outgrew their slots): the graph of the replaced set is destroyed then.
+argument fixed (`PagedAttentionKVCache.capturable_step`), so the step's launches can be recorded
+once as a CUDA graph and replayed with one launch per step. Usage: docs/api.md.
 """
 
 from __future__ import annotations
@@ -58,24 +41,16 @@ class DecodeGraphs:
                      "cudaStreamCreate")
         self._views: object = None  # the kernel arguments of the last capturable step
         self._graph: Optional[tuple] = None  # (graph, graph exec) captured on self._views
-        self.replays = 0
-        self.captures = 0
-
-    @property
-    def stream(self) -> int:
-        """The CUDA stream (``cudaStream_t`` as an int) the steps run on."""
-        return self._stream.value
 
     def stream_context(self):
-        """Context manager making :attr:`stream` TVM's current stream for the device."""
+        """Context manager making the graphs' stream TVM's current stream for the device."""
         return tvm_ffi.use_raw_stream(self._device, self._stream.value)
 
     def run(self, forward: Callable[[], None]) -> str:
-        """Run the current step's ``forward``: eagerly, by capturing it, or by replaying it.
-
-        Must be called between ``begin_forward`` and ``end_forward``, inside
-        :meth:`stream_context`. Returns ``"eager"``, ``"captured"`` or ``"replayed"``.
-        """
+        """Run the current step's ``forward`` (between ``begin_forward`` and ``end_forward``,
+        inside :meth:`stream_context`): eagerly the first time it sees a set of kernel arguments
+        (or for a step that is not capturable), captured the second time, replayed from then on.
+        Returns ``"eager"``, ``"captured"`` or ``"replayed"``."""
         if tvm_ffi.get_raw_stream(self._device) != self._stream.value:
             raise RuntimeError("DecodeGraphs.run must be called inside graphs.stream_context() "
                                "(the whole step, begin_forward included, on the graphs' stream)")
@@ -88,13 +63,9 @@ class DecodeGraphs:
             self._views = views
             forward()
             return "eager"
+        how = "replayed"
         if self._graph is None:
-            self._graph = self._capture(forward)
-            self.captures += 1
-            how = "captured"
-        else:
-            self.replays += 1
-            how = "replayed"
+            self._graph, how = self._capture(forward), "captured"
         check_status(cudart().cudaGraphLaunch(self._graph[1], self._stream), "cudaGraphLaunch")
         return how
 
@@ -113,7 +84,7 @@ class DecodeGraphs:
         return graph, graph_exec
 
     def synchronize(self) -> None:
-        """Wait for everything issued on :attr:`stream`."""
+        """Wait for everything issued on the graphs' stream."""
         check_status(cudart().cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
     def _destroy_graph(self) -> None:

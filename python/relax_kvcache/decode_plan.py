@@ -1,22 +1,17 @@
 """Repeated decode steps: update the previous step's metadata instead of planning again.
 
-A serving loop calls ``begin_forward(same seq_ids, [1] * B)`` step after step. Planning such a
-step from scratch walks every sequence's blocks (tens of microseconds per hundred sequences);
-here the step is derived from the previous one with a few numpy operations:
-
-* the paging state grows every sequence by one token through a `DecodeLane` (pages for the
-  last blocks that are full, in the order `reserve_append` hands them out);
-* RoPE positions, append slots and last-page lengths are recomputed as vectors;
-* a new page is inserted at the end of its sequence's page list at the depth where the
-  sequence's last block is attended;
-* on caches with local layers (``MHA_SLIDING`` / ``MHA_CHUNKED_LOCAL``) every depth's window
-  pages are recomputed from its grown page lists (the queries moved on by one position).
+A serving loop calls ``begin_forward(same seq_ids, [1] * B)`` step after step. Instead of
+walking every sequence's blocks, such a step is derived from the previous one with numpy: the
+paging state grows every sequence by one token through a `DecodeLane`; RoPE positions, append
+slots and last-page lengths are recomputed as vectors; a new page is inserted at the end of its
+sequence's page list at the depth its last block is attended at; window pages of local layers
+are recomputed from the grown page lists.
 
 The result is the same `StepMetadata` the full planner builds (the tests compare them). A step
 qualifies when the previous step was a plain decode step of the same batch (decode kernel at
 every depth, no token trees, no sliding sequences) and nothing else changed the paging state
-since. Growth cannot switch a depth from the decode kernel to the
-coalesced prefill kernel: it adds the same pages to the coalesced and uncoalesced counts.
+since. Growth cannot switch a depth to the coalesced prefill kernel: it adds the same pages to
+the coalesced and uncoalesced counts.
 """
 
 from __future__ import annotations
@@ -33,15 +28,8 @@ from .paging import DecodeLane, PagingState
 
 
 class DecodePlanner:
-    """Derives a decode step's `StepMetadata` from the previous one (see module docstring).
-
-    Parameters
-    ----------
-    page_size : int
-        Tokens per page.
-    layer_span : LayerSpan
-        What the cache's local layers see (falsy: none; then steps carry no window pages).
-    """
+    """Derives a decode step's `StepMetadata` from the previous one (see module docstring);
+    ``layer_span``: what the cache's local layers see (falsy: none)."""
 
     def __init__(self, page_size: int, layer_span: LayerSpan = LayerSpan()) -> None:
         self._page_size = page_size
@@ -52,11 +40,8 @@ class DecodePlanner:
         self._ones: tuple[int, ...] = ()
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
-        """Remember a fully planned step (its pages already reserved) for the next steps.
-
-        ``last_depths[i]`` is the depth sequence i's last block is attended at. Returns whether
-        the step qualifies (then `next_step` can follow it).
-        """
+        """Remember a fully planned step (pages reserved; sequence i's last block attended at
+        depth ``last_depths[i]``); whether it qualifies (then `next_step` can follow it)."""
         self._lane, self._step = None, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
@@ -72,14 +57,8 @@ class DecodePlanner:
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
         """The metadata of the step ``begin_forward(seq_ids, append_lengths)`` when it repeats
-        the remembered batch with one token each, reserving its pages; None otherwise (nothing
-        changes then, and the caller plans the step in full).
-
-        Raises
-        ------
-        CacheFullError
-            The step needs more pages than are free (nothing changes).
-        """
+        the remembered batch with one token each, reserving its pages (CacheFullError if they
+        are not free); None otherwise (the caller plans the step in full)."""
         lane, prev = self._lane, self._step
         if (lane is None or lane.version != paging.version or not _is_int_tuple(seq_ids, lane.seq_ids)
                 or not _is_int_tuple(append_lengths, self._ones)):

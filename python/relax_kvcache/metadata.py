@@ -31,15 +31,9 @@ COALESCE_RATIO_THRESHOLD = 32
 
 @dataclasses.dataclass(frozen=True)
 class TreeMask:
-    """Token-tree masks of the chunks of a kernel call (TVM's ``tree_attn_mn_indptr`` / mask).
-
-    Attributes
-    ----------
-    mn_indptr : int32 [c + 1]
-        Rows of ``mask`` of each chunk (its sequence's tree nodes; 0 for chunks without a tree).
-    mask : int32 [nodes, 2]
-        DFS interval ``[first, last)`` of every node (see :mod:`relax_kvcache.token_tree`).
-    """
+    """Token-tree masks of the chunks of a kernel call (TVM's ``tree_attn_mn_indptr`` / mask):
+    ``mn_indptr [c + 1]`` (rows of ``mask`` per chunk: its sequence's tree nodes, 0 without a
+    tree) and ``mask [nodes, 2]`` (each node's DFS interval, see :mod:`.token_tree`)."""
 
     mn_indptr: np.ndarray
     mask: np.ndarray
@@ -56,19 +50,10 @@ class WindowPages:
     """The part of a depth's pages a local layer reads (``MHA_SLIDING``: a window of ``W``
     tokens; ``MHA_CHUNKED_LOCAL``: the query's attention chunk; see ``LayerSpan``).
 
-    Per chunk, keys before the first one its earliest query sees (``min query position - W + 1``,
-    or the start of that query's attention chunk) are dropped: whole pages from ``page_indices``
-    and the rest through the window offset of ``length_info``; the kernels mask the remaining
-    keys per query by absolute position.
-
-    Attributes
-    ----------
-    page_indptr : int32 [c + 1]
-    page_indices : int32 [nnz]
-    length_info : int32 [3, c]
-        Last page length, window offset (first visible row in the first page), sink size (0).
-    k_rope_pos_offset : int32 [c]
-        Absolute position of each chunk's first visible key.
+    Per chunk, keys before the first one its earliest query sees are dropped: whole pages from
+    ``page_indices`` and the rest through the window offset of ``length_info`` (``[3, c]``:
+    last page length, window offset, sink 0); the kernels mask the remaining keys per query by
+    absolute position. ``k_rope_pos_offset [c]``: position of each chunk's first visible key.
     """
 
     page_indptr: np.ndarray
@@ -83,39 +68,18 @@ class WindowPages:
 
 @dataclasses.dataclass(frozen=True)
 class DepthMetadata:
-    """Paged KV of one block depth, laid out for the paged attention kernels.
+    """Paged KV of one block depth, laid out for the paged attention kernels."""
 
-    Attributes
-    ----------
-    qo_indptr : int32 [c + 1]
-        Query token ranges of the chunks (prefill kernel); covers all n tokens of the step.
-    page_indptr : int32 [c + 1]
-        Page ranges of the chunks in ``page_indices``.
-    page_indices : int32 [nnz]
-        Page ids of the chunks, in sequence order.
-    length_info : int32 [c] or [3, c]
-        Last page length, or (last page length, sliding-window offset, sink size) rows when the
-        cache supports sliding windows.
-    k_rope_pos_offset : int32 [c]
-        RoPE position of each chunk's first KV row (its block's start position).
-    use_decode_kernel : bool
-        Whether this depth runs the decode kernel (then c == B and every chunk has one query).
-    window : WindowPages, optional
-        What local layers read at this depth (caches with ``MHA_SLIDING`` or
-        ``MHA_CHUNKED_LOCAL`` layers only).
-    tree : TreeMask, optional
-        Token-tree masks when this depth runs the paged tree kernel (trees appended before
-        attention, i.e. a step that extends an uncommitted tree).
-    """
-
-    qo_indptr: np.ndarray
-    page_indptr: np.ndarray
-    page_indices: np.ndarray
+    qo_indptr: np.ndarray  # [c + 1] query token ranges of the chunks; covers all n tokens
+    page_indptr: np.ndarray  # [c + 1] page ranges of the chunks in page_indices
+    page_indices: np.ndarray  # [nnz] page ids of the chunks, in sequence order
+    # [c] last page length, or [3, c] (with sliding-window offset and sink size) when the cache
+    # supports sliding windows
     length_info: np.ndarray
-    k_rope_pos_offset: np.ndarray
-    use_decode_kernel: bool
-    window: Optional[WindowPages] = None
-    tree: Optional[TreeMask] = None
+    k_rope_pos_offset: np.ndarray  # [c] RoPE position of each chunk's first KV row
+    use_decode_kernel: bool  # then c == B and every chunk has one query
+    window: Optional[WindowPages] = None  # what local layers read (caches with such layers)
+    tree: Optional[TreeMask] = None  # masks of the paged tree kernel (a step extending a tree)
 
     @property
     def has_pages(self) -> bool:
@@ -126,41 +90,22 @@ class DepthMetadata:
 class StepMetadata:
     """Everything the kernels of one forward step read.
 
-    Attributes
-    ----------
-    seq_ids, append_lengths : tuple of int
-        The batch, as given to ``begin_forward``.
-    append_indptr : int32 [B + 1]
-        Token ranges of the sequences in the step's q/k/v.
-    k_ragged_rope_pos_offset : int32 [B]
-        Sequence length before the step (RoPE position of each sequence's first new token).
-    q_rope_position : int32 [n]
-        RoPE position of every new token.
-    append_position : int32 [n]
-        Pool position (``page * page_size + slot``) each new token's K/V is written to.
-    depths : tuple of DepthMetadata
-        One entry per block depth, root first.
-    append_before_attn : bool
-        Append new K/V before attention and attend to pages only (decode batches, and steps that
-        extend an uncommitted token tree); otherwise attend to the new tokens with the ragged
-        kernel, merge with the pages, then append.
-    ragged_tree : TreeMask, optional
-        Token-tree masks of the ragged kernel (a step appending non-chain trees, not appended
-        before attention).
-    reused_pages : tuple of int
-        Pages that slid out of a window in this step and hold some of its new tokens: attention
-        reads their old contents, which each layer's append then overwrites.
+    ``append_before_attn``: append the new K/V before attention and attend to pages only
+    (decode batches, and steps that extend an uncommitted token tree); otherwise attend to the
+    new tokens with the ragged kernel, merge with the pages, then append. ``reused_pages``:
+    pages that slid out of a window in this step and hold some of its new tokens (attention
+    reads their old contents, which each layer's append then overwrites).
     """
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
-    append_indptr: np.ndarray
-    k_ragged_rope_pos_offset: np.ndarray
-    q_rope_position: np.ndarray
-    append_position: np.ndarray
-    depths: Tuple[DepthMetadata, ...]
+    append_indptr: np.ndarray  # [B + 1] token ranges of the sequences in the step's q/k/v
+    k_ragged_rope_pos_offset: np.ndarray  # [B] RoPE position of each sequence's first new token
+    q_rope_position: np.ndarray  # [n] RoPE position of every new token
+    append_position: np.ndarray  # [n] slot (page * page_size + offset) of every new token
+    depths: Tuple[DepthMetadata, ...]  # root first
     append_before_attn: bool
-    ragged_tree: Optional[TreeMask] = None
+    ragged_tree: Optional[TreeMask] = None  # masks of the ragged kernel (non-chain trees)
     reused_pages: Tuple[int, ...] = ()
 
     @property
@@ -178,16 +123,15 @@ class BatchStructure:
 
     ``chunks[d]`` lists ``(block or None, query tokens, smallest query position)`` per chunk at
     depth d; at the deepest level there is one chunk per sequence and ``trailing[i]`` holds
-    sequence i's blocks below it.
-    ``last_blocks[i]`` is sequence i's last block (the live object, grown by the reservation).
-    ``trees[i]`` is sequence i's token tree after this step (None without trees);
-    ``rope_offsets[i]`` the RoPE position of its first token of the step (or of its uncommitted
-    tree's root), ``last_depths[i]`` the depth its last block is attended at.
+    sequence i's blocks below it. ``last_blocks[i]`` is sequence i's last block (the live
+    object, grown by the reservation). ``trees[i]`` is sequence i's token tree after this step
+    (None without trees); ``rope_offsets[i]`` the RoPE position of its first token of the step
+    (or of its uncommitted tree's root), ``last_depths[i]`` the depth its last block is
+    attended at.
     """
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
-    seq_lengths_before: Tuple[int, ...]
     last_block_lengths_before: Tuple[int, ...]
     last_blocks: Tuple[Block, ...]
     chunks: Tuple[Tuple[Tuple[Optional[Block], int, int], ...], ...]
@@ -223,7 +167,6 @@ class BatchStructure:
             trees=tuple(trees) if trees is not None else (),
             rope_offsets=rope_offsets,
             last_depths=tuple(min(len(t), MAX_BLOCK_DEPTH) - 1 for t in traces),
-            seq_lengths_before=positions,
             last_block_lengths_before=tuple(b.seq_length for b in last_blocks),
             last_blocks=last_blocks,
             chunks=tuple(chunks),
@@ -238,20 +181,16 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
     """Plan a checked step in full: snapshot the batch's blocks, reserve its pages, build its
     arrays. Returns the step and the depth each sequence's last block is attended at.
 
-    A decode batch (and a step extending an uncommitted token tree) appends before attention,
-    so its depth arrays are built after the reservation (the paged kernels see the new
-    tokens); other steps build them before it (the ragged kernel covers the new tokens).
-    ``trees``: each sequence's token tree after the step (tree steps), stored in the paging
-    state once the pages are reserved.
+    A step that appends before attention builds its depth arrays after the reservation (the
+    paged kernels see the new tokens), others before it (the ragged kernel covers them).
+    ``trees``: each sequence's token tree after the step, stored once the pages are reserved.
     """
     structure = BatchStructure.collect(paging, seq_ids, append_lengths, trees)
     extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
     append_before_attn = (not sliding_window and structure.use_decode_kernel[-1]) or extends_tree
-    if append_before_attn:
-        reused = paging.reserve_append(seq_ids, append_lengths)
-        depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
-    else:
-        depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
+    reused = paging.reserve_append(seq_ids, append_lengths) if append_before_attn else None
+    depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
+    if reused is None:
         reused = paging.reserve_append(seq_ids, append_lengths)
     if trees is not None:
         for seq_id, tree in zip(seq_ids, trees):
@@ -265,7 +204,7 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
         k_ragged_rope_pos_offset=np.asarray(structure.rope_offsets, dtype=np.int32),
         q_rope_position=q_rope_position,
         append_position=append_position,
-        depths=tuple(dataclasses.replace(d, tree=t) if t is not None else d for d, t in zip(depths, depth_trees)),
+        depths=tuple(dataclasses.replace(d, tree=t) for d, t in zip(depths, depth_trees)),
         append_before_attn=append_before_attn,
         ragged_tree=ragged_tree,
         reused_pages=tuple(reused),
@@ -305,25 +244,19 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
 
     Each chunk reads the pages of its block, or at the deepest level of its block followed by
     the sequence's trailing blocks; its last page length, window offset and sink size come from
-    the last block of that chain (see `_window_info`), its RoPE offset from the first block's
-    start position.
-    With a ``layer_span`` (a window or an attention chunk) each depth also carries the
-    :class:`WindowPages` of the local layers. (Scalar Python per chunk and one array per output: cheaper than
-    numpy on small batches.)
+    the last block of that chain (see `_window_info`), its RoPE offset from the first block's.
+    With a ``layer_span`` each depth also carries the :class:`WindowPages` of the local layers.
+    (Scalar Python per chunk: cheaper than numpy on small batches.)
     """
     page_size = paging.page_size
     depths = []
     for d, chunks in enumerate(structure.chunks):
         heads = [b if b is not None else _EMPTY_BLOCK for b, _, _ in chunks]
-        if d == MAX_BLOCK_DEPTH - 1 and any(structure.trailing):
-            chains = [[h, *trail] for h, trail in zip(heads, structure.trailing)]
-            page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
-            lengths = [sum(blk.seq_length for blk in chain) for chain in chains]
-            lasts = [chain[-1] for chain in chains]
-        else:
-            page_lists = [h.page_ids for h in heads]
-            lengths = [h.seq_length for h in heads]
-            lasts = heads
+        chains = ([[h, *trail] for h, trail in zip(heads, structure.trailing)]
+                  if d == MAX_BLOCK_DEPTH - 1 else [[h] for h in heads])
+        page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
+        lengths = [sum(blk.seq_length for blk in chain) for chain in chains]
+        lasts = [chain[-1] for chain in chains]
         last_page_len = [(n - b.sink_length + b.sliding_window_offset - 1) % page_size + 1 if n > 0 else 0
                          for n, b in zip(lengths, lasts)]
         if sliding_window:
@@ -350,13 +283,9 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
 
 
 def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], List[int]]:
-    """(window offset, sink size) of each page list, in slots of the list.
-
-    A list is a block, or at the deepest level a chain of blocks whose last one alone may have
-    slid. The earlier blocks of a chain are whole pages read in full, so a slid last block's sink
-    and window offset move past them (the kernels skip slots ``[sink, offset)`` of the list); TVM
-    takes the last block's values as they are, which drops the chain's first tokens instead.
-    """
+    """(window offset, sink size) of each page list (a block, or at the deepest level a chain of
+    blocks whose last one alone may have slid), in slots of the list: a slid last block's values
+    move past the chain's earlier, whole pages (the kernels skip slots ``[sink, offset)``)."""
     offsets, sinks = [], []
     for n, block in zip(lengths, lasts):
         before = n - block.seq_length if block.sliding_window_offset else 0
@@ -367,12 +296,9 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
 
 def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
                  starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
-    """Per chunk, the pages from the first key its earliest query can see (see WindowPages).
-
-    The chunks' full page lists (``page_indptr``, ``page_indices``, ``last_page_len``), the
-    position of each chunk's first key (``starts``) and of its earliest query
-    (``min_positions``); vectorised, as repeated decode steps recompute it every step.
-    """
+    """Per chunk, the pages from the first key its earliest query (at ``min_positions``) can see,
+    from the chunks' full page lists whose first keys are at ``starts`` (see WindowPages);
+    vectorised, as repeated decode steps recompute it every step."""
     npages = np.diff(page_indptr).astype(np.int64)
     last = np.asarray(last_page_len, dtype=np.int64)
     lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
@@ -392,12 +318,9 @@ def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_le
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
-    """RoPE positions and pool positions of the step's new tokens, after their reservation.
-
-    Returns ``(q_rope_position [n], append_position [n])``, vectorised over the batch: token t of
-    sequence i sits at in-block offset ``start_i + t`` of its last block, whose page is looked up
-    in the slice of that block's page table the new tokens touch. A token whose slot is pinned by
-    an attention sink gets position -1 (not written), as in TVM.
+    """``(q_rope_position [n], append_position [n])`` of the step's new tokens, after their
+    reservation, vectorised over the batch: token t of sequence i sits at in-block offset
+    ``start_i + t`` of its last block. A token whose slot is pinned by a sink gets -1, as in TVM.
     """
     page_size = paging.page_size
     # A sequence whose new tokens do not all have a slot (an attention sink, or a window that slid
@@ -454,11 +377,9 @@ def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
                      ) -> Tuple[Optional[TreeMask], Tuple[Optional[TreeMask], ...]]:
     """Tree masks of a step: ``(ragged_tree, per-depth trees)``.
 
-    Before attention nothing of the trees is in the pages: the ragged kernel masks the new tokens
-    (unless every tree is a chain: plain causal). When the step extends uncommitted trees (the
-    trees' earlier nodes are in the pages, appended before attention) each sequence's tree is
-    masked at the depth of its last block, by the paged tree kernel, unless every tree there is
-    a chain and the depth runs the decode kernel.
+    Without an append before attention the ragged kernel masks the new tokens (unless every tree
+    is a chain). A step extending uncommitted trees masks each tree at the depth of its last
+    block, with the paged tree kernel, unless every tree there is a chain on the decode kernel.
     """
     trees = structure.trees
     num_depths = len(structure.chunks)

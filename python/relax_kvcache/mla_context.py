@@ -1,11 +1,10 @@
-"""Chunked MLA context: the step's cached tokens in chunks of bounded size (seed 002).
+"""Chunked MLA context: the step's cached tokens in chunks of bounded size.
 
-The compute-friendly MLA prefill attends the new tokens' decompressed queries over
-decompressed K/V. For the cached part of each sequence that means decompressing its latent rows
-(``kv_c @ W_UK``, ``kv_c @ W_UV``), whose size grows with the context. vLLM bounds it by walking
-the context in chunks of at most ``C`` rows and merging the chunks' attention states by
-log-sum-exp. :class:`ContextPlan` is that walk for one step (planned once, used by every
-layer); :class:`ContextWorkspace` holds the ``C``-row buffers, the only memory it needs.
+Attending decompressed queries over the cached part of each sequence means decompressing its
+latent rows (``kv_c @ W_UK``, ``kv_c @ W_UV``), whose size grows with the context. As vLLM does,
+the context is walked in chunks of at most ``C`` rows whose attention states are merged by
+log-sum-exp: :class:`ContextPlan` is that walk for one step (planned once, used by every layer);
+:class:`ContextWorkspace` holds the ``C``-row buffers, the only memory it needs.
 """
 
 from __future__ import annotations
@@ -22,37 +21,19 @@ from .tensors import allocate
 
 @dataclasses.dataclass(frozen=True)
 class ContextChunk:
-    """Rows ``[start, start + rows)`` of the step's concatenated context.
+    """A run of rows of the step's concatenated context."""
 
-    Attributes
-    ----------
-    rows : int
-        Latent rows in the chunk (0 only when the step has no cached context at all).
-    positions : Tensor, int32 (max(rows, 1),)
-        Page slots (``page * page_size + offset``) of the rows, sequence after sequence.
-    kv_indptr : Tensor, int32 (B + 1,)
-        Rows of each of the step's sequences in the chunk (ragged attention's ``kv_indptr``).
-    """
-
-    rows: int
-    positions: tvm.runtime.Tensor
-    kv_indptr: tvm.runtime.Tensor
+    rows: int  # latent rows (0 only when the step has no cached context at all)
+    positions: tvm.runtime.Tensor  # int32 (max(rows, 1),): page slots, sequence after sequence
+    kv_indptr: tvm.runtime.Tensor  # int32 (B + 1,): rows of each sequence in the chunk
 
 
 @dataclasses.dataclass(frozen=True)
 class ContextPlan:
-    """The step's cached context (the tokens of each sequence before this step) in chunks.
+    """The step's cached context (the tokens of each sequence before this step) in chunks."""
 
-    Attributes
-    ----------
-    chunks : tuple of ContextChunk
-        At least one chunk; each of at most ``chunk_size`` rows.
-    k_rope_pos_offset : Tensor, int32 (B,)
-        Zeros: the ragged kernel's RoPE offsets (no RoPE is applied).
-    """
-
-    chunks: Tuple[ContextChunk, ...]
-    k_rope_pos_offset: tvm.runtime.Tensor
+    chunks: Tuple[ContextChunk, ...]  # at least one, each of at most chunk_size rows
+    k_rope_pos_offset: tvm.runtime.Tensor  # int32 zeros (B,): the ragged kernel's (no RoPE)
 
     @classmethod
     def build(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],

@@ -21,21 +21,17 @@ _create_view = _ffi_api.TVMTensorCreateView
 #: ``kAllocAlignment``): compiled code may use aligned vector loads, so less is a crash.
 DATA_ALIGNMENT = 64
 
-#: Where ``DLTensor.byte_offset`` lies from a tvm-ffi tensor handle (tvm-ffi's stable C ABI,
-#: ``TVMFFITensorGetDLTensorPtr``): a 24-byte object header (reference count, type index,
-#: deleter), then the DLTensor's data (8), device (8), ndim (4), dtype (4), shape (8) and
-#: strides (8) fields. Verified once at import (:func:`_byte_offset_readable`).
+#: Where ``DLTensor.byte_offset`` lies from a tvm-ffi tensor handle (tvm-ffi's stable C ABI): a
+#: 24-byte object header, then the DLTensor's data, device, ndim, dtype, shape and strides fields
+#: (40 bytes). Verified once at import.
 _BYTE_OFFSET_AT = 24 + 40
 _UINT64 = ctypes.c_uint64
 
 
 def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 0,
          dtype: Any = None) -> tvm.runtime.Tensor:
-    """A view of ``tensor`` with ``shape`` at ``byte_offset``, ~1 us.
-
-    ``dtype`` defaults to the tensor's; pass a cached dtype object on hot paths (reading
-    ``tensor.dtype`` builds a new one each time).
-    """
+    """A view of ``tensor`` with ``shape`` at ``byte_offset``, ~1 us (pass a cached ``dtype`` on
+    hot paths: reading ``tensor.dtype`` builds a new one each time)."""
     return _create_view(tensor, shape, tensor.dtype if dtype is None else dtype, byte_offset)
 
 
@@ -64,27 +60,21 @@ def allocate(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device, wha
         raise ConfigError(f"cannot allocate the {what} {tuple(shape)} {dtype} on {device}: {error}") from None
 
 
-def byte_offset(tensor: tvm.runtime.Tensor) -> int:
-    """``DLTensor.byte_offset`` of ``tensor`` (non-zero for views made with an offset), ~0.5 us.
-
-    Returns 0 where the field cannot be read safely (see :data:`_BYTE_OFFSET_AT`).
-    """
-    if not _OFFSET_READABLE:
-        return 0
+def _raw_byte_offset(tensor: tvm.runtime.Tensor) -> int:
     return _UINT64.from_address(tensor.__chandle__() + _BYTE_OFFSET_AT).value
 
 
-def _byte_offset_readable() -> bool:
-    """Whether :func:`byte_offset` reads the right field in this tvm-ffi build."""
-    base = tvm.runtime.empty((64,), "int32", tvm.cpu())
-    probe = _create_view(base, (8,), base.dtype, 12)
-    read = _UINT64.from_address
-    return (read(base.__chandle__() + _BYTE_OFFSET_AT).value == 0
-            and read(probe.__chandle__() + _BYTE_OFFSET_AT).value == 12
-            and probe.data_ptr() == base.data_ptr() + 12)
+def byte_offset(tensor: tvm.runtime.Tensor) -> int:
+    """``DLTensor.byte_offset`` of ``tensor`` (non-zero for views made with an offset), ~0.5 us;
+    0 where the field cannot be read safely."""
+    return _raw_byte_offset(tensor) if _OFFSET_READABLE else 0
 
 
-_OFFSET_READABLE = _byte_offset_readable()
+_BASE = tvm.runtime.empty((64,), "int32", tvm.cpu())
+_PROBE = _create_view(_BASE, (8,), _BASE.dtype, 12)
+_OFFSET_READABLE = (_raw_byte_offset(_BASE) == 0 and _raw_byte_offset(_PROBE) == 12
+                    and _PROBE.data_ptr() == _BASE.data_ptr() + 12)
+del _BASE, _PROBE
 
 
 def check_tensor(
@@ -95,15 +85,12 @@ def check_tensor(
     dtype: str,
     device: tvm.runtime.Device,
 ) -> Tuple[int, ...]:
-    """Check a tensor argument; ``None`` in ``shape`` matches any extent. Returns its shape.
+    """Check a tensor argument (``None`` in ``shape`` matches any extent); its shape.
 
     Besides shape, dtype and device, the tensor must be contiguous, start at its data pointer
-    (no byte offset) and have its data aligned to :data:`DATA_ALIGNMENT` bytes: what the
-    kernels assume (a view with an offset makes them raise, possibly after an earlier kernel
-    of the same call changed the cache; misaligned data can crash them).
-
-    Raises ``ArgumentError`` when ``value`` is not a tensor, otherwise ``ForwardError``, naming
-    the argument, what it got and what was expected.
+    and be aligned to :data:`DATA_ALIGNMENT` bytes, as the kernels assume (a view with an offset
+    makes them raise, possibly after an earlier kernel of the call changed the cache; misaligned
+    data can crash them). ``ArgumentError`` for a non-tensor, else ``ForwardError``.
     """
     if not isinstance(value, TENSOR_TYPES):
         raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {type(value).__name__}")
@@ -117,29 +104,21 @@ def check_tensor(
         raise ForwardError(f"{name} is on device {value.device}, expected {device}")
     if not value.is_contiguous():
         raise ForwardError(f"{name} must be contiguous (strides {tuple(value.strides)})")
-    if (_OFFSET_READABLE and _UINT64.from_address(value.__chandle__() + _BYTE_OFFSET_AT).value) \
-            or value.data_ptr() % DATA_ALIGNMENT:
-        _placement_error(name, value)
-    return got
-
-
-def _placement_error(name: str, value: tvm.runtime.Tensor) -> None:
     offset = byte_offset(value)
     if offset:
         raise ForwardError(f"{name} is a view with byte offset {offset}; expected 0 (the kernels take tensors "
                            "that start at their data pointer: pass a tensor of its own)")
-    raise ForwardError(f"{name} data at {value.data_ptr():#x} is not aligned to {DATA_ALIGNMENT} bytes, as the "
-                       "kernels expect")
+    if value.data_ptr() % DATA_ALIGNMENT:
+        raise ForwardError(f"{name} data at {value.data_ptr():#x} is not aligned to {DATA_ALIGNMENT} bytes, as "
+                           "the kernels expect")
+    return got
 
 
 def check_disjoint(outputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]],
                    inputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]] = ()) -> None:
-    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's.
-
-    Entries are ``(name, tensor, nbytes)`` of tensors already checked by :func:`check_tensor`
-    (no byte offset, so their data spans ``[data_ptr, data_ptr + nbytes)``). A kernel writing
-    an output that aliases what it still reads gives wrong results without an error.
-    """
+    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's (a
+    kernel writing an output that aliases what it still reads gives wrong results silently).
+    Entries are ``(name, tensor, nbytes)`` of tensors checked by :func:`check_tensor`."""
     spans = [(name, t.data_ptr(), n) for name, t, n in (*outputs, *inputs)]
     for i in range(len(outputs)):
         name, lo, n = spans[i]

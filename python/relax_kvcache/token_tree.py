@@ -20,24 +20,12 @@ MAX_TREE_SIZE = 256
 
 @dataclasses.dataclass(frozen=True)
 class TokenTree:
-    """A validated token tree.
+    """A validated token tree."""
 
-    Attributes
-    ----------
-    parents : tuple of int
-        Parent of each node (-1 for roots).
-    depths : tuple of int
-        Depth of each node (roots 0).
-    intervals : tuple of (int, int)
-        DFS interval ``[first, last)`` of each node.
-    is_chain : bool
-        Whether every node's parent is the previous node (then attention is plain causal).
-    """
-
-    parents: Tuple[int, ...]
-    depths: Tuple[int, ...]
-    intervals: Tuple[Tuple[int, int], ...]
-    is_chain: bool
+    parents: Tuple[int, ...]  # -1 for roots
+    depths: Tuple[int, ...]  # roots 0
+    intervals: Tuple[Tuple[int, int], ...]  # DFS interval [first, last) of each node
+    is_chain: bool  # every node's parent is the previous node: plain causal attention
 
     @classmethod
     def build(cls, parents: Sequence[int], *, seq_id: int) -> "TokenTree":

@@ -1,10 +1,8 @@
 """Attention components: which kernels a layer's attention launches, with a step's views.
 
-A cache holds one component, chosen at construction: :class:`MHAAttention` here, or
-:class:`~relax_kvcache.cache.mla.MLAAttention`. Both share :class:`Attention`'s helpers:
-ragged attention over the step's own K/V and paged attention over the cached pages, depth by
-depth, merged by log-sum-exp. Components only launch kernels; the cache checks every argument
-first.
+A cache holds one: :class:`MHAAttention` here or :class:`~relax_kvcache.cache.mla.MLAAttention`,
+sharing ragged attention over the step's own K/V and paged attention over the cached pages,
+depth by depth, merged by log-sum-exp. Components only launch kernels; the cache checks first.
 """
 
 from __future__ import annotations
@@ -20,18 +18,9 @@ from .step import DepthViews, PageViews, Step
 
 
 class Attention:
-    """Kernel launches shared by MHA and MLA layers (see the module docstring).
+    """Kernel launches shared by MHA and MLA layers over the cache's page tensor of each layer."""
 
-    Parameters
-    ----------
-    config : KVCacheConfig
-    kernels : KernelSet
-    pages : list of Tensor
-        The cache's page tensor of each layer.
-    """
-
-    #: "MHA" or "MLA": the layers this component attends.
-    kind = ""
+    kind = ""  # "MHA" or "MLA": the layers this component attends
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: List[tvm.runtime.Tensor]) -> None:
         self.config, self.kernels, self.pages = config, kernels, pages
@@ -67,12 +56,9 @@ class Attention:
 
     def paged(self, step: Step, layer: int, q, o, lse, sm_scale: float, *, first: bool,
               write_empty: bool = False) -> None:
-        """Attend q to a layer's cached pages depth by depth, merging into (o, lse).
-
-        ``first``: the first depth writes (o, lse) directly; otherwise every depth is merged into
-        them. ``write_empty``: when no depth has pages, run depth 0 anyway so that (o, lse)
-        become the empty state (o = 0, lse = -inf).
-        """
+        """Attend q to a layer's cached pages depth by depth, merging into (o, lse) (``first``:
+        the first depth writes them directly). ``write_empty``: when no depth has pages, run
+        depth 0 anyway so that (o, lse) become the empty state (o = 0, lse = -inf)."""
         dev, windowed = step.device, self.windowed[layer]
         depths = dev.depths_with_pages(windowed)
         if not depths and write_empty:

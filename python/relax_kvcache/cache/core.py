@@ -1,18 +1,16 @@
 """``PagedAttentionKVCache``: sequences, pages and the forward protocol over our TIR kernels.
 
 The cache owns one page tensor per layer, the paging state (:mod:`relax_kvcache.paging`) and
-the step in progress (:class:`.step.Step`). ``begin_forward`` plans a step once on the host
-(:mod:`.planner`) and places its arrays on the device (:class:`.step.StepUploader`);
-attention calls then only launch kernels, through the attention component chosen at
-construction (:mod:`.attention` for MHA layers, :mod:`.mla` for MLA). Checkpoints
-(:class:`relax_kvcache.checkpoint.CheckpointIO`) and debug reads (:mod:`.debug`) are
-components too. Every public method validates its arguments before changing anything, so an
-exception leaves the cache as it was.
+the step in progress; planning (:mod:`.planner`), device placement (:mod:`.step`), kernel
+launches (:mod:`.attention`, :mod:`.mla`), checkpoints and debug reads are components. Every
+public method validates its arguments before changing anything, so an exception leaves the
+cache as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import tvm
@@ -21,7 +19,7 @@ from ..args import as_float, as_int, as_int32, as_int_list, describe
 from ..cache_args import check_cache_args
 from ..build import build_kernels
 from ..checkpoint import CheckpointIO
-from ..config import _DTYPE_BYTES, KVCacheConfig
+from ..config import DTYPE_BYTES, KVCacheConfig
 from ..errors import ArgumentError, ForwardError, KVCacheError, SequenceError
 from ..kernel_probe import ProbeCache, check_kernels
 from ..kernel_set import KernelSet
@@ -98,7 +96,7 @@ class PagedAttentionKVCache:
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
         self._pages = [allocate(page_shape, config.dtype, device, "page tensor") for _ in range(config.num_layers)]
         self._scratch = Scratch.allocate(config, device)
-        self._dtype, self._itemsize = self._scratch.o.dtype, _DTYPE_BYTES[config.dtype]
+        self._dtype = self._scratch.o.dtype
         self._attention: Attention = (
             MLAAttention(config, kernels, self._pages, self._paging, device, self._callback,
                          lazy_workspace=lazy_workspace) if config.is_mla
@@ -159,23 +157,16 @@ class PagedAttentionKVCache:
         """Keep only the first ``attn_sink_size`` and the last tokens of a sequence, up to
         ``sliding_window_size`` in all; pages that slide out return to the pool.
 
-        Tokens in the sequence's earlier blocks (a prefix shared through a fork) cannot slide
-        and count as sink, as in TVM: the tokens kept at the start are
-        ``max(attn_sink_size, prefix)``; a window smaller than that prefix is refused. A
-        forked sequence's prefix is its whole shared pages (a partial page is copied into its
-        own block). Blocks are not merged back when the fork that split them is removed (as
-        in TVM): the prefix stays what forks made it until ``popn`` reaches into it. The window
-        stays through ``popn`` (also into a shared prefix), and the sink follows the prefix
-        there: ``max(attn_sink_size, new prefix)``.
-
-        The window bounds what is kept after each step; within a step, the queries attend to
-        the tokens kept before it and, causally, the step's own tokens, also when the step
-        appends more tokens than the window (as TVM does). Enabling a window on a sequence
-        longer than it frees pages at its next append.
+        Tokens in the sequence's earlier blocks (its whole pages shared through a fork, until
+        ``popn`` reaches into them) cannot slide and count as sink, as in TVM: the tokens kept
+        at the start are ``max(attn_sink_size, prefix)``, also after ``popn``; a window smaller
+        than that prefix is refused. Within a step the queries attend to the tokens kept before
+        it and, causally, the step's own tokens, also beyond the window (as TVM does). A window
+        enabled on a longer sequence frees pages at its next append.
 
         Needs a cache created with ``support_sliding_window`` (or with ``MHA_SLIDING`` or
-        ``MHA_CHUNKED_LOCAL`` layers, where, as in TVM, the sequence is marked but does not slide). RoPE positions are those
-        of the kept tokens in the cache (StreamingLLM style), as in TVM.
+        ``MHA_CHUNKED_LOCAL`` layers, where, as in TVM, the sequence is marked but does not
+        slide). RoPE positions are those of the kept tokens (StreamingLLM style), as in TVM.
         """
         seq_id, size = as_int("seq_id", seq_id), as_int32("sliding_window_size", sliding_window_size)
         sink = as_int32("attn_sink_size", attn_sink_size)
@@ -284,14 +275,12 @@ class PagedAttentionKVCache:
     def capturable_step(self) -> Optional[object]:
         """The current step's kernel arguments when a CUDA graph may capture them, else None.
 
-        Repeated decode steps of the same batch (see :mod:`relax_kvcache.decode_plan`) keep
-        their metadata in fixed device slots: every kernel argument of such a step is the same
-        tensor as in the previous step, so a graph captured on one replays on the next. The
-        returned object stands for that set of arguments (compare by identity); it changes when
-        the batch (the list of sequence ids) changes or the page lists outgrow their slots.
-        Sequences removed and added again under the same ids count as the same batch: key
-        per-request buffers of a captured ``forward`` by sequence id. Also orders the current stream
-        after the step's metadata upload, as the first attention call would.
+        Repeated decode steps of the same batch keep their metadata in fixed device slots, so a
+        graph captured on one replays on the next. The returned object stands for that set of
+        arguments (compare by identity); it changes when the batch (the list of sequence ids)
+        changes or the page lists outgrow their slots (sequences removed and added again under
+        the same ids count as the same batch). Also orders the current stream after the step's
+        metadata upload, as the first attention call would.
         """
         step = self._active_step("capturable_step")
         return step.device if step.fixed_slots else None
@@ -321,16 +310,13 @@ class PagedAttentionKVCache:
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("attention_with_fused_qkv")
-        n = step.total_tokens
-        shape = check_tensor("qkv", qkv, shape=(None, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
-                             dtype=cfg.dtype, device=self.device)
-        check_tensor("o", o, shape=(shape[0], cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype,
-                     device=self.device)
-        if shape[0] < n:
-            raise ForwardError(f"qkv has {shape[0]} rows, fewer than the {n} tokens of the step")
-        if shape[0] != n:
-            qkv = view(qkv, (n,) + shape[1:], 0, self._dtype)
-            o = view(o, (n, cfg.num_qo_heads, cfg.head_dim), 0, self._dtype)
+        n, hq, d, width = step.total_tokens, cfg.num_qo_heads, cfg.head_dim, cfg.num_qo_heads + 2 * cfg.num_kv_heads
+        rows = check_tensor("qkv", qkv, shape=(None, width, d), dtype=cfg.dtype, device=self.device)[0]
+        self._check("o", o, (rows, hq, d))
+        if rows < n:
+            raise ForwardError(f"qkv has {rows} rows, fewer than the {n} tokens of the step")
+        if rows != n:
+            qkv, o = view(qkv, (n, width, d), 0, self._dtype), view(o, (n, hq, d), 0, self._dtype)
         sm_scale = as_float("sm_scale", sm_scale)
         step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         mha.fused_qkv(step, layer, qkv, o, sm_scale)
@@ -350,15 +336,10 @@ class PagedAttentionKVCache:
         cfg = self.config
         layer = self._local_layer(source_layer_id)
         step = self._active_step("attention_with_shared_kv")
-        n = step.total_tokens
-        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("k", k, shape=(n, cfg.num_kv_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("v", v, shape=(n, cfg.num_kv_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
-        size, hq, hkv = self._itemsize, cfg.num_qo_heads, cfg.num_kv_heads
-        check_disjoint([("o", o, n * hq * cfg.v_head_dim * size)],
-                       [("q", q, n * hq * cfg.head_dim * size), ("k", k, n * hkv * cfg.head_dim * size),
-                        ("v", v, n * hkv * cfg.v_head_dim * size)])
+        n, hq, hkv, d, dv = step.total_tokens, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim
+        inputs = [self._check("q", q, (n, hq, d)), self._check("k", k, (n, hkv, d)),
+                  self._check("v", v, (n, hkv, dv))]
+        check_disjoint([self._check("o", o, (n, hq, dv))], inputs)
         sm_scale = as_float("sm_scale", sm_scale)
         if layer not in step.appended:
             raise ForwardError(f"attention_with_shared_kv reads layer {source_layer_id}'s KV, which this step has not "
@@ -377,19 +358,15 @@ class PagedAttentionKVCache:
         caches: decompressed q/k/v with one KV head per query head and the
         ``mla_original_*`` head dims (e.g. 192 / 128); no RoPE is applied (as in TVM).
         """
-        cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("self_attention")
-        n, hq = step.total_tokens, cfg.num_qo_heads
+        n, hq = step.total_tokens, self.config.num_qo_heads
         hkv, dqk, dv = self._attention.self_attention_dims()
-        dqk = check_tensor("q", q, shape=(n, hq, dqk), dtype=cfg.dtype, device=self.device)[2]
-        check_tensor("k", k, shape=(n, hkv, dqk), dtype=cfg.dtype, device=self.device)
-        dv = check_tensor("v", v, shape=(n, hkv, dv), dtype=cfg.dtype, device=self.device)[2]
-        check_tensor("o", o, shape=(n, hq, dv), dtype=cfg.dtype, device=self.device)
-        check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=self.device)
-        size = self._itemsize
-        check_disjoint([("o", o, n * hq * dv * size), ("lse", lse, n * hq * 4)],
-                       [("q", q, n * hq * dqk * size), ("k", k, n * hkv * dqk * size), ("v", v, n * hkv * dv * size)])
+        q_arg = self._check("q", q, (n, hq, dqk))
+        dqk = q.shape[2]
+        inputs = [q_arg, self._check("k", k, (n, hkv, dqk)), self._check("v", v, (n, hkv, dv))]
+        outputs = [self._check("o", o, (n, hq, v.shape[2])), self._check("lse", lse, (n, hq), "float32")]
+        check_disjoint(outputs, inputs)
         self._attention.ragged(step, layer, q, k, v, o, lse, as_float("sm_scale", sm_scale))
 
     def cross_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
@@ -406,13 +383,10 @@ class PagedAttentionKVCache:
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("cross_attention")
-        n = step.total_tokens
-        check_tensor("q", q, shape=(n, cfg.num_qo_heads, cfg.head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("o", o, shape=(n, cfg.num_qo_heads, cfg.v_head_dim), dtype=cfg.dtype, device=self.device)
-        check_tensor("lse", lse, shape=(n, cfg.num_qo_heads), dtype="float32", device=self.device)
-        rows = n * cfg.num_qo_heads
-        check_disjoint([("o", o, rows * cfg.v_head_dim * self._itemsize), ("lse", lse, rows * 4)],
-                       [("q", q, rows * cfg.head_dim * self._itemsize)])
+        n, hq = step.total_tokens, cfg.num_qo_heads
+        q_arg = self._check("q", q, (n, hq, cfg.head_dim))
+        outputs = [self._check("o", o, (n, hq, cfg.v_head_dim)), self._check("lse", lse, (n, hq), "float32")]
+        check_disjoint(outputs, [q_arg])
         sm_scale = as_float("sm_scale", sm_scale)
         step.check_not_overwritten(f"cross_attention({layer_id})", layer, layer_id)
         self._attention.paged(step, layer, q, o, lse, sm_scale, first=True, write_empty=True)
@@ -425,19 +399,15 @@ class PagedAttentionKVCache:
         ``o (n, Hq, Dv)``, ``lse (n, Hq)``; MLA caches: ``Dv`` is the decompressed v head dim
         (TVM's second merge function).
         """
-        cfg = self.config
-        shape = check_tensor("o_self_attn", o_self_attn, shape=(None, cfg.num_qo_heads, self._attention.merge_v_dim()),
-                             dtype=cfg.dtype, device=self.device)
-        check_tensor("lse_self_attn", lse_self_attn, shape=shape[:2], dtype="float32", device=self.device)
-        check_tensor("o_cross_attn", o_cross_attn, shape=shape, dtype=cfg.dtype, device=self.device)
-        check_tensor("lse_cross_attn", lse_cross_attn, shape=shape[:2], dtype="float32", device=self.device)
-        rows = shape[0] * shape[1]
-        o_bytes, lse_bytes = rows * shape[2] * self._itemsize, rows * 4
-        outputs = [("o_self_attn", o_self_attn, o_bytes), ("lse_self_attn", lse_self_attn, lse_bytes)]
+        outputs = [self._check("o_self_attn", o_self_attn,
+                               (None, self.config.num_qo_heads, self._attention.merge_v_dim()))]
+        shape = tuple(o_self_attn.shape)
+        outputs.append(self._check("lse_self_attn", lse_self_attn, shape[:2], "float32"))
+        inputs = [self._check("o_cross_attn", o_cross_attn, shape),
+                  self._check("lse_cross_attn", lse_cross_attn, shape[:2], "float32")]
         if o_self_attn.data_ptr() == o_cross_attn.data_ptr() and lse_self_attn.data_ptr() == lse_cross_attn.data_ptr():
-            check_disjoint(outputs)  # a state merged with itself: elementwise
-        else:
-            check_disjoint(outputs, [("o_cross_attn", o_cross_attn, o_bytes), ("lse_cross_attn", lse_cross_attn, lse_bytes)])
+            inputs = []  # a state merged with itself: elementwise
+        check_disjoint(outputs, inputs)
         self._kernels.merge_general(o_self_attn, lse_self_attn, o_cross_attn, lse_cross_attn)
         return o_self_attn, lse_self_attn
 
@@ -560,6 +530,14 @@ class PagedAttentionKVCache:
             need = kind.kind
             raise KVCacheError(f"{what} needs {need} layers, but this cache's layers are {self._attention.kind}")
         return self._attention
+
+    def _check(self, name: str, value: Any, shape: Sequence[Optional[int]], dtype: Optional[str] = None
+               ) -> Tuple[str, Any, int]:
+        """Check a tensor argument on the cache's device, of the cache's dtype unless ``dtype``;
+        its ``(name, tensor, nbytes)`` for `check_disjoint`."""
+        dtype = dtype or self.config.dtype
+        got = check_tensor(name, value, shape=shape, dtype=dtype, device=self.device)
+        return name, value, math.prod(got) * DTYPE_BYTES[dtype]
 
     def _local_layer(self, layer_id: int) -> int:
         layer = as_int("layer_id", layer_id) - self.layer_offset

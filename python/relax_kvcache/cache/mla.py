@@ -27,19 +27,9 @@ from .step import DepthViews, PageViews, Step
 class MLAAttention(Attention):
     """Attention of MLA layers (see the module docstring).
 
-    Parameters
-    ----------
-    config, kernels, pages
-        As for :class:`~relax_kvcache.cache.attention.Attention`.
-    paging : PagingState
-        The cache's sequences (the context plan reads their page slots).
-    device : tvm.runtime.Device
-    callback : callable
-        ``callback(what)``: a context manager the cache holds while a callback of the model
-        (``decompress``) runs, so that the model cannot change the step from inside it.
-    lazy_workspace : bool
-        Make the context workspace at the first :meth:`context_attention` that runs (caches
-        that read their decompressed dims off foreign kernels: TVM's models never use it).
+    ``callback(what)``: a context manager the cache holds while the model's ``decompress`` runs,
+    so that it cannot change the step from inside. ``lazy_workspace``: make the context
+    workspace on first use (caches that read their decompressed dims off foreign kernels).
     """
 
     kind = "MLA"
@@ -49,8 +39,7 @@ class MLAAttention(Attention):
                  lazy_workspace: bool = False) -> None:
         super().__init__(config, kernels, pages)
         self._paging, self._device, self._callback = paging, device, callback
-        self._dtype = pages[0].dtype
-        self._itemsize = pages[0].dtype.itemsize
+        self._dtype, self._itemsize = pages[0].dtype, pages[0].dtype.itemsize
         self._context: Optional[Tuple[Step, ContextPlan]] = None  # the chunked context of a step
         self.workspace: Optional[ContextWorkspace] = None
         if not lazy_workspace:

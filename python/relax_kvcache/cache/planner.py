@@ -27,16 +27,8 @@ def unwindowed_chunk_limit(config: KVCacheConfig, kernels: KernelSet) -> int:
 
 
 class StepPlanner:
-    """Checks and plans steps over a cache's paging state.
-
-    Parameters
-    ----------
-    config : KVCacheConfig
-    kernels : KernelSet
-    paging : PagingState
-    tree_refusal : callable
-        Returns why the cache cannot take token-tree steps (an exception to raise), or None.
-    """
+    """Checks and plans steps over a cache's paging state; ``tree_refusal()`` returns why the
+    cache cannot take token-tree steps (an exception to raise), or None."""
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, paging: PagingState,
                  tree_refusal: Callable[[], Optional[KVCacheError]]) -> None:
@@ -46,10 +38,8 @@ class StepPlanner:
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
-        """The step ``begin_forward(seq_ids, append_lengths, parent_ptr)``, its pages reserved.
-
-        ``importing``: the sequence whose checkpoint import is unfinished (it cannot join).
-        """
+        """The step ``begin_forward(seq_ids, append_lengths, parent_ptr)``, its pages reserved
+        (``importing``: the sequence whose checkpoint import is unfinished, which cannot join)."""
         step = None
         if parent_ptr is None:  # the same decode batch again: update the last step
             step = self.decode.next_step(self._paging, seq_ids, append_lengths)
@@ -96,11 +86,8 @@ class StepPlanner:
 
     def _check_trees(self, seq_ids: List[int], append_lengths: List[int],
                      parent_ptr: Optional[Sequence[int]]) -> Optional[List[TokenTree]]:
-        """Validate a step's token trees; return each sequence's tree after the step (or None).
-
-        Parent pointers index each sequence's accumulated tree: its uncommitted nodes from earlier
-        steps followed by this step's ``append_lengths[i]`` nodes.
-        """
+        """Each sequence's token tree after the step (or None), validated. Parent pointers index
+        the accumulated tree: the uncommitted nodes of earlier steps, then this step's."""
         paging = self._paging
         if parent_ptr is None:
             for seq_id in seq_ids:

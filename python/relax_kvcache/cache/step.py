@@ -30,40 +30,29 @@ DECODE_PAGE_HEADROOM = 32
 
 @dataclasses.dataclass(frozen=True)
 class PageViews:
-    """Device views of a set of page lists (see `metadata.DepthMetadata` / `WindowPages`).
+    """Device views of a set of page lists (see `metadata.DepthMetadata` / `WindowPages`)."""
 
-    Attributes
-    ----------
-    page_indptr : int32 (c + 1,)
-    page_indices : int32 (nnz,)
-    length_info : int32 (c,) or (3, c)
-    k_rope_pos_offset : int32 (c,)
-    has_pages : bool
-        Whether any chunk reads a page (kernels are skipped otherwise).
-    """
-
-    page_indptr: tvm.runtime.Tensor
-    page_indices: tvm.runtime.Tensor
-    length_info: tvm.runtime.Tensor
-    k_rope_pos_offset: tvm.runtime.Tensor
-    has_pages: bool
+    page_indptr: tvm.runtime.Tensor  # (c + 1,)
+    page_indices: tvm.runtime.Tensor  # (nnz,)
+    length_info: tvm.runtime.Tensor  # (c,) or (3, c)
+    k_rope_pos_offset: tvm.runtime.Tensor  # (c,)
+    has_pages: bool  # whether any chunk reads a page (kernels are skipped otherwise)
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeViews:
-    """Device views of token-tree masks (see `metadata.TreeMask`): ``mn_indptr (c + 1,)``,
-    ``mask (nodes, 2)``."""
+    """Device views of token-tree masks (see `metadata.TreeMask`)."""
 
-    mn_indptr: tvm.runtime.Tensor
-    mask: tvm.runtime.Tensor
+    mn_indptr: tvm.runtime.Tensor  # (c + 1,)
+    mask: tvm.runtime.Tensor  # (nodes, 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class DepthViews:
-    """Device views of one block depth: ``qo_indptr (c + 1,)``, all its pages, what local
-    layers read (``window``, caches with local layers) and its tree masks (tree steps)."""
+    """Device views of one block depth: all its pages, what local layers read (``window``,
+    caches with local layers) and its tree masks (tree steps)."""
 
-    qo_indptr: tvm.runtime.Tensor
+    qo_indptr: tvm.runtime.Tensor  # (c + 1,)
     use_decode_kernel: bool
     pages: PageViews
     window: Optional[PageViews]
@@ -72,41 +61,22 @@ class DepthViews:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceStep:
-    """What a step's kernels read and write on the device.
+    """What a step's kernels read and write on the device (see `metadata.StepMetadata`)."""
 
-    Attributes
-    ----------
-    append_indptr : int32 (B + 1,)
-    k_ragged_rope_pos_offset : int32 (B,)
-    q_rope_position : int32 (n,)
-    append_position : int32 (n,)
-        Page slot (``page * page_size + offset``) of each new token.
-    depths : tuple of DepthViews
-        Root depth first.
-    ragged_tree : TreeViews, optional
-        Masks of the ragged tree kernel (tree steps not appended before attention).
-    q, k, v : Tensor, optional
-        ``(n, Hq, D)``, ``(n, Hkv, D)``, ``(n, Hkv, Dv)`` cache dtype: ``split_rotary``'s output
-        (None for MLA, whose model passes q / k / v).
-    tmp_o : Tensor (n, Hq, Dv), cache dtype
-        A depth's partial output before it is merged.
-    tmp_lse : Tensor (n, Hq), float32
-    merged_lse : Tensor (n, Hq), float32
-        LSE of ``attention_with_fused_qkv``'s output.
-    """
-
-    append_indptr: tvm.runtime.Tensor
-    k_ragged_rope_pos_offset: tvm.runtime.Tensor
-    q_rope_position: tvm.runtime.Tensor
-    append_position: tvm.runtime.Tensor
-    depths: Tuple[DepthViews, ...]
-    ragged_tree: Optional[TreeViews]
+    append_indptr: tvm.runtime.Tensor  # (B + 1,)
+    k_ragged_rope_pos_offset: tvm.runtime.Tensor  # (B,)
+    q_rope_position: tvm.runtime.Tensor  # (n,)
+    append_position: tvm.runtime.Tensor  # (n,) page slot of each new token
+    depths: Tuple[DepthViews, ...]  # root depth first
+    ragged_tree: Optional[TreeViews]  # masks of the ragged tree kernel
+    # split_rotary's output (n, Hq, D), (n, Hkv, D), (n, Hkv, Dv); None for MLA (the model
+    # passes q / k / v)
     q: Optional[tvm.runtime.Tensor]
     k: Optional[tvm.runtime.Tensor]
     v: Optional[tvm.runtime.Tensor]
-    tmp_o: tvm.runtime.Tensor
-    tmp_lse: tvm.runtime.Tensor
-    merged_lse: tvm.runtime.Tensor
+    tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv): a depth's partial output before it is merged
+    tmp_lse: tvm.runtime.Tensor  # (n, Hq) float32
+    merged_lse: tvm.runtime.Tensor  # (n, Hq) float32: LSE of attention_with_fused_qkv's output
 
     def depths_with_pages(self, windowed: bool) -> Tuple[Tuple[DepthViews, PageViews], ...]:
         """(depth, the page views a layer reads) for the depths where it reads any page."""
@@ -116,28 +86,15 @@ class DeviceStep:
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """The forward step in progress, from ``begin_forward`` to ``end_forward``.
+    """The forward step in progress, from ``begin_forward`` to ``end_forward``."""
 
-    Attributes
-    ----------
-    meta : metadata.StepMetadata
-        The plan as host arrays (batch, token maps, per-depth page lists).
-    device : DeviceStep
-        Its arrays on the device and the scratch views of its ``n`` tokens. Repeated decode
-        steps of one batch share one (fixed slots: see :meth:`StepUploader.place`).
-    fixed_slots : bool
-        Whether ``device`` lives in fixed slots (its kernels may be captured in a CUDA graph).
-    buffer : AuxBuffer or SlotBuffer
-        What the arrays were uploaded through; ``buffer.wait()`` orders the compute stream
-        after the copy.
-    appended : set of int
-        Layers whose K/V the step has appended so far: the one part that grows during the step.
-    """
-
-    meta: md.StepMetadata
+    meta: md.StepMetadata  # the plan as host arrays
+    # its arrays on the device and the scratch views of its n tokens; repeated decode steps of
+    # one batch share one (fixed slots, see StepUploader)
     device: DeviceStep
-    fixed_slots: bool
-    buffer: Any
+    fixed_slots: bool  # whether device lives in fixed slots (a CUDA graph may capture it)
+    buffer: Any  # the AuxBuffer or SlotBuffer; buffer.wait() orders the compute stream after it
+    # layers whose K/V the step has appended so far: the one part that grows during the step
     appended: Set[int] = dataclasses.field(default_factory=set)
 
     @property
@@ -160,12 +117,8 @@ class Step:
 
 @dataclasses.dataclass(frozen=True)
 class Scratch:
-    """Per-step scratch tensors of ``prefill_chunk_size`` rows; a step uses its first ``n``.
-
-    ``q (chunk, Hq, D)``, ``k (chunk, Hkv, D)``, ``v (chunk, Hkv, Dv)`` (MHA only: MLA layers
-    take q / k / v from the model), ``o (chunk, Hq, Dv)``, float32 ``lse`` and ``merged_lse``
-    ``(chunk, Hq)``.
-    """
+    """Per-step scratch tensors of ``prefill_chunk_size`` rows (a step uses its first ``n``):
+    q, k, v (MHA only: MLA layers take them from the model), o, float32 lse and merged_lse."""
 
     q: Optional[tvm.runtime.Tensor]
     k: Optional[tvm.runtime.Tensor]
@@ -190,15 +143,7 @@ class Scratch:
 
 class StepUploader:
     """Places a planned step on the device: one packed upload (`AuxBuffer`), or fixed slots
-    (`SlotBuffer`) for repeated decode steps, whose views stay the same from step to step.
-
-    Parameters
-    ----------
-    config : KVCacheConfig
-    device : tvm.runtime.Device
-    scratch : Scratch
-        The cache's scratch tensors (the step's views cover their first ``n`` rows).
-    """
+    (`SlotBuffer`) for repeated decode steps, whose views stay the same from step to step."""
 
     def __init__(self, config: KVCacheConfig, device: tvm.runtime.Device, scratch: Scratch) -> None:
         self._config, self._device, self._scratch = config, device, scratch
@@ -213,44 +158,28 @@ class StepUploader:
         ``repeated_decode``: a decode step the decode planner keeps (see
         :mod:`relax_kvcache.decode_plan`); it goes to the fixed slots.
         """
-        if repeated_decode:
-            device, buffer = self._place_decode(meta)
-            return Step(meta, device, True, buffer)
-        return Step(meta, self._device_views(meta, self._aux.upload(_packed_arrays(meta))), False, self._aux)
-
-    def _place_decode(self, meta: md.StepMetadata) -> Tuple[DeviceStep, SlotBuffer]:
-        """Fixed slots: the views (and so every kernel argument) stay the same while the batch
-        keeps its structure and its page lists fit the slots' headroom; a CUDA graph captured
-        on one such step replays on the next ones (see :mod:`relax_kvcache.cuda_graph`)."""
-        fixed, page_lists = _decode_arrays(meta)
-        arrays = fixed + page_lists
-        has_pages = tuple((d.has_pages, d.window.has_pages if d.window is not None else None) for d in meta.depths)
+        packed = _packed_arrays(meta)
+        arrays = [a for a, _ in packed]
+        if not repeated_decode:
+            return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux)
+        # Fixed slots: the views (and so every kernel argument) stay the same while the batch
+        # keeps its structure and its page lists fit the slots' headroom; a CUDA graph captured
+        # on one such step replays on the next ones (see relax_kvcache.cuda_graph).
+        has_pages = tuple((d.has_pages, d.window.has_pages if d.window is not None else None)
+                          for d in meta.depths)
         slots = self._slots
         if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
-            shapes = [a.shape for a in fixed] + [(a.size + headroom,) for a in page_lists]
-            buffer = SlotBuffer(self._device, shapes, [False] * len(fixed) + [True] * len(page_lists))
-            slots = self._slots = (has_pages, buffer, self._slot_views(meta, buffer), meta.seq_ids)
+            shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in packed]
+            buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
+            slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
         elif slots[3] != meta.seq_ids:
             # another batch of the same structure: the same slots, but a new object, so that a
             # graph captured with the old batch's forward is not replayed for this one
-            slots = self._slots = (has_pages, slots[1], self._slot_views(meta, slots[1]), meta.seq_ids)
+            slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
+        self._slots = slots
         slots[1].upload(arrays)
-        return slots[2], slots[1]
-
-    def _slot_views(self, meta: md.StepMetadata, buffer: SlotBuffer) -> DeviceStep:
-        """The views of a decode step whose arrays live in ``buffer``'s slots (laid out by
-        `_decode_arrays`), in `_packed_arrays`' order (page indices second in each view set)."""
-        fixed_count = 4 + sum(4 if depth.window is None else 7 for depth in meta.depths)
-        fixed, page_lists = iter(buffer.views[:fixed_count]), iter(buffer.views[fixed_count:])
-        views = [next(fixed) for _ in range(4)]
-        for depth in meta.depths:
-            qo, indptr, info, rope = (next(fixed) for _ in range(4))
-            views += [qo, indptr, next(page_lists), info, rope]
-            if depth.window is not None:
-                w_indptr, w_info, w_rope = (next(fixed) for _ in range(3))
-                views += [w_indptr, next(page_lists), w_info, w_rope]
-        return self._device_views(meta, views)
+        return Step(meta, slots[2], True, slots[1])
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
@@ -279,36 +208,22 @@ class StepUploader:
         )
 
 
-def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
-    """A step's arrays in upload order: the four token arrays, then per depth its qo_indptr
-    and page lists (its window's, its tree masks), then the ragged tree masks."""
-    arrays = [meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position]
+def _packed_arrays(meta: md.StepMetadata) -> List[Tuple[np.ndarray, bool]]:
+    """A step's arrays in upload order, each with whether it is a page list (which may grow):
+    the four token arrays, then per depth its qo_indptr and page lists (its window's, its tree
+    masks), then the ragged tree masks."""
+    def page_set(p: Any) -> List[Tuple[np.ndarray, bool]]:  # a DepthMetadata or WindowPages
+        return [(p.page_indptr, False), (p.page_indices, True), (p.length_info, False),
+                (p.k_rope_pos_offset, False)]
+
+    heads = (meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)
+    arrays = [(a, False) for a in heads]
     for depth in meta.depths:
-        arrays += [depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info,
-                   depth.k_rope_pos_offset]
+        arrays += [(depth.qo_indptr, False), *page_set(depth)]
         if depth.window is not None:
-            w = depth.window
-            arrays += [w.page_indptr, w.page_indices, w.length_info, w.k_rope_pos_offset]
+            arrays += page_set(depth.window)
         if depth.tree is not None:
-            arrays += [depth.tree.mn_indptr, depth.tree.mask]
+            arrays += [(depth.tree.mn_indptr, False), (depth.tree.mask, False)]
     if meta.ragged_tree is not None:
-        arrays += [meta.ragged_tree.mn_indptr, meta.ragged_tree.mask]
+        arrays += [(meta.ragged_tree.mn_indptr, False), (meta.ragged_tree.mask, False)]
     return arrays
-
-
-def _decode_arrays(meta: md.StepMetadata) -> Tuple[List[np.ndarray], List[np.ndarray]]:
-    """A decode step's arrays for `SlotBuffer` slots: (fixed-shape arrays, page lists).
-
-    Fixed: the step's four token arrays, then per depth its qo_indptr, page_indptr,
-    length_info and k_rope_pos_offset (and its window's page_indptr, length_info and
-    k_rope_pos_offset). Page lists: per depth its page_indices (and its window's)."""
-    fixed = [meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position]
-    page_lists = []
-    for depth in meta.depths:
-        fixed += [depth.qo_indptr, depth.page_indptr, depth.length_info, depth.k_rope_pos_offset]
-        page_lists.append(depth.page_indices)
-        if depth.window is not None:
-            w = depth.window
-            fixed += [w.page_indptr, w.length_info, w.k_rope_pos_offset]
-            page_lists.append(w.page_indices)
-    return fixed, page_lists

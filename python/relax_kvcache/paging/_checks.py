@@ -11,15 +11,16 @@ INT64_MAX = 2**63 - 1
 
 
 def as_seq_id(value: object) -> int:
-    """Return ``value`` as a sequence id: an int in the int64 range."""
+    """``value`` as a sequence id: an int in the int64 range."""
     seq_id = as_int("sequence id", value)
     if not INT64_MIN <= seq_id <= INT64_MAX:
-        raise SequenceError(f"sequence id {seq_id} is outside the int64 range [{INT64_MIN}, {INT64_MAX}]")
+        raise SequenceError(
+            f"sequence id {seq_id} is outside the int64 range [{INT64_MIN}, {INT64_MAX}]"
+        )
     return seq_id
 
 
 def ceil_div(a: int, b: int) -> int:
-    """Ceiling of ``a / b`` for ``a >= 0`` and ``b > 0``."""
     return -(-a // b)
 
 
@@ -34,8 +35,8 @@ def check_range(seq: Sequence, start: object, end: object) -> tuple[int, int]:
         )
     return start, end
 
+
 def check_append_length(seq: Sequence, length: object) -> int:
-    """``length`` as an int >= 1 (tokens to append to ``seq``)."""
     length = as_int("append length", length)
     if length < 1:
         raise SequenceError(
@@ -44,8 +45,7 @@ def check_append_length(seq: Sequence, length: object) -> int:
     return length
 
 
-def check_pop_length(seq: Sequence, n) -> int:
-    """``n`` as an int in ``[0, seq.seq_length]``, else SequenceError / ArgumentError."""
+def check_pop_length(seq: Sequence, n: object) -> int:
     n = as_int("pop length", n)
     if not 0 <= n <= seq.seq_length:
         raise SequenceError(

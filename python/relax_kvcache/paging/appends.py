@@ -14,21 +14,23 @@ from .windows import Item
 
 
 def plan(seqs: dict[int, Sequence], tree: BlockTree, seq_ids: collections.abc.Sequence[int],
-         lengths: collections.abc.Sequence[int], lookup: Callable[[object], Sequence]) -> tuple[list[Item], int]:
-    """The batch of `PagingState.reserve_append` as items, and the pages they need in all
-    (before sliding); ``lookup`` finds a sequence by id or raises. Raises on any bad entry."""
+         lengths: collections.abc.Sequence[int], lookup: Callable[[object], Sequence]
+         ) -> tuple[list[Item], int]:
+    """The batch as items, and the pages they need in all (before sliding); ``lookup`` finds a
+    sequence by id or raises. Raises on any bad entry."""
     if len(seq_ids) != len(lengths):
-        raise KVCacheError(
-            f"got {len(seq_ids)} sequence ids but {len(lengths)} append lengths"
-        )
+        raise KVCacheError(f"got {len(seq_ids)} sequence ids but {len(lengths)} append lengths")
     items: list[Item] = []
     seen: set[int] = set()
     total = 0
     blocks = tree.blocks
-    for raw_id, length in zip(seq_ids, lengths):  # per-step hot loop: fast path inline
+    for raw_id, length in zip(seq_ids, lengths):  # per-step hot loop: the checks only on a miss
         seq = seqs.get(raw_id) if type(raw_id) is int else None
         if seq is None or type(length) is not int or length < 1 or seq.seq_id in seen:
-            seq, length = _check_item(lookup, raw_id, length, seen)
+            seq = lookup(raw_id)
+            if seq.seq_id in seen:
+                raise SequenceError(f"sequence {seq.seq_id} appears more than once in the batch")
+            length = check_append_length(seq, length)
         block = blocks[seq.last_block]
         if block.ref_count != 1:
             tree.appendable_block(seq)  # raises
@@ -38,17 +40,9 @@ def plan(seqs: dict[int, Sequence], tree: BlockTree, seq_ids: collections.abc.Se
         items.append((seq, block, length, need))
     return items, total
 
-def _check_item(lookup: Callable[[object], Sequence], raw_id: object, length: object,
-                seen: set[int]) -> tuple[Sequence, int]:
-    """Slow path of `plan`: validate one batch entry, raising on a bad one."""
-    seq = lookup(raw_id)
-    if seq.seq_id in seen:
-        raise SequenceError(f"sequence {seq.seq_id} appears more than once in the batch")
-    return seq, check_append_length(seq, length)
-
 
 def apply(items: list[Item], pages: list[int]) -> None:
-    """Give each item its pages (``pages``: the batch's, in order) and its tokens (no window slides)."""
+    """Give each item its pages (the batch's, in order) and its tokens (no window slides)."""
     at = 0
     for seq, block, length, need in items:
         if need:
@@ -56,10 +50,4 @@ def apply(items: list[Item], pages: list[int]) -> None:
             at += need
         block.seq_length += length
         seq.seq_length += length
-        seq.last_append_length = length
-
-
-def record(items: list[Item]) -> None:
-    """Note each item's length as its sequence's last append (what commit's leaf -1 pops)."""
-    for seq, _, length, _ in items:
         seq.last_append_length = length

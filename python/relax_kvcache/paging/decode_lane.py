@@ -1,12 +1,9 @@
 """`DecodeLane`: a batch of sequences that grows by one token per step (repeated decode steps).
 
-A serving loop runs the same decode batch step after step; each step only adds one token to
-every sequence's last block and, every ``page_size`` steps, a page. `PagingState.open_lane`
-snapshots such a batch into flat arrays once; `PagingState.advance_lane` then applies a step
-with numpy over the arrays and touches Python objects only where they change, instead of
-validating and planning every sequence again. A lane is valid while the paging state is at the
-version it was opened or last advanced at: any other change (add, remove, fork, popn, a
-reservation outside the lane, windows, token trees) invalidates it.
+Each such step adds one token to every sequence's last block and, every ``page_size`` steps, a
+page. `PagingState.open_lane` snapshots the batch into flat arrays once; `advance` then applies
+a step with numpy, touching Python objects only where they change. A lane is valid while the
+paging state is at the version it was opened or last advanced at.
 """
 
 from __future__ import annotations
@@ -24,36 +21,22 @@ from .sequences import Sequence
 
 @dataclasses.dataclass(eq=False)
 class DecodeLane:
-    """Flat view of a decode batch, owned and advanced by `PagingState`.
+    """Flat view of a decode batch of B sequences (int64 [B] arrays), advanced by `PagingState`."""
 
-    Attributes
-    ----------
-    version : int
-        The `PagingState.version` the arrays describe.
-    seq_ids : tuple of int
-        The batch, in order (B sequences).
-    seq_length : int64 [B]
-        Each sequence's length.
-    block_length : int64 [B]
-        Tokens in each sequence's last block.
-    page_capacity : int64 [B]
-        Token slots of the pages each last block holds (``pages * page_size``).
-    last_page : int64 [B]
-        Id of each last block's last page (-1 when it has none).
-    """
-
-    version: int
+    version: int  # the PagingState.version the arrays describe
     seq_ids: tuple[int, ...]
     seq_length: np.ndarray
-    block_length: np.ndarray
-    page_capacity: np.ndarray
-    last_page: np.ndarray
+    block_length: np.ndarray  # tokens in each last block
+    page_capacity: np.ndarray  # token slots of the pages each last block holds
+    last_page: np.ndarray  # id of each last block's last page (-1: none)
     _pairs: tuple[tuple[Sequence, Block], ...] = dataclasses.field(repr=False)
 
 
 def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
               seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
-    """`PagingState.open_lane` over its sequences and blocks at ``version``."""
+    """A lane over ``seq_ids``, or None unless every sequence is live and distinct, has no
+    window and no uncommitted tree, grew by one token in its last step, and owns its last block,
+    which has not slid and holds just the pages its tokens fill."""
     lane_seqs, lane_blocks = [], []
     for seq_id in seq_ids:
         seq = seqs.get(seq_id) if type(seq_id) is int else None
@@ -68,19 +51,22 @@ def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, vers
         lane_blocks.append(block)
     if len(set(map(id, lane_seqs))) != len(lane_seqs):
         return None
-    ps = page_size
+    def array(values: list[int]) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
     return DecodeLane(
         version=version,
         seq_ids=tuple(seq_ids),
-        seq_length=np.array([s.seq_length for s in lane_seqs], dtype=np.int64),
-        block_length=np.array([b.seq_length for b in lane_blocks], dtype=np.int64),
-        page_capacity=np.array([len(b.page_ids) * ps for b in lane_blocks], dtype=np.int64),
-        last_page=np.array([b.page_ids[-1] if b.page_ids else -1 for b in lane_blocks], dtype=np.int64),
+        seq_length=array([s.seq_length for s in lane_seqs]),
+        block_length=array([b.seq_length for b in lane_blocks]),
+        page_capacity=array([len(b.page_ids) * page_size for b in lane_blocks]),
+        last_page=array([b.page_ids[-1] if b.page_ids else -1 for b in lane_blocks]),
         _pairs=tuple(zip(lane_seqs, lane_blocks)),
     )
 
 
-def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int) -> None:
+def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int
+            ) -> None:
     """Append one token to every sequence of ``lane``, giving a page to the last blocks at
     indices ``full`` (enough pages are free: checked by `PagingState.advance_lane`)."""
     if len(full):

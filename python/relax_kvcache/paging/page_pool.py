@@ -11,14 +11,9 @@ from ._checks import as_int
 class PagePool:
     """Owner of the free page ids of a paged KV cache.
 
-    The free list is a stack, as TVM's ``free_page_ids_``: initially it holds
-    ``num_pages - 1, ..., 1, 0`` with page 0 on top, so allocations return 0, 1, 2, ...;
-    released pages are pushed on top in the order given (LIFO reuse).
-
-    Parameters
-    ----------
-    num_pages : int
-        Total number of pages, ``>= 0``.
+    The free list is a stack, as TVM's ``free_page_ids_``: initially ``num_pages - 1, ..., 0``
+    with page 0 on top, so allocations return 0, 1, 2, ...; released pages are pushed on top in
+    the order given (LIFO reuse).
     """
 
     __slots__ = ("_num_pages", "_free", "_is_free")
@@ -28,22 +23,19 @@ class PagePool:
         if num_pages < 0:
             raise KVCacheError(f"number of pages must be >= 0, got {num_pages}")
         self._num_pages = num_pages
-        self._free: list[int] = []
-        self._is_free = bytearray(num_pages)
         self.reset()
 
     @property
     def num_pages(self) -> int:
-        """Total number of pages (free or not)."""
         return self._num_pages
 
     @property
     def num_free(self) -> int:
-        """Number of free pages (TVM's ``GetNumAvailablePages``)."""
+        """Free pages (TVM's ``GetNumAvailablePages``)."""
         return len(self._free)
 
     def free_page_ids(self) -> tuple[int, ...]:
-        """Return the free list, bottom first: the last entry is the next page allocated."""
+        """The free list, bottom first: the last entry is the next page allocated."""
         return tuple(self._free)
 
     def reset(self) -> None:
@@ -52,23 +44,8 @@ class PagePool:
         self._is_free = bytearray(b"\x01") * self._num_pages
 
     def allocate(self, n: int) -> list[int]:
-        """Pop ``n`` pages off the free stack, top first.
-
-        Parameters
-        ----------
-        n : int
-            Number of pages, ``>= 0``.
-
-        Returns
-        -------
-        list of int
-            The page ids, in allocation order.
-
-        Raises
-        ------
-        CacheFullError
-            If fewer than ``n`` pages are free; nothing is allocated.
-        """
+        """Pop ``n >= 0`` pages off the free stack, in allocation order; CacheFullError (nothing
+        allocated) if fewer are free."""
         n = as_int("number of pages to allocate", n)
         if n < 0:
             raise KVCacheError(f"number of pages to allocate must be >= 0, got {n}")
@@ -86,25 +63,9 @@ class PagePool:
         return pages
 
     def release(self, page_ids: Iterable[int]) -> None:
-        """Push pages back on the free stack, in the given order (the last one ends on top).
-
-        Parameters
-        ----------
-        page_ids : iterable of int
-            Allocated page ids, each at most once.
-
-        Raises
-        ------
-        KVCacheError
-            If a page id is out of range, already free, or repeated; nothing is released.
-        """
+        """Push allocated pages back, in the given order (the last one ends on top); KVCacheError
+        (nothing released) for an id out of range, already free or repeated."""
         pages = list(page_ids)
-        self._check_releasable(pages)
-        for page in pages:
-            self._is_free[page] = 1
-        self._free.extend(pages)
-
-    def _check_releasable(self, pages: list[int]) -> None:
         seen: set[int] = set()
         for page in pages:
             if type(page) is not int or not 0 <= page < self._num_pages:
@@ -112,3 +73,6 @@ class PagePool:
             if self._is_free[page] or page in seen:
                 raise KVCacheError(f"page {page} is released twice (it is already free)")
             seen.add(page)
+        for page in pages:
+            self._is_free[page] = 1
+        self._free.extend(pages)

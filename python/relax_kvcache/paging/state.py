@@ -3,19 +3,14 @@
 The semantics are those of TVM's C++ ``PagedAttentionKVCacheObj`` (``AddSequence``,
 ``RemoveSequence``, ``ForkSequence``, ``PopN``, ``ReserveAppendLengthInSeq``,
 ``EnableSlidingWindowForSeq``, ``SlideWindowForSequence``, ``Empty``, ``DebugGetKV``'s position
-map), including the order in which page and block ids are handed out, so page ids match TVM's
-exactly. Unlike TVM, every operation validates the whole request first and raises a
-`KVCacheError` subclass with the state untouched (check-then-mutate). The paging layer never
+map), including the order in which page and block ids are handed out. Unlike TVM, every
+operation validates the whole request first and raises a `KVCacheError` subclass with the state
+untouched, and windowed sequences stay consistent through forks and pops where TVM's
+bookkeeping would not (docs/compatibility.md lists the differences). The paging layer never
 touches KV data: the partial pages to copy are returned as `PageCopy` records.
 
-Sliding windows (StreamingLLM-style attention sinks): once a windowed sequence is longer than
-its window, its last block keeps its first ``sink_length`` tokens and the most recent ones;
-pages that slide out entirely return to the pool. Deliberate departures from TVM, both where
-TVM's own bookkeeping would become inconsistent, are documented on `fork_sequence` and `popn`.
-
-`PagingState` owns the sequences and checks every request; the block tree and page pool
-(:mod:`.tree`), sliding windows (:mod:`.windows`), batches of appends (:mod:`.appends`) and
-decode lanes (:mod:`.decode_lane`) are carried out by their own modules.
+The block tree and page pool (:mod:`.tree`), sliding windows (:mod:`.windows`), batches of
+appends (:mod:`.appends`) and decode lanes (:mod:`.decode_lane`) live in their own modules.
 """
 
 from __future__ import annotations
@@ -47,16 +42,11 @@ class PagingState:
     num_pages : int
         Number of pages in the pool, ``>= 0``.
     page_size : int
-        Tokens per page, ``>= 1``.
+        Tokens per page, ``>= 1``; ``num_pages * page_size`` must fit in int32.
     slide_windows : bool
-        TVM's ``support_sliding_window_``: whether sequences with a sliding window enabled
-        (`enable_sliding_window`) really slide. When False they are only marked (fork is still
-        restricted to their sink), as TVM does for models with per-layer sliding-window layers.
-
-    Raises
-    ------
-    ConfigError
-        If a parameter is out of range or ``num_pages * page_size`` exceeds the int32 range.
+        TVM's ``support_sliding_window_``: whether sequences with a window really slide. When
+        False they are only marked (fork is still restricted to their sink), as TVM does for
+        models with per-layer sliding-window layers.
     """
 
     def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False) -> None:
@@ -82,17 +72,14 @@ class PagingState:
 
     @property
     def num_pages(self) -> int:
-        """Total number of pages."""
         return self._pages.num_pages
 
     @property
     def page_size(self) -> int:
-        """Tokens per page."""
         return self._page_size
 
     @property
     def slide_windows(self) -> bool:
-        """Whether windowed sequences slide (TVM's ``support_sliding_window_``)."""
         return self._slide_windows
 
     @property
@@ -102,107 +89,71 @@ class PagingState:
 
     @property
     def num_free_pages(self) -> int:
-        """Number of free pages (TVM's ``GetNumAvailablePages``)."""
         return self._pages.num_free
 
     def free_page_ids(self) -> tuple[int, ...]:
-        """Return the free page stack, bottom first (the last entry is allocated next)."""
+        """The free page stack, bottom first (the last entry is allocated next)."""
         return self._pages.free_page_ids()
 
     def has_sequence(self, seq_id: int) -> bool:
-        """Return True if sequence ``seq_id`` is in the cache."""
         return as_seq_id(seq_id) in self._seqs
 
     def sequence(self, seq_id: int) -> Sequence:
-        """Return the record of sequence ``seq_id`` (live object: read it, do not modify it)."""
+        """The record of sequence ``seq_id`` (a live object: read it, do not modify it)."""
         return self._seq(seq_id)
 
     def sequence_length(self, seq_id: int) -> int:
-        """Return the number of tokens of sequence ``seq_id``."""
         return self._seq(seq_id).seq_length
 
     def seq_ids(self) -> list[int]:
-        """Return the ids of the live sequences, in insertion order."""
+        """The ids of the live sequences, in insertion order."""
         return list(self._seqs)
 
     @property
     def num_sequences(self) -> int:
-        """Number of live sequences."""
         return len(self._seqs)
 
     def total_sequence_length(self) -> int:
-        """Return the sum of the lengths of all sequences (TVM's ``GetTotalSequenceLength``)."""
         return sum(seq.seq_length for seq in self._seqs.values())
 
     def block(self, idx: int) -> Block:
-        """Return live block ``idx`` (live object: read it, do not modify it)."""
+        """Live block ``idx`` (a live object: read it, do not modify it)."""
         return self._blocks.get(as_int("block index", idx))
 
     def block_trace(self, seq_id: int) -> list[int]:
-        """Return the block indices of sequence ``seq_id``, root first (TVM's ``GetBlockTrace``)."""
-        return self._tree.trace(self._seq(seq_id).last_block)
+        """The block indices of sequence ``seq_id``, root first (TVM's ``GetBlockTrace``)."""
+        return [block.index for block in self.trace_blocks(seq_id)]
 
     def trace_blocks(self, seq_id: int) -> list[Block]:
-        """Return the blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
+        """The blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
         return self._tree.trace_blocks(self._seq(seq_id).last_block)
 
     def empty(self) -> bool:
-        """Return True if no sequence, block or page is in use (TVM's ``Empty``)."""
-        return (
-            not self._seqs
-            and self._blocks.all_free()
-            and self._pages.num_free == self._pages.num_pages
-        )
+        """Whether no sequence, block or page is in use (TVM's ``Empty``)."""
+        return not self._seqs and self._blocks.all_free() and self._pages.num_free == self.num_pages
 
     def pages_needed(self, seq_id: int, length: int) -> int:
-        """Return the pages `reserve_append` would allocate to append ``length`` tokens.
-
-        For a sequence that slides, this is the allocation before sliding: the slide may then
-        return pages to the pool (and a full pool can lend the pages it is about to get back).
-
-        Parameters
-        ----------
-        seq_id : int
-            A live sequence.
-        length : int
-            Tokens to append, ``>= 1``.
-        """
+        """The pages `reserve_append` would allocate to append ``length >= 1`` tokens (before
+        a window slides, which may give pages back)."""
         seq = self._seq(seq_id)
         length = check_append_length(seq, length)
         return self._tree.block_pages_needed(self._blocks[seq.last_block], length)
 
     def position_map(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
-        """Return the KV slot (``page_id * page_size + in_page_offset``) of each position.
-
-        The mapping of TVM's ``DebugGetKV``, honouring each block's sink length and sliding
-        window offset.
-
-        Parameters
-        ----------
-        seq_id : int
-            A live sequence.
-        start, end : int
-            The positions ``[start, end)``, ``0 <= start <= end <= length``; ``end`` defaults
-            to the sequence length.
-
-        Returns
-        -------
-        numpy.ndarray
-            int32 array of ``end - start`` slots.
-        """
+        """int32 KV slots (``page_id * page_size + in_page_offset``) of the positions
+        ``[start, end)`` (``end`` defaults to the length), as TVM's ``DebugGetKV`` maps them."""
         seq = self._seq(seq_id)
         start, end = check_range(seq, start, end)
         return self._tree.slots(seq, start, end)
 
     def debug_snapshot(self) -> dict[str, object]:
-        """Return a deep, plain-data copy of the whole state (for tests and debugging)."""
+        """A deep, plain-data copy of the whole state (for tests and debugging)."""
+        live = self._blocks.live_indices()
         return {
             "free_pages": self._pages.free_page_ids(),
             "free_blocks": self._blocks.free_block_indices(),
             "num_blocks": len(self._blocks),
-            "blocks": {
-                i: dataclasses.astuple(self._blocks[i]) for i in self._blocks.live_indices()
-            },
+            "blocks": {i: dataclasses.astuple(self._blocks[i]) for i in live},
             "sequences": tuple((k, dataclasses.astuple(s)) for k, s in self._seqs.items()),
         }
 
@@ -217,29 +168,15 @@ class PagingState:
         self._blocks.reset()
 
     def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence ``seq_id`` with a fresh root block (TVM's ``AddSequence``).
-
-        Raises
-        ------
-        SequenceError
-            If ``seq_id`` is already in the cache.
-        """
+        """Add an empty sequence ``seq_id`` (new) with a fresh root block (``AddSequence``)."""
         seq_id = self._check_absent(seq_id)
         self._version += 1
         self._insert_sequence(seq_id, self._blocks.new_block(), 0)
 
     def remove_sequence(self, seq_id: int) -> None:
-        """Remove sequence ``seq_id`` and free what no other sequence uses (``RemoveSequence``).
-
-        Blocks referenced only by this sequence are freed walking up from its last block
-        (their pages are released block by block, each in page order); the first shared
-        ancestor loses one reference.
-
-        Raises
-        ------
-        SequenceError
-            If ``seq_id`` is not in the cache.
-        """
+        """Remove a sequence (``RemoveSequence``): the blocks only it references are freed from
+        its last block up (pages released block by block, in page order); the first shared
+        ancestor loses one reference."""
         seq = self._seq(seq_id)
         self._version += 1
         self._tree.release_path(seq.last_block)
@@ -250,31 +187,16 @@ class PagingState:
     def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
         """Give sequence ``seq_id`` a sliding window (TVM's ``EnableSlidingWindowForSeq``).
 
-        Once the sequence is longer than ``window_size`` (and the state was created with
-        ``slide_windows=True``), each append keeps its first ``sink_size`` tokens and the most
-        recent ``window_size - sink_size`` ones. The blocks before the last one cannot slide
-        and already act as a sink: the last block's sink is ``max(sink_size - prefix, 0)``
-        where ``prefix`` is their length. Whether the cache supports windows at all is the
-        caller's check.
-
-        Parameters
-        ----------
-        seq_id : int
-            A live sequence without a window.
-        window_size : int
-            Tokens kept once the sequence slides, ``>= 1``.
-        sink_size : int
-            Attention-sink tokens, ``0 <= sink_size < window_size``.
-
-        Raises
-        ------
-        SequenceError
-            Unknown sequence, sizes out of range, a window already enabled, or (when windows
-            slide) a window smaller than the sequence's prefix in earlier blocks.
+        Once longer than ``window_size`` (with ``slide_windows``), each append keeps the
+        sequence's first ``sink_size`` tokens and its most recent ones. Blocks before the last
+        one cannot slide and act as a sink already: the last block's sink is
+        ``max(sink_size - prefix, 0)``. Whether the cache supports windows is the caller's check.
         """
         seq = self._seq(seq_id)
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
-        window_size, sink_size = windows.check_window(seq, window_size, sink_size, prefix, self._slide_windows)
+        window_size, sink_size = windows.check_window(
+            seq, window_size, sink_size, prefix, self._slide_windows
+        )
         self._version += 1
         seq.attn_sink_size = sink_size
         seq.sliding_window_size = window_size
@@ -282,42 +204,11 @@ class PagingState:
         self._num_windowed += 1
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list[PageCopy]:
-        """Create ``child_id`` sharing the first ``fork_pos`` tokens of ``parent_id``.
+        """Create ``child_id`` sharing the first ``fork_pos`` tokens (-1: all) of ``parent_id``.
 
-        TVM's ``ForkSequence``. Whole shared pages are shared through the block tree; a
-        partial last page is copied into a fresh page of the child. A sequence with a sliding
-        window can only be forked within its sink (prefix blocks plus the last block's sink);
-        the child has no window. When the fork splits the last block of such a parent, the
-        parent's ``last_block_attn_sink_size`` shrinks by the tokens moved to the new shared
-        block, as in TVM; if that block has already slid, its ``sink_length`` and
-        ``sliding_window_offset`` shrink likewise (TVM leaves them, which corrupts the
-        parent's position map). When the fork gives the parent a new empty last block
-        (``fork_pos`` at its end, on a page boundary), the sink left to that block is
-        ``max(last_block_attn_sink_size - old last block length, 0)``, so the sink keeps its
-        size; TVM keeps ``last_block_attn_sink_size`` as it was, which enlarges the sink.
-
-        Parameters
-        ----------
-        parent_id : int
-            A live sequence.
-        child_id : int
-            A new sequence id.
-        fork_pos : int
-            Tokens of the parent the child starts with, ``0 <= fork_pos <= parent length``,
-            or -1 for the whole parent.
-
-        Returns
-        -------
-        list of PageCopy
-            The partial-page copies the caller must perform (zero or one), in order.
-
-        Raises
-        ------
-        SequenceError
-            Unknown parent, existing child, ``fork_pos`` out of range, or past the sink of a
-            windowed parent.
-        CacheFullError
-            The partial-page copy needs a page and none is free.
+        TVM's ``ForkSequence``: whole pages are shared through the block tree; a partial last
+        page is copied into a fresh page of the child (the returned copies, zero or one). A
+        windowed parent can only be forked within its sink; the child has no window.
         """
         parent = self._seq(parent_id)
         child_id = self._check_absent(child_id)
@@ -333,41 +224,10 @@ class PagingState:
         """Drop the last ``n`` tokens of sequence ``seq_id`` (TVM's ``PopN``).
 
         Unshared blocks are trimmed from the end. If tokens remain to pop once a shared block
-        is reached, the sequence is re-forked from its own prefix of length ``length - n``
-        (TVM forks a temporary sequence, removes the original and renames it). A sliding window
-        is kept through the re-fork with its sink (TVM drops it, so whether a pop keeps the
-        window depended on whether another sequence shared the prefix); the re-fork is inside
-        the sequence's prefix blocks, which never slide, so it needs no sink check (TVM applies
-        a fork's).
-
-        Sliding windows: the trimmed block keeps
-        ``ceil((seq_length - n - sink_length + sliding_window_offset) / page_size)`` pages, the
-        count `reserve_append` uses, where TVM keeps ``ceil((seq_length - n) / page_size)``
-        (the same unless the block has slid; after a slide TVM's count is wrong and leaves the
-        position map pointing into freed pages, or keeps pages past the tokens). ``n`` may
-        reach into the sink of a slid block (TVM allows ``n`` up to the sequence length): when
-        the tokens left are all sink tokens (still at their original slots), the block is
-        reset to an unslid one (``sink_length = sliding_window_offset = 0``, keeping
-        ``ceil(remaining / page_size)`` pages); the sink is pinned again when it next slides.
-        This keeps prefix blocks unslid: a fork at the end of a windowed sequence turns its
-        last block into a prefix block and must be within the sink, so the block then holds
-        sink tokens only, and a slid block left with sink tokens only is reset here.
-        When popping frees whole blocks, the new last block's sink is recomputed from the
-        sequence's ``attn_sink_size`` and its new prefix (TVM keeps the old last block's value,
-        which loses the sink when the window was enabled over a longer prefix).
-
-        Returns
-        -------
-        list of PageCopy
-            The partial-page copies the caller must perform (zero or one), in order.
-
-        Raises
-        ------
-        SequenceError
-            Unknown sequence or ``n`` outside ``[0, length]``.
-        CacheFullError
-            The re-fork needs a page for a partial page and none is free (counting the pages
-            the trimming frees).
+        is reached, the sequence is re-forked from its own prefix (keeping its window); the
+        returned copies (zero or one) are that fork's partial page. Popping a slid block down
+        to its sink resets it to an unslid block; popping whole blocks recomputes the new last
+        block's sink.
         """
         seq = self._seq(seq_id)
         n = check_pop_length(seq, n)
@@ -389,11 +249,9 @@ class PagingState:
     def check_pops(self, pops: list[tuple[int, int]]) -> None:
         """Raise what ``popn(seq_id, n)`` for each pair, in order, would raise; change nothing.
 
-        Pops that only trim their sequences' unshared blocks cannot fail once each is valid on
-        its own, nor change each other (no two sequences own the same unshared block); checking
-        each one is enough. A pop that reaches a shared prefix re-forks the sequence, which
-        depends on what the pops before it freed and unshared: those batches are tried on a
-        copy of this state.
+        Pops that only trim unshared blocks cannot affect each other, so each is checked on its
+        own; a pop that re-forks depends on what the pops before it freed, so such batches are
+        tried on a copy of this state.
         """
         refork = False
         for seq_id, n in pops:
@@ -405,81 +263,35 @@ class PagingState:
             for seq_id, n in pops:
                 trial.popn(seq_id, n)
         elif refork:
-            seq_id, n = pops[0]
-            self._tree.check_pop_fork(self._seq(seq_id), self._tree.plan_pop(self._seq(seq_id), n))
+            seq = self._seq(pops[0][0])
+            self._tree.check_pop_fork(seq, self._tree.plan_pop(seq, pops[0][1]))
 
     def reserve_append(
         self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
     ) -> tuple[int, ...]:
-        """Make room for ``lengths[i]`` new tokens at the end of each sequence ``seq_ids[i]``.
+        """Make room for ``lengths[i] >= 1`` new tokens at the end of each distinct sequence
+        ``seq_ids[i]``: TVM's ``ReserveAppendLengthInSeq`` over a batch, in batch order.
 
-        TVM's ``ReserveAppendLengthInSeq`` over a batch (plus the ``Sequence.seq_length`` bump
-        that TVM does in ``BeginForward``): pages are allocated to each last block, in batch
-        order, and both the block and the sequence grow by the length.
-
-        A windowed sequence (with ``slide_windows``) then slides, in its turn in the batch, as
-        TVM's ``SlideWindowForSequence``: on the first slide the last block pins its first
-        ``last_block_attn_sink_size`` tokens; pages after the sink pages that slide out
-        entirely go back to the pool (available to the next sequences of the batch); the
-        sequence length becomes the window size. When the pool runs dry while a windowed
-        sequence allocates, it borrows temporary pages that are replaced by real ones after the
-        slide, so a full cache can still slide. The whole batch is planned first: on any error
-        nothing changes.
-
-        Parameters
-        ----------
-        seq_ids : sequence of int
-            Distinct live sequences.
-        lengths : sequence of int
-            Tokens to append to each, each ``>= 1``.
-
-        Raises
-        ------
-        KVCacheError
-            ``seq_ids`` and ``lengths`` differ in length, or a value is not an int.
-        SequenceError
-            Unknown or repeated sequence, length < 1, a last block shared with other blocks, or
-            a window that cannot slide (smaller than the sequence's shared prefix plus sink).
-        CacheFullError
-            The batch needs more pages than are free (counting the pages sliding frees).
-
-        Returns
-        -------
-        tuple of int
-            Pages that slid out of a window and were handed to new tokens in the same batch
-            (their old contents are overwritten by this step's appends), in allocation order;
-            empty when nothing slides.
+        A windowed sequence (with ``slide_windows``) then slides in its turn, as TVM's
+        ``SlideWindowForSequence``, borrowing temporary pages when the pool runs dry. The whole
+        batch is planned first: on any error nothing changes. Returns the pages that slid out
+        of a window and were handed to new tokens of the same batch, in allocation order.
         """
         items, total = appends.plan(self._seqs, self._tree, seq_ids, lengths, self._seq)
         if self._num_windowed and self._slide_windows:
             plans = windows.plan_sliding(items, self._pages, self._page_size)
             self._version += 1
-            reused = windows.apply_sliding(items, plans, self._pages)
-            appends.record(items)
-            return reused
+            return windows.apply_sliding(items, plans, self._pages)
         self._tree.check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         self._version += 1
         appends.apply(items, self._pages.allocate(total))
         return ()
 
     def import_sequence(self, seq_id: int, length: int) -> np.ndarray:
-        """Give sequence ``seq_id`` ``length`` tokens on fresh pages, for a checkpoint import.
+        """Give sequence ``seq_id`` (added when absent; else empty, without a window, tree or
+        fork) ``length`` tokens on fresh pages for a checkpoint import; their int32 slots.
 
-        The sequence is added when absent; an existing one must be empty, without a window or
-        a token tree, and not forked from. The tokens are not a step's append (a later commit
-        with leaf -1 pops nothing). Checked first: on any error nothing changes.
-
-        Returns
-        -------
-        numpy.ndarray
-            int32 slots of the ``length`` positions, in order.
-
-        Raises
-        ------
-        SequenceError
-            An existing sequence that is not empty, has a window or a tree, or was forked from.
-        CacheFullError
-            Fewer than ``ceil(length / page_size)`` free pages.
+        The tokens are not a step's append (a later commit with leaf -1 pops nothing).
         """
         seq_id, length = as_seq_id(seq_id), as_int("length", length)
         if length < 0:
@@ -487,11 +299,14 @@ class PagingState:
         seq = self._seqs.get(seq_id)
         if seq is not None:
             if seq.seq_length or seq.sliding_window_size != -1 or seq.token_tree is not None:
-                raise SequenceError(f"sequence {seq_id} has {seq.seq_length} token(s)"
-                                    + (" and a sliding window" if seq.sliding_window_size != -1 else "")
-                                    + "; a checkpoint imports into a new or empty sequence without a window")
+                window = " and a sliding window" if seq.sliding_window_size != -1 else ""
+                raise SequenceError(
+                    f"sequence {seq_id} has {seq.seq_length} token(s){window}; a checkpoint "
+                    "imports into a new or empty sequence without a window"
+                )
             self._tree.appendable_block(seq)
-        self._tree.check_free_pages(ceil_div(length, self._page_size), 0, f"import {length} token(s) into sequence {seq_id}")
+        pages = ceil_div(length, self._page_size)
+        self._tree.check_free_pages(pages, 0, f"import {length} token(s) into sequence {seq_id}")
         if seq is None:
             self.add_sequence(seq_id)
         if length:
@@ -500,56 +315,45 @@ class PagingState:
         return self.position_map(seq_id)
 
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
-        """Snapshot a batch for `advance_lane`, or None when a sequence cannot use one.
-
-        Every sequence must be live and distinct, have no sliding window and no uncommitted
-        token tree, have grown by one token in its last step, and own its last block (no other block or sequence refers to it); the last
-        block must not have slid (no sink pinned, no window offset) and must hold just the
-        pages its tokens fill.
-        """
-        return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version, seq_ids)
+        """Snapshot a decode batch for `advance_lane`, or None when a sequence cannot use one
+        (see `decode_lane.open_lane`)."""
+        return decode_lane.open_lane(
+            self._seqs, self._blocks, self._page_size, self._version, seq_ids
+        )
 
     def advance_lane(self, lane: DecodeLane) -> None:
-        """Append one token to every sequence of ``lane``: `reserve_append` with lengths 1.
+        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1).
 
-        Pages go to the last blocks that are full, in batch order, as `reserve_append` hands
-        them out; ``lane``'s arrays describe the state after the step.
-
-        Raises
-        ------
-        KVCacheError
-            The state changed since the lane was opened or last advanced.
-        CacheFullError
-            More last blocks are full than pages are free (nothing changes).
+        KVCacheError if the state changed since the lane was opened or last advanced;
+        CacheFullError (nothing changes) if more last blocks are full than pages are free.
         """
         if lane.version != self._version:
             raise KVCacheError(
                 f"decode lane is stale: opened at state version {lane.version}, the state is at "
                 f"version {self._version}; open a new lane"
             )
-        full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks that need a page
+        full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks needing a page
         self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
         self._version += 1
         decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
-        """Record the (accumulated) token tree of the last steps of ``seq_id``; it stays
-        uncommitted until `clear_token_tree`. ``tree`` is opaque here (see ``token_tree``)."""
+        """Record the uncommitted token tree of ``seq_id`` (opaque here)."""
         seq = self._seq(seq_id)
         self._version += 1
         seq.token_tree = tree
         seq.accepted_indices_committed = False
 
     def clear_token_tree(self, seq_id: int) -> None:
-        """Mark the token tree of ``seq_id`` committed (TVM's ``accepted_indices_committed``); the
-        commit consumed the last step, so a second commit with leaf -1 pops nothing."""
+        """Mark the tree of ``seq_id`` committed; the commit consumed the last step, so a second
+        commit with leaf -1 pops nothing."""
         seq = self._seq(seq_id)
         self._version += 1
         seq.token_tree = None
         seq.accepted_indices_committed = True
         seq.last_append_length = 0
 
-    # ------------------------------------------------------------- internals: checks
+    # ------------------------------------------------------------- internals
 
     def _seq(self, seq_id: object) -> Sequence:
         seq = self._seqs.get(seq_id) if type(seq_id) is int else None
@@ -566,14 +370,9 @@ class PagingState:
             raise SequenceError(f"sequence {seq_id} is already in the cache")
         return seq_id
 
-
-    # ------------------------------------------------------------ internals: helpers
     def _insert_sequence(self, seq_id: int, last_block: int, seq_length: int) -> None:
-        """Register a sequence ending at ``last_block`` (TVM's ``Sequence`` constructor)."""
         self._blocks.retain(last_block)
         self._seqs[seq_id] = Sequence(seq_id, last_block, seq_length)
-
-    # ----------------------------------------------------------------- internals: popn
 
     def _refork(self, seq: Sequence, pos: int) -> list[PageCopy]:
         """Replace ``seq`` by a fork of its own prefix of length ``pos`` (PopN's fallback)."""

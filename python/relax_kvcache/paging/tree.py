@@ -1,10 +1,8 @@
-"""`BlockTree`: the block tree of a paged KV cache over its page pool.
+"""`BlockTree`: the block-level half of `PagingState` over its page pool.
 
-The block-level half of :class:`~relax_kvcache.paging.state.PagingState`: the pages of each
-block, the paths of blocks that sequences end at, the slots of their tokens, and the block
-surgery of forks and pops (TVM's ``ForkSequence`` splits and ``PopN`` trims). It knows the
-sequences it is handed, not the set of live sequences; callers check requests first
-(check-then-mutate).
+The pages of each block, the slots of a sequence's tokens, and the block surgery of forks and
+pops (TVM's ``ForkSequence`` splits and ``PopN`` trims). It knows the sequences it is handed,
+not the set of live sequences; callers check requests first.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ import dataclasses
 import numpy as np
 
 from ..errors import CacheFullError, SequenceError
-from . import windows
 from ._checks import as_int, ceil_div
 from .block_pool import Block, BlockPool
 from .page_pool import PagePool
@@ -23,10 +20,8 @@ from .sequences import Sequence
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PageCopy:
-    """Copy the first ``length`` slots of page ``src_page`` into page ``dst_page``.
-
-    TVM's ``CopySinglePage``: the caller performs it on the KV data of every layer, in order.
-    """
+    """Copy the first ``length`` slots of page ``src_page`` into page ``dst_page`` (TVM's
+    ``CopySinglePage``: the caller performs it on the KV data of every layer, in order)."""
 
     src_page: int
     dst_page: int
@@ -47,15 +42,7 @@ class PopPlan:
 
 
 class BlockTree:
-    """Blocks (a tree through their ``parent`` links) and the pool of the pages they hold.
-
-    Parameters
-    ----------
-    num_pages : int
-        Pages in the pool.
-    page_size : int
-        Tokens per page.
-    """
+    """Blocks (a tree through their ``parent`` links) and the pool of the pages they hold."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
@@ -81,15 +68,11 @@ class BlockTree:
 
     def trace_blocks(self, last_block: int) -> list[Block]:
         """The blocks of the path ending at ``last_block``, root first."""
-        blocks = self.blocks
         trace = []
-        idx = last_block
-        while idx != -1:
-            block = blocks[idx]
-            trace.append(block)
-            idx = block.parent
-        trace.reverse()
-        return trace
+        while last_block != -1:
+            trace.append(self.blocks[last_block])
+            last_block = trace[-1].parent
+        return trace[::-1]
 
     # ------------------------------------------------------------------ checks
 
@@ -97,11 +80,10 @@ class BlockTree:
         available = self.pages.num_free + extra
         if needed > available:
             raise CacheFullError(
-                f"the KV cache is full: cannot {what}: {needed} page(s) needed, "
-                f"{available} free"
+                f"the KV cache is full: cannot {what}: {needed} page(s) needed, {available} free"
             )
 
-    def appendable_block(self, seq: Sequence) -> Block:
+    def appendable_block(self, seq: Sequence) -> None:
         block = self.blocks[seq.last_block]
         if block.ref_count != 1:
             raise SequenceError(
@@ -109,7 +91,6 @@ class BlockTree:
                 f"{block.ref_count - 1} other block(s) and cannot accept new tokens "
                 f"(expected exactly 1 reference)"
             )
-        return block
 
     def check_committed(self, seq: Sequence) -> None:
         if not seq.accepted_indices_committed:
@@ -117,20 +98,9 @@ class BlockTree:
                 f"sequence {seq.seq_id} has uncommitted token-tree nodes and cannot be forked"
             )
 
-    def check_forkable(self, seq: Sequence, seq_length: int, last: Block, pos: int) -> None:
-        """TVM's ForkSequence state checks on a parent of ``seq_length`` ending at ``last``."""
-        self.check_committed(seq)
-        if seq.sliding_window_size == -1:
-            return
-        sink_size = seq_length - last.seq_length + seq.last_block_attn_sink_size
-        if pos > sink_size:
-            raise SequenceError(
-                f"fork position {pos} of sequence {seq.seq_id} is past its attention sink: "
-                f"a sliding-window sequence can only be forked within {sink_size} tokens"
-            )
-
     def fork_position(self, parent: Sequence, fork_pos: object) -> int:
-        """``fork_pos`` of a fork of ``parent`` as a position (-1: its length), checked."""
+        """``fork_pos`` of a fork of ``parent`` as a position (-1: its length), after TVM's
+        ForkSequence checks."""
         fork_pos = as_int("fork position", fork_pos)
         if not -1 <= fork_pos <= parent.seq_length:
             raise SequenceError(
@@ -138,7 +108,16 @@ class BlockTree:
                 f"parent sequence {parent.seq_id}"
             )
         pos = parent.seq_length if fork_pos == -1 else fork_pos
-        self.check_forkable(parent, parent.seq_length, self.blocks[parent.last_block], pos)
+        self.check_committed(parent)
+        if parent.sliding_window_size == -1:
+            return pos
+        last = self.blocks[parent.last_block]
+        sink_size = parent.seq_length - last.seq_length + parent.last_block_attn_sink_size
+        if pos > sink_size:
+            raise SequenceError(
+                f"fork position {pos} of sequence {parent.seq_id} is past its attention sink: "
+                f"a sliding-window sequence can only be forked within {sink_size} tokens"
+            )
         return pos
 
     # ------------------------------------------------------------------ slots
@@ -149,13 +128,11 @@ class BlockTree:
 
     def _block_slots(self, block: Block, lo: int, hi: int) -> np.ndarray:
         """Slots of the tokens ``[lo, hi)`` of ``block`` (TVM's ``DebugGetKV`` offsets)."""
-        sink = block.sink_length
+        sink, shift = block.sink_length, block.sliding_window_offset - block.sink_length
         if lo >= sink:  # no sink token in range: one contiguous run of page slots
-            shift = block.sliding_window_offset - sink
             return self._run_slots(block.page_ids, lo + shift, hi + shift)
         if hi <= sink:
             return self._run_slots(block.page_ids, lo, hi)
-        shift = block.sliding_window_offset - sink
         head = self._run_slots(block.page_ids, lo, sink)
         return np.concatenate([head, self._run_slots(block.page_ids, sink + shift, hi + shift)])
 
@@ -167,14 +144,6 @@ class BlockTree:
         grid = (table[:, None] + self._lanes).ravel()
         return grid[lo - first * ps : hi - first * ps]
 
-    def trace(self, last_block: int) -> list[int]:
-        trace = []
-        idx = last_block
-        while idx != -1:
-            trace.append(idx)
-            idx = self.blocks[idx].parent
-        trace.reverse()
-        return trace
     def release_path(self, last_block: int) -> None:
         """Drop one sequence's hold on the path ending at ``last_block`` (RemoveSequence)."""
         idx = last_block
@@ -191,23 +160,18 @@ class BlockTree:
 
     def _adds_empty_block(self, parent: Sequence, pos: int) -> bool:
         """Whether forking at ``pos`` first gives the parent a new empty last block."""
-        return (
-            pos == parent.seq_length
-            and pos % self.page_size == 0
-            and self.blocks[parent.last_block].seq_length > 0
-        )
+        last = self.blocks[parent.last_block]
+        return pos == parent.seq_length and pos % self.page_size == 0 and last.seq_length > 0
 
     def _locate(self, last_block: int, pos: int) -> tuple[int, int]:
         """Return the block of the path ending at ``last_block`` a fork at ``pos`` cuts, and
         the offset of ``pos`` in it (non-last blocks are skipped when ``pos`` is past them)."""
-        trace = self.trace(last_block)
-        offset = pos
-        for idx in trace[:-1]:
-            length = self.blocks[idx].seq_length
-            if length > offset:
-                return idx, offset
-            offset -= length
-        return trace[-1], offset
+        trace = self.trace_blocks(last_block)
+        for block in trace[:-1]:
+            if block.seq_length > pos:
+                return block.index, pos
+            pos -= block.seq_length
+        return trace[-1].index, pos
 
     def fork_copy_length(self, parent: Sequence, pos: int) -> int:
         """Tokens a fork of ``parent`` at ``pos`` copies into a fresh page (0: no page)."""
@@ -224,7 +188,9 @@ class BlockTree:
         in_page = offset % self.page_size
         moved_pages = offset // self.page_size
         if moved_pages == 0:
-            self._link(child_idx, self.blocks[forked_idx].parent)
+            parent_idx = self.blocks[child_idx].parent = self.blocks[forked_idx].parent
+            if parent_idx != -1:
+                self.blocks.retain(parent_idx)
         else:
             self._split_block(parent, forked_idx, moved_pages, child_idx)
         child = self.blocks[child_idx]
@@ -249,14 +215,8 @@ class BlockTree:
         self.blocks.retain(idx)
         seq.last_block = idx
 
-    def _link(self, child_idx: int, parent_idx: int) -> None:
-        self.blocks[child_idx].parent = parent_idx
-        if parent_idx != -1:
-            self.blocks.retain(parent_idx)
-
-    def _split_block(
-        self, seq: Sequence, forked_idx: int, moved_pages: int, child_idx: int
-    ) -> None:
+    def _split_block(self, seq: Sequence, forked_idx: int, moved_pages: int, child_idx: int
+                     ) -> None:
         """Move the first ``moved_pages`` pages of ``forked_idx`` into a new parent block
         shared by ``forked_idx`` and ``child_idx``."""
         head_idx = self.blocks.new_block()
@@ -308,9 +268,8 @@ class BlockTree:
         if self._locate(plan.shared_block, pos)[1] % self.page_size == 0:
             return
         freed_pages = sum(len(self.blocks[i].page_ids) for i in plan.freed_blocks)
-        self.check_free_pages(
-            1, freed_pages, f"pop {plan.remaining} shared tokens from sequence {seq.seq_id}"
-        )
+        what = f"pop {plan.remaining} shared tokens from sequence {seq.seq_id}"
+        self.check_free_pages(1, freed_pages, what)
 
     def apply_trim(self, seq: Sequence, plan: PopPlan) -> None:
         for idx in plan.freed_blocks:
@@ -336,4 +295,6 @@ class BlockTree:
 
     def recompute_last_sink(self, seq: Sequence) -> None:
         """A windowed sequence's last-block sink from its ``attn_sink_size`` and prefix."""
-        windows.recompute_last_sink(seq, seq.seq_length - self.blocks[seq.last_block].seq_length)
+        if seq.sliding_window_size != -1:
+            prefix = seq.seq_length - self.blocks[seq.last_block].seq_length
+            seq.last_block_attn_sink_size = max(seq.attn_sink_size - prefix, 0)

@@ -4,8 +4,6 @@ TVM's ``EnableSlidingWindowForSeq`` and ``SlideWindowForSequence``: once a windo
 longer than its window, its last block keeps its first ``sink_length`` tokens and the most
 recent ones; pages that slide out entirely return to the pool. A batch of appends is planned
 whole (:func:`plan_sliding`) before anything changes, then carried out (:func:`apply_sliding`).
-:class:`~relax_kvcache.paging.state.PagingState` calls these; they touch only the sequences,
-blocks and page pool they are given.
 """
 
 from __future__ import annotations
@@ -61,28 +59,17 @@ class BatchPages:
         self._pages.release(pages)
         self._slid_out.update(p for p in pages if p not in self._fresh)
 
-def check_window(seq: Sequence, window_size: object, sink_size: object, prefix: int, slides: bool) -> tuple[int, int]:
+def check_window(seq: Sequence, window_size: object, sink_size: object, prefix: int,
+                 slides: bool) -> tuple[int, int]:
     """``(window_size, sink_size)`` as ints, checked for `PagingState.enable_sliding_window` on
-    ``seq``, whose earlier blocks hold ``prefix`` tokens (``slides``: windows really slide).
-
-    Raises
-    ------
-    SequenceError
-        Sizes out of range, a window already enabled, or (when windows slide) a window smaller
-        than the sequence's prefix in earlier blocks.
-    """
+    ``seq``, whose earlier blocks hold ``prefix`` tokens (``slides``: windows really slide)."""
     window_size = as_int("sliding window size", window_size)
     sink_size = as_int("attention sink size", sink_size)
-    if sink_size < 0:
-        raise SequenceError(
-            f"attention sink size {sink_size} for sequence {seq.seq_id} is invalid: "
-            f"expected >= 0"
-        )
-    if window_size <= 0:
-        raise SequenceError(
-            f"sliding window size {window_size} for sequence {seq.seq_id} is invalid: "
-            f"expected >= 1"
-        )
+    checks = (("attention sink", sink_size, 0), ("sliding window", window_size, 1))
+    for name, value, least in checks:
+        if value < least:
+            raise SequenceError(f"{name} size {value} for sequence {seq.seq_id} is invalid: "
+                                f"expected >= {least}")
     if sink_size >= window_size:
         raise SequenceError(
             f"attention sink size {sink_size} for sequence {seq.seq_id} must be less than "
@@ -100,13 +87,6 @@ def check_window(seq: Sequence, window_size: object, sink_size: object, prefix: 
             f">= {prefix} (every later append would fail)"
         )
     return window_size, sink_size
-
-
-def recompute_last_sink(seq: Sequence, prefix: int) -> None:
-    """Set a windowed sequence's last-block sink from its ``attn_sink_size`` and the ``prefix``
-    tokens of its earlier blocks (no-op without a window)."""
-    if seq.sliding_window_size != -1:
-        seq.last_block_attn_sink_size = max(seq.attn_sink_size - prefix, 0)
 
 
 def plan_sliding(items: list[Item], pages: PagePool, page_size: int) -> list[SlidePlan | None]:
@@ -139,11 +119,13 @@ def plan_sliding(items: list[Item], pages: PagePool, page_size: int) -> list[Sli
         plans.append(plan)
     return plans
 
-def apply_sliding(items: list[Item], plans: list[SlidePlan | None], pages: PagePool) -> tuple[int, ...]:
+def apply_sliding(items: list[Item], plans: list[SlidePlan | None], pages: PagePool
+                  ) -> tuple[int, ...]:
     """Carry out `plan_sliding`'s plans, in batch order; return the slid-out pages that
     were allocated again in the batch."""
     pool = BatchPages(pages)
     for (seq, block, length, need), plan in zip(items, plans):
+        seq.last_append_length = length
         if plan is None:
             if need:
                 block.page_ids.extend(pool.allocate(need))
@@ -153,7 +135,8 @@ def apply_sliding(items: list[Item], plans: list[SlidePlan | None], pages: PageP
             apply_slide(seq, block, plan, pool)
     return tuple(pool.reused)
 
-def plan_slide(seq: Sequence, block: Block, length: int, need: int, free: int, page_size: int) -> SlidePlan:
+def plan_slide(seq: Sequence, block: Block, length: int, need: int, free: int, page_size: int
+               ) -> SlidePlan:
     """Plan ``ReserveAppendLengthInSeq`` + ``SlideWindowForSequence`` for one windowed
     sequence with ``free`` pages in the pool at its turn; raise on TVM's internal checks."""
     ps = page_size
