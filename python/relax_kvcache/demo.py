@@ -27,7 +27,6 @@ _TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 @dataclasses.dataclass
 class _Request:
-    seq_id: int
     prompt_len: int
     max_new_tokens: int
     prefilled: int = 0
@@ -60,32 +59,58 @@ class DemoResult:
 
 
 class _Driver:
-    """Runs steps on the cache and on float64 numpy copies of its K/V side by side, tracking the
-    worst error. Positions are token indices (no windows): stored K is K rotated at its index."""
+    """Serves requests on the cache and on float64 numpy copies of its K/V side by side, tracking
+    the worst error. Positions are token indices (no windows): stored K is K rotated at its index."""
 
     def __init__(self, cache: PagedAttentionKVCache, seed: int, log: Callable[[str], None]) -> None:
         self.cache, self.cfg, self.log = cache, cache.config, log
+        self.requests: Dict[int, _Request] = {}
         self.kv: Dict[int, List[np.ndarray]] = {}  # seq -> [K, V], each (layers, length, Hkv, D)
         self.rng = np.random.default_rng(seed)
         self.sm_scale = self.cfg.head_dim ** -0.5
         self.max_error, self.tokens, self.steps, self.cache_seconds = 0.0, 0, 0, 0.0
 
-    def add(self, seq_id: int) -> None:
-        self.cache.add_sequence(seq_id)
+    def admit(self, seq_id: int, prompt: int, new_tokens: int) -> None:
         cfg = self.cfg
+        self.cache.add_sequence(seq_id)
         self.kv[seq_id] = [np.zeros((cfg.num_layers, 0, cfg.num_kv_heads, cfg.head_dim))] * 2
+        self.requests[seq_id] = _Request(prompt, new_tokens)
 
-    def fork(self, parent: int, child: int, pos: int) -> None:
+    def fork(self, parent: int, child: int, pos: int, new_tokens: int) -> None:
         self.cache.fork_sequence(parent, child, pos)
         self.kv[child] = [x[:, :pos] for x in self.kv[parent]]
+        self.requests[child] = _Request(pos, new_tokens, prefilled=pos)
 
     def popn(self, seq_id: int, n: int) -> None:
         self.cache.popn(seq_id, n)
         self.kv[seq_id] = [x[:, :x.shape[1] - n] for x in self.kv[seq_id]]
 
-    def remove(self, seq_id: int) -> None:
-        self.cache.remove_sequence(seq_id)
-        del self.kv[seq_id]
+    def run_steps(self, count: int) -> None:
+        """Up to ``count`` steps: a token of every decoding request, then prefill chunks within
+        the prefill chunk size; finished requests are removed."""
+        for _ in range(count):
+            batch = [(s, 1) for s, r in self.requests.items() if not r.in_prefill and not r.done]
+            parts = [f"decode x{len(batch)}"] if batch else []
+            budget = self.cfg.prefill_chunk_size - len(batch)
+            for seq_id, req in self.requests.items():
+                if req.in_prefill and budget > 0:
+                    take = min(budget, req.prompt_len - req.prefilled)
+                    batch.append((seq_id, take))
+                    parts.append(f"prefill {seq_id}[{req.prefilled}:{req.prefilled + take}]")
+                    budget -= take
+            if not batch:
+                return
+            self.step(batch, ", ".join(parts))
+            for seq_id, length in batch:
+                req = self.requests[seq_id]
+                if req.in_prefill:
+                    req.prefilled += length
+                else:
+                    req.generated += 1
+            for seq_id in [s for s, r in self.requests.items() if r.done]:
+                self.cache.remove_sequence(seq_id)
+                del self.kv[seq_id], self.requests[seq_id]
+                self.log(f"      request {seq_id} finished; {self.cache.get_num_available_pages()} pages free")
 
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return rope(x, positions, self.cfg.rope_theta, self.cfg.rope_scale)
@@ -137,25 +162,6 @@ class _Driver:
         self.log(f"      read back K/V of {len(self.kv)} sequences with debug_get_kv")
 
 
-def _schedule(requests: Dict[int, _Request], chunk_budget: int) -> Tuple[List[Tuple[int, int]], str]:
-    """Decode rows for running requests, then prefill chunks within the token budget."""
-    batch, parts = [], []
-    budget = chunk_budget
-    for req in requests.values():
-        if not req.in_prefill and not req.done:
-            batch.append((req.seq_id, 1))
-            budget -= 1
-    if batch:
-        parts.append(f"decode x{len(batch)}")
-    for req in requests.values():
-        if req.in_prefill and budget > 0:
-            take = min(budget, req.prompt_len - req.prefilled)
-            batch.append((req.seq_id, take))
-            parts.append(f"prefill {req.seq_id}[{req.prefilled}:{req.prefilled + take}]")
-            budget -= take
-    return batch, ", ".join(parts)
-
-
 def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print) -> DemoResult:
     """Run the demo workload and return its summary (see module docstring)."""
     config = KVCacheConfig(num_layers=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
@@ -167,49 +173,24 @@ def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None
     cache = PagedAttentionKVCache(config, tvm.cpu(), progress=lambda msg: log("      " + msg))
     log(f"      ready in {time.perf_counter() - start:.1f} s: {cache}")
     driver = _Driver(cache, seed, log)
-    requests: Dict[int, _Request] = {}
-
-    def admit(seq_id: int, prompt: int, new_tokens: int) -> None:
-        driver.add(seq_id)
-        requests[seq_id] = _Request(seq_id, prompt, new_tokens)
-
-    def run_steps(count: int) -> None:
-        for _ in range(count):
-            batch, label = _schedule(requests, config.prefill_chunk_size)
-            if not batch:
-                return
-            driver.step(batch, label)
-            for seq_id, length in batch:
-                req = requests[seq_id]
-                if req.in_prefill:
-                    req.prefilled += length
-                else:
-                    req.generated += 1
-            for seq_id in [s for s, r in requests.items() if r.done]:
-                driver.remove(seq_id)
-                del requests[seq_id]
-                log(f"      request {seq_id} finished; {cache.get_num_available_pages()} pages free")
-
     log("[2/4] chunked prefill of 3 requests mixed with decode")
-    admit(0, prompt=70, new_tokens=24)
-    admit(1, prompt=25, new_tokens=12)
-    admit(2, prompt=40, new_tokens=30)
-    run_steps(6)
+    for seq_id, prompt, new_tokens in ((0, 70, 24), (1, 25, 12), (2, 40, 30)):
+        driver.admit(seq_id, prompt, new_tokens)
+    driver.run_steps(6)
     log("[3/4] fork mid-page (parallel sampling), speculative extension rolled back with popn, late arrival")
-    parent = requests[1]
+    parent = driver.requests[1]
     fork_pos = parent.prompt_len + parent.generated - 3  # inside a page
-    driver.fork(1, 10, fork_pos)
-    requests[10] = _Request(10, prompt_len=fork_pos, max_new_tokens=10, prefilled=fork_pos)
+    driver.fork(1, 10, fork_pos, new_tokens=10)
     log(f"      forked request 1 at position {fork_pos} (page offset {fork_pos % config.page_size}) into request 10")
     driver.step([(2, 5)], "speculative extension of request 2 by 5")
     driver.popn(2, 4)
     log("      rolled back 4 rejected tokens of request 2 with popn")
     driver.verify_contents()
-    admit(3, prompt=100, new_tokens=8)
-    run_steps(8)
+    driver.admit(3, prompt=100, new_tokens=8)
+    driver.run_steps(8)
     driver.verify_contents()
     log("[4/4] run every request to completion")
-    run_steps(1000)
+    driver.run_steps(1000)
     if not cache.empty():
         raise RuntimeError("the cache is not empty after every request finished")
     log(f"      all requests finished; cache empty, {cache.get_num_available_pages()} pages free")
