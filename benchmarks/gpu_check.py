@@ -1,7 +1,7 @@
 """Correctness of every cache feature on a device, against the float64 reference model.
 
 Runs random workloads on ``PagedAttentionKVCache`` with the kernels ``gpu_prepare.py`` built
-and compares every output with ``relax_kvcache.reference.ReferenceCache`` (numpy float64):
+and compares every output with the numpy float64 ``ReferenceCache`` of ``tests/reference_cache.py``:
 chunked prefill mixed with decode over several sequences, forks at arbitrary positions (mid-page
 included), popn, remove, per-sequence sliding windows with attention sinks, per-layer windows
 (``MHA_SLIDING``), token trees (``begin_forward`` with parent pointers,
@@ -43,7 +43,8 @@ import gpu_prepare as gp  # noqa: E402  (also puts python/ and tests/ on sys.pat
 import tvm  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
-from relax_kvcache.reference import ReferenceCache, attention, merge_states, rope  # noqa: E402
+from relax_kvcache.reference import attention, merge_states, rope  # noqa: E402
+from reference_cache import ReferenceCache  # noqa: E402  (tests/)
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16}
 DEFAULT_TOLERANCE = {"float32": 2e-3, "float16": 2e-2}

@@ -242,7 +242,7 @@ def test_shared_kv_is_refused_when_slid_out_pages_hold_new_tokens():
     overwrites what attention_with_shared_kv (and a second call of the same layer) would read:
     they returned wrong attention silently. Now they raise; steps without such pages still work
     and match the layer's own attention."""
-    from relax_kvcache.reference import ReferenceCache
+    from reference_cache import ReferenceCache
 
     cfg = rk.KVCacheConfig(num_layers=2, num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=4, max_num_seqs=4,
                            max_total_seq_len=84, prefill_chunk_size=32, rope_mode=rk.RopeMode.NONE,

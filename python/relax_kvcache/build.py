@@ -1,23 +1,10 @@
 """Compile the kernel set of a cache configuration for a target, with an on-disk cache.
 
-The kernel set is one IRModule whose functions are named by role (``KERNEL_ROLES``); it is
-compiled once per (kernel specs, target, TVM version, kernel sources) and stored as a shared
-library under :func:`cache_dir`, with its SHA-256 beside it (``<library>.sha256``). Later builds
-load that library instead of compiling (one whose bytes differ from its checksum is compiled
-again).
-
-Targets are any of :data:`relax_kvcache.targets.TARGET_KINDS`. A GPU library can be built on a
-machine without that GPU: it is cached and exported (:func:`export_kernels`) as usual, but it is
-loaded back only where the device exists (elsewhere :func:`build_kernels` returns the freshly
-compiled module, good for ``export_library`` but not for calls). Load exported libraries on the
-GPU host with :func:`relax_kvcache.deploy.load`.
-
-This module is the compiler driver. The roles of a set come from the catalogue
-(:mod:`relax_kvcache.kernel_roles`), its kernels from its spec (:mod:`relax_kvcache.kernel_specs`),
-the library's identity functions from :mod:`relax_kvcache.identity`, and the on-disk cache from
-:mod:`relax_kvcache.kernel_cache`; their public names are importable from here as well. It does
-not import the kernel factories (TVMScript) until it compiles, so that ``import relax_kvcache``
-works with a runtime-only TVM.
+The set is one IRModule whose functions are named by role (``KERNEL_ROLES``), compiled once per
+key (:func:`build_key`) and cached as a checksummed library (:mod:`relax_kvcache.kernel_cache`).
+A GPU library can be built without the GPU: it is cached and exported, but loaded back only
+where the device exists. The kernel factories (TVMScript) are imported only to compile, so that
+``import relax_kvcache`` works with a runtime-only TVM.
 """
 
 from __future__ import annotations
@@ -29,17 +16,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Union
 import tvm
 
 from .config import KVCacheConfig
-from .identity import IDENTITY_FIELDS, IDENTITY_PREFIX, kernel_identity
-from .kernel_cache import (
-    LIBRARY_FORMAT,
-    build_key,
-    cache_dir,
-    cache_path,
-    cached_intact,
-    copy_atomic,
-    export_atomic,
-)
-from .kernel_roles import KERNEL_ROLES, MLA_KERNEL_ROLES
+from .kernel_cache import LIBRARY_FORMAT, build_key, cache_dir, cache_path, cached_intact, copy_atomic, export_atomic
+from .kernel_roles import IDENTITY_FIELDS, IDENTITY_PREFIX, KERNEL_ROLES, MLA_KERNEL_ROLES, kernel_identity
 from .kernel_specs import AnyKernelSetSpec, KernelSetSpec, MLAKernelSetSpec, kernel_set_spec
 from .targets import check_can_compile, describe_target
 
@@ -228,13 +206,9 @@ def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progre
 
 
 def _pass_config(target: tvm.target.Target) -> Dict[str, object]:
-    """GPU kernels compile without TIR common-subexpression elimination: it binds thread-indexed
-    addresses to let variables, which hides from TVM's barrier planner that a thread reads back
-    what it wrote itself, and the planner then wants barriers inside conditions (an error)."""
-    return {"tirx.disable_cse_tir": True} if _is_gpu_target(target) else {}
-
-
-def _is_gpu_target(target: tvm.target.Target) -> bool:
+    """No TIR common-subexpression elimination for GPU kernels: it binds thread-indexed addresses
+    to variables, which hides from TVM's barrier planner that a thread reads back what it wrote,
+    and the planner then wants barriers inside conditions (an error)."""
     from .tir_kernels.schedule import GPU_TARGET_KINDS
 
-    return target.kind.name in GPU_TARGET_KINDS
+    return {"tirx.disable_cse_tir": True} if target.kind.name in GPU_TARGET_KINDS else {}

@@ -13,17 +13,8 @@ from .kernel_set import KernelSet
 
 def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any = None) -> int:
     """Check ``PagedAttentionKVCache``'s device, kernels, layer_offset and target; return the offset.
-
-    Raises
-    ------
-    ArgumentError
-        ``device`` is not a ``tvm.runtime.Device``, ``kernels`` not a ``KernelSet`` (or None),
-        ``layer_offset`` not an int, or ``target`` not a ``tvm.target.Target`` (or None).
-    ConfigError
-        ``layer_offset`` is negative or beyond int32, the device index is negative or the
-        device does not exist here, or ``target`` compiles for another kind of device than
-        ``device``.
-    """
+    ``ArgumentError`` for a wrong type, ``ConfigError`` for a bad value (a negative or int32-overflowing
+    offset, a device that does not exist here, a target for another kind of device)."""
     if not isinstance(device, tvm.runtime.Device):
         raise ArgumentError(f"device must be a tvm.runtime.Device or None, got {describe(device)} "
                             f"of type {type(device).__name__}")

@@ -7,7 +7,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .config import SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
 from .targets import TARGET_KINDS
@@ -61,14 +61,28 @@ def _one_line(err: BaseException) -> str:
     return "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
+def _logger(args: argparse.Namespace) -> Callable[[str], None]:
+    return lambda message: None if args.quiet else print(message, flush=True)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from .deploy import DeployError
 
+    log = _logger(args)
     try:
-        return _run_demo_checked(args)
+        _check_demo_args(args)
+        if not args.cache_only:
+            return _run_model_demo(args, log)
+        from .demo import run_demo
+
+        result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
     except (FileNotFoundError, DeployError, _UsageError) as err:  # bad options, a missing or unloadable library
         print(f"relax-kvcache demo: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    print(f"demo {'OK' if result.ok else 'FAILED'}: {result.steps} steps, {result.tokens} tokens, "
+          f"{result.tokens_per_second:,.0f} tokens/s through the cache, max |error| vs float64 reference "
+          f"{result.max_error:.1e} (tolerance {result.tolerance:.0e})", flush=True)
+    return 0 if result.ok else 1
 
 
 def _check_demo_args(args: argparse.Namespace) -> None:
@@ -120,44 +134,23 @@ def _check_output_path(path: str, option: str) -> None:
     """Raise _UsageError unless ``path`` names a file that can be written (in an existing folder)."""
     if not path.strip():
         raise _UsageError(f"{option} {path!r} is empty; expected a file path such as model.so")
-    try:
-        _check_writable(path, option)
-    except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
-        raise _UsageError(f"{option} {path!r} cannot be written: {_one_line(err)}") from None
-
-
-def _check_writable(path: str, option: str) -> None:
     if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
         raise _UsageError(f"{option} {path!r} ends with a path separator; expected a file path such as "
                           f"{path.rstrip(os.sep + (os.altsep or '')) or 'model'}.so")
-    dest = pathlib.Path(os.path.realpath(pathlib.Path(path).expanduser()))  # a symlink: where it points
-    if len(dest.name.encode()) > 255:
-        raise _UsageError(f"{option} {path!r}: the file name is longer than 255 bytes")
-    if dest.is_dir():
-        raise _UsageError(f"{option} {path!r} is a folder; expected a file path such as {str(dest / 'model.so')!r}")
-    folder = dest.parent
-    if not folder.is_dir():
-        raise _UsageError(f"{option} {path!r}: folder {str(folder)!r} does not exist; expected an existing folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise _UsageError(f"{option} {path!r}: folder {str(folder)!r} is not writable")
-
-
-def _run_demo_checked(args: argparse.Namespace) -> int:
-    def log(message: str) -> None:
-        if not args.quiet:
-            print(message, flush=True)
-
-    _check_demo_args(args)
-    if args.cache_only:
-        from .demo import run_demo
-
-        result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
-        status = "OK" if result.ok else "FAILED"
-        print(f"demo {status}: {result.steps} steps, {result.tokens} tokens, {result.tokens_per_second:,.0f} "
-              f"tokens/s through the cache, max |error| vs float64 reference {result.max_error:.1e} "
-              f"(tolerance {result.tolerance:.0e})", flush=True)
-        return 0 if result.ok else 1
-    return _run_model_demo(args, log)
+    try:
+        dest = pathlib.Path(os.path.realpath(pathlib.Path(path).expanduser()))  # a symlink: where it points
+        if len(dest.name.encode()) > 255:
+            raise _UsageError(f"{option} {path!r}: the file name is longer than 255 bytes")
+        if dest.is_dir():
+            raise _UsageError(f"{option} {path!r} is a folder; expected a file path such as "
+                              f"{str(dest / 'model.so')!r}")
+        if not dest.parent.is_dir():
+            raise _UsageError(f"{option} {path!r}: folder {str(dest.parent)!r} does not exist; expected an "
+                              "existing folder")
+        if not os.access(dest.parent, os.W_OK | os.X_OK):
+            raise _UsageError(f"{option} {path!r}: folder {str(dest.parent)!r} is not writable")
+    except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
+        raise _UsageError(f"{option} {path!r} cannot be written: {_one_line(err)}") from None
 
 
 def _run_model_demo(args: argparse.Namespace, log) -> int:
@@ -267,10 +260,7 @@ def _run_build(args: argparse.Namespace) -> int:
     from .build import export_kernels, kernel_set_spec
     from .targets import TargetUnavailableError, describe_target, make_target
 
-    def log(message: str) -> None:
-        if not args.quiet:
-            print(message, flush=True)
-
+    log = _logger(args)
     start = time.perf_counter()
     try:
         _check_output_path(args.output, "--output")

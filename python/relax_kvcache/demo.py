@@ -3,9 +3,9 @@
 A scheduler-like loop drives a GQA model shape through the cache: several requests with chunked
 prefill mixed into decode steps, a request forked mid-page into a second continuation (parallel
 sampling), a speculative extension rolled back with ``popn``, and requests finishing while
-others run. Every attention output of every layer is compared with the float64 reference
-(:class:`relax_kvcache.reference.ReferenceCache`), and at the end the stored K/V of every
-sequence is read back with ``debug_get_kv``.
+others run. Every attention output of every layer is compared with float64 numpy attention
+(:mod:`relax_kvcache.reference`) over copies of the K/V the cache should hold, and the stored
+K/V of every sequence is read back with ``debug_get_kv``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tvm
 
 from .cache import PagedAttentionKVCache
 from .config import KVCacheConfig, RopeMode
-from .reference import ReferenceCache
+from .reference import attention, rope
 from .tensors import numpy_dtype
 
 _TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
@@ -27,7 +27,6 @@ _TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
 @dataclasses.dataclass
 class _Request:
-    seq_id: int
     prompt_len: int
     max_new_tokens: int
     prefilled: int = 0
@@ -60,53 +59,90 @@ class DemoResult:
 
 
 class _Driver:
-    """Runs steps on the cache and the reference side by side, tracking the worst error."""
+    """Serves requests on the cache and on float64 numpy copies of its K/V side by side, tracking
+    the worst error. Positions are token indices (no windows): stored K is K rotated at its index."""
 
     def __init__(self, cache: PagedAttentionKVCache, seed: int, log: Callable[[str], None]) -> None:
-        cfg = cache.config
-        self.cache, self.cfg, self.log = cache, cfg, log
-        self.ref = ReferenceCache(cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  int(cfg.effective_rope_mode), cfg.rope_theta, cfg.rope_scale)
+        self.cache, self.cfg, self.log = cache, cache.config, log
+        self.requests: Dict[int, _Request] = {}
+        self.kv: Dict[int, List[np.ndarray]] = {}  # seq -> [K, V], each (layers, length, Hkv, D)
         self.rng = np.random.default_rng(seed)
-        self.sm_scale = cfg.head_dim ** -0.5
-        self.max_error = 0.0
-        self.tokens = 0
-        self.steps = 0
-        self.cache_seconds = 0.0
+        self.sm_scale = self.cfg.head_dim ** -0.5
+        self.max_error, self.tokens, self.steps, self.cache_seconds = 0.0, 0, 0, 0.0
 
-    def add(self, seq_id: int) -> None:
+    def admit(self, seq_id: int, prompt: int, new_tokens: int) -> None:
+        cfg = self.cfg
         self.cache.add_sequence(seq_id)
-        self.ref.add(seq_id)
+        self.kv[seq_id] = [np.zeros((cfg.num_layers, 0, cfg.num_kv_heads, cfg.head_dim))] * 2
+        self.requests[seq_id] = _Request(prompt, new_tokens)
 
-    def fork(self, parent: int, child: int, pos: int) -> None:
+    def fork(self, parent: int, child: int, pos: int, new_tokens: int) -> None:
         self.cache.fork_sequence(parent, child, pos)
-        self.ref.fork(parent, child, pos)
+        self.kv[child] = [x[:, :pos] for x in self.kv[parent]]
+        self.requests[child] = _Request(pos, new_tokens, prefilled=pos)
 
     def popn(self, seq_id: int, n: int) -> None:
         self.cache.popn(seq_id, n)
-        self.ref.popn(seq_id, n)
+        self.kv[seq_id] = [x[:, :x.shape[1] - n] for x in self.kv[seq_id]]
 
-    def remove(self, seq_id: int) -> None:
-        self.cache.remove_sequence(seq_id)
-        self.ref.remove(seq_id)
+    def run_steps(self, count: int) -> None:
+        """Up to ``count`` steps: a token of every decoding request, then prefill chunks within
+        the prefill chunk size; finished requests are removed."""
+        for _ in range(count):
+            batch = [(s, 1) for s, r in self.requests.items() if not r.in_prefill and not r.done]
+            parts = [f"decode x{len(batch)}"] if batch else []
+            budget = self.cfg.prefill_chunk_size - len(batch)
+            for seq_id, req in self.requests.items():
+                if req.in_prefill and budget > 0:
+                    take = min(budget, req.prompt_len - req.prefilled)
+                    batch.append((seq_id, take))
+                    parts.append(f"prefill {seq_id}[{req.prefilled}:{req.prefilled + take}]")
+                    budget -= take
+            if not batch:
+                return
+            self.step(batch, ", ".join(parts))
+            for seq_id, length in batch:
+                req = self.requests[seq_id]
+                if req.in_prefill:
+                    req.prefilled += length
+                else:
+                    req.generated += 1
+            for seq_id in [s for s, r in self.requests.items() if r.done]:
+                self.cache.remove_sequence(seq_id)
+                del self.kv[seq_id], self.requests[seq_id]
+                self.log(f"      request {seq_id} finished; {self.cache.get_num_available_pages()} pages free")
+
+    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return rope(x, positions, self.cfg.rope_theta, self.cfg.rope_scale)
 
     def step(self, batch: List[Tuple[int, int]], label: str) -> None:
-        cfg = self.cfg
-        n = sum(length for _, length in batch)
-        width = cfg.num_qo_heads + 2 * cfg.num_kv_heads
+        cfg, device = self.cfg, self.cache.device
+        n, hq, hkv = sum(length for _, length in batch), cfg.num_qo_heads, cfg.num_kv_heads
         np_dtype = numpy_dtype(cfg.dtype)
-        qkv_dev = [tvm.runtime.tensor(self.rng.standard_normal((n, width, cfg.head_dim)).astype(np_dtype),
-                                      self.cache.device) for _ in range(cfg.num_layers)]
-        outs = [tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.head_dim), np.nan).astype(np_dtype),
-                                   self.cache.device) for _ in range(cfg.num_layers)]
+        qkv_dev = [tvm.runtime.tensor(self.rng.standard_normal((n, hq + 2 * hkv, cfg.head_dim)).astype(np_dtype),
+                                      device) for _ in range(cfg.num_layers)]
+        outs = [tvm.runtime.tensor(np.full((n, hq, cfg.head_dim), np.nan).astype(np_dtype), device)
+                for _ in range(cfg.num_layers)]
         start = time.perf_counter()
         self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch])
         for layer in range(cfg.num_layers):
             self.cache.attention_with_fused_qkv(layer, qkv_dev[layer], outs[layer], self.sm_scale)
         self.cache.end_forward()
         self.cache_seconds += time.perf_counter() - start
-        expected = self.ref.step(batch, [q.numpy().astype(np.float64) for q in qkv_dev], self.sm_scale)
-        error = max(float(np.abs(o.numpy().astype(np.float64) - e).max()) for o, e in zip(outs, expected))
+        qkv = np.stack([x.numpy().astype(np.float64) for x in qkv_dev])  # (layers, n, Hq + 2 Hkv, D)
+        got = np.stack([o.numpy().astype(np.float64) for o in outs])
+        error, offset = 0.0, 0
+        for seq_id, length in batch:
+            rows = slice(offset, offset + length)
+            positions = np.arange(self.kv[seq_id][0].shape[1], self.kv[seq_id][0].shape[1] + length)
+            new_k = np.stack([self._rope(x[rows, hq:hq + hkv], positions) for x in qkv])
+            k, v = (np.concatenate(pair, axis=1) for pair in zip(self.kv[seq_id], (new_k, qkv[:, rows, hq + hkv:])))
+            self.kv[seq_id] = [k, v]
+            for layer in range(cfg.num_layers):
+                want, _ = attention(self._rope(qkv[layer, rows, :hq], positions), k[layer], v[layer], self.sm_scale,
+                                    causal=True)
+                error = max(error, float(np.abs(got[layer, rows] - want).max()))
+            offset += length
         self.max_error = max(self.max_error, error)
         self.tokens += n
         self.steps += 1
@@ -114,38 +150,16 @@ class _Driver:
 
     def verify_contents(self) -> None:
         cfg = self.cfg
-        for seq_id in list(self.ref.k):
-            length = self.ref.length(seq_id)
+        for seq_id, want in self.kv.items():
+            length = want[0].shape[1]
             if length == 0:
                 continue
             shape = (cfg.num_layers, length, cfg.num_kv_heads, cfg.head_dim)
-            k = tvm.runtime.empty(shape, cfg.dtype, self.cache.device)
-            v = tvm.runtime.empty(shape, cfg.dtype, self.cache.device)
+            k, v = (tvm.runtime.empty(shape, cfg.dtype, self.cache.device) for _ in range(2))
             self.cache.debug_get_kv(seq_id, 0, length, k, v)
-            k_ref, v_ref = self.ref.stored_kv(seq_id)
-            error = max(float(np.abs(k.numpy().astype(np.float64) - k_ref).max()),
-                        float(np.abs(v.numpy().astype(np.float64) - v_ref).max()))
-            self.max_error = max(self.max_error, error)
-        self.log(f"      read back K/V of {len(self.ref.k)} sequences with debug_get_kv")
-
-
-def _schedule(requests: Dict[int, _Request], chunk_budget: int) -> Tuple[List[Tuple[int, int]], str]:
-    """Decode rows for running requests, then prefill chunks within the token budget."""
-    batch, parts = [], []
-    budget = chunk_budget
-    for req in requests.values():
-        if not req.in_prefill and not req.done:
-            batch.append((req.seq_id, 1))
-            budget -= 1
-    if batch:
-        parts.append(f"decode x{len(batch)}")
-    for req in requests.values():
-        if req.in_prefill and budget > 0:
-            take = min(budget, req.prompt_len - req.prefilled)
-            batch.append((req.seq_id, take))
-            parts.append(f"prefill {req.seq_id}[{req.prefilled}:{req.prefilled + take}]")
-            budget -= take
-    return batch, ", ".join(parts)
+            for got, expected in zip((k, v), want):
+                self.max_error = max(self.max_error, float(np.abs(got.numpy().astype(np.float64) - expected).max()))
+        self.log(f"      read back K/V of {len(self.kv)} sequences with debug_get_kv")
 
 
 def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print) -> DemoResult:
@@ -159,49 +173,24 @@ def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None
     cache = PagedAttentionKVCache(config, tvm.cpu(), progress=lambda msg: log("      " + msg))
     log(f"      ready in {time.perf_counter() - start:.1f} s: {cache}")
     driver = _Driver(cache, seed, log)
-    requests: Dict[int, _Request] = {}
-
-    def admit(seq_id: int, prompt: int, new_tokens: int) -> None:
-        driver.add(seq_id)
-        requests[seq_id] = _Request(seq_id, prompt, new_tokens)
-
-    def run_steps(count: int) -> None:
-        for _ in range(count):
-            batch, label = _schedule(requests, config.prefill_chunk_size)
-            if not batch:
-                return
-            driver.step(batch, label)
-            for seq_id, length in batch:
-                req = requests[seq_id]
-                if req.in_prefill:
-                    req.prefilled += length
-                else:
-                    req.generated += 1
-            for seq_id in [s for s, r in requests.items() if r.done]:
-                driver.remove(seq_id)
-                del requests[seq_id]
-                log(f"      request {seq_id} finished; {cache.get_num_available_pages()} pages free")
-
     log("[2/4] chunked prefill of 3 requests mixed with decode")
-    admit(0, prompt=70, new_tokens=24)
-    admit(1, prompt=25, new_tokens=12)
-    admit(2, prompt=40, new_tokens=30)
-    run_steps(6)
+    for seq_id, prompt, new_tokens in ((0, 70, 24), (1, 25, 12), (2, 40, 30)):
+        driver.admit(seq_id, prompt, new_tokens)
+    driver.run_steps(6)
     log("[3/4] fork mid-page (parallel sampling), speculative extension rolled back with popn, late arrival")
-    parent = requests[1]
+    parent = driver.requests[1]
     fork_pos = parent.prompt_len + parent.generated - 3  # inside a page
-    driver.fork(1, 10, fork_pos)
-    requests[10] = _Request(10, prompt_len=fork_pos, max_new_tokens=10, prefilled=fork_pos)
+    driver.fork(1, 10, fork_pos, new_tokens=10)
     log(f"      forked request 1 at position {fork_pos} (page offset {fork_pos % config.page_size}) into request 10")
     driver.step([(2, 5)], "speculative extension of request 2 by 5")
     driver.popn(2, 4)
     log("      rolled back 4 rejected tokens of request 2 with popn")
     driver.verify_contents()
-    admit(3, prompt=100, new_tokens=8)
-    run_steps(8)
+    driver.admit(3, prompt=100, new_tokens=8)
+    driver.run_steps(8)
     driver.verify_contents()
     log("[4/4] run every request to completion")
-    run_steps(1000)
+    driver.run_steps(1000)
     if not cache.empty():
         raise RuntimeError("the cache is not empty after every request finished")
     log(f"      all requests finished; cache empty, {cache.get_num_available_pages()} pages free")

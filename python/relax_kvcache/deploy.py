@@ -1,15 +1,10 @@
 """Load exported kernel libraries, also on a GPU host where only TVM's runtime is installed.
 
-A CUDA kernel library built on a machine without a GPU (``relax-kvcache build --target cuda``,
-:func:`relax_kvcache.build.export_kernels`) holds the generated CUDA C++ *source*. Loading it
-needs (1) TVM's CUDA runtime, ``libtvm_runtime_cuda.so``, which ``import tvm`` does not load in
-runtime-only mode (``TVM_USE_RUNTIME_LIB=1``), and (2) a global function
-``tvm_callback_cuda_compile(code) -> bytes`` that turns the source into device code; TVM's own
-callback needs TVM's compiler library. :func:`load` provides both: it loads the CUDA runtime
-when it is missing and, where TVM's callback cannot work, registers one that runs ``nvcc`` and
-caches the fatbin on disk (a full kernel set takes tens of seconds to compile).
-
-Everything here works with a runtime-only TVM: it imports no compiler part of TVM.
+A CUDA library built without a GPU holds CUDA C++ source. Loading it needs TVM's CUDA runtime
+(``libtvm_runtime_cuda.so``, not loaded by a runtime-only ``import tvm``) and a
+``tvm_callback_cuda_compile`` (TVM's needs its compiler library): :func:`load` loads the former
+where it is missing and, where TVM's callback cannot work, registers one that runs ``nvcc`` and
+caches the fatbin on disk. Imports no compiler part of TVM.
 """
 
 from __future__ import annotations
@@ -45,15 +40,13 @@ CUDA_COMPILE_CALLBACK = "tvm_callback_cuda_compile"
 
 # Serialized kind of a CUDA module inside an exported library: a uint64 length, then "cuda".
 _CUDA_MODULE_MARK = (4).to_bytes(8, "little") + b"cuda"
-_STDERR_TAIL_CHARS = 4000
 #: Folders searched for nvcc after PATH, $CUDA_HOME/bin and $CUDA_PATH/bin.
 _NVCC_FALLBACK_DIRS = ("/usr/local/cuda/bin",)
 
 
 @dataclasses.dataclass
 class _CallbackState:
-    """Whether our CUDA compile callback is the registered one, the arch it compiles for, and
-    the error it raised last (TVM's loader turns it into a RuntimeError; :func:`load` re-raises it)."""
+    """Our CUDA compile callback: registered?, its arch, and its last error (:func:`load` re-raises it)."""
 
     installed: bool = False
     arch: Optional[str] = None
@@ -113,10 +106,8 @@ def load(path: Union[str, "os.PathLike[str]"], *, device: Optional[tvm.runtime.D
         return _load_module(copy, shown=library)
 
 
-def _load_module(library: pathlib.Path, shown: Optional[pathlib.Path] = None) -> tvm.runtime.Module:
-    """``tvm.runtime.load_module``, re-raising our callback's error (TVM turns it into a
-    RuntimeError). ``shown``: the path named in errors (default ``library``)."""
-    shown = library if shown is None else shown
+def _load_module(library: pathlib.Path, shown: pathlib.Path) -> tvm.runtime.Module:
+    """``tvm.runtime.load_module``, re-raising our callback's error (TVM makes it a RuntimeError)."""
     _CALLBACK.error = None
     try:
         return tvm.runtime.load_module(str(library))
@@ -184,11 +175,6 @@ def prepare_cuda(device: Optional[tvm.runtime.Device] = None) -> str:
     return arch
 
 
-# ----------------------------------------------------------------------------------------------
-# TVM's CUDA runtime library
-# ----------------------------------------------------------------------------------------------
-
-
 def cuda_runtime_registered() -> bool:
     """Whether TVM's CUDA device API is registered in this process."""
     return tvm_ffi.get_global_func("device_api.cuda", allow_missing=True) is not None
@@ -197,8 +183,7 @@ def cuda_runtime_registered() -> bool:
 def load_cuda_runtime() -> Optional[pathlib.Path]:
     """Load TVM's CUDA runtime library unless its device API is already registered.
 
-    ``import tvm`` loads it in full mode (when the CUDA libraries are present) but not with
-    ``TVM_USE_RUNTIME_LIB=1``. It is loaded with ``RTLD_LOCAL``, as TVM does; it needs
+    ``import tvm`` loads it in full mode, not with ``TVM_USE_RUNTIME_LIB=1``. It needs
     ``libcudart.so.13`` and the driver's ``libcuda.so.1`` on the library path.
 
     Returns
@@ -238,11 +223,6 @@ def _cuda_runtime_folders() -> List[pathlib.Path]:
     return list(dict.fromkeys(folders))
 
 
-# ----------------------------------------------------------------------------------------------
-# Compiling CUDA source when a module is loaded
-# ----------------------------------------------------------------------------------------------
-
-
 def install_cuda_compile_callback(*, arch: Optional[str] = None, force: bool = False) -> bool:
     """Register our nvcc-based ``tvm_callback_cuda_compile`` unless TVM's own one can work.
 
@@ -275,16 +255,12 @@ def install_cuda_compile_callback(*, arch: Optional[str] = None, force: bool = F
 
 
 def _tvm_callback_usable() -> bool:
-    if tvm_ffi.get_global_func(CUDA_COMPILE_CALLBACK, allow_missing=True) is None:
-        return False
-    if getattr(tvm.base, "_RUNTIME_ONLY", False):
+    if tvm_ffi.get_global_func(CUDA_COMPILE_CALLBACK, allow_missing=True) is None or getattr(
+            tvm.base, "_RUNTIME_ONLY", False):
         return False
     mode = os.environ.get("TVM_CUDA_COMPILE_MODE", "nvrtc").lower()
-    if mode == "nvcc":
-        return shutil.which("nvcc") is not None
-    if mode == "nvrtc":
-        return _module_exists("cuda.bindings.nvrtc")
-    return False
+    return (mode == "nvcc" and shutil.which("nvcc") is not None
+            or mode == "nvrtc" and _module_exists("cuda.bindings.nvrtc"))
 
 
 def _module_exists(name: str) -> bool:
@@ -363,22 +339,15 @@ def _run_nvcc(code: str, arch: str) -> bytes:
     nvcc = find_nvcc()
     with tempfile.TemporaryDirectory(prefix="relax_kvcache_nvcc_") as tmp:
         source, output = os.path.join(tmp, "kernels.cu"), os.path.join(tmp, "kernels.fatbin")
-        with open(source, "w") as f:
-            f.write(code)
+        pathlib.Path(source).write_text(code)
         # -gencode, not -arch: with -arch=sm_90a nvcc 13.0 also assembles compute_90 PTX, which
         # rejects sm_90a-only instructions (wgmma)
         cc = arch.removeprefix("sm_")
         cmd = [nvcc, "--fatbin", "-O3", "-w", f"-gencode=arch=compute_{cc},code=sm_{cc}", "-o", output, source]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
-            raise DeployError(_nvcc_failure(cmd, proc, arch))
-        with open(output, "rb") as f:
-            return f.read()
-
-
-def _nvcc_failure(cmd: List[str], proc: subprocess.CompletedProcess, arch: str) -> str:
-    """The message of a failed nvcc run: command, first error line, tail of stderr."""
-    output = proc.stderr or proc.stdout or ""
-    first = next((line.strip() for line in output.splitlines() if "error" in line), "")
-    return (f"nvcc failed (exit {proc.returncode}) compiling CUDA source for {arch}: {' '.join(cmd)}\n"
-            f"first error: {first}\n--- stderr (tail) ---\n{output[-_STDERR_TAIL_CHARS:]}")
+            log = proc.stderr or proc.stdout or ""
+            first = next((line.strip() for line in log.splitlines() if "error" in line), "")
+            raise DeployError(f"nvcc failed (exit {proc.returncode}) compiling CUDA source for {arch}: "
+                              f"{' '.join(cmd)}\nfirst error: {first}\n--- stderr (tail) ---\n{log[-4000:]}")
+        return pathlib.Path(output).read_bytes()

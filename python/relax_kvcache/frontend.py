@@ -1,15 +1,11 @@
 """Model authors' frontend: the cache as an object of ``tvm.relax.frontend.nn`` model code.
 
-A model written with ``tvm.relax.frontend.nn`` takes the cache as an argument of its ``prefill``
-/ ``decode`` functions and calls the methods of :class:`PagedKVCache` in its attention layers;
-each method emits the ``vm.builtin.attention_kv_cache_*`` call a compiled model makes (the same
-calls as TVM's own frontend, so a model compiled against either runs on either cache). The
-model's ``create_kv_cache`` function calls :meth:`PagedKVCache.create`, which adds our kernels to
-the model's IRModule as TIR functions and emits ``relax_kvcache.paged_attention_kv_cache_create``
-on them: one :func:`compile` builds the model and the kernels together.
-
-At run time, ``import relax_kvcache`` before creating the ``VirtualMachine``: the VM binds the
-``vm.builtin`` functions when it is made, and the import is what routes them to our cache.
+A model takes the cache as an argument of its ``prefill`` / ``decode`` functions and calls the
+methods of :class:`PagedKVCache`, which emit the ``vm.builtin.attention_kv_cache_*`` calls of TVM's
+own frontend (a model compiled against either runs on either cache). Its ``create_kv_cache`` calls
+:meth:`PagedKVCache.create`, which adds our kernels to the model's IRModule: one :func:`compile`
+builds both. ``import relax_kvcache`` before creating the ``VirtualMachine`` (it binds the
+``vm.builtin`` functions when made).
 
 Example
 -------
@@ -110,20 +106,10 @@ class CacheLayout:
 
     def kernel_spec(self) -> AnyKernelSetSpec:
         """The kernels of this layout (capacities do not enter the kernels)."""
-        return kernel_set_spec(KVCacheConfig(
-            num_layers=self.num_layers, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, v_head_dim=self.v_head_dim, page_size=self.page_size,
-            max_num_seqs=1, max_total_seq_len=self.page_size, prefill_chunk_size=1, rope_mode=self.rope_mode,
-            rope_theta=self.rope_theta, rope_scale=self.rope_scale, rope_rotary_dim=self.rope_rotary_dim,
-            rope_interleaved=self.rope_interleaved,
-            rope_ext_factors=self.rope_ext_factors,
-            rope_original_max_position_embeddings=self.rope_original_max_position_embeddings,
-            rope_attention_factor=self.rope_attention_factor, dtype=self.dtype,
-            support_sliding_window=self.sliding_window, attn_kinds=self.attn_kinds,
-            layer_sliding_window_size=self.layer_sliding_window_size,
-            attention_chunk_size=self.attention_chunk_size,
-            mla_original_qk_head_dim=self.mla_original_qk_head_dim,
-            mla_original_v_head_dim=self.mla_original_v_head_dim))
+        fields = dataclasses.asdict(self)
+        fields["support_sliding_window"] = fields.pop("sliding_window")
+        return kernel_set_spec(KVCacheConfig(**fields, max_num_seqs=1, max_total_seq_len=self.page_size,
+                                             prefill_chunk_size=1))
 
 
 class PagedKVCache(nn.Object):
@@ -263,10 +249,9 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kw
 
 
 def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """TVM's default CUDA Relax pipeline, except that the model's own matmuls are scheduled
-    without tensor cores: TVM 0.27's ``MatmulTensorization`` (which dlight's ``Matmul`` rule
-    tries for sm_70 and later, except "sm_90a"-style archs) segfaults in ``Tensorize`` on the
-    fp16 matmuls of a model. The cache's kernels are scheduled already and are not affected."""
+    """TVM's default CUDA Relax pipeline with the model's matmuls scheduled without tensor cores:
+    TVM 0.27's ``MatmulTensorization`` (dlight's ``Matmul`` for sm_70+) segfaults in ``Tensorize``
+    on a model's fp16 matmuls. The cache's kernels are scheduled already."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
     legalize = [rx.transform.LegalizeOps(), rx.transform.AnnotateTIROpPattern(), rx.transform.FoldConstant(),
@@ -293,9 +278,6 @@ class _MatmulWithoutTensorCores(dl.gpu.Matmul):
         return super().apply(func, tvm.target.Target(config), tunable)
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
 def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Target) -> dict:
     """Add the kernels of ``layout`` to the module being built; role -> GlobalVar."""
     sched = schedule_for(target)
@@ -311,16 +293,16 @@ def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Ta
 
 
 def _ext_factors(layout: CacheLayout) -> rx.Expr:
-    """Creation argument 11: the LongRoPE factors as a float32 constant (the layout's kernel
-    spec, made first, has validated them), or a null value."""
+    """Creation argument 11: the LongRoPE factors as a float32 constant (checked by the layout's
+    kernel spec, made first), or a null value."""
     if layout.rope_ext_factors is None:
         return rx.op.null_value()
     return rx.const(np.array(layout.rope_ext_factors, dtype=np.float32))
 
 
 def _dps(builtin: str, args: list, out_types: list):
-    """Emit ``call_dps_packed`` of ``vm.builtin.attention_kv_cache_<builtin>``; plain Python ints
-    and floats become prim values. One output type: the tensor; several: the tuple."""
+    """Emit ``call_dps_packed`` of ``vm.builtin.attention_kv_cache_<builtin>`` (numbers as prim
+    values); one output type: the tensor, several: the tuple."""
     args = [rx.prim_value(a) if isinstance(a, (int, float)) else a for a in args]
     call = rx.call_dps_packed(f"vm.builtin.attention_kv_cache_{builtin}", args,
                               out_ty=out_types[0] if len(out_types) == 1 else out_types)

@@ -1,27 +1,19 @@
 """A small generation engine on top of a compiled model and the cache (what a server does).
 
-The engine keeps requests (token lists), decides each step's batch, and drives the cache only
-through TVM's ``vm.builtin.kv_state_*`` functions, as MLC-LLM's engine does:
-
-* chunked prefill: prompts are fed in pieces of at most ``prefill_chunk_size`` tokens, several
-  requests per step;
-* greedy decode of every request whose prompt is in, one token each, batched;
-* :meth:`Engine.fork`: parallel sampling; a second continuation of a request shares its prompt's
-  pages and starts from the runner-up first token;
-* :meth:`Engine.speculate`: a speculative step (draft tokens appended and verified in one call);
-  the rejected tail is rolled back with ``popn``;
-* requests that reach their token budget are removed and their pages return to the pool while
-  others continue; :meth:`Engine.cancel` removes one early (e.g. after a step raised
-  :class:`relax_kvcache.CacheFullError`, which leaves everything as it was).
-
-Every step's logits can be checked against a reference (``check(tokens) -> logits of every
-position``, e.g. :class:`relax_kvcache.models.LlamaNumpy`).
+The engine keeps requests (token lists), decides each step's batch and drives the cache only
+through TVM's ``vm.builtin.kv_state_*`` functions, as MLC-LLM's engine does: chunked prefill mixed
+with batched greedy decode, :meth:`Engine.fork` (parallel sampling sharing the prompt's pages),
+:meth:`Engine.speculate` (drafts verified in one call, the rejected tail rolled back with
+``popn``), and finished or :meth:`Engine.cancel`-led requests returning their pages. Every step's
+logits can be checked against a reference (``tokens -> logits of every position``, e.g.
+:class:`relax_kvcache.models.LlamaNumpy`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from operator import attrgetter
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -46,27 +38,15 @@ class Request:
         self._max_new_tokens, self._cached = max_new_tokens, cached
         self._last_logits: Optional[np.ndarray] = None
 
-    @property
-    def seq_id(self) -> int:
-        return self._seq_id
+    seq_id = property(attrgetter("_seq_id"))
+    prompt_len = property(attrgetter("_prompt_len"))
+    max_new_tokens = property(attrgetter("_max_new_tokens"))
+    cached = property(attrgetter("_cached"), doc="Tokens in the cache.")
 
     @property
     def tokens(self) -> List[int]:
         """Prompt and generated tokens (a copy)."""
         return list(self._tokens)
-
-    @property
-    def prompt_len(self) -> int:
-        return self._prompt_len
-
-    @property
-    def max_new_tokens(self) -> int:
-        return self._max_new_tokens
-
-    @property
-    def cached(self) -> int:
-        """Tokens in the cache."""
-        return self._cached
 
     @property
     def last_logits(self) -> Optional[np.ndarray]:
@@ -120,14 +100,14 @@ class Engine:
                              "model's vocabulary size; token ids are checked against it)")
         if chunk is None or chunk < 1:
             raise ValueError(f"Engine: prefill_chunk_size is {describe(prefill_chunk_size)}; expected an int >= 1")
-        vocab_size, prefill_chunk_size = vocab, chunk
-        config = _cache_config(cache)
-        if config is not None and prefill_chunk_size > config.prefill_chunk_size:
-            raise ValueError(f"Engine: prefill_chunk_size is {prefill_chunk_size}; expected at most the cache's "
+        from .cache import PagedAttentionKVCache
+
+        config = cache.config if isinstance(cache, PagedAttentionKVCache) else None  # else not checked
+        if config is not None and chunk > config.prefill_chunk_size:
+            raise ValueError(f"Engine: prefill_chunk_size is {chunk}; expected at most the cache's "
                              f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that many tokens)")
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
-        self.vocab_size = vocab_size
-        self.chunk, self.reference = prefill_chunk_size, reference
+        self.vocab_size, self.chunk, self.reference = vocab, chunk, reference
         #: the most tokens one sequence can hold (None: unknown, not checked)
         self.max_seq_tokens: Optional[int] = None if config is None else int(config.max_total_seq_len)
         self.requests: Dict[int, Request] = {}
@@ -201,10 +181,8 @@ class Engine:
 
         A step that raises (e.g. :class:`relax_kvcache.CacheFullError` when the pages run out,
         or an error of the model) leaves the requests and the cache's sequences, pages and K/V
-        as they were: the caller can :meth:`cancel` requests to make room and step again. (A
-        step the model failed is undone with ``popn``, TVM's protocol having no other undo, so
-        the sequences' last-step length, which a token-tree commit with leaf -1 pops, is 0
-        afterwards; the engine makes no such commits.)"""
+        as they were: the caller can :meth:`cancel` requests to make room and step again (a
+        failed step is undone with ``popn``, so the sequences' last-step length is 0 afterwards)."""
         if not self.requests:
             raise ValueError("step: there are no requests; add one with add_request")
         # (a request finished by a speculative step is only retired: it gets no more tokens)
@@ -222,7 +200,11 @@ class Engine:
             budget -= n
         if batch:
             self._run(batch)
-        return self._retire()
+        done = [r for r in self.requests.values() if r.finished]
+        for req in done:
+            self._remove(self.cache, req.seq_id)
+            del self.requests[req.seq_id]
+        return done
 
     def speculate(self, req: Request, drafts: Sequence[int]) -> int:
         """Append ``req``'s pending token and ``drafts`` in one call, keep the drafts the model
@@ -296,8 +278,8 @@ class Engine:
         return per_request
 
     def _token_count(self, what: str, tokens: Sequence[int]) -> int:
-        """The number of tokens of a list, tuple, range or 1-D integer numpy array (not an
-        unordered container such as a dict or a set), read without touching the elements."""
+        """The length of a list, tuple, range or 1-D integer numpy array (not a set or a dict),
+        read without touching the elements."""
         if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
@@ -311,8 +293,7 @@ class Engine:
         return len(tokens)
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
-        """Token ids as Python ints, each within ``[0, vocab_size)`` (containers as
-        :meth:`_token_count` takes them)."""
+        """Token ids as Python ints, each within ``[0, vocab_size)``."""
         count = self._token_count(what, tokens)
         try:
             ids = as_int_list(what, tokens, max_len=max(count, 1), why="its length")
@@ -337,17 +318,3 @@ class Engine:
         scale = max(float(np.abs(want).max()), 1e-30)
         self.stats.max_rel_error = max(self.stats.max_rel_error, float(np.abs(rows - want).max()) / scale)
         self.stats.checked_rows += len(rows)
-
-    def _retire(self) -> List[Request]:
-        done = [r for r in self.requests.values() if r.finished]
-        for req in done:
-            self._remove(self.cache, req.seq_id)
-            del self.requests[req.seq_id]
-        return done
-
-
-def _cache_config(cache):
-    """The :class:`relax_kvcache.KVCacheConfig` of one of our caches, else None (not checked)."""
-    from .cache import PagedAttentionKVCache
-
-    return cache.config if isinstance(cache, PagedAttentionKVCache) else None

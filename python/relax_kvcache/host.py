@@ -23,12 +23,8 @@ def physical_core_count() -> int:
 
 
 def configure_cpu_threads() -> None:
-    """Let TVM's CPU thread pool use every physical core unless the user chose a size.
-
-    TVM sizes its pool from ``TVM_NUM_THREADS`` / ``OMP_NUM_THREADS``, else from half the
-    hardware threads (assuming SMT), which on a VM with one thread per core is half the cores.
-    We set ``TVM_NUM_THREADS`` to the physical core count when neither variable is set; this must
-    happen before the first parallel kernel runs in the process.
-    """
+    """Set ``TVM_NUM_THREADS`` to the physical core count unless it or ``OMP_NUM_THREADS`` is set
+    (TVM otherwise takes half the hardware threads, half the cores of a VM without SMT). Must run
+    before the first parallel kernel."""
     if "TVM_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
         os.environ["TVM_NUM_THREADS"] = str(physical_core_count())

@@ -1,13 +1,8 @@
 """Kernel libraries on disk: the cache folder and keys, SHA-256 checksum files, atomic writes.
 
-Compiled kernel sets are kept under :func:`cache_dir` as ``kernels-<kind>-<key>.so``
-(:func:`cache_path`), keyed by their specs, target, TVM version, kernel sources and
-:data:`LIBRARY_FORMAT` (:func:`build_key`). Every library we write gets its SHA-256 beside it
-(``<library>.sha256``, :func:`write_checksum`); a cached library whose bytes differ from it is
-compiled again, and :func:`relax_kvcache.deploy.load` refuses it. Files are replaced atomically
-(written to a temporary file in the same folder, then renamed).
-
-Nothing here needs TVM's compiler.
+Every library we write gets its SHA-256 beside it (``<library>.sha256``); a cached library whose
+bytes differ from it is compiled again, and :func:`relax_kvcache.deploy.load` refuses it. Nothing
+here needs TVM's compiler.
 """
 
 from __future__ import annotations
@@ -17,7 +12,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import tvm
 
@@ -49,15 +44,13 @@ def _kernel_source_digest() -> str:
 
 
 def build_key(spec: Any, target: tvm.target.Target) -> str:
-    """Cache key of a kernel set (``spec``: its :mod:`~relax_kvcache.kernel_specs` spec): specs, target, TVM version, the kernel sources and the
-    library format (:data:`LIBRARY_FORMAT`)."""
+    """Cache key of a kernel set spec: spec, target, TVM version, kernel sources, :data:`LIBRARY_FORMAT`."""
     text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest(), str(LIBRARY_FORMAT)])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def cached_intact(path: pathlib.Path) -> bool:
-    """Whether a cached library exists and agrees with its checksum file (``<path>.sha256``);
-    one without a checksum or damaged is compiled again and replaced."""
+    """Whether a cached library exists and agrees with its checksum file (else it is rebuilt)."""
     try:
         return path.exists() and verify_checksum(path)
     except DeployError:
@@ -120,41 +113,32 @@ def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[U
 
 
 def export_atomic(executable: Executable, path: pathlib.Path) -> None:
-    """``executable.export_library(path)`` through a temporary file in the same folder."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
-        tmp_path = tmp.name
-    try:
-        executable.export_library(tmp_path)
-        os.chmod(tmp_path, 0o755)  # a temporary file is private (0600); a library is not
-        os.replace(tmp_path, path)
-        write_checksum(path)
-    finally:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
+    """``executable.export_library(path)``, atomically, with its checksum."""
+    _replace(path, executable.export_library, 0o755)
+    write_checksum(path)
 
 
 def copy_atomic(src: pathlib.Path, dest: pathlib.Path) -> None:
-    """Copy the library ``src`` to ``dest`` with its checksum."""
-    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=".so", delete=False) as tmp:
-        tmp_path = tmp.name
-    try:
-        shutil.copyfile(src, tmp_path)
-        os.chmod(tmp_path, 0o755)
-        os.replace(tmp_path, dest)
-        write_checksum(dest)
-    finally:
-        if os.path.exists(tmp_path):
-            os.unlink(tmp_path)
+    """Copy the library ``src`` to ``dest``, atomically, with its checksum."""
+    _replace(dest, lambda tmp: shutil.copyfile(src, tmp), 0o755)
+    write_checksum(dest)
 
 
 def write_atomic(path: pathlib.Path, data: bytes) -> None:
     """Write ``data`` to ``path`` (readable by all), creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-        tmp.write(data)
+    _replace(path, lambda tmp: pathlib.Path(tmp).write_bytes(data), 0o644)
+
+
+def _replace(dest: pathlib.Path, write: Callable[[str], Any], mode: int) -> None:
+    """``write(tmp)`` a temporary file beside ``dest``, give it ``mode`` (a temporary file is
+    private, 0600), then rename it to ``dest``."""
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=dest.suffix, delete=False) as tmp:
+        tmp_path = tmp.name
     try:
-        os.chmod(tmp.name, 0o644)
-        os.replace(tmp.name, path)
+        write(tmp_path)
+        os.chmod(tmp_path, mode)
+        os.replace(tmp_path, dest)
     finally:
-        if os.path.exists(tmp.name):
-            os.unlink(tmp.name)
+        if os.path.exists(tmp_path):
+            os.unlink(tmp_path)

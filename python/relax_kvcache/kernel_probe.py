@@ -1,11 +1,10 @@
 """Check a kernel set against the config of the cache that would run it, before the cache
 allocates anything (``check_kernels``, called by ``PagedAttentionKVCache.__init__``).
 
-Our kernel libraries name the config they were built for (``KernelSet.identity``); kernels passed
-through TVM's creation arguments do not, and are probed so that kernels of another shape, dtype or
-role fail here, naming the creation argument, instead of halfway through a fork or a step: each
-page kernel runs on two random pages, then a small probe cache on the set takes a few steps, each
-output compared with float64 numpy (:mod:`relax_kvcache.reference`) over the K/V it stored.
+Our libraries name the config they were built for (``KernelSet.identity``). Kernels passed as
+TVM's creation arguments do not: each page kernel runs on two random pages, then a small probe
+cache takes a few steps, each output compared with float64 numpy (:mod:`relax_kvcache.reference`)
+over the K/V it stored, so that kernels of another shape, dtype or role fail here by name.
 """
 
 from __future__ import annotations
@@ -31,11 +30,10 @@ MAX_PROBED_HEAD_DIM = 1024
 
 @dataclasses.dataclass(frozen=True)
 class ProbeCache:
-    """A fresh cache built on the kernels under test (``kernels``, wrapped by :func:`_recording`),
-    and what the probe reads besides its API: its page tensor of each layer, ``position_map(seq_id,
-    start, end)`` (page slots of positions), ``split_rotary``'s q output (MHA: the queries the
-    kernels see), the partial-state scratch (poisoned before each probe layer), whether it takes
-    token trees, and the most tokens a sequence may append per step (0: no limit)."""
+    """A fresh cache on the kernels under test, and what the probe reads besides its API: page
+    tensors, ``position_map(seq_id, start, end)`` (slots), ``split_rotary``'s q output (the queries
+    the kernels see), the partial-state scratch, token-tree support, the most tokens a sequence may
+    append per step (0: no limit)."""
 
     cache: Any
     kernels: KernelSet
@@ -49,17 +47,10 @@ class ProbeCache:
 
 def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                   new_cache: Callable[[KVCacheConfig, KernelSet], ProbeCache]) -> KVCacheConfig:
-    """Refuse kernels a cache of ``config`` cannot run on; return the config to build it with.
-
-    ``new_cache(config, kernels)`` builds an unchecked cache for the probe. An MLA config
-    without decompressed head dims gets those the foreign kernels accept.
-
-    Raises
-    ------
-    ConfigError
-        Our kernels built for another config, a kernel the config's steps call is missing, or a
-        foreign kernel fails its probe (see the module docstring).
-    """
+    """Refuse kernels a cache of ``config`` cannot run on (a ``ConfigError``: ours built for another
+    config, a kernel its steps call missing, a foreign kernel failing its probe); return the config
+    to build it with (MLA without decompressed head dims: those the foreign kernels accept).
+    ``new_cache(config, kernels)`` builds an unchecked cache for the probe."""
     if kernels.identity is not None:
         expected = kernel_identity(config)
         differ = [f"{name} {value!r} (kernels) vs {expected[name]!r} (config)" for name, value in kernels.identity
@@ -107,10 +98,8 @@ def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime
 
 def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.runtime.Tensor,
                         device: tvm.runtime.Device) -> None:
-    """Run the page kernels on pages 0 and 1 (free now, filled with random values) and
-    ``split_rotary``: the append writes one token to slot 0 of page 0, the single-page copy
-    copies page 0 to page 1, the compact copy moves page 1's last slot (page 1 refilled first)
-    to page 0's slot 0; after each, both pages must hold exactly what that move gives."""
+    """Append to, copy and compact-copy pages 0 and 1 (free, random values); after each both pages
+    must hold exactly what that move gives. Then ``split_rotary``."""
     rng, ps, dtype, mla = np.random.default_rng(2), config.page_size, config.dtype, config.is_mla
     views = [row_view(pages, i) for i in (0, 1)]
     want = [exact_random(rng, tuple(pages.shape[1:])) for _ in (0, 1)]
@@ -161,12 +150,9 @@ def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.ru
 
 
 def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> None:
-    """Split a random fused QKV of two tokens: v must be copied; q and k copied (no RoPE at
-    append time) or rotated. Any rotation passes, each head vector keeping its length: with
-    RoPE at append time the kernel defines the rotation (as in TVM: it may implement Llama-3
-    frequency scaling or a partial rotary dim, which the config does not describe). With
-    LongRoPE factors the kernel gets them (TVM's convention) and may scale every head vector by
-    one attention factor (positive, the same for all)."""
+    """Split a random fused QKV of two tokens: v copied; q and k copied (no RoPE at append time) or
+    rotated, any rotation keeping head vector lengths (the kernel defines it, as in TVM), times
+    one positive attention factor with LongRoPE factors."""
     hq, hkv, d, rotary = config.num_qo_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
     qkv = exact_random(np.random.default_rng(0), (2, hq + 2 * hkv, d))
     outs = [tvm.runtime.empty((2, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
@@ -200,12 +186,9 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
 
 
 def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> Tuple[int, int]:
-    """The decompressed ``(qk, v)`` head dims of a foreign MLA kernel set (TVM's creation
-    arguments do not carry them): ``v`` is the head dim ``merge_general`` accepts, ``qk`` the
-    one ``attention_prefill_ragged`` accepts with that ``v``. A compiled kernel checks its
-    arguments' shapes before it runs, so a call with another head dim raises and touches
-    nothing; the calls are on one-token tensors, trying every dim from 1 to
-    :data:`MAX_PROBED_HEAD_DIM`; a `ConfigError` if none is accepted."""
+    """The decompressed ``(qk, v)`` head dims of a foreign MLA set: the dims ``merge_general`` and
+    then ``attention_prefill_ragged`` accept on one-token tensors (a compiled kernel checks shapes
+    before it runs), trying 1 to :data:`MAX_PROBED_HEAD_DIM`."""
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
     wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
     lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
@@ -242,7 +225,6 @@ def _failure(kernel: str, err: Exception, detail: str = "") -> ConfigError:
 
 
 def _tensor(values: np.ndarray, dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    """``values`` (any float dtype) in a new tensor of dtype ``dtype``."""
     return _write(tvm.runtime.empty(values.shape, dtype, device), values)
 
 
@@ -262,7 +244,6 @@ def exact_random(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray
 
 
 def _nan(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
-    """An output tensor full of NaN: a kernel that writes nothing leaves it non-finite."""
     return _tensor(np.full(shape, np.nan), dtype, device)
 
 
@@ -272,7 +253,7 @@ def _scale(rng: np.random.Generator, head_dim: int) -> float:
 
 
 def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
-    """``kernels`` with each kernel wrapped to append its role to ``calls`` before it runs."""
+    """``kernels``, each appending its role to ``calls`` when called."""
     def wrap(role: str, kernel: Callable) -> Callable:
         def call(*args: Any) -> Any:
             calls.append(role)
@@ -285,16 +266,10 @@ def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
 
 
 def _probe_attention(probe: ProbeCache, kernels: KernelSet, calls: List[str]) -> None:
-    """Run the attention kernels of a fresh probe cache once, through its own API.
-
-    A probe sequence takes a decode step of one token, a prefill step over that prefix that
-    crosses into a second page (pages of at most 256 tokens), another decode step and, where the
-    cache takes them, a token-tree step, as far as the page pool and the chunk size allow; one
-    layer of each attention kind attends in each. Decode and prefill outputs must match float64
-    attention over the K/V stored in the pages where the host can tell the queries the kernels
-    see (RoPE NONE or NORMAL, MLA, and any one-key decode); the others must be finite. Then
-    ``debug_get_kv`` and the merges run. ``calls`` records the roles the probe cache's
-    (recording) kernels run, for error messages."""
+    """Steps of one probe sequence (:func:`_probe_steps`), one layer of each attention kind each:
+    outputs must match float64 attention over the stored K/V where the host knows the queries the
+    kernels see (RoPE NONE or NORMAL, MLA, one-key decode), else be finite. Then ``debug_get_kv``
+    and the merges. ``calls``: the roles each step ran, for messages."""
     cache, cfg, rng = probe.cache, probe.cache.config, np.random.default_rng(1)
     # TVM's windowed prefill kernel gives NaN for a query whose window holds no cached token (a
     # chunk as long as the window over a prefix): keep the prefill step shorter than the window
@@ -333,9 +308,8 @@ def _probe_attention(probe: ProbeCache, kernels: KernelSet, calls: List[str]) ->
 
 
 def _probe_steps(cfg: KVCacheConfig, tree: bool, max_length: int) -> List[Tuple[int, Optional[Sequence[int]]]]:
-    """(length, token-tree parents) of the probe steps that fit in the pool, the chunk size and
-    ``max_length``; the tree last, as it stays uncommitted: two roots, then a child of the first
-    in a second step (whose paged part holds the first step's nodes: the paged tree kernel)."""
+    """(length, tree parents) of the steps that fit: decode, a prefill into a second page, decode,
+    then a tree (two roots, then a child of the first: the paged tree kernel)."""
     capacity, ps = cfg.num_total_pages * cfg.page_size, cfg.page_size
     prefill = max(1, min(cfg.prefill_chunk_size, max_length, ps + 1 if ps <= 256 else 2, capacity - 2))
     steps = [(1, None), (prefill, None), (1, None)]
@@ -345,8 +319,7 @@ def _probe_steps(cfg: KVCacheConfig, tree: bool, max_length: int) -> List[Tuple[
 
 
 def _visible(length: int, n: int, tree: Optional[Tuple[int, List[int]]]) -> np.ndarray:
-    """Which of a sequence's ``length`` stored rows each of the step's ``n`` (last) tokens sees:
-    causal, or in a token tree the committed prefix and the node's ancestors and itself."""
+    """Which stored rows each of the step's ``n`` last tokens sees (causal, or its tree path)."""
     mask = np.tril(np.ones((length, length), dtype=bool))[length - n:]
     for i, node in enumerate(range(len(tree[1]) - n, len(tree[1])) if tree else ()):
         mask[i, tree[0]:] = False
@@ -399,8 +372,7 @@ def _mla_step(probe: ProbeCache, rng: np.random.Generator, layer: int, visible: 
 
 
 def _stored_rows(probe: ProbeCache, layer: int) -> Tuple[np.ndarray, np.ndarray]:
-    """The probe sequence's stored K and V ``(L, Hkv, D)`` of a layer, read from its pages
-    (MLA: the latent rows as K ``(L, 1, W)``, V empty)."""
+    """The probe sequence's stored K, V ``(L, Hkv, D)`` of a layer (MLA: latent rows, V empty)."""
     cfg = probe.cache.config
     pages, slots = np.divmod(np.asarray(probe.position_map(0, 0, probe.cache.get_sequence_length(0)), np.int64),
                              cfg.page_size)
@@ -411,8 +383,7 @@ def _stored_rows(probe: ProbeCache, layer: int) -> Tuple[np.ndarray, np.ndarray]
 
 
 def _probe_debug_get_kv(probe: ProbeCache, layers: Sequence[int]) -> None:
-    """``debug_get_kv`` (MLA: ``debug_get_kv_mla``) of the probe sequence must return exactly
-    the rows stored in the pages of the probed layers (MLA's chunked context reads through it)."""
+    """``debug_get_kv`` (MLA: ``_mla``) must return exactly the rows stored in the probed layers."""
     cache, cfg = probe.cache, probe.cache.config
     if probe.kernels.debug_get_kv is None:
         return
@@ -435,9 +406,7 @@ def _probe_debug_get_kv(probe: ProbeCache, layers: Sequence[int]) -> None:
 
 
 def _probe_merges(probe: ProbeCache, rng: np.random.Generator) -> None:
-    """Merge two states whose base-2 LSEs differ with ``merge_inplace`` (the merge over block
-    depths, at the cache's v head dim) and through ``merge_attn_output_inplace``
-    (``merge_general``: MLA's decompressed v head dim)."""
+    """Merge two states with ``merge_inplace`` and through ``merge_attn_output_inplace`` (``merge_general``)."""
     cache, cfg = probe.cache, probe.cache.config
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
     for what, dim, merge in (("merge_inplace", cfg.v_head_dim, probe.kernels.merge_inplace),

@@ -1,21 +1,13 @@
-"""The catalogue of kernel roles, and the checks of kernels passed as TVM's creation arguments.
+"""What a kernel library holds: the catalogue of kernel roles, and the library's identity.
 
-:data:`CATALOGUE` is the one list of the roles a :class:`~relax_kvcache.kernel_set.KernelSet`
-holds: for each, its place among the creation arguments of ``paged_attention_kv_cache_create``
-(arguments 13 to 27, and our optional 29th) and TVM's name for it, the parameter counts of
-TVM's convention, and the factory that builds our kernel for it in a multi-head
-(:class:`~relax_kvcache.kernel_specs.KernelSetSpec`) or MLA set
-(:class:`~relax_kvcache.kernel_specs.MLAKernelSetSpec`). :data:`KERNEL_ROLES`,
-:data:`MLA_KERNEL_ROLES`, :data:`CREATION_KERNELS` and :data:`PARAMETER_COUNTS` are derived from it.
-Factories are named, not imported: this module needs no TVM.
-
-A compiled TIR kernel checks its argument count before it reads anything: called without
-arguments it raises ``TypeError: Expected N arguments when calling: `name(...)` `` and touches
-nothing. :func:`parameter_count` reads N that way, so a kernel passed in a role whose convention
-takes another count is refused at creation with an error that names its argument, and the two
-tree-attention kernels (16 parameters over paged K/V, 14 over ragged K/V) are told apart when
-they arrive in each other's place. Kernels whose count cannot be read (a Python function) are
-left to the creation probe (:mod:`relax_kvcache.kernel_probe`).
+:data:`CATALOGUE` lists every role a :class:`~relax_kvcache.kernel_set.KernelSet` holds: its
+creation argument of ``paged_attention_kv_cache_create`` and TVM's name for it, the parameter
+counts of TVM's convention, and the factory of our kernel for it in a multi-head or MLA set.
+A compiled TIR kernel called without arguments raises ``TypeError: Expected N arguments ...``
+and touches nothing: :func:`parameter_count` reads N so that a creation argument holding a
+kernel of another role is refused by name (Python callables are left to the creation probe).
+:func:`kernel_identity` is the config a library was built for (its ``kernel_spec_*``
+functions). Needs no TVM.
 """
 
 from __future__ import annotations
@@ -23,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
+from .config import SUPPORTED_DTYPES, KVCacheConfig
 from .errors import ConfigError
 
 
 class Factory(NamedTuple):
-    """A kernel factory of :mod:`relax_kvcache.tir_kernels` (``function``), called with the set
-    spec's attribute ``spec`` and a schedule."""
+    """``tir_kernels.<function>(<set spec>.<spec>, schedule)``."""
 
     function: str
     spec: str
@@ -38,24 +30,10 @@ class Factory(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """One kernel role.
-
-    Attributes
-    ----------
-    name : str
-        The role (a :class:`~relax_kvcache.kernel_set.KernelSet` field, a library function name).
-    argument : int or None
-        Its index among TVM's creation arguments (None: not one of them; ``merge_general`` is the
-        second entry of argument 23).
-    tvm_name : str or None
-        TVM's name for that argument.
-    parameters : tuple of int
-        The parameter counts of TVM's convention for it (empty: ours only).
-    mha, mla : Factory or None
-        Our kernel for it in a multi-head or MLA set (None: not in such a set).
-    requires : str or None
-        A multi-head set spec's attribute that must be true for the set to have the role.
-    """
+    """One kernel role: ``name`` (a KernelSet field, a library function name), its creation
+    ``argument`` index and ``tvm_name`` (None: not one; ``merge_general`` is argument 23's second
+    entry), TVM's ``parameters`` counts (empty: ours only), our factory in a multi-head (``mha``)
+    or MLA (``mla``) set, and the multi-head spec attribute it ``requires`` (None: always there)."""
 
     name: str
     argument: Optional[int]
@@ -174,3 +152,46 @@ def order_tree_kernels(paged: Optional[Any], ragged: Optional[Any]) -> Tuple[Opt
                   f"{label(_TREE_RAGGED)} the paged one (the order of TVM 0.27's TIRPagedKVCache for llvm targets); "
                   "each is used in its own role", stacklevel=3)
     return ragged, paged, True
+
+
+#: Prefix of the functions of a built library that return its :func:`kernel_identity`.
+IDENTITY_PREFIX = "kernel_spec_"
+#: The fields of :func:`kernel_identity`, in order.
+IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
+                   "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
+                   "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
+                   "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size")
+
+
+def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
+    """What ``config``'s kernels depend on (its kernel set spec), read from the config alone (a
+    runtime-only host has no specs): the dtype as its index in ``SUPPORTED_DTYPES``, flags as 0 / 1,
+    fields that do not apply as 0. A library returns each from ``kernel_spec_<field>()``."""
+    mla, windows = config.is_mla, config.support_sliding_window or config.has_layer_windows
+    return {
+        "mla": int(mla), "dtype": SUPPORTED_DTYPES.index(config.dtype), "page_size": config.page_size,
+        "num_qo_heads": config.num_qo_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "v_head_dim": config.v_head_dim,
+        "mla_original_qk_head_dim": (config.mla_original_qk_head_dim or 0) if mla else 0,
+        "mla_original_v_head_dim": (config.mla_original_v_head_dim or 0) if mla else 0,
+        "rope_theta": 0.0 if mla else float(config.rope_theta),
+        "rope_scale": 0.0 if mla else float(config.rope_scale),
+        "sliding_window": int(not mla and windows),
+        "layer_sliding_window_size": config.layer_span.window,
+        "attention_chunk_size": config.layer_span.chunk,
+        # LongRoPE: split_rotary takes the factors tensor (0: the apply-RoPE flag)
+        "longrope_original_max_position": ((config.rope_original_max_position_embeddings or 0)
+                                           if config.rope_ext_factors is not None else 0),
+        "longrope_attention_factor": config.rope_attention_factor if config.rope_ext_factors is not None else 0.0,
+        "rope_rotary_dim": 0 if mla else config.rotary_dim,
+        "rope_interleaved": int(config.rope_interleaved),
+    }
+
+
+def read_identity(get: Callable[[str], Optional[Any]]) -> Optional[Tuple[Tuple[str, float], ...]]:
+    """A library's ``kernel_spec_<field>`` values as (field, value) pairs, through ``get`` (name ->
+    function or None); None where a field is missing (TVM's kernels)."""
+    functions = [(name, get(IDENTITY_PREFIX + name)) for name in IDENTITY_FIELDS]
+    if any(f is None for _, f in functions):
+        return None
+    return tuple((name, f()) for name, f in functions)

@@ -11,7 +11,6 @@ import tvm
 from . import kernel_roles as roles
 from .config import RopeMode
 from .errors import ConfigError
-from .identity import read_identity
 from .tensors import allocate
 
 Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
@@ -57,7 +56,7 @@ class KernelSet:
     #: ours only (not among TVM's creation arguments): attention over a cached prefix and the
     #: step's own K/V in one kernel (``tir_kernels.make_prefixed_prefill``)
     attention_prefill_prefixed: Optional[Function] = None
-    #: :func:`relax_kvcache.identity.kernel_identity` of the config the kernels were built for, as
+    #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
     #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it). Set
     #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
     #: has none, so a cache probes its kernels as it does foreign ones.
@@ -79,7 +78,7 @@ class KernelSet:
         found = {role.name: get(role.name) for role in roles.CATALOGUE}
         found["merge_general"] = found["merge_general"] or found["merge_inplace"]
         kernels = cls(**found)
-        object.__setattr__(kernels, "identity", read_identity(get))
+        object.__setattr__(kernels, "identity", roles.read_identity(get))
         return kernels
 
     @classmethod

@@ -1,11 +1,9 @@
 """Kernel set specs: what the kernels of a cache configuration depend on, and how they are made.
 
-:func:`kernel_set_spec` turns a :class:`~relax_kvcache.config.KVCacheConfig` into a
-:class:`KernelSetSpec` (multi-head caches) or :class:`MLAKernelSetSpec` (MLA caches): typed
-specs of :mod:`relax_kvcache.tir_kernels`, and nothing else of the config. Each spec makes the
-PrimFuncs of its roles through the factories of the role catalogue
-(:data:`relax_kvcache.kernel_roles.CATALOGUE`). The factories need TVMScript, which a
-runtime-only TVM lacks: they are imported only when a spec is made or a kernel built.
+:func:`kernel_set_spec` turns a config into a :class:`KernelSetSpec` (multi-head) or
+:class:`MLAKernelSetSpec`: typed specs of :mod:`relax_kvcache.tir_kernels` and nothing else of the
+config. Each makes its roles' PrimFuncs through the catalogue's factories, imported only then
+(they need TVMScript, which a runtime-only TVM lacks).
 """
 
 from __future__ import annotations
@@ -15,12 +13,36 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple, Union
 
 from .config import KVCacheConfig, LayerSpan
 from .errors import ConfigError
-from .kernel_roles import KERNEL_ROLES, MLA_KERNEL_ROLES, ROLES, Factory
+from .kernel_roles import KERNEL_ROLES, MLA_KERNEL_ROLES, ROLES
 
 if TYPE_CHECKING:  # the factories need TVMScript, which a runtime-only TVM lacks
     from tvm import tirx
 
     from . import tir_kernels as tk
+
+
+class _SetSpec:
+    """The roles of a set spec and their PrimFuncs (``_FACTORY``: the catalogue's factory field)."""
+
+    _FACTORY = "mha"
+
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set, in :data:`KERNEL_ROLES` order (those whose spec attribute
+        ``requires`` is true)."""
+        return tuple(role for role in KERNEL_ROLES if not ROLES[role].requires or getattr(self, ROLES[role].requires))
+
+    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
+        """The PrimFuncs of the set, keyed by role (:meth:`roles`)."""
+        return {role: self.kernel_function(role, sched) for role in self.roles()}
+
+    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
+        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
+        if role not in self.roles():
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+        factory = getattr(ROLES[role], self._FACTORY)
+        from . import tir_kernels as tk
+
+        return getattr(tk, factory.function)(getattr(self, factory.spec), sched)
 
 
 def _longrope_spec(config: KVCacheConfig) -> Optional[tk.LongRopeSpec]:
@@ -37,7 +59,7 @@ def _longrope_spec(config: KVCacheConfig) -> Optional[tk.LongRopeSpec]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class KernelSetSpec:
+class KernelSetSpec(_SetSpec):
     """What the kernels of a cache depend on (nothing else of the config enters the key)."""
 
     page: tk.PageLayoutSpec
@@ -53,10 +75,6 @@ class KernelSetSpec:
             raise ValueError("an MLA configuration has an MLAKernelSetSpec; use kernel_set_spec(config)")
         from . import tir_kernels as tk
 
-        attention = tk.AttentionSpec(
-            num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-            qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
-            page_size=config.page_size)
         return cls(
             page=tk.PageLayoutSpec(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                    page_size=config.page_size, dtype=config.dtype),
@@ -68,7 +86,9 @@ class KernelSetSpec:
                                   interleaved=config.rope_interleaved),
             merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
                                dtype=config.dtype),
-            attention=attention,
+            attention=tk.AttentionSpec(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+                                       qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
+                                       page_size=config.page_size),
             sliding_window=config.support_sliding_window or config.has_layer_windows,
             layer_span=config.layer_span,
         )
@@ -80,29 +100,9 @@ class KernelSetSpec:
         return dataclasses.replace(self.attention, sliding_window=True, window=self.layer_span.window,
                                    attention_chunk=self.layer_span.chunk)
 
-    def roles(self) -> Tuple[str, ...]:
-        """Roles of the kernels in the set (those :meth:`kernel_functions` makes), in
-        :data:`KERNEL_ROLES` order."""
-        return tuple(name for name in KERNEL_ROLES if _present(ROLES[name].requires, self))
-
-    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
-        """The PrimFuncs of the set, keyed by role (:meth:`roles`).
-
-        The ``_sliding_window`` variants take ``[3, B]`` length info; with local layers
-        (``layer_span``: a window or an attention chunk) they also mask keys outside what each
-        query sees, and a windowed ragged kernel serves the new tokens of local layers.
-        """
-        return {role: self.kernel_function(role, sched) for role in self.roles()}
-
-    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
-        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
-        if role not in self.roles():
-            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
-        return _make(ROLES[role].mha, self, sched)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MLAKernelSetSpec:
+class MLAKernelSetSpec(_SetSpec):
     """What the kernels of an MLA cache depend on.
 
     ``latent``: the page layout; ``absorbed``: attention of the W_UK-absorbed queries over the
@@ -114,6 +114,7 @@ class MLAKernelSetSpec:
     latent: tk.LatentPageSpec
     absorbed: tk.AttentionSpec
     ragged: tk.AttentionSpec
+    _FACTORY = "mla"
 
     @classmethod
     def from_config(cls, config: KVCacheConfig) -> "MLAKernelSetSpec":
@@ -155,19 +156,9 @@ class MLAKernelSetSpec:
                             dtype=self.absorbed.dtype)
 
     def roles(self) -> Tuple[str, ...]:
-        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES`."""
+        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES` (``debug_get_kv`` with TVM's MLA
+        convention ``(pages, position_map, kv_out (L, n, W), layer_id)``)."""
         return MLA_KERNEL_ROLES
-
-    def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
-        """The PrimFuncs of the set, keyed by role (:meth:`roles`). ``debug_get_kv`` has TVM's
-        MLA convention ``(pages, position_map, kv_out (L, n, W), layer_id)``."""
-        return {role: self.kernel_function(role, sched) for role in self.roles()}
-
-    def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
-        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
-        if role not in self.roles():
-            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
-        return _make(ROLES[role].mla, self, sched)
 
 
 AnyKernelSetSpec = Union[KernelSetSpec, MLAKernelSetSpec]
@@ -178,14 +169,3 @@ def kernel_set_spec(config: KVCacheConfig) -> AnyKernelSetSpec:
     :class:`KernelSetSpec`."""
     return MLAKernelSetSpec.from_config(config) if config.is_mla else KernelSetSpec.from_config(config)
 
-
-def _present(requires: Optional[str], spec: KernelSetSpec) -> bool:
-    """Whether a multi-head set has a role that ``requires`` a true spec attribute (None: always)."""
-    return requires is None or bool(getattr(spec, requires))
-
-
-def _make(factory: Factory, spec: AnyKernelSetSpec, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
-    """``tir_kernels.<factory.function>(spec.<factory.spec>, sched)``."""
-    from . import tir_kernels as tk
-
-    return getattr(tk, factory.function)(getattr(spec, factory.spec), sched)

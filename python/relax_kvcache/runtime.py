@@ -29,15 +29,11 @@ def default_target(device: tvm.runtime.Device) -> tvm.target.Target:
     kind = device.dlpack_device_type()
     if kind == tvm.cpu().dlpack_device_type():
         return host_target()
-    if kind == tvm.cuda().dlpack_device_type():
-        return _cuda_target(device)
-    raise NotImplementedError(
-        f"relax_kvcache picks default targets for CPU and CUDA devices only; got {device}. Pass "
-        "target=relax_kvcache.targets.make_target(kind, arch=...) explicitly (kinds: llvm, cuda, "
-        "rocm, metal, webgpu, opencl).")
-
-
-def _cuda_target(device: tvm.runtime.Device) -> tvm.target.Target:
+    if kind != tvm.cuda().dlpack_device_type():
+        raise NotImplementedError(
+            f"relax_kvcache picks default targets for CPU and CUDA devices only; got {device}. Pass "
+            "target=relax_kvcache.targets.make_target(kind, arch=...) explicitly (kinds: llvm, cuda, "
+            "rocm, metal, webgpu, opencl).")
     if not device.exist:
         raise TargetUnavailableError(
             f"{device} is not available in this process (no GPU, CUDA driver or TVM CUDA runtime), "

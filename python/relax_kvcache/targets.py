@@ -1,9 +1,7 @@
 """Compilation targets of the kernels: construction, validation and toolchain checks.
 
-``make_target(kind, arch=...)`` builds a :class:`tvm.target.Target` for one of
-:data:`TARGET_KINDS` and checks up front that the installed TVM (and, for ROCm, the system
-toolchain) can compile for it, so that a missing capability is reported by name instead of
-surfacing as a TVM internal error halfway through a build.
+:func:`make_target` checks up front that TVM (and for ROCm the system toolchain) can compile for
+a target, so that a missing capability is named instead of failing halfway through a build.
 """
 
 from __future__ import annotations
@@ -79,13 +77,18 @@ def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm
     if not isinstance(kind, str):
         raise TypeError(f"target kind must be a str, got {type(kind).__name__}")
     if kind not in TARGET_KINDS:
-        raise ValueError(f"unknown target kind {kind!r}{_did_you_mean(kind, TARGET_KINDS)}; "
+        close = difflib.get_close_matches(kind, TARGET_KINDS, n=1)
+        raise ValueError(f"unknown target kind {kind!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
                          f"expected one of {', '.join(TARGET_KINDS)}")
     if arch is not None and not isinstance(arch, str):
         raise TypeError(f"arch must be a str or None, got {type(arch).__name__}")
     if kind == "llvm" and arch is None and not options:
         return host_target()
-    target = _create(_target_config(kind, arch, options))
+    config = _target_config(kind, arch, options)
+    try:
+        target = tvm.target.Target(config)
+    except ValueError as err:
+        raise ValueError(f"TVM rejected target {config}: {str(err).splitlines()[0]}") from None
     check_can_compile(target)
     return target
 
@@ -110,19 +113,12 @@ def _target_config(kind: str, arch: Optional[str], options: Dict[str, Any]) -> D
         config["mcpu"] = _checked_cpu(DEFAULT_ROCM_MCPU if arch is None else arch, _AMDGPU_TRIPLE,
                                       "an AMD GPU such as 'gfx90a', 'gfx942' or 'gfx1100'")
     elif kind == "llvm" and arch is not None:
-        config["mcpu"] = _checked_cpu(arch, _host_triple(), "a CPU model such as 'znver3' or "
-                                      "'skylake-avx512' (see llc -mcpu=help)")
+        config["mcpu"] = _checked_cpu(arch, tvm.target.codegen.llvm_get_system_triple(),
+                                      "a CPU model such as 'znver3' or 'skylake-avx512' (see llc -mcpu=help)")
     elif arch is not None:
         raise ValueError(f"target kind {kind!r} takes no arch (got {arch!r}); arch applies to "
                          "cuda (sm_XX), rocm (gfxNNN) and llvm (CPU model)")
     return config
-
-
-def _create(config: Dict[str, Any]) -> tvm.target.Target:
-    try:
-        return tvm.target.Target(config)
-    except ValueError as err:
-        raise ValueError(f"TVM rejected target {config}: {str(err).splitlines()[0]}") from None
 
 
 def check_cuda_arch(arch: str) -> str:
@@ -164,27 +160,9 @@ def describe_target(target: tvm.target.Target) -> str:
 
 
 def _checked_cpu(mcpu: str, triple: str, expected: str) -> str:
-    from tvm.target import codegen
-
-    if not mcpu or not codegen.llvm_is_valid_cpu(mcpu, triple):
+    if not mcpu or not tvm.target.codegen.llvm_is_valid_cpu(mcpu, triple):
         raise ValueError(f"{mcpu!r} is not a CPU LLVM knows for {triple}; expected {expected}")
     return mcpu
-
-
-def _host_triple() -> str:
-    from tvm.target import codegen
-
-    return codegen.llvm_get_system_triple()
-
-
-def _did_you_mean(value: str, choices: tuple) -> str:
-    close = difflib.get_close_matches(value, choices, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-# ----------------------------------------------------------------------------------------------
-# What compiling for a target needs
-# ----------------------------------------------------------------------------------------------
 
 
 def check_can_compile(target: tvm.target.Target) -> None:
@@ -199,19 +177,14 @@ def check_can_compile(target: tvm.target.Target) -> None:
     if kind not in TARGET_KINDS:
         raise ValueError(f"relax_kvcache compiles for target kinds {', '.join(TARGET_KINDS)}; got {kind!r}")
     if tvm_ffi.get_global_func(f"target.build.{kind}", allow_missing=True) is None:
-        raise TargetUnavailableError(_missing_codegen_message(kind))
+        raise TargetUnavailableError(
+            f"TVM built without SPIR-V code generation (USE_VULKAN): the installed TVM {tvm.__version__} has no "
+            "'target.build.vulkan'. Build TVM from source with USE_VULKAN=ON (needs the Vulkan SDK / SPIRV-Tools) "
+            "to compile for Vulkan, or use another target kind." if kind == "vulkan" else
+            f"the installed TVM {tvm.__version__} has no code generator for target kind {kind!r} (global "
+            f"function 'target.build.{kind}' is missing; runtime-only TVM compiles nothing)")
     if kind == "rocm":
         check_rocm_toolchain()
-
-
-def _missing_codegen_message(kind: str) -> str:
-    if kind == "vulkan":
-        return ("TVM built without SPIR-V code generation (USE_VULKAN): the installed TVM "
-                f"{tvm.__version__} has no 'target.build.vulkan'. Build TVM from source with "
-                "USE_VULKAN=ON (needs the Vulkan SDK / SPIRV-Tools) to compile for Vulkan, or use "
-                "another target kind.")
-    return (f"the installed TVM {tvm.__version__} has no code generator for target kind {kind!r} "
-            f"(global function 'target.build.{kind}' is missing; runtime-only TVM compiles nothing)")
 
 
 def check_rocm_toolchain() -> Dict[str, str]:
@@ -227,9 +200,7 @@ def check_rocm_toolchain() -> Dict[str, str]:
     TargetUnavailableError
         No AMDGPU backend in TVM's LLVM, no (or too old an) ``ld.lld``, or no device libraries.
     """
-    from tvm.target import codegen
-
-    if "amdgcn" not in codegen.llvm_get_targets():
+    if "amdgcn" not in tvm.target.codegen.llvm_get_targets():
         raise TargetUnavailableError("TVM's LLVM was built without the AMDGPU backend (no 'amdgcn' "
                                      "in tvm.target.codegen.llvm_get_targets()); cannot compile for ROCm")
     return {"ld.lld": _find_lld(), "bitcode": _find_rocm_bitcode()}
@@ -237,35 +208,27 @@ def check_rocm_toolchain() -> Dict[str, str]:
 
 def _lld_candidates() -> List[str]:
     """The linkers TVM's ``tvm_callback_rocm_link`` tries, in its order."""
-    from tvm.target import codegen
-
-    major = codegen.llvm_version_major(allow_none=True)
-    names = [f"ld.lld-{major}.0", f"ld.lld-{major}"] if major is not None else []
-    names.append("ld.lld")
+    major = tvm.target.codegen.llvm_version_major(allow_none=True)
+    names = ([f"ld.lld-{major}.0", f"ld.lld-{major}"] if major is not None else []) + ["ld.lld"]
     return names + [f"/opt/rocm/llvm/bin/{name}" for name in names]
 
 
 def _find_lld() -> str:
     candidates = _lld_candidates()
+    major = tvm.target.codegen.llvm_version_major(allow_none=True)
+    package = f"lld-{major}" if major is not None else "lld"  # the version of TVM's LLVM
     found = [path for path in map(shutil.which, candidates) if path]
     if not found:
         raise TargetUnavailableError(
             f"building for ROCm needs the LLVM linker ld.lld, which is not installed (tried "
             f"{', '.join(candidates)} on PATH={os.environ.get('PATH', '')}); install Debian's "
-            f"'lld' package, best the version of TVM's LLVM ('apt-get install {_lld_package()}')")
+            f"'lld' package, best the version of TVM's LLVM ('apt-get install {package}')")
     major = _lld_major(found[0])
     if major is not None and major < MIN_LLD_MAJOR:
         raise TargetUnavailableError(
             f"{found[0]} is LLD {major}, too old for the AMDGPU code objects of TVM's LLVM "
-            f"(needs LLD >= {MIN_LLD_MAJOR}); install '{_lld_package()}'")
+            f"(needs LLD >= {MIN_LLD_MAJOR}); install '{package}'")
     return found[0]
-
-
-def _lld_package() -> str:
-    from tvm.target import codegen
-
-    major = codegen.llvm_version_major(allow_none=True)
-    return f"lld-{major}" if major is not None else "lld"
 
 
 def _lld_major(path: str) -> Optional[int]:

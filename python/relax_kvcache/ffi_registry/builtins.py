@@ -22,8 +22,12 @@ from ..errors import ArgumentError
 ORIGINAL_PREFIX = "relax_kvcache.original."
 
 
-def _begin_forward(cache: PagedAttentionKVCache, seq_ids, append_lengths, token_tree_parent_ptr=None):
-    cache.begin_forward(seq_ids, append_lengths, token_tree_parent_ptr)
+def _method(name: str) -> Callable[..., Any]:
+    """``cache.<name>(*args)``, with the method's signature (for :func:`_arity`)."""
+    def call(cache: PagedAttentionKVCache, *args: Any) -> Any:
+        return getattr(cache, name)(*args)
+    call.__signature__ = inspect.signature(getattr(PagedAttentionKVCache, name))  # type: ignore[attr-defined]
+    return call
 
 
 def _merge(cache: PagedAttentionKVCache, o_self, lse_self, o_cross, lse_cross):
@@ -44,22 +48,15 @@ def _unsupported(feature: str) -> Callable[..., Any]:
 
 #: builtin name -> how our cache serves it (TVM's argument order after the cache).
 BUILTINS: Dict[str, Callable[..., Any]] = {
-    "vm.builtin.kv_state_clear": lambda c: c.clear(),
-    "vm.builtin.kv_state_add_sequence": lambda c, seq_id: c.add_sequence(seq_id),
-    "vm.builtin.kv_state_remove_sequence": lambda c, seq_id: c.remove_sequence(seq_id),
-    "vm.builtin.kv_state_fork_sequence":
+    **{f"vm.builtin.kv_state_{name}": _method(name) for name in (
+        "clear", "add_sequence", "remove_sequence", "popn", "begin_forward", "end_forward")},
+    "vm.builtin.kv_state_fork_sequence":  # all three arguments (fork_pos has no default in TVM)
         lambda c, parent_seq_id, child_seq_id, fork_pos: c.fork_sequence(parent_seq_id, child_seq_id, fork_pos),
-    "vm.builtin.kv_state_popn": lambda c, seq_id, n: c.popn(seq_id, n),
-    "vm.builtin.kv_state_begin_forward": _begin_forward,
-    "vm.builtin.kv_state_end_forward": lambda c: c.end_forward(),
-    "vm.builtin.attention_kv_cache_empty": lambda c: c.empty(),
-    "vm.builtin.attention_kv_cache_get_num_available_pages": lambda c: c.get_num_available_pages(),
-    "vm.builtin.attention_kv_cache_get_total_sequence_length": lambda c: c.get_total_sequence_length(),
-    "vm.builtin.attention_kv_cache_get_sequence_length": lambda c, seq_id: c.get_sequence_length(seq_id),
-    "vm.builtin.attention_kv_cache_get_query_positions": lambda c: c.get_query_positions(),
-    "vm.builtin.attention_kv_cache_debug_get_kv":
-        lambda c, seq_id, start_pos, end_pos, k_data, v_data: c.debug_get_kv(seq_id, start_pos, end_pos, k_data,
-                                                                             v_data),
+    **{f"vm.builtin.attention_kv_cache_{name}": _method(name) for name in (
+        "empty", "get_num_available_pages", "get_total_sequence_length", "get_sequence_length",
+        "get_query_positions", "debug_get_kv", "enable_sliding_window_for_seq", "commit_accepted_token_tree_nodes",
+        "debug_get_kv_mla", "get_checkpoint_metadata", "get_layout_hash", "export_page_group", "prepare_import",
+        "import_page_group", "finish_import")},
     "vm.builtin.attention_kv_cache_attention_with_fused_qkv":
         lambda c, layer_id, sm_scale, qkv, o: c.attention_with_fused_qkv(layer_id, qkv, o, sm_scale),
     "vm.builtin.attention_kv_cache_self_attention":
@@ -67,26 +64,10 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     "vm.builtin.attention_kv_cache_cross_attention":
         lambda c, layer_id, sm_scale, q, o, lse: c.cross_attention(layer_id, q, o, lse, sm_scale),
     "vm.builtin.attention_kv_cache_merge_attn_output_inplace": _merge,
-    "vm.builtin.attention_kv_cache_enable_sliding_window_for_seq":
-        lambda c, seq_id, sliding_window_size, attn_sink_size:
-            c.enable_sliding_window_for_seq(seq_id, sliding_window_size, attn_sink_size),
-    "vm.builtin.attention_kv_cache_commit_accepted_token_tree_nodes":
-        lambda c, seq_ids, leaf_indices: c.commit_accepted_token_tree_nodes(seq_ids, leaf_indices),
     "vm.builtin.attention_kv_cache_attention_with_shared_kv":
         lambda c, source_layer_id, sm_scale, q, k, v, o: c.attention_with_shared_kv(source_layer_id, q, k, v, o,
                                                                                      sm_scale),
     "vm.builtin.attention_kv_cache_append_mla_kv": _append_mla_kv,
-    "vm.builtin.attention_kv_cache_debug_get_kv_mla":
-        lambda c, seq_id, start_pos, end_pos, kv_data: c.debug_get_kv_mla(seq_id, start_pos, end_pos, kv_data),
-    "vm.builtin.attention_kv_cache_get_checkpoint_metadata": lambda c, seq_id: c.get_checkpoint_metadata(seq_id),
-    "vm.builtin.attention_kv_cache_get_layout_hash": lambda c: c.get_layout_hash(),
-    "vm.builtin.attention_kv_cache_export_page_group":
-        lambda c, seq_id, group_id, tensor: c.export_page_group(seq_id, group_id, tensor),
-    "vm.builtin.attention_kv_cache_prepare_import":
-        lambda c, seq_id, metadata: c.prepare_import(seq_id, metadata),
-    "vm.builtin.attention_kv_cache_import_page_group":
-        lambda c, seq_id, group_id, tensor: c.import_page_group(seq_id, group_id, tensor),
-    "vm.builtin.attention_kv_cache_finish_import": lambda c, seq_id: c.finish_import(seq_id),
     "vm.builtin.kv_cache_disagg_prepare_recv": _unsupported("KV transfer (disaggregation)"),
     "vm.builtin.kv_cache_disagg_mark_send": _unsupported("KV transfer (disaggregation)"),
 }

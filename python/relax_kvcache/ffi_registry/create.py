@@ -1,26 +1,8 @@
 """``relax_kvcache.paged_attention_kv_cache_create``: TVM's creation convention, our cache.
 
-Positional arguments are those of ``vm.builtin.paged_attention_kv_cache_create`` (TVM 0.27):
-
-====  ==========================================================================================
- 0    cache_config: (reserved_num_seqs, total_token_capacity, prefill_chunk_size, page_size,
-      support_sliding_window[, layer_sliding_window_size[, attention_chunk_size]]); the 7th
-      entry is ours (the chunk of AttnKind.MHA_CHUNKED_LOCAL = 4 layers, 0 for none)
- 1    layer_indptr: (layer_begin, layer_end) of this group
- 2-5  num_qo_heads, num_kv_heads, qk_head_dim, v_head_dim
- 6    attn_kinds (per layer, AttnKind values)
- 7    enable_kv_transfer (must be False)
- 8-10 rope_mode, rope_scale, rope_theta
- 11   rope_ext_factors: None (also TVM's null value 0, or a list of ones: no factors), or LongRoPE
-      factors, a float32 tensor (rotary_dim,) (long, then short; fewer than qk_head_dim: a partial
-      rotary dim); they need rope_mode NORMAL and are passed to split_rotary (which defines their use)
- 12   a tensor whose dtype and device are the cache's
-13-27 kernels: transpose_append, transpose_append_mla, ragged prefill, paged prefill, paged
-      decode, paged prefill/decode with sliding window, tree-mask prefill (paged, ragged), MLA
-      prefill, merge functions, split_rotary, copy_single_page, debug_get_kv, compact_copy; each
-      must take its role's parameter count (kernel_roles), and tree-mask kernels in TVM's llvm
-      order (ragged, paged) are swapped back with a warning
-====  ==========================================================================================
+The positional arguments are those of TVM 0.27's ``vm.builtin.paged_attention_kv_cache_create``
+(listed in docs/api.md), plus a 7th ``cache_config`` entry (``attention_chunk_size``) and an
+optional 29th argument (the windowed ragged kernel), both ours.
 """
 
 from __future__ import annotations
@@ -78,21 +60,13 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ConfigError(f"rope_ext_factors (argument 11) holds {len(ext_factors)} factors; expected an even count "
                           f"of at most qk_head_dim={heads[2]} (the rotary dim's long factors, then its short ones)")
     config = KVCacheConfig(
-        num_layers=end - begin,
-        num_qo_heads=heads[0],
-        num_kv_heads=heads[1],
-        head_dim=heads[2],
-        v_head_dim=heads[3],
-        page_size=cache_config[3],
-        max_num_seqs=cache_config[0],
-        max_total_seq_len=cache_config[1],
-        prefill_chunk_size=cache_config[2],
+        num_layers=end - begin, num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
+        v_head_dim=heads[3], page_size=cache_config[3], max_num_seqs=cache_config[0],
+        max_total_seq_len=cache_config[1], prefill_chunk_size=cache_config[2],
         rope_mode=as_int("rope_mode (argument 8)", args[8]),
         rope_scale=as_float("rope_scale (argument 9)", args[9], not_finite=ConfigError),
         rope_theta=as_float("rope_theta (argument 10)", args[10], not_finite=ConfigError),
-        dtype=str(init.dtype),
-        support_sliding_window=bool(cache_config[4]),
-        attn_kinds=attn_kinds[begin:end],
+        dtype=str(init.dtype), support_sliding_window=bool(cache_config[4]), attn_kinds=attn_kinds[begin:end],
         layer_sliding_window_size=cache_config[5] if len(cache_config) >= 6 else 1024,
         # shared by the groups of a model: only a group with chunked layers takes it
         attention_chunk_size=(chunk or None) if AttnKind.MHA_CHUNKED_LOCAL in attn_kinds[begin:end] else None,

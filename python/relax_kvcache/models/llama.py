@@ -10,7 +10,7 @@ points of the compiled module:
   the step (the step's sequences concatenated, as ``begin_forward`` laid them out);
 * ``decode(input_ids (b, 1), cache, *weights)`` -> logits ``(b, 1, vocab)``.
 
-:mod:`.llama_numpy` is the float64 numpy implementation of the same model.
+:class:`relax_kvcache.models.LlamaNumpy` is the float64 numpy implementation of the same model.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tvm.relax.frontend import nn
 
 from ..config import RopeMode
 from ..frontend import CacheLayout, PagedKVCache
-from .config import LlamaConfig
+from . import LlamaConfig
 
 
 def cache_layout(cfg: LlamaConfig, page_size: int = 16) -> CacheLayout:
