@@ -58,7 +58,8 @@ import relax_kvcache  # noqa: E402,F401  (before any VirtualMachine: routes vm.b
 from relax_kvcache.ffi_registry.builtins import BUILTINS, ORIGINAL_PREFIX  # noqa: E402
 from relax_kvcache.models.config import LlamaConfig  # noqa: E402
 
-SIDES = ("ours", "native")
+from e2e_report import SIDES, report  # noqa: E402
+
 PAGE = 16
 SEED = 0
 MANIFEST = "manifest.json"
@@ -200,7 +201,8 @@ class Runner:
         get = lambda name: tvm_ffi.get_global_func(prefix + "vm.builtin." + name)  # noqa: E731
         self.side, self.weights = side, weights
         self.add, self.remove = get("kv_state_add_sequence"), get("kv_state_remove_sequence")
-        self.popn, self.begin, self.end = get("kv_state_popn"), get("kv_state_begin_forward"), get("kv_state_end_forward")
+        self.popn = get("kv_state_popn")
+        self.begin, self.end = get("kv_state_begin_forward"), get("kv_state_end_forward")
         self.prefill_fn, self.decode_fn, self.create_fn = vm["prefill"], vm["decode"], vm["create_kv_cache"]
 
     def create(self, max_batch: int, max_total: int, chunk: int):
@@ -296,6 +298,8 @@ def _short(err: Exception) -> str:
 
 def ttft_phase(runner: Runner, device: Device, cfg: LlamaConfig, plan: Plan) -> Dict[int, float]:
     """Seconds from a prompt's prefill step to its first token's logits on the device (median)."""
+    if not plan.ttft:
+        return {}
     if plan.chunk < max(plan.ttft):
         raise ValueError(f"prefill chunk {plan.chunk} below the longest TTFT prompt {max(plan.ttft)}")
     rng = np.random.default_rng(SEED + 2)
@@ -425,7 +429,10 @@ def decode_phase(runner: Runner, device: Device, cfg: LlamaConfig, plan: Plan, c
               "rows": {}}
     log(f"    {runner.side}: filled {most} x {context} tokens in {result['fill']:.1f} s")
     for batch in batches:
-        result["rows"][batch] = decode_config(runner, cache, device, cfg, plan, batch, graphs)
+        row = result["rows"][batch] = decode_config(runner, cache, device, cfg, plan, batch, graphs)
+        log(f"    {runner.side} {batch} x {context}: " + ", ".join(
+            f"{name} {batch / m['step']:.0f} tokens/s (step {m['step'] * 1e3:.2f} ms, host {m['host'] * 1e3:.2f} ms)"
+            if "step" in m else f"{name} n/a" for name, m in row.items()), flush=True)
     del cache
     gc.collect()
     return result
@@ -465,8 +472,12 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
     if "error" in result["check"].get("graph", {}):
         result["graphs"] = graphs = False
         result["graph_error"] = result["check"]["graph"]["error"]
-    log(f"{name}: TTFT ...")
-    result["ttft"] = {side: ttft_phase(runners[side], device, cfg, plan) for side in SIDES}
+    result["ttft"] = {side: {} for side in SIDES}
+    if plan.ttft:
+        log(f"{name}: TTFT ...")
+        for side in SIDES:
+            times = result["ttft"][side] = ttft_phase(runners[side], device, cfg, plan)
+            log(f"    {side}: " + ", ".join(f"1 x {n} {t * 1e3:.1f} ms" for n, t in times.items()), flush=True)
     free = device.free_bytes()
     result["decode"] = {}
     for context in plan.contexts:
@@ -481,79 +492,6 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
     del runners, weights
     device.release()
     return result
-
-
-# ----------------------------------------------------------------------------- report
-
-def _num(value: Optional[float], scale: float = 1.0, width: int = 9, digits: int = 1) -> str:
-    return f"{value * scale:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
-
-
-def _speed(ours: Optional[float], native: Optional[float]) -> str:
-    """Speed of ours over native from two times (above 1: ours faster)."""
-    return f"{native / ours:9.2f}" if ours and native else f"{'-':>9}"
-
-
-def _graph_cell(row: dict) -> Optional[float]:
-    graph = row.get("graph")
-    return graph["step"] if graph and "step" in graph else None
-
-
-def report(result: dict, log=print) -> None:
-    cfg = result["config"]
-    log("")
-    log(f"== {result['model']}: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_heads']}/"
-        f"{cfg['num_kv_heads']} heads, head_dim {cfg['head_dim']}, MLP {cfg['intermediate_size']}, vocab "
-        f"{cfg['vocab_size']}, {cfg['dtype']}; {result['device']}")
-    check = result["check"]
-    parts = [f"{name} {check[name]['err']:.2e} ({check[name]['err'] / check['scale']:.1e} of max |native| "
-             f"{check['scale']:.2f}) {'ok' if check[name]['ok'] else 'FAIL'}" for name in ("ours", "graph")
-             if "err" in check.get(name, {})]
-    log("logits vs native (1 prefill + decode steps), max abs error: " + "; ".join(parts)
-        + (f"; graph steps {check['graph_runs']}" if "graph_runs" in check else "")
-        + f"; tolerance {check['tolerance']:.0e} of max |native|: {'PASS' if check['ok'] else 'FAIL'}")
-    log("")
-    log("TTFT (ms, prefill of the whole prompt to the first token's logits; speed = native / ours, above 1: "
-        "ours faster)")
-    log(f"{'prompt':>12} {'ours':>9} {'native':>9} {'speed':>9}")
-    for n in result["ttft"]["ours"]:
-        ours, native = result["ttft"]["ours"][n], result["ttft"]["native"].get(n)
-        log(f"{'1 x ' + str(n):>12} {_num(ours, 1e3)} {_num(native, 1e3)} {_speed(ours, native)}")
-    graph_na = "" if result["graphs"] else f" (graph: n/a, {result.get('graph_error', 'needs CUDA')})"
-    log("")
-    log("Decode (tokens/s, steps queued back to back; speed = ours / native tokens/s)" + graph_na)
-    log(f"{'batch x ctx':>12} {'ours':>9} {'graph':>9} {'native':>9} {'ours/nat':>9} {'graph/nat':>9}")
-    for context, sides in result["decode"].items():
-        for batch, row in sides["ours"]["rows"].items():
-            native = sides["native"]["rows"][batch]["eager"]["step"]
-            ours, graph = row["eager"]["step"], _graph_cell(row)
-            rate = lambda s: batch / s if s else None  # noqa: E731
-            log(f"{f'{batch} x {context}':>12} {_num(rate(ours), 1, 9, 0)} "
-                f"{_num(rate(graph), 1, 9, 0) if graph else format('n/a', '>9')} {_num(rate(native), 1, 9, 0)} "
-                f"{_speed(ours, native)} {_speed(graph, native)}")
-    log("")
-    log("Where a decode step's time goes (ms): step = back to back; host = begin_forward + VM call issue + "
-        "end_forward, issued after a sync and not waited for (GPU work excluded"
-        + ("; on the CPU the call computes: host = step)" if result["device"].startswith("CPU") else ")"))
-    log(f"{'batch x ctx':>12} {'side':>7} {'step':>8} {'host':>8} {'begin':>8} {'call':>8} {'end':>8}")
-    for context, sides in result["decode"].items():
-        for batch in sides["ours"]["rows"]:
-            cells = [("ours", sides["ours"]["rows"][batch]["eager"]),
-                     ("graph", sides["ours"]["rows"][batch].get("graph")),
-                     ("native", sides["native"]["rows"][batch]["eager"])]
-            for side, m in cells:
-                if m is None:
-                    continue
-                if "error" in m:
-                    log(f"{f'{batch} x {context}':>12} {side:>7}  n/a: {m['error']}")
-                    continue
-                log(f"{f'{batch} x {context}':>12} {side:>7} " + " ".join(
-                    _num(m[k], 1e3, 8, 3) for k in ("step", "host", "begin", "call", "end"))
-                    + (f"  ({m['note']})" if "note" in m else ""))
-        log(f"{'fill':>12} " + ", ".join(f"{side} {sides[side]['fill']:.1f} s" for side in SIDES)
-            + f" (prefill of the contexts {context} tokens each, chunks of up to {result.get('chunk', '?')} tokens)")
-    for line in result["skipped"]:
-        log(f"skipped {line}")
 
 
 # ----------------------------------------------------------------------------- main
@@ -578,8 +516,8 @@ def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], 
 def _plan(plan: Plan, args) -> Plan:
     """``plan`` with the counts given on the command line."""
     given = {"steps": args.steps, "contexts": args.contexts, "batches": args.batches, "ttft": args.ttft}
-    plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v})
-    return dataclasses.replace(plan, chunk=max(plan.chunk, *plan.ttft))
+    plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    return dataclasses.replace(plan, chunk=max([plan.chunk, *plan.ttft]))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -591,9 +529,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="a tiny model on llvm, compiled in-process")
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--steps", type=int, help="timed decode steps per configuration")
-    parser.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 1024 4096)")
+    parser.add_argument("--contexts", type=int, nargs="*", help="decode contexts (default 1024 4096; none: "
+                        "no decode)")
     parser.add_argument("--batches", type=int, nargs="+", help="decode batches (default 1 8 32 128)")
-    parser.add_argument("--ttft", type=int, nargs="+", help="TTFT prompt lengths (default 512 2048 8192)")
+    parser.add_argument("--ttft", type=int, nargs="*", help="TTFT prompt lengths (default 512 2048 8192; none: "
+                        "no TTFT)")
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
     args = parser.parse_args(argv)
