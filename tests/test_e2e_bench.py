@@ -1,0 +1,95 @@
+"""``benchmarks/e2e_bench.py --cpu-smoke``: the end-to-end benchmark's whole path (both builds
+compiled, logits check, TTFT, context fill, decode timing and host split, report) on llvm with a
+tiny model; and the logits comparison it gates its exit status on."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+import tvm_ffi
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import e2e_bench  # noqa: E402
+from relax_kvcache.ffi_registry.builtins import BUILTINS, ORIGINAL_PREFIX  # noqa: E402
+
+
+def test_cpu_smoke_runs_every_phase_and_ours_agrees_with_native(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--cpu-smoke", "--json", str(out)]) == 0
+    [result] = json.loads(out.read_text())
+    plan = e2e_bench.SMOKE_PLAN
+    check = result["check"]
+    assert check["ok"] and check["scale"] > 0.5  # logits of unit scale, not a model that outputs ~0
+    assert check["ours"]["err"] <= e2e_bench.TOLERANCE * check["scale"]
+    for side in e2e_bench.SIDES:
+        ttft = result["ttft"][side]
+        assert sorted(map(int, ttft)) == sorted(plan.ttft) and all(t > 0 for t in ttft.values())
+    assert sorted(map(int, result["decode"])) == sorted(plan.contexts) and not result["skipped"]
+    for context, sides in result["decode"].items():
+        for side in e2e_bench.SIDES:
+            assert sides[side]["fill"] > 0
+            rows = sides[side]["rows"]
+            assert sorted(map(int, rows)) == sorted(plan.batches)
+            for row in rows.values():
+                m = row["eager"]
+                assert m["step"] > 0 and m["host"] > 0 and min(m["begin"], m["call"], m["end"]) >= 0
+                assert "graph" not in row  # CUDA only
+    report = capsys.readouterr().out
+    assert "PASS" in report and "graph: n/a" in report and "ours/nat" in report
+
+
+def test_native_vm_is_bound_to_tvms_functions_and_our_dispatchers_come_back(monkeypatch):
+    """A VM binds the builtins when made: ``make_vm('native')`` makes it while TVM's own functions
+    are registered, then puts our dispatchers back (ours' VM, made the plain way, keeps them)."""
+    names = [n for n in BUILTINS if tvm_ffi.get_global_func(ORIGINAL_PREFIX + n, allow_missing=True) is not None]
+    assert "vm.builtin.attention_kv_cache_attention_with_fused_qkv" in names
+
+    def tvms(name):
+        return tvm_ffi.get_global_func(name).same_as(tvm_ffi.get_global_func(ORIGINAL_PREFIX + name))
+
+    seen = {}
+
+    class FakeVM:
+        def __init__(self, executable, device):
+            seen[executable] = {name: tvms(name) for name in names}
+
+    monkeypatch.setattr(e2e_bench, "VirtualMachine", FakeVM)
+    device = e2e_bench.Device(cuda=False)
+    e2e_bench.make_vm("native", "native-exe", device)
+    e2e_bench.make_vm("ours", "ours-exe", device)
+    assert all(seen["native-exe"].values())
+    assert not any(seen["ours-exe"].values())
+    assert not any(tvms(name) for name in names)
+
+
+def _runs(native, **others):
+    runs = {"native": {"rows": native, "runs": {}}}
+    for name, rows in others.items():
+        runs[name] = {"rows": rows, "runs": {"eager": 3, "captured": 1, "replayed": 3} if name == "graph" else {}}
+    return runs
+
+
+def test_compare_flags_differences_beyond_tolerance_nans_and_graphs_that_never_replayed():
+    rng = np.random.default_rng(3)
+    native = [rng.standard_normal(50) * 3 for _ in range(4)]
+    scale = max(np.abs(r).max() for r in native)
+    close = [r + 0.5 * e2e_bench.TOLERANCE * scale for r in native]
+    far = [r.copy() for r in native]
+    far[2][7] += 2 * e2e_bench.TOLERANCE * scale  # one logit of one decode step
+    nan = [r.copy() for r in native]
+    nan[0][0] = np.nan
+
+    good = e2e_bench.compare(_runs(native, ours=close, graph=close))
+    assert good["ok"] and good["ours"]["ok"] and good["graph"]["ok"]
+    assert abs(good["ours"]["err"] - 0.5 * e2e_bench.TOLERANCE * scale) < 1e-9
+    bad = e2e_bench.compare(_runs(native, ours=far))
+    assert not bad["ok"] and not bad["ours"]["ok"]
+    assert not e2e_bench.compare(_runs(native, ours=nan))["ok"]
+    assert not e2e_bench.compare(_runs(nan, ours=native))["ok"]  # a NaN in the baseline proves nothing
+    no_replay = _runs(native, ours=close, graph=close)
+    no_replay["graph"]["runs"] = {"eager": 7}
+    assert not e2e_bench.compare(no_replay)["ok"]
