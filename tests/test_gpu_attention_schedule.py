@@ -213,8 +213,7 @@ def test_wgmma_tile_shape(dim, group):
 
 @pytest.mark.parametrize("case", [
     ("float32", {"kind": "cuda", "arch": "sm_90a"}, {}),
-    ("float16", {"kind": "cuda", "arch": "sm_90"}, {}),  # wgmma needs the arch-specific sm_90a
-    ("float16", {"kind": "cuda", "arch": "sm_80"}, {}),
+    ("float16", {"kind": "cuda", "arch": "sm_75"}, {}),  # no mma.sync m16n8k16 / cp.async
     ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"dim": 96}),
     ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"dim": 192, "v_dim": 128}),
     ("float16", {"kind": "cuda", "arch": "sm_90a"}, {"heads": (256, 1)}),  # group wider than the tile
@@ -240,8 +239,40 @@ def test_sm90a_prefill_uses_warpgroup_mma(factory, dtype):
     assert MMA in source
 
 
-def test_sm80_prefill_has_no_warpgroup_mma():
-    assert "wgmma" not in device_source(make_ragged_prefill, "float16", SM80)
+@pytest.mark.parametrize("arch,shared,chunk", [("sm_80", 163, 128), ("sm_86", 99, 64), ("sm_90", 227, 128)])
+def test_ring_tile_runs_mma_sync_without_wgmma(arch, shared, chunk):
+    """Without sm_90a's wgmma (sm_80 - sm_89, sm_90) the ring tile runs on mma.sync, sized for the
+    target's opt-in shared memory."""
+    from relax_kvcache.tir_kernels.attention_gpu_wgmma import WgmmaTileShape
+
+    sched = schedule_for(make_target("cuda", arch=arch))
+    shape = WgmmaTileShape.choose(spec("float16", heads=(32, 8), dim=128), sched)
+    assert shape.sync and shape.kv_chunk == chunk and shape.stages >= 2
+    assert 2 * shape.shared_elems <= shared * 1024
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm80_prefill_reads_fragments_with_ldmatrix(dtype):
+    """The sm_80 ring tile: cp.async ring, ldmatrix (K) and ldmatrix.trans (V) fragments, mma.sync."""
+    source = device_source(make_ragged_prefill, dtype, SM80)
+    assert "wgmma" not in source and "fence.proxy.async" not in source
+    assert "cp.async.cg.shared.global" in source and MMA in source
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in source
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in source
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not installed")
+def test_sm80_prefill_assembles_without_spills(tmp_path):
+    """The sm_80 ring tile keeps Q fragments, scores and accumulators in registers: 128 KV rows
+    per chunk for head_dim 128 without spilling."""
+    import subprocess
+
+    source = tmp_path / "prefill.cu"
+    source.write_text(device_source(make_ragged_prefill, "float16", SM80))
+    proc = subprocess.run(["nvcc", "--cubin", "-O3", "-w", "-gencode=arch=compute_80,code=sm_80", "-Xptxas", "-v",
+                           "-o", str(tmp_path / "prefill.cubin"), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count(" 0 bytes spill stores") == proc.stderr.count("spill stores"), proc.stderr[-2000:]
 
 
 def test_wgmma_tile_fits_the_shared_memory_it_claims():

@@ -19,7 +19,7 @@ Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
     """Kernels by role (one field per role of :data:`relax_kvcache.kernel_roles.CATALOGUE`);
-    argument conventions are TVM's (DESIGN.md, "Kernel ABI").
+    argument conventions are TVM's (``docs/kernels.md``).
 
     ``merge_general`` is the merge used by ``merge_attn_output_inplace`` (TVM's second merge
     function, which it keeps for MLA's other head dim); it defaults to ``merge_inplace``.

@@ -7,7 +7,7 @@ online-softmax state (running max ``m``, sum ``l`` and accumulator ``acc``, all 
 The kernels differ only in where rows and chunks come from; the steps are the shared macros
 of :mod:`.macros`.
 
-Calling conventions are TVM's (see DESIGN.md, "Kernel ABI"):
+Calling conventions are TVM's (listed in ``docs/kernels.md``):
 
 * paged prefill: ``q, qo_indptr, pages, page_indptr, page_indices, length_info,
   k_rope_pos_offset, q_rope_position, o, lse, causal, rotary_mode, rope_scale, rope_theta,

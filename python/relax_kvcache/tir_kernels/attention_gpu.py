@@ -1,24 +1,11 @@
 """GPU schedule of the attention algorithm of :mod:`.attention`: prefill tiles and the grids.
 
-The algorithm is the CPU one: a work item takes a tile of query rows (``q_tokens`` tokens x
-``group`` heads of one KV head) of one sequence, walks a range of the sequence's KV rows in
-chunks, folds each chunk into an online-softmax state (running max ``m``, sum ``l``, accumulator)
-with scores in log2 units, and writes normalised rows and base-2 LSEs. Masks (causal, window,
-token tree) and the KV row -> page mapping are the same predicates.
-
-What the schedule changes is how that runs: a prefill work item is a thread block. Its threads
-stage the query tile and each KV chunk in shared memory with 16-byte vector loads
-(:class:`TileIO`, shared by both tile schedules), then
-
-* on tensor cores (:mod:`.attention_gpu_mma`; CUDA sm_80+, float16 / bfloat16): warps compute
-  16-row slices of ``Q K^T`` and ``P V`` with ``mma.sync`` (FlashAttention-2's layout);
-* elsewhere (:func:`make_tile`): threads compute the chunk's scores as register micro-tiles
-  (``s_rows x s_cols`` per thread, reading shared memory along a per-lane rotated head_dim order
-  so lanes hit different banks), one thread per row updates the softmax state, and ``p @ V``
-  accumulates into register micro-tiles (``o_rows x o_cols`` per thread).
-
-Prefill grids map blocks to (query tile, KV head). Decode has its own schedule and grid
-(:mod:`.attention_gpu_decode`).
+A prefill work item is a thread block over (query tile, KV head). :class:`TileIO` stages the
+query tile and each KV chunk in shared memory and holds the mask predicates and chunk ranges;
+the tiles built on it are the ring tile (:mod:`.attention_gpu_wgmma`), the ``mma.sync`` tile
+(:mod:`.attention_gpu_mma`) and, for float32 and GPUs without tensor cores, the CUDA-core tile
+(:func:`make_tile`: register micro-tiles of scores and outputs). Decode has its own schedule
+(:mod:`.attention_gpu_decode`). The design in full: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

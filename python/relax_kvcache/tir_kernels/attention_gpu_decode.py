@@ -1,27 +1,12 @@
 """GPU schedule of decode attention (one query token per sequence), its grid and the merge of
 its splits.
 
-The algorithm is the one of :mod:`.attention`: an online softmax over a sequence's KV rows in
-log2 units, split across work items and merged by LSE. Decode reads every KV byte once and
-does two FLOPs per byte, so its schedule is built around the loads (FlashInfer's decode
-layout):
-
-* a block works on one (sequence, KV head, split); its threads form ``bdz x bdy x bdx``:
-  ``bdx`` lanes cover head_dim with one 16-byte vector each (a half-warp reads one 256-byte
-  row of K or V), ``bdy`` lane groups take different KV rows, ``bdz`` groups (only for wide
-  GQA groups) take different query heads of the group;
-* every thread keeps its query rows and its own online-softmax state (m, l, acc) in registers;
-  a score is a lane-local dot product summed across the ``bdx`` lanes with warp shuffles (or
-  through shared memory on targets without them);
-* KV rows are loaded into registers ``unroll`` rows at a time, one step ahead of the math, so
-  a thread has the next rows' loads in flight while it computes on the current ones; the
-  rows' page-table entries are read one step earlier still;
-* at the end the ``bdy`` states of each row are merged by LSE through shared memory and
-  written to the split workspace; a second kernel merges the splits.
-
-GQA groups of 4-8 heads in float16 / bfloat16 on sm_80+ run the tensor-core item of
-:mod:`.attention_gpu_decode_mma` instead (same grid, workspace and merge); this CUDA-core item
-serves the rest and inline RoPE.
+The algorithm is :mod:`.attention`'s, split across blocks over (sequence x KV head, split) and
+merged by LSE in a second kernel. This CUDA-core item (FlashInfer's decode layout: ``bdx`` lanes
+cover head_dim with 16-byte vectors, ``bdy`` row groups take different KV rows, ``bdz`` head
+groups different query heads) serves inline RoPE and the groups and GPUs the tensor-core item of
+:mod:`.attention_gpu_decode_mma` does not; KV rows are loaded a step ahead of the math and their
+page-table entries a step earlier still. The design in full: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

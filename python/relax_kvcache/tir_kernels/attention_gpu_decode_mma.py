@@ -1,31 +1,17 @@
 """Tensor-core schedule of GQA decode (CUDA sm_80 and newer, float16 / bfloat16, 4-8 query
 heads per KV head).
 
-The algorithm is the one of :mod:`.attention_gpu_decode` (an online softmax over a split of a
-sequence's KV rows, merged by LSE); what changes is who does the arithmetic. On CUDA cores a
-KV row costs each of its 16 lanes ~75 instructions (conversions, one FMA per element and query
-head, warp shuffles per score), so a GQA decode is bound by instruction issue long before the
-memory pipe fills. Here a warp takes 16 KV rows at a time and computes
+The algorithm is :mod:`.attention_gpu_decode`'s; a warp takes 16 KV rows at a time and computes
+``S = Q K^T`` and ``O^T += V^T P^T`` with ``mma.sync.m16n8k16`` (the S accumulators are already
+the B operand of the second product). Fragments load straight from the pages in 16-byte pieces
+because the head dimension is permuted (dot products and output columns do not depend on the
+order of the dimensions, as long as Q and K, and V and O, share it):
 
-* ``S = Q K^T`` with ``mma.sync.m16n8k16`` (A: the group's query heads, rows ``G..15`` zero;
-  B: two 8-row tiles of K), and
-* ``O^T += V^T P^T`` (A: V of the 16 rows, transposed in registers; B: P, whose accumulator
-  layout from the first product is already the B-operand layout of the second),
-
-so a KV row costs about a dozen warp instructions. Register fragments are filled straight
-from global memory with 16-byte loads: the head dimension is permuted so that each lane's
-share of a K row, and of a V row, is contiguous (a dot product and an output column do not
-depend on the order in which dimensions are visited, as long as Q and K, and V and O, use the
-same one):
-
-* K / Q: lane ``4 g + t`` holds dims ``[t D / 4, (t + 1) D / 4)``; k-step kk of the mma uses
-  its dims ``t D / 4 + 4 kk + (0..3)``;
+* K / Q: lane ``4 g + t`` holds dims ``[t D / 4, (t + 1) D / 4)``; k-step kk uses
+  ``t D / 4 + 4 kk + (0..3)``;
 * V / O: lane ``4 g + t`` holds dims ``[g W, (g + 1) W)`` (``W = DV / 8``) of KV rows
-  ``2 t, 2 t + 1, 2 t + 8, 2 t + 9`` of the chunk; row slot g / g + 8 of output m-tile mt is
-  dim ``g W + 2 mt`` / ``g W + 2 mt + 1``.
-
-The warps of a block take the split's chunks in turn; at the end their states are merged by
-LSE through shared memory and written to the split workspace (as the CUDA-core item does).
+  ``2 t, 2 t + 1, 2 t + 8, 2 t + 9``; row slot g / g + 8 of output m-tile mt is dim
+  ``g W + 2 mt`` / ``g W + 2 mt + 1``.
 """
 
 from __future__ import annotations

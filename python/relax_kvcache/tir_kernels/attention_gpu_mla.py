@@ -1,39 +1,12 @@
 """Tensor-core schedule of absorbed MLA attention (CUDA sm_80 and newer, float16 / bfloat16).
 
-The algorithm is the one of :func:`.attention_mla.make_paged_mla`: every query head attends to the
-one latent head, score = q . latent row (``W = kv_lora_rank + rope dim`` features), output =
-softmax @ latent[:, :v_head_dim], folded chunk by chunk into an online-softmax state in log2
-units. MLA's shapes set the schedule: the 16 query rows of a tile all read the same latent
-rows (as in MQA), the latent rows are K and V at once, and v_head_dim (512) is too wide for
-one warp's accumulators. Decode reads the whole latent cache once, so the kernel is built to
-keep memory busy:
-
-* A block is 8 warps over 16 query rows (16 heads of one token, or ``16 / Hq`` tokens of
-  ``Hq < 16`` heads) and one split of the sequence's KV range (flash-decoding: as many splits
-  as fill one wave of blocks, one block per SM; a second kernel merges them by LSE). The head
-  groups of a token are neighbouring blocks, so with many heads the latent rows they all read
-  come from L2 rather than memory.
-* KV chunks of ``kv_chunk`` latent rows (64 where shared memory allows, else 32) stream into
-  a two-stage ring of shared memory with ``cp.async`` (rows past the end zero-filled): while
-  the warps work on one chunk the next is in flight. The page lookups of a chunk are made once
-  per row into shared memory, not once per 16-byte piece. Four barriers per chunk.
-* Only chunks that reach past the end or the causal diagonal are masked; the online softmax
-  has no branches (a row with nothing visible yet subtracts 0 from -inf scores).
-* ``Q K^T``: warp ``w`` computes score columns ``[16 (w % C), 16 (w % C) + 16)`` (C = kv_chunk /
-  16 column groups) over feature slice ``w // C`` of ``8 / C``; its query fragments are read
-  from global memory once and stay in registers for the whole sequence, its K fragments come
-  from ``ldmatrix``. The slices' partial scores go to shared memory.
-* Softmax: warp w owns rows ``2 w`` and ``2 w + 1`` (16 lanes a row): it sums the partial
-  scores, keeps the rows' running max and sum, and writes ``P`` (rounded to the dtype) and each
-  row's rescale factor to shared memory, so each score is exponentiated once.
-* ``P V``: warp w rescales its accumulators, reads P with ``ldmatrix`` and owns output columns
-  ``[w DV / 8, (w + 1) DV / 8)``; its V fragments come from ``ldmatrix.trans`` of the same
-  shared rows as K.
-* Shared tiles are XOR-swizzled in 16-byte pieces per row (:func:`.attention_gpu.swizzled`),
-  so every ``ldmatrix`` phase and the partial-score exchange hit distinct banks.
-
-Fragment layouts are PTX's ``mma.m16n8k16`` ones: lane ``4 g + t`` holds rows ``g`` and
-``g + 8``, columns ``2 t`` and ``2 t + 1`` of each 16 x 8 accumulator tile.
+The algorithm is :func:`.attention_mla.make_paged_mla`'s. A block is 8 warps over 16 query rows
+and one split of a sequence's KV range (merged by LSE); latent chunks stream through a two-stage
+``cp.async`` ring and serve as K and V. ``Q K^T``: warp w computes 16 score columns over a slice
+of the features (query fragments held in registers, K by ``ldmatrix``); the softmax runs on
+shared partial scores (two rows a warp); ``P V``: P by ``ldmatrix``, V by ``ldmatrix.trans``,
+warp w owns ``DV / 8`` output columns. Fragment layouts are PTX's ``mma.m16n8k16`` ones (lane
+``4 g + t``: rows g, g + 8, columns 2 t, 2 t + 1). The design in full: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Tensor-core schedule of the prefill tile (CUDA sm_80 and newer, float16 / bfloat16).
+"""Tensor-core schedule of the prefill tile (CUDA sm_80 and newer, float16 / bfloat16) for what
+the ring tile does not take: inline RoPE, token trees, unequal or other head dims.
 
-Same algorithm and the same shared pieces as the CUDA-core tile of :mod:`.attention_gpu`
-(:class:`~.attention_gpu.TileIO`: masks, chunk range, staging of Q and KV chunks in shared
-memory); what changes is who computes ``Q K^T`` and ``P V``: warp-wide ``mma.sync.m16n8k16``
-instructions with float32 accumulators (FlashAttention-2's layout).
-
-* A block of ``rows / 16`` warps; warp w owns query rows ``[16 w, 16 w + 16)`` of the tile and
-  computes their scores against the whole KV chunk and their output rows over all of v_head_dim.
-* In a warp, lane ``4 g + t`` holds, of every 16 x 8 accumulator tile, rows ``g`` and ``g + 8``,
-  columns ``2 t`` and ``2 t + 1`` (PTX's fragment layout). Each row's softmax state lives in the
-  four lanes that share it; row maxima are combined with two warp shuffles, the row sums are
-  kept per lane and combined once at the end.
-* The score accumulators become the ``P`` operand of ``P V`` in registers (the accumulator
-  layout of two adjacent n-tiles is the A-operand layout of one k-step), rounded to the dtype.
-* Shared tiles are XOR-swizzled in 16-byte pieces per row (``TileIO(swizzle=True)``), so the
-  fragment reads of 8 rows x 4 lanes hit 32 different banks. (Row padding would do the same,
-  but TVM compacts a shared buffer to the columns written, which drops the padding.)
+Same algorithm and shared pieces as :mod:`.attention_gpu` (:class:`~.attention_gpu.TileIO`). A
+block of ``rows / 16`` warps; warp w computes rows ``[16 w, 16 w + 16)`` with
+``mma.sync.m16n8k16`` (FlashAttention-2's layout: lane ``4 g + t`` holds rows g and g + 8,
+columns 2 t and 2 t + 1 of every 16 x 8 accumulator tile; the score accumulators become the P
+operand in registers). Shared tiles are XOR-swizzled in 16-byte pieces per row.
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
-"""Hopper schedule of the prefill tile (CUDA sm_90a, float16 / bfloat16): warpgroup MMA.
+"""The ring prefill tile (CUDA float16 / bfloat16): warpgroup MMA on sm_90a, ``mma.sync``
+without it.
 
-Same algorithm, masks and chunk ranges as the other tiles (:class:`~.attention_gpu.TileIO`);
-what changes is who moves and multiplies the tiles:
-
-* A block is ``warpgroups`` warpgroups of 128 threads; warpgroup w owns query rows
-  ``[64 w, 64 w + 64)`` of the tile (``q_tokens`` tokens x the GQA group, so one K/V tile
-  serves every query head of a KV head).
-* The query tile and the K/V chunks live in one dynamic shared-memory buffer, in the 128-byte
-  swizzled layout ``wgmma`` reads through matrix descriptors (:func:`sw128`): a ``rows x width``
-  tile is stored as ``width / 64`` blocks of ``rows x 64`` elements, 16-byte piece ``c`` of row
-  ``r`` at piece ``c ^ (r % 8)``; every tile starts 1024-byte aligned.
-* K/V chunks of ``kv_chunk`` rows stream through a ring of ``stages`` buffers with ``cp.async``
-  (16 bytes a thread, rows gathered through the kernel's row accessor: ragged rows or page
-  table lookups, sliding-window sinks included; rows past the end zero-filled), so the next
-  chunks load while one is computed.
-* ``S = Q K^T``: ``wgmma.mma_async`` m64 n``kv_chunk`` k16 with both operands in shared memory
-  (K-major). ``O += P V``: m64 n``head_dim`` k16 with P in registers (the S accumulators
-  rounded to the dtype are the A fragments) and V in shared memory (MN-major, transposed).
-  The accumulator layout is ``mma.sync``'s: lane ``4 g + t`` of warp ``i`` of the warpgroup
-  holds rows ``16 i + g`` and ``16 i + g + 8``, columns ``8 j + 2 t`` and ``8 j + 2 t + 1``, so
-  the online softmax is the tensor-core tile's (:func:`~.attention_gpu_mma.online_fold`).
-* Masks are applied only on chunks that reach past the end, cross the causal diagonal of the
-  tile, or (windows, trees) always; chunks above the diagonal are never visited.
-
-Inline RoPE (``rotary_mode == 1``) rotates K rows on their way into shared memory, which
-``cp.async`` cannot do: those calls run the ``mma.sync`` tile (the kernel holds both and picks
-at run time).
+Same algorithm, masks and chunk ranges as the other tiles (:class:`~.attention_gpu.TileIO`). A
+block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
++ 16`` (GQA packed). The query tile and a ring of ``stages`` K/V chunks live in dynamic shared
+memory in the 128-byte swizzled layout (:func:`sw128`), filled by ``cp.async`` through the
+kernel's row accessor. On sm_90a, ``wgmma`` reads both operands of ``Q K^T`` and V through
+matrix descriptors and chunk c's ``P V`` overlaps chunk c + 1's scores; elsewhere each warp
+runs ``mma.sync`` on ``ldmatrix`` fragments of the same tiles. Accumulators have the
+``mma.sync`` layout either way, so the online softmax is shared
+(:func:`~.attention_gpu_mma.fold_scores`). Inline RoPE and token trees run the ``mma.sync`` tile
+of :mod:`.attention_gpu_mma`. The design in full: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -84,13 +69,14 @@ class WgmmaTileShape:
         rows = warpgroups * WG_ROWS
         if G > rows:
             return None
-        for stages in range(sched.wgmma_stages, 1, -1):  # the deepest ring that fits
-            # mma.sync keeps the scores in registers, not the tensor cores: half the chunk
-            chunk = (128 if D <= 128 else 64) // (1 if sched.wgmma else 2)
-            shape = WgmmaTileShape(rows=rows, q_tokens=rows // G, kv_chunk=sched.wgmma_kv_chunk or chunk,
-                                   warpgroups=warpgroups, stages=stages, head_dim=D, sync=not sched.wgmma)
-            if 2 * shape.shared_elems <= sched.dynamic_shared_bytes:
-                return shape
+        widest = 128 if D <= 128 else 64
+        chunks = [sched.wgmma_kv_chunk] if sched.wgmma_kv_chunk else [widest, widest // 2]
+        for chunk in chunks:  # the widest chunk, then the deepest ring, that fits
+            for stages in range(sched.wgmma_stages, 1, -1):
+                shape = WgmmaTileShape(rows=rows, q_tokens=rows // G, kv_chunk=chunk, warpgroups=warpgroups,
+                                       stages=stages, head_dim=D, sync=not sched.wgmma)
+                if 2 * shape.shared_elems <= sched.dynamic_shared_bytes:
+                    return shape
         return None
 
 
