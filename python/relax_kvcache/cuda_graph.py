@@ -15,7 +15,7 @@ import tvm
 import tvm_ffi
 
 from .cache import PagedAttentionKVCache
-from .cuda_copy import NON_BLOCKING, check_status, cudart
+from .aux_buffer import NON_BLOCKING, check_status, cudart
 
 _CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
