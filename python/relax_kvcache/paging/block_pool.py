@@ -94,9 +94,8 @@ class BlockPool:
         """Drop one reference to block ``idx``, which must keep at least one (it is shared)."""
         block = self.get(idx)
         if block.ref_count <= 1:
-            raise KVCacheError(
-                f"block {idx} has {block.ref_count} reference(s); expected a shared block (>= 2)"
-            )
+            raise KVCacheError(f"block {idx} has {block.ref_count} reference(s); expected a "
+                               "shared block (>= 2)")
         block.ref_count -= 1
 
     def free(self, idx: int) -> None:

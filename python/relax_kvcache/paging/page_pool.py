@@ -50,9 +50,8 @@ class PagePool:
         if n < 0:
             raise KVCacheError(f"number of pages to allocate must be >= 0, got {n}")
         if n > len(self._free):
-            raise CacheFullError(
-                f"the KV cache is full: {n} page(s) needed but only {len(self._free)} free"
-            )
+            raise CacheFullError(f"the KV cache is full: {n} page(s) needed but only "
+                                 f"{len(self._free)} free")
         if n == 0:
             return []
         pages = self._free[-n:]

@@ -1,10 +1,5 @@
-"""Per-sequence sliding windows (StreamingLLM-style attention sinks) of the paging layer.
-
-TVM's ``EnableSlidingWindowForSeq`` and ``SlideWindowForSequence``: once a windowed sequence is
-longer than its window, its last block keeps its first ``sink_length`` tokens and the most
-recent ones; pages that slide out entirely return to the pool. A batch of appends is planned
-whole (:func:`plan_sliding`) before anything changes, then carried out (:func:`apply_sliding`).
-"""
+"""Per-sequence sliding windows with attention sinks (TVM's ``EnableSlidingWindowForSeq`` and
+``SlideWindowForSequence``): a batch is planned whole (:func:`plan_sliding`), then carried out."""
 
 from __future__ import annotations
 
@@ -39,9 +34,8 @@ class SlidePlan(typing.NamedTuple):
 
 
 class BatchPages:
-    """The page pool as one `reserve_append` batch uses it while windows slide: records the
-    pages that slide out holding earlier tokens and are handed to new tokens of the same batch
-    (``reused``), whose old contents the step's appends overwrite."""
+    """The page pool of one `reserve_append` batch: records the slid-out pages handed to new
+    tokens of the same batch (``reused``)."""
 
     def __init__(self, pages: PagePool) -> None:
         self._pages = pages
@@ -59,10 +53,10 @@ class BatchPages:
         self._pages.release(pages)
         self._slid_out.update(p for p in pages if p not in self._fresh)
 
+
 def check_window(seq: Sequence, window_size: object, sink_size: object, prefix: int,
                  slides: bool) -> tuple[int, int]:
-    """``(window_size, sink_size)`` as ints, checked for `PagingState.enable_sliding_window` on
-    ``seq``, whose earlier blocks hold ``prefix`` tokens (``slides``: windows really slide)."""
+    """``(window_size, sink_size)`` checked for ``seq``, whose earlier blocks hold ``prefix``."""
     window_size = as_int("sliding window size", window_size)
     sink_size = as_int("attention sink size", sink_size)
     checks = (("attention sink", sink_size, 0), ("sliding window", window_size, 1))
@@ -71,31 +65,22 @@ def check_window(seq: Sequence, window_size: object, sink_size: object, prefix: 
             raise SequenceError(f"{name} size {value} for sequence {seq.seq_id} is invalid: "
                                 f"expected >= {least}")
     if sink_size >= window_size:
-        raise SequenceError(
-            f"attention sink size {sink_size} for sequence {seq.seq_id} must be less than "
-            f"the sliding window size {window_size}"
-        )
+        raise SequenceError(f"attention sink size {sink_size} for sequence {seq.seq_id} must be "
+                            f"less than the sliding window size {window_size}")
     if seq.sliding_window_size != -1:
-        raise SequenceError(
-            f"sequence {seq.seq_id} already has a sliding window (size "
-            f"{seq.sliding_window_size}); it cannot be enabled twice"
-        )
+        raise SequenceError(f"sequence {seq.seq_id} already has a sliding window (size "
+                            f"{seq.sliding_window_size}); it cannot be enabled twice")
     if slides and window_size < prefix:
-        raise SequenceError(
-            f"sliding window size {window_size} for sequence {seq.seq_id} is smaller than its "
-            f"{prefix}-token prefix in shared blocks, which cannot slide: expected a window "
-            f">= {prefix} (every later append would fail)"
-        )
+        raise SequenceError(f"sliding window size {window_size} for sequence {seq.seq_id} is "
+                            f"smaller than its {prefix}-token prefix in shared blocks, which "
+                            f"cannot slide: expected a window >= {prefix} (every later append "
+                            "would fail)")
     return window_size, sink_size
 
 
 def plan_sliding(items: list[Item], pages: PagePool, page_size: int) -> list[SlidePlan | None]:
-    """Plan `reserve_append` when windows slide, raising before anything changes.
-
-    Sequences are processed in batch order as in TVM, so the pages a slide frees are the
-    next ones handed out (LIFO), to the same sequence's borrowed pages or to the next
-    sequences of the batch. Returns one plan per item (None: nothing slides or is borrowed).
-    """
+    """Plan `reserve_append` when windows slide, in batch order as TVM (freed pages are handed
+    out next); one plan per item (None: nothing slides or is borrowed)."""
     free = pages.num_free
     taken = freed = 0  # pages taken from / returned to the pool so far in the batch
     plans: list[SlidePlan | None] = []
@@ -109,20 +94,18 @@ def plan_sliding(items: list[Item], pages: PagePool, page_size: int) -> list[Sli
         taken += got
         freed += back
         if got > free + back:
-            raise CacheFullError(
-                f"the KV cache is full: cannot append to {len(items)} sequence(s): "
-                f"{taken} page(s) needed, {pages.num_free + freed} free (counting "
-                f"{freed} page(s) freed by sliding windows) by sequence {seq.seq_id} of "
-                f"the batch"
-            )
+            raise CacheFullError(f"the KV cache is full: cannot append to {len(items)} "
+                                 f"sequence(s): {taken} page(s) needed, {pages.num_free + freed} "
+                                 f"free (counting {freed} page(s) freed by sliding windows) by "
+                                 f"sequence {seq.seq_id} of the batch")
         free += back - got
         plans.append(plan)
     return plans
 
+
 def apply_sliding(items: list[Item], plans: list[SlidePlan | None], pages: PagePool
                   ) -> tuple[int, ...]:
-    """Carry out `plan_sliding`'s plans, in batch order; return the slid-out pages that
-    were allocated again in the batch."""
+    """Carry out `plan_sliding`'s plans; the slid-out pages allocated again in the batch."""
     pool = BatchPages(pages)
     for (seq, block, length, need), plan in zip(items, plans):
         seq.last_append_length = length
@@ -135,10 +118,10 @@ def apply_sliding(items: list[Item], plans: list[SlidePlan | None], pages: PageP
             apply_slide(seq, block, plan, pool)
     return tuple(pool.reused)
 
+
 def plan_slide(seq: Sequence, block: Block, length: int, need: int, free: int, page_size: int
                ) -> SlidePlan:
-    """Plan ``ReserveAppendLengthInSeq`` + ``SlideWindowForSequence`` for one windowed
-    sequence with ``free`` pages in the pool at its turn; raise on TVM's internal checks."""
+    """Plan one windowed sequence's append and slide with ``free`` pages left at its turn."""
     ps = page_size
     real = min(need, free)
     sink, offset = block.sink_length, block.sliding_window_offset
@@ -150,20 +133,18 @@ def plan_slide(seq: Sequence, block: Block, length: int, need: int, free: int, p
         slide = seq_length - window
         if seq.last_block_attn_sink_size > 0 and sink == 0:  # first slide: pin the sink
             if offset != 0:
-                raise KVCacheError(
-                    f"cannot slide sequence {seq.seq_id}: its last block {block.index} has "
-                    f"slid without a sink (window offset {offset}) but the sequence now "
-                    f"has a {seq.last_block_attn_sink_size}-token sink"
-                )
+                raise KVCacheError(f"cannot slide sequence {seq.seq_id}: its last block "
+                                   f"{block.index} has slid without a sink (window offset "
+                                   f"{offset}) but the sequence now has a "
+                                   f"{seq.last_block_attn_sink_size}-token sink")
             sink = offset = seq.last_block_attn_sink_size
         if block_length - slide < sink:
             prefix = seq.seq_length - block.seq_length
-            raise SequenceError(
-                f"cannot slide sequence {seq.seq_id} by {slide} token(s): its window of "
-                f"{window} token(s) is smaller than its {prefix}-token prefix in earlier "
-                f"blocks (which cannot slide) plus its {sink}-token sink; its last block "
-                f"would keep {block_length - slide} token(s)"
-            )
+            raise SequenceError(f"cannot slide sequence {seq.seq_id} by {slide} token(s): its "
+                                f"window of {window} token(s) is smaller than its {prefix}-token "
+                                "prefix in earlier blocks (which cannot slide) plus its "
+                                f"{sink}-token sink; its last block would keep "
+                                f"{block_length - slide} token(s)")
         first_slid = -(-sink // ps)
         page_after, in_page = divmod(offset + slide, ps)
         if page_after > first_slid:
@@ -173,25 +154,22 @@ def plan_slide(seq: Sequence, block: Block, length: int, need: int, free: int, p
             real_end = len(block.page_ids) + real
             freed = max(0, min(first_slid + dropped, real_end) - first_slid)
         elif page_after < first_slid - 1:  # TVM's check; cannot fail while offset >= sink
-            raise KVCacheError(
-                f"cannot slide sequence {seq.seq_id}: window offset {offset} lies before "
-                f"its {sink}-token sink"
-            )
+            raise KVCacheError(f"cannot slide sequence {seq.seq_id}: window offset {offset} lies "
+                               f"before its {sink}-token sink")
         offset = page_after * ps + in_page
         block_length -= slide
         seq_length = window
     pages_after = len(block.page_ids) + need - dropped
     if pages_after != -(-(block_length - sink + offset) // ps):
-        raise KVCacheError(
-            f"cannot slide sequence {seq.seq_id}: its last block {block.index} would hold "
-            f"{pages_after} page(s) for {block_length} token(s) (sink {sink}, window "
-            f"offset {offset})"
-        )
+        raise KVCacheError(f"cannot slide sequence {seq.seq_id}: its last block {block.index} "
+                           f"would hold {pages_after} page(s) for {block_length} token(s) (sink "
+                           f"{sink}, window offset {offset})")
     temp = need - real
     return SlidePlan(
         real, temp, sink, first_slid, dropped, freed, temp - (dropped - freed),
         block_length, offset, seq_length,
     )
+
 
 def apply_slide(seq: Sequence, block: Block, plan: SlidePlan, pool: BatchPages) -> None:
     """Carry out a `plan_slide` plan, in TVM's order of page operations."""
