@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import ConfigError, KVCacheError, SequenceError
-from . import appends, decode_lane, windows
+from . import appends, decode_lane
 from ._checks import as_int, as_seq_id, ceil_div, check_append_length, check_pop_length, check_range
 from .block_pool import Block
 from .decode_lane import DecodeLane
@@ -164,7 +164,7 @@ class PagingState:
         earlier blocks cannot slide and count as sink."""
         seq = self._seq(seq_id)
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
-        window_size, sink_size = windows.check_window(
+        window_size, sink_size = appends.check_window(
             seq, window_size, sink_size, prefix, self._slide_windows
         )
         self._version += 1
@@ -230,9 +230,9 @@ class PagingState:
         the pages that slid out of a window and were handed to new tokens of the batch."""
         items, total = appends.plan(self._seqs, self._tree, seq_ids, lengths, self._seq)
         if self._num_windowed and self._slide_windows:
-            plans = windows.plan_sliding(items, self._pages, self._page_size)
+            plans = appends.plan_sliding(items, self._pages, self._page_size)
             self._version += 1
-            return windows.apply_sliding(items, plans, self._pages)
+            return appends.apply_sliding(items, plans, self._pages)
         self._tree.check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         self._version += 1
         appends.apply(items, self._pages.allocate(total))
