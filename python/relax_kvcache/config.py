@@ -86,8 +86,7 @@ def _positive(name: str, value: object) -> int:
 
 
 def _dtype(value: object) -> str:
-    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype, or a
-    numpy scalar type (``np.float16``, ``ml_dtypes.bfloat16``)."""
+    """The KV dtype's name, from a name, numpy dtype, TVM DataType or numpy scalar type."""
     if isinstance(value, (str, np.dtype)):  # a TVM DataType is a str
         name = str(value)
     elif isinstance(value, type) and issubclass(value, np.generic):
@@ -100,8 +99,7 @@ def _dtype(value: object) -> str:
 
 
 def _rope_float(name: str, value: object, *, used: bool) -> float:
-    """RoPE theta / scale as a float the kernels' float32 arguments hold: finite, and where RoPE
-    is used positive and normal (a float32 underflowing to 0 or overflowing to inf gives NaN)."""
+    """RoPE theta / scale as a finite float32 value, positive and normal where RoPE is used."""
     try:
         result = as_float(f"KVCacheConfig.{name}", value, not_finite=ConfigError)
     except ArgumentError:
@@ -308,9 +306,7 @@ class KVCacheConfig:
         self._check_tensor_sizes()
 
     def _check_tensor_sizes(self) -> None:
-        """Refuse configs whose tensors no device holds (byte counts beyond that would also
-        overflow the allocator's arithmetic) or the kernels cannot index: a page's elements are
-        a compile-time int32 stride and the per-step tensors have int32 shapes."""
+        """Refuse configs whose tensors no device holds or int32 indices cannot reach."""
         qk, v = self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0
         widest = max(self.head_dim, self.v_head_dim, qk, v)
         page_width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
@@ -429,7 +425,7 @@ class KVCacheConfig:
         return self.head_dim if self.rope_rotary_dim is None else self.rope_rotary_dim
 
     def _check_longrope(self) -> None:
-        """Validate the LongRoPE fields; store the factors as float32 values (what kernels read)."""
+        """Validate the LongRoPE fields; store the factors as float32 values."""
         factors = self.rope_ext_factors
         attention = _rope_float("rope_attention_factor", self.rope_attention_factor, used=True)
         object.__setattr__(self, "rope_attention_factor", attention)

@@ -16,11 +16,7 @@ from ..tensors import check_disjoint, check_tensor
 
 
 class DebugReader:
-    """``debug_get_kv`` / ``debug_get_kv_mla`` of a cache (the cache checks the layer kind).
-
-    ``check_not_importing(seq_id, what)`` refuses a sequence whose checkpoint import is
-    unfinished.
-    """
+    """``debug_get_kv`` / ``debug_get_kv_mla`` of a cache (the cache checks the layer kind)."""
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor],

@@ -200,8 +200,7 @@ def apply_slide(seq: Sequence, block: Block, plan: SlidePlan, pool: BatchPages) 
 def plan(seqs: dict[int, Sequence], tree: BlockTree, seq_ids: collections.abc.Sequence[int],
          lengths: collections.abc.Sequence[int], lookup: Callable[[object], Sequence]
          ) -> tuple[list[Item], int]:
-    """The batch as items, and the pages they need in all (before sliding); ``lookup`` finds a
-    sequence by id or raises. Raises on any bad entry."""
+    """The batch as items, and the pages they need in all (before sliding)."""
     if len(seq_ids) != len(lengths):
         raise KVCacheError(f"got {len(seq_ids)} sequence ids but {len(lengths)} append lengths")
     items: list[Item] = []
