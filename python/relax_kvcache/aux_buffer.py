@@ -52,8 +52,7 @@ def check_status(status: int, what: str) -> None:
 
 
 class PinnedUploader:
-    """A pinned int32 host buffer of ``capacity`` elements copied to a device buffer of a CUDA
-    ``device`` on its own stream."""
+    """A pinned int32 host buffer copied to a CUDA device buffer on its own stream."""
 
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
         lib = cudart()
@@ -82,7 +81,7 @@ class PinnedUploader:
 
     def copy(self, count: int) -> None:
         """Copy ``host[:count]`` to the device buffer on the side stream, after the compute
-        stream's work so far (it may still read the previous step's metadata)."""
+        stream's work so far (it may still read the previous metadata)."""
         lib = cudart()
         device_ptr = ctypes.c_void_p(self.device_buffer.data_ptr())
         check_status(lib.cudaEventRecord(self._computed, self._compute_stream()), "cudaEventRecord")
@@ -118,8 +117,7 @@ class PinnedUploader:
 
 
 class AuxBuffer:
-    """Reusable host/device int32 buffer for per-step metadata, of ``capacity`` elements at
-    first; it grows (doubling) when a step needs more."""
+    """Reusable host/device int32 buffer for per-step metadata, doubling when a step needs more."""
 
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
         self._device = device

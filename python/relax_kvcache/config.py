@@ -276,18 +276,16 @@ class KVCacheConfig:
             raise ConfigError(f"KVCacheConfig.num_layers {self.num_layers} is more than {MAX_NUM_LAYERS}, "
                               "the most a cache holds (one page tensor per layer)")
         if self.num_qo_heads % self.num_kv_heads != 0:
-            raise ConfigError(
-                f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a "
+                              f"multiple of num_kv_heads ({self.num_kv_heads})")
         v_head_dim = self.head_dim if self.v_head_dim is None else _positive("v_head_dim", self.v_head_dim)
         object.__setattr__(self, "v_head_dim", v_head_dim)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         try:
             object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:
-            raise ConfigError(
-                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {describe(self.rope_mode)}"
-            ) from None
+            raise ConfigError("KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 "
+                              f"(INLINE), got {describe(self.rope_mode)}") from None
         for name in ("rope_theta", "rope_scale"):
             value = _rope_float(name, getattr(self, name), used=self.rope_mode != RopeMode.NONE)
             object.__setattr__(self, name, value)
@@ -346,9 +344,8 @@ class KVCacheConfig:
             raise ConfigError(
                 f"KVCacheConfig.head_dim must be even and at most {MAX_HEAD_DIM}, got {self.head_dim}")
         if self.v_head_dim != self.head_dim:
-            raise ConfigError(
-                f"KVCacheConfig.v_head_dim ({self.v_head_dim}) must equal head_dim ({self.head_dim}) "
-                "for MHA layers")
+            raise ConfigError(f"KVCacheConfig.v_head_dim ({self.v_head_dim}) must equal head_dim "
+                              f"({self.head_dim}) for MHA layers")
         for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
             if getattr(self, name) is not None:
                 raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {describe(getattr(self, name))} "
@@ -460,10 +457,9 @@ class KVCacheConfig:
         try:
             return tuple(AttnKind(exact_int(k)) for k in kinds)
         except ValueError:
-            raise ConfigError(
-                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 (MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), "
-                f"got {describe(kinds)}"
-            ) from None
+            raise ConfigError("KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 "
+                              "(MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), got "
+                              f"{describe(kinds)}") from None
 
     @property
     def num_total_pages(self) -> int:

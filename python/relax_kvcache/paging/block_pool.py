@@ -37,10 +37,6 @@ class BlockPool:
         """Blocks ever allocated since the last reset (free or live)."""
         return len(self._blocks)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def all_free(self) -> bool:
         return len(self._free) == len(self._blocks)
 
