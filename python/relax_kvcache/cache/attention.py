@@ -22,14 +22,9 @@ class Attention:
         self.config, self.kernels, self.pages = config, kernels, pages
         self.windowed = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
         self.rotary_mode = 0
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        """``(KV heads, q / k head dim, v head dim)`` of ``self_attention``'s tensors."""
-        raise NotImplementedError
-
-    def merge_v_dim(self) -> int:
-        """Head dim of the states ``merge_attn_output_inplace`` merges."""
-        raise NotImplementedError
+        # (KV heads, q / k head dim, v head dim) of self_attention's tensors; the last is also
+        # the head dim of the states merge_attn_output_inplace merges
+        self.self_attention_dims = (config.num_kv_heads, config.head_dim, config.v_head_dim)
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         """Why this cache cannot take token-tree steps (the error to raise), or None."""
@@ -81,13 +76,6 @@ class MHAAttention(Attention):
         super().__init__(config, kernels, pages)
         self.rotary_mode = int(config.effective_rope_mode == RopeMode.INLINE)
         self._split_rope_argument = split_rotary_rope_argument(config, device)
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        cfg = self.config
-        return cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim
-
-    def merge_v_dim(self) -> int:
-        return self.config.v_head_dim
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         cfg = self.config

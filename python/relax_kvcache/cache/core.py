@@ -355,7 +355,7 @@ class PagedAttentionKVCache:
         layer = self._local_layer(layer_id)
         step = self._active_step("self_attention")
         n, hq = step.total_tokens, self.config.num_qo_heads
-        hkv, dqk, dv = self._attention.self_attention_dims()
+        hkv, dqk, dv = self._attention.self_attention_dims
         q_arg = self._check("q", q, (n, hq, dqk))
         dqk = q.shape[2]
         inputs = [q_arg, self._check("k", k, (n, hkv, dqk)), self._check("v", v, (n, hkv, dv))]
@@ -394,7 +394,7 @@ class PagedAttentionKVCache:
         (TVM's second merge function).
         """
         outputs = [self._check("o_self_attn", o_self_attn,
-                               (None, self.config.num_qo_heads, self._attention.merge_v_dim()))]
+                               (None, self.config.num_qo_heads, self._attention.self_attention_dims[2]))]
         shape = tuple(o_self_attn.shape)
         outputs.append(self._check("lse_self_attn", lse_self_attn, shape[:2], "float32"))
         inputs = [self._check("o_cross_attn", o_cross_attn, shape),

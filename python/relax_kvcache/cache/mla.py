@@ -27,19 +27,14 @@ class MLAAttention(Attention):
                  paging: PagingState, device: tvm.runtime.Device, callback: Callable[[str], ContextManager], *,
                  lazy_workspace: bool = False) -> None:
         super().__init__(config, kernels, pages)
+        self.self_attention_dims = (config.num_qo_heads, config.mla_original_qk_head_dim,
+                                    config.mla_original_v_head_dim)
         self._paging, self._device, self._callback = paging, device, callback
         self._dtype, self._itemsize = pages[0].dtype, pages[0].dtype.itemsize
         self._context: Optional[Tuple[Step, ContextPlan]] = None  # the chunked context of a step
         self.workspace: Optional[ContextWorkspace] = None
         if not lazy_workspace:
             self.workspace = self._new_workspace(config.mla_original_qk_head_dim, config.mla_original_v_head_dim)
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        cfg = self.config
-        return cfg.num_qo_heads, cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
-
-    def merge_v_dim(self) -> int:
-        return self.config.mla_original_v_head_dim
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         return ForwardError("token-tree attention is not supported for MLA layers (as in TVM); got a "
