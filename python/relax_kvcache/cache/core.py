@@ -466,13 +466,13 @@ class PagedAttentionKVCache:
         K is stored after RoPE in NORMAL mode and before it otherwise.
         """
         self._component("debug_get_kv", MHAAttention)
-        self._debug.get_kv(seq_id, start_pos, end_pos, k_data, v_data)
+        self._debug.read("debug_get_kv", seq_id, start_pos, end_pos, k_data=k_data, v_data=v_data)
 
     def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
         """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer
         into ``kv_data (num_layers, end_pos - start_pos, kv_lora_rank + rope dim)`` (MLA caches)."""
         self._component("debug_get_kv_mla", MLAAttention)
-        self._debug.get_kv_mla(seq_id, start_pos, end_pos, kv_data)
+        self._debug.read("debug_get_kv_mla", seq_id, start_pos, end_pos, kv_data=kv_data)
 
     def get_layout_hash(self) -> str:
         """The layout hash of checkpoints of this cache (TVM's 64-bit FNV-1a, 16 hex digits)."""
