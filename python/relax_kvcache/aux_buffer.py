@@ -57,7 +57,6 @@ class PinnedUploader:
     def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
         lib = cudart()
         self._device = device
-        self._capacity = capacity
         self.device_buffer = tvm.runtime.empty((capacity,), "int32", device)
         ptr = ctypes.c_void_p()
         check_status(lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(4 * capacity)), "cudaMallocHost")
