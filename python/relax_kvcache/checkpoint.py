@@ -151,10 +151,11 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
     for name, default, want, why in (  # our fields, written only where they differ from the default
             ("rope_rotary_dim", config.head_dim, config.rotary_dim, "keys are stored rotated"),
             ("rope_interleaved", False, config.rope_interleaved, "keys are stored rotated"),
-            ("attention_chunk_size", 0, config.layer_span.chunk, "a model with other chunked layers")):
-        if not _same(meta.get(name, default), want):
-            raise ConfigError(f"the checkpoint's {name} is {_short(meta.get(name, default))}, this cache's "
-                              f"{want} ({why})")
+            ("attention_chunk_size", 0, config.layer_span.chunk, "another model's chunked layers")):
+        got = meta.get(name, default)
+        if not _same(got, want):
+            raise ConfigError(f"the checkpoint's {name} is {_short(got)}, this cache's {want} "
+                              f"({why})")
     if _field(meta, "layout_hash", str) != ours["layout_hash"]:
         raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
                           f"{meta['layout_hash']}")

@@ -276,20 +276,21 @@ def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np
     rope_offsets = np.array(structure.rope_offsets, dtype=np.int64)
     if all(n == 1 and b.seq_length and not b.sink_length for n, b in zip(counts, blocks)):  # decode
         slots = [b.seq_length - 1 + b.sliding_window_offset for b in blocks]
-        a_pos = [b.page_ids[s // ps] * ps + s % ps for b, s in zip(blocks, slots)]
-        return _tree_positions(structure, rope_offsets.astype(np.int32)), np.array(a_pos, dtype=np.int32)
+        a_pos = np.array([b.page_ids[s // ps] * ps + s % ps for b, s in zip(blocks, slots)],
+                         dtype=np.int32)
+        return _tree_positions(structure, rope_offsets.astype(np.int32)), a_pos
     lengths = np.array(counts, dtype=np.int64)
-    local = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    # the pages from the first one a token can use: all of a block with a sink
-    first_pages = [0 if b.sink_length else (max(b.seq_length - n, 0) + b.sliding_window_offset) // ps
-                   for b, n in zip(blocks, counts)]
-    tables = [b.page_ids[first:] for b, first in zip(blocks, first_pages)]
+    local = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # each sequence's pages from the first one a new token can use (all of them with a sink)
+    firsts = [0 if b.sink_length else (max(b.seq_length - n, 0) + b.sliding_window_offset) // ps
+              for b, n in zip(blocks, counts)]
+    tables = [b.page_ids[first:] for b, first in zip(blocks, firsts)]
     table = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64)
-    per_seq = np.array([(b.seq_length - n, b.sink_length, b.sliding_window_offset, before, base - first * ps)
-                        for b, n, before, base, first in zip(blocks, counts, structure.last_block_lengths_before,
-                                                             indptr([len(t) * ps for t in tables]), first_pages)],
-                       dtype=np.int64).reshape(-1, 5).T
-    start, sink, shift, before, base = (np.repeat(column, lengths) for column in per_seq)
+    columns = ([b.seq_length - n for b, n in zip(blocks, counts)], [b.sink_length for b in blocks],
+               [b.sliding_window_offset for b in blocks], structure.last_block_lengths_before,
+               indptr([len(t) * ps for t in tables])[:-1] - np.array(firsts, dtype=np.int64) * ps)
+    start, sink, shift, before, base = (np.repeat(np.asarray(column, dtype=np.int64), lengths)
+                                        for column in columns)
     in_sink = before + local < sink
     kept = in_sink | (start + local >= sink)
     offset = np.where(in_sink, before + local, start + local - sink + shift)[kept] + base[kept]

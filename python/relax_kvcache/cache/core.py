@@ -393,8 +393,8 @@ class PagedAttentionKVCache:
         ``o (n, Hq, Dv)``, ``lse (n, Hq)``; MLA caches: ``Dv`` is the decompressed v head dim
         (TVM's second merge function).
         """
-        outputs = [self._check("o_self_attn", o_self_attn,
-                               (None, self.config.num_qo_heads, self._attention.self_attention_dims[2]))]
+        v_dim = self._attention.self_attention_dims[2]
+        outputs = [self._check("o_self_attn", o_self_attn, (None, self.config.num_qo_heads, v_dim))]
         shape = tuple(o_self_attn.shape)
         outputs.append(self._check("lse_self_attn", lse_self_attn, shape[:2], "float32"))
         inputs = [self._check("o_cross_attn", o_cross_attn, shape),

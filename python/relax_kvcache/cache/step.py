@@ -159,7 +159,7 @@ class StepUploader:
             buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
             slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
         elif slots[3] != meta.seq_ids:
-            # another batch of the same structure: new views, so that no graph of the old one replays
+            # another batch of the same structure: new views, so no graph of the old one replays
             slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
         self._slots = slots
         slots[1].upload(arrays)
