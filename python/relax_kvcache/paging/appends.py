@@ -17,8 +17,7 @@ from .tree import BlockTree
 
 TEMP_PAGE = -1  # TVM's kPagedKVCacheTempPageId: a page borrowed until sliding frees one
 
-#: One entry of a `reserve_append` batch: the sequence, its last block, the tokens to append and
-#: the pages the block needs for them before sliding.
+#: A `reserve_append` entry: sequence, last block, tokens to append, pages needed before sliding.
 Item = typing.Tuple[Sequence, Block, int, int]
 
 
