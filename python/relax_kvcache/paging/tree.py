@@ -237,7 +237,7 @@ class BlockTree:
                 idx = block.parent
                 continue
             left = block.seq_length - n
-            # popping into a slid block's sink: only sink tokens are left, at their slots
+            # popping to or into a slid block's sink: only sink tokens are left, at their slots
             reset = left <= block.sink_length
             used = left if reset else left - block.sink_length + block.sliding_window_offset
             drop = max(0, len(block.page_ids) - ceil_div(used, self.page_size))
