@@ -1,8 +1,5 @@
-"""Argument checks at the cache's boundary: ints, lists of ints, floats and bools.
-
-Every public entry point converts its arguments with these before changing anything; wrong
-types raise `ArgumentError` naming the argument and the value.
-"""
+"""Argument checks at the cache's boundary: ints, lists of ints, floats and bools (wrong types
+raise `ArgumentError` naming the argument and the value)."""
 
 from __future__ import annotations
 
@@ -30,15 +27,13 @@ def _loaded_ffi_types(*names: str) -> Tuple[type, ...]:
 
 
 def _ffi_types(*names: str) -> Tuple[type, ...]:
-    """The types ``tvm_ffi.<name>`` once tvm_ffi is loaded, else ``()`` (no object of them can
-    exist before): this module imports no TVM, so that the paging layer does not."""
+    """The types ``tvm_ffi.<name>`` once tvm_ffi is loaded, else ``()`` (we import no TVM)."""
     return _loaded_ffi_types(*names) if "tvm_ffi" in sys.modules else ()
 
 
 def describe(value: Any) -> str:
-    """A one-line description of ``value`` for error messages: the repr of numbers, strings,
-    None and short lists / tuples of them, else the type's name (a tensor's repr copies its
-    data, and an object's repr may be long or fail)."""
+    """A one-line description of ``value`` for error messages: the repr of scalars and short lists
+    / tuples of them, else the type's name (a tensor's repr copies its data)."""
     if isinstance(value, _ffi_types("Tensor")):  # tvm.runtime.Tensor is one
         if not value.__chandle__():  # Tensor.__new__: reading its shape would crash
             return "a Tensor object without a tensor (null handle)"
@@ -63,8 +58,7 @@ def _plain_repr(value: Any, depth: int) -> Optional[str]:
 
 
 def as_int(name: str, value: Any) -> int:
-    """``value`` (an int, numpy integer or 0-d integer array; not a bool) as a Python int, else
-    ArgumentError."""
+    """``value`` (an int, numpy integer or 0-d integer array; not a bool) as a Python int."""
     if isinstance(value, _BOOLS):
         raise ArgumentError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, (int, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0
@@ -82,8 +76,7 @@ def exact_int(value: Any) -> Optional[int]:
 
 
 def as_int32(name: str, value: Any) -> int:
-    """``value`` as an int within int32 (SequenceError outside), TVM's type for window and sink
-    sizes (they reach the kernels' int32 metadata)."""
+    """``value`` as an int within int32 (SequenceError outside)."""
     result = as_int(name, value)
     if not -INT32_MAX - 1 <= result <= INT32_MAX:
         raise SequenceError(f"{name} {result} is out of range: expected an int32, at most {INT32_MAX}")
@@ -93,11 +86,8 @@ def as_int32(name: str, value: Any) -> int:
 def as_int_list(name: str, values: Any, *, max_len: int = INT32_MAX, why: str = "",
                 error: type = SequenceError) -> List[int]:
     """``values`` (a list, tuple, range, ShapeTuple, tvm_ffi Array or 1-D integer numpy array)
-    as a list of Python ints; ArgumentError for another container or a non-integer element.
-
-    A ``range``, the one lazy container, is expanded only when it has at most ``max_len``
-    entries (else ``error``, saying ``why``); callers check the others' lengths afterwards.
-    """
+    as a list of Python ints. A ``range`` longer than ``max_len`` raises ``error`` (saying
+    ``why``) before it is expanded; callers check the others' lengths afterwards."""
     if (not isinstance(values, _SEQUENCE_TYPES + _ffi_types("Shape", "Array"))
             or (isinstance(values, np.ndarray) and values.ndim != 1)):
         raise ArgumentError(f"{name} must be a sequence of integers (list, tuple or ShapeTuple), got "
@@ -121,8 +111,7 @@ def range_length(values: range) -> int:
 
 def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float:
     """``value`` (an int, float or numpy number, not a bool) as a Python float within float32's
-    finite range (kernels take their scalars as float32): ArgumentError for a non-number,
-    ``not_finite`` for NaN, infinities and values beyond float32."""
+    finite range (``not_finite`` raised otherwise)."""
     if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf":  # a 0-d array
         value = value[()]
     if isinstance(value, _BOOLS) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -138,8 +127,7 @@ def as_float(name: str, value: Any, *, not_finite: type = ForwardError) -> float
 
 
 def as_bool(name: str, value: Any, *, error: type = ArgumentError) -> bool:
-    """``value`` (a bool, or the integer 0 or 1, what Relax passes for a boolean; not any truthy
-    value) as a bool, else ``error``."""
+    """``value`` (a bool, or the integer 0 or 1, as Relax passes booleans) as a bool."""
     if isinstance(value, _BOOLS):
         return bool(value)
     number = exact_int(value)

@@ -1,14 +1,7 @@
-"""Checkpoint export / import of one sequence's KV, in TVM 0.27's format.
+"""Checkpoint export / import of one sequence's KV, in TVM 0.27's format (docs/api.md).
 
-TVM saves a sequence as JSON metadata plus one *page group* per layer: a tensor ``(1,
-num_logical_pages, 2, num_kv_heads, page_size, head_dim)`` holding the sequence's positions in
-page-size runs from position 0 (K then V, the layout of a page), the last page's unused slots
-zero. The metadata names the layout (and its 64-bit FNV-1a *layout hash*, of the string TVM
-hashes), the sequence length and the groups; an import checks that the layout matches.
-
-This module owns the format (:func:`metadata`, :func:`parse_import`), moving page groups with
-the cache's own kernels (:class:`PageGroupMover`) and a cache's checkpoint I/O
-(:class:`CheckpointIO`), to which the cache's checkpoint methods delegate.
+The format (:func:`metadata`, :func:`parse_import`), moving page groups with the cache's own
+kernels (:class:`PageGroupMover`) and a cache's checkpoint I/O (:class:`CheckpointIO`).
 """
 
 from __future__ import annotations
@@ -35,8 +28,7 @@ MAX_SEQ_LENGTH = 2**31 - 1
 
 
 def _json(value: Any) -> str:
-    """Compact JSON as TVM writes it: floats ``%.1f`` when whole and below 2**53 in magnitude,
-    ``%.17g`` otherwise (the metadata holds dicts, lists, str, bool, int, float)."""
+    """Compact JSON as TVM writes it: whole floats below 2**53 ``%.1f``, others ``%.17g``."""
     if isinstance(value, dict):
         return "{" + ",".join(f"{json.dumps(key)}:{_json(item)}" for key, item in value.items()) + "}"
     if isinstance(value, list):
@@ -156,17 +148,14 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
         if not _same(meta.get(name), ours[name]):
             raise ConfigError(f"the checkpoint's {name} is {_short(meta.get(name))}, this cache's {_short(ours[name])}; "
                               "a checkpoint imports into a cache of the same layout")
-    rotary = meta.get("rope_rotary_dim", config.head_dim)  # our field, written for partial rotary dims only
-    if not _same(rotary, config.rotary_dim):
-        raise ConfigError(f"the checkpoint's rope_rotary_dim is {_short(rotary)}, this cache's {config.rotary_dim} "
-                          "(keys are stored rotated: they differ between rotary dims)")
-    if not _same(meta.get("rope_interleaved", False), config.rope_interleaved):
-        raise ConfigError(f"the checkpoint's rope_interleaved is {_short(meta.get('rope_interleaved', False))}, this "
-                          f"cache's {config.rope_interleaved} (keys are stored rotated: GPT-J pairs differ)")
-    chunk = meta.get("attention_chunk_size", 0)  # our field, written for chunked local layers only
-    if not _same(chunk, config.layer_span.chunk):
-        raise ConfigError(f"the checkpoint's attention_chunk_size is {_short(chunk)}, this cache's "
-                          f"{config.layer_span.chunk} (its K/V come from a model with other chunked layers)")
+    for name, default, want, why in (  # our fields, written only where they differ from the default
+            ("rope_rotary_dim", config.head_dim, config.rotary_dim, "keys are stored rotated"),
+            ("rope_interleaved", False, config.rope_interleaved, "keys are stored rotated"),
+            ("attention_chunk_size", 0, config.layer_span.chunk, "another model's chunked layers")):
+        got = meta.get(name, default)
+        if not _same(got, want):
+            raise ConfigError(f"the checkpoint's {name} is {_short(got)}, this cache's {want} "
+                              f"({why})")
     if _field(meta, "layout_hash", str) != ours["layout_hash"]:
         raise ConfigError(f"checkpoint layout hash mismatch: expected {ours['layout_hash']}, got "
                           f"{meta['layout_hash']}")
@@ -191,8 +180,8 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
 
 
 def _same(got: Any, want: Any) -> bool:
-    """JSON equality with TVM's types: an int field takes an int (or a bool, as TVM's reader
-    does), a bool field a bool, a float field a number; never a float for an int or a bool."""
+    """JSON equality with TVM's reader's types: an int field takes an int or a bool, a bool
+    field a bool, a float field a number."""
     if isinstance(want, bool):
         return type(got) is bool and got == want
     if isinstance(want, int):
@@ -207,8 +196,7 @@ def _same(got: Any, want: Any) -> bool:
 
 
 def _field(meta: Dict[str, Any], name: str, kind: type) -> Any:
-    """``meta[name]`` of exactly type ``kind`` (bool is not int here); ints within int64, as TVM
-    holds them."""
+    """``meta[name]`` of exactly type ``kind`` (not a bool for an int); ints within int64."""
     value = meta.get(name)
     if type(value) is not kind or (kind is int and not INT64_MIN <= value <= INT64_MAX):
         raise ArgumentError(f"checkpoint field {name!r} must be {'an int64' if kind is int else 'a string'}, got "
@@ -222,18 +210,16 @@ def _short(value: Any) -> str:
 
 
 class PageGroupMover:
-    """Moves a sequence's positions between the page pool and a page group (a page pool's layout:
-    position ``p`` is slot ``p``) in chunks, gathered with ``debug_get_kv`` into ``(L, C, H, D)``
-    buffers (``L`` = 1, or the layer count a foreign kernel was compiled for) and scattered with
-    ``transpose_append``."""
+    """Moves positions between the page pool and a page group (position ``p`` at slot ``p``) in
+    chunks: ``debug_get_kv`` gathers them, ``transpose_append`` scatters them."""
 
     def __init__(self, config: KVCacheConfig, kernels: Any, device: tvm.runtime.Device) -> None:
         self._config, self._kernels, self._device = config, kernels, device
         self._buffers: Optional[Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]] = None
 
     def _gather_buffers(self) -> Tuple[tvm.runtime.Tensor, tvm.runtime.Tensor, int]:
-        """``(k, v, layers)`` gather buffers ``(layers, C, H, D)``, made on first use; ``C`` rows
-        of one layer or fewer of all, about one chunk of one layer either way."""
+        """``(k, v, layers)`` gather buffers ``(layers, C, H, D)``, made on first use (``layers``
+        is 1, or the layer count a foreign kernel was compiled for)."""
         if self._buffers is None:
             cfg = self._config
             rows = min(cfg.prefill_chunk_size, 4096)
@@ -247,8 +233,7 @@ class PageGroupMover:
         return self._buffers
 
     def _accepts(self, k: tvm.runtime.Tensor, v: tvm.runtime.Tensor) -> bool:
-        """Whether ``debug_get_kv`` takes one-layer buffers (a compiled kernel checks shapes
-        before it runs; ours take any layer count, TVM's only the count they were built for)."""
+        """Whether ``debug_get_kv`` takes one-layer buffers (TVM's take only their layer count)."""
         cfg = self._config
         pages = allocate((1, 2, cfg.num_kv_heads, cfg.page_size, cfg.head_dim), cfg.dtype, self._device, "probe page")
         rows = view(k, (1, 1, cfg.num_kv_heads, cfg.head_dim)), view(v, (1, 1, cfg.num_kv_heads, cfg.head_dim))
@@ -301,8 +286,8 @@ class ImportState:
 
 
 class CheckpointIO:
-    """A cache's checkpoints: layout hash, metadata, page-group export and the import in progress
-    (``require_no_step(what)`` raises while a forward step or a callback is active)."""
+    """A cache's checkpoints, and the import in progress (``require_no_step(what)`` raises
+    while a forward step or a callback is active)."""
 
     def __init__(self, config: KVCacheConfig, layer_offset: int, kernels: Any, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None]) -> None:
@@ -314,6 +299,13 @@ class CheckpointIO:
     def layout_hash(self) -> str:
         self._require_checkpointable("get_layout_hash")
         return layout_hash(self._config, self._layer_offset)
+
+    def _begin(self, what: str, seq_id: Any) -> int:
+        """``seq_id`` as an int, once ``what`` may run now (no step, a cache that checkpoints)."""
+        seq_id = as_int("seq_id", seq_id)
+        self._require_no_step(what)
+        self._require_checkpointable(what)
+        return seq_id
 
     def metadata(self, seq_id: Any) -> str:
         seq_id = self._checkpoint_sequence(seq_id, "get_checkpoint_metadata")
@@ -337,9 +329,7 @@ class CheckpointIO:
             target.copyto(out)
 
     def prepare(self, seq_id: Any, text: Any) -> None:
-        seq_id = as_int("seq_id", seq_id)
-        self._require_no_step("prepare_import")
-        self._require_checkpointable("prepare_import")
+        seq_id = self._begin("prepare_import", seq_id)
         if self.importing is not None:
             raise SequenceError(f"prepare_import({seq_id}): the import into sequence {self.importing.seq_id} is not "
                                 "finished; finish_import it or remove that sequence first")
@@ -348,9 +338,7 @@ class CheckpointIO:
         self.importing = ImportState(seq_id, slots, frozenset(range(self._config.num_layers)))
 
     def import_group(self, seq_id: Any, group_id: Any, group: Any) -> None:
-        self._require_checkpointable("import_page_group")
-        seq_id, group_id = as_int("seq_id", seq_id), self._group_id(group_id)
-        self._require_no_step("import_page_group")
+        seq_id, group_id = self._begin("import_page_group", seq_id), self._group_id(group_id)
         state = self._importing(seq_id, "import_page_group")
         if group_id not in state.pending:
             raise SequenceError(f"page group {group_id} of sequence {seq_id} was already imported")
@@ -365,9 +353,7 @@ class CheckpointIO:
         self.importing = dataclasses.replace(state, pending=state.pending - {group_id})
 
     def finish(self, seq_id: Any) -> None:
-        self._require_checkpointable("finish_import")
-        seq_id = as_int("seq_id", seq_id)
-        self._require_no_step("finish_import")
+        seq_id = self._begin("finish_import", seq_id)
         state = self._importing(seq_id, "finish_import")
         if state.pending:
             raise SequenceError(f"the import into sequence {seq_id} is missing page group(s) {sorted(state.pending)}; "
@@ -392,9 +378,7 @@ class CheckpointIO:
 
     def _checkpoint_sequence(self, seq_id: Any, what: str) -> int:
         """A sequence that can be saved now (its id)."""
-        seq_id = as_int("seq_id", seq_id)
-        self._require_no_step(what)
-        self._require_checkpointable(what)
+        seq_id = self._begin(what, seq_id)
         self.check_not_importing(seq_id, what)
         seq = self._paging.sequence(seq_id)
         if seq.token_tree is not None or seq.sliding_window_size != -1:

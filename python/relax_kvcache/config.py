@@ -86,8 +86,7 @@ def _positive(name: str, value: object) -> int:
 
 
 def _dtype(value: object) -> str:
-    """The KV dtype's name: a str, numpy dtype or TVM DataType naming a supported dtype, or a
-    numpy scalar type (``np.float16``, ``ml_dtypes.bfloat16``)."""
+    """The KV dtype's name, from a name, numpy dtype, TVM DataType or numpy scalar type."""
     if isinstance(value, (str, np.dtype)):  # a TVM DataType is a str
         name = str(value)
     elif isinstance(value, type) and issubclass(value, np.generic):
@@ -100,8 +99,7 @@ def _dtype(value: object) -> str:
 
 
 def _rope_float(name: str, value: object, *, used: bool) -> float:
-    """RoPE theta / scale as a float the kernels' float32 arguments hold: finite, and where RoPE
-    is used positive and normal (a float32 underflowing to 0 or overflowing to inf gives NaN)."""
+    """RoPE theta / scale as a finite float32 value, positive and normal where RoPE is used."""
     try:
         result = as_float(f"KVCacheConfig.{name}", value, not_finite=ConfigError)
     except ArgumentError:
@@ -278,18 +276,16 @@ class KVCacheConfig:
             raise ConfigError(f"KVCacheConfig.num_layers {self.num_layers} is more than {MAX_NUM_LAYERS}, "
                               "the most a cache holds (one page tensor per layer)")
         if self.num_qo_heads % self.num_kv_heads != 0:
-            raise ConfigError(
-                f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})")
+            raise ConfigError(f"KVCacheConfig.num_qo_heads ({self.num_qo_heads}) must be a "
+                              f"multiple of num_kv_heads ({self.num_kv_heads})")
         v_head_dim = self.head_dim if self.v_head_dim is None else _positive("v_head_dim", self.v_head_dim)
         object.__setattr__(self, "v_head_dim", v_head_dim)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
         try:
             object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:
-            raise ConfigError(
-                f"KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 (INLINE), got {describe(self.rope_mode)}"
-            ) from None
+            raise ConfigError("KVCacheConfig.rope_mode must be 0 (NONE), 1 (NORMAL) or 2 "
+                              f"(INLINE), got {describe(self.rope_mode)}") from None
         for name in ("rope_theta", "rope_scale"):
             value = _rope_float(name, getattr(self, name), used=self.rope_mode != RopeMode.NONE)
             object.__setattr__(self, name, value)
@@ -308,9 +304,7 @@ class KVCacheConfig:
         self._check_tensor_sizes()
 
     def _check_tensor_sizes(self) -> None:
-        """Refuse configs whose tensors no device holds (byte counts beyond that would also
-        overflow the allocator's arithmetic) or the kernels cannot index: a page's elements are
-        a compile-time int32 stride and the per-step tensors have int32 shapes."""
+        """Refuse configs whose tensors no device holds or int32 indices cannot reach."""
         qk, v = self.mla_original_qk_head_dim or 0, self.mla_original_v_head_dim or 0
         widest = max(self.head_dim, self.v_head_dim, qk, v)
         page_width = self.head_dim if self.is_mla else 2 * self.num_kv_heads * self.head_dim
@@ -350,9 +344,8 @@ class KVCacheConfig:
             raise ConfigError(
                 f"KVCacheConfig.head_dim must be even and at most {MAX_HEAD_DIM}, got {self.head_dim}")
         if self.v_head_dim != self.head_dim:
-            raise ConfigError(
-                f"KVCacheConfig.v_head_dim ({self.v_head_dim}) must equal head_dim ({self.head_dim}) "
-                "for MHA layers")
+            raise ConfigError(f"KVCacheConfig.v_head_dim ({self.v_head_dim}) must equal head_dim "
+                              f"({self.head_dim}) for MHA layers")
         for name in ("mla_original_qk_head_dim", "mla_original_v_head_dim"):
             if getattr(self, name) is not None:
                 raise ConfigError(f"KVCacheConfig.{name} applies to MLA caches only, got {describe(getattr(self, name))} "
@@ -429,7 +422,7 @@ class KVCacheConfig:
         return self.head_dim if self.rope_rotary_dim is None else self.rope_rotary_dim
 
     def _check_longrope(self) -> None:
-        """Validate the LongRoPE fields; store the factors as float32 values (what kernels read)."""
+        """Validate the LongRoPE fields; store the factors as float32 values."""
         factors = self.rope_ext_factors
         attention = _rope_float("rope_attention_factor", self.rope_attention_factor, used=True)
         object.__setattr__(self, "rope_attention_factor", attention)
@@ -464,10 +457,9 @@ class KVCacheConfig:
         try:
             return tuple(AttnKind(exact_int(k)) for k in kinds)
         except ValueError:
-            raise ConfigError(
-                f"KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 (MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), "
-                f"got {describe(kinds)}"
-            ) from None
+            raise ConfigError("KVCacheConfig.attn_kinds entries must be 0 (MHA), 1 (MLA), 3 "
+                              "(MHA_SLIDING) or 4 (MHA_CHUNKED_LOCAL), got "
+                              f"{describe(kinds)}") from None
 
     @property
     def num_total_pages(self) -> int:

@@ -1,10 +1,5 @@
-"""CUDA-graph capture and replay of decode steps (SGLang's capture/replay).
-
-A decode step launches a few kernels per layer; at small batch the launches and the Python
-around them cost more than the kernels. Repeated decode steps of one batch keep every kernel
-argument fixed (`PagedAttentionKVCache.capturable_step`), so the step's launches can be recorded
-once as a CUDA graph and replayed with one launch per step. Usage: docs/api.md.
-"""
+"""CUDA-graph capture and replay of repeated decode steps, whose kernel arguments stay fixed
+(`PagedAttentionKVCache.capturable_step`; SGLang's capture/replay). Usage: docs/api.md."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import tvm
 import tvm_ffi
 
 from .cache import PagedAttentionKVCache
-from .cuda_copy import NON_BLOCKING, check_status, cudart
+from .aux_buffer import NON_BLOCKING, check_status, cudart
 
 _CAPTURE_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 

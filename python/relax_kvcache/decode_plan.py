@@ -1,17 +1,10 @@
-"""Repeated decode steps: update the previous step's metadata instead of planning again.
+"""Repeated decode steps: update the previous step's metadata with numpy instead of planning
+again (the same `StepMetadata` as the full planner's; docs/architecture.md).
 
-A serving loop calls ``begin_forward(same seq_ids, [1] * B)`` step after step. Instead of
-walking every sequence's blocks, such a step is derived from the previous one with numpy: the
-paging state grows every sequence by one token through a `DecodeLane`; RoPE positions, append
-slots and last-page lengths are recomputed as vectors; a new page is inserted at the end of its
-sequence's page list at the depth its last block is attended at; window pages of local layers
-are recomputed from the grown page lists.
-
-The result is the same `StepMetadata` the full planner builds (the tests compare them). A step
-qualifies when the previous step was a plain decode step of the same batch (decode kernel at
-every depth, no token trees, no sliding sequences) and nothing else changed the paging state
-since. Growth cannot switch a depth to the coalesced prefill kernel: it adds the same pages to
-the coalesced and uncoalesced counts.
+A step qualifies when the previous one was a plain decode step of the same batch (decode
+kernel at every depth, no token trees, no sliding sequences) and nothing changed the paging
+state since; growth adds the same pages to the coalesced and uncoalesced counts, so it cannot
+switch a depth to the coalesced prefill kernel.
 """
 
 from __future__ import annotations
@@ -28,8 +21,7 @@ from .paging import DecodeLane, PagingState
 
 
 class DecodePlanner:
-    """Derives a decode step's `StepMetadata` from the previous one (see module docstring);
-    ``layer_span``: what the cache's local layers see (falsy: none)."""
+    """Derives a decode step's `StepMetadata` from the previous one (see module docstring)."""
 
     def __init__(self, page_size: int, layer_span: LayerSpan = LayerSpan()) -> None:
         self._page_size = page_size
@@ -40,8 +32,7 @@ class DecodePlanner:
         self._ones: tuple[int, ...] = ()
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
-        """Remember a fully planned step (pages reserved; sequence i's last block attended at
-        depth ``last_depths[i]``); whether it qualifies (then `next_step` can follow it)."""
+        """Remember a fully planned step; whether it qualifies (then `next_step` can follow it)."""
         self._lane, self._step = None, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
@@ -56,9 +47,8 @@ class DecodePlanner:
         return True
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
-        """The metadata of the step ``begin_forward(seq_ids, append_lengths)`` when it repeats
-        the remembered batch with one token each, reserving its pages (CacheFullError if they
-        are not free); None otherwise (the caller plans the step in full)."""
+        """The step ``begin_forward(seq_ids, append_lengths)``, its pages reserved, when it repeats
+        the remembered batch with one token each; else None (the caller plans it in full)."""
         lane, prev = self._lane, self._step
         if (lane is None or lane.version != paging.version or not _is_int_tuple(seq_ids, lane.seq_ids)
                 or not _is_int_tuple(append_lengths, self._ones)):
@@ -77,8 +67,7 @@ class DecodePlanner:
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, full: np.ndarray,
                     lane: DecodeLane, positions: np.ndarray) -> md.DepthMetadata:
-        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one; the
-        step's queries are at ``positions`` (one per sequence: decode chunks)."""
+        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one."""
         if not rows.size:
             return self._with_window(depth, positions)
         page_indptr, page_indices = depth.page_indptr, depth.page_indices
@@ -115,8 +104,8 @@ class DecodePlanner:
 
 
 def _is_int_tuple(values: Any, expected: tuple) -> bool:
-    """Whether ``values`` (a ShapeTuple, tuple or list) holds exactly the ints ``expected``
-    (bools and floats compare equal to ints: the full planner refuses them with a message)."""
+    """Whether ``values`` holds exactly the ints ``expected`` (not bools or floats, which the full
+    planner refuses)."""
     if isinstance(values, ShapeTuple):  # a tuple of Python ints
         return tuple(values) == expected
     return (isinstance(values, (tuple, list)) and len(values) == len(expected)

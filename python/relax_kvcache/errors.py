@@ -1,8 +1,4 @@
-"""Exceptions raised by relax_kvcache.
-
-Every error is raised before any state is changed (check-then-mutate), so a caller that catches
-one finds the cache exactly as it was.
-"""
+"""Exceptions raised by relax_kvcache, always before any state changes (check-then-mutate)."""
 
 
 class KVCacheError(ValueError):

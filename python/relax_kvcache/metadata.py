@@ -1,14 +1,8 @@
-"""Per-step batch metadata: what the kernels of one forward step read, built once on the host.
+"""Per-step batch metadata: what the kernels of one forward step read, built on the host.
 
-A step appends ``append_lengths[i]`` tokens to sequence ``seq_ids[i]``. Attention over the
-cached KV is organised by *block depth*: sequences that share a prefix block at depth d attend
-to it together (their queries can be coalesced into one prefill chunk), and blocks deeper than
-:data:`MAX_BLOCK_DEPTH` - 1 are concatenated into the last depth. The per-depth results are
-merged by log-sum-exp. This is TVM's scheme (``GetBlockIdsOnDepth``, ``GetChunkedBlockIds`` and
-``BeginForward`` in its ``paged_kv_cache.cc``), built here with numpy.
-
-All arrays are int32 numpy arrays; shapes are given in the docstrings (B = batch size,
-n = tokens appended in the step, c = chunks at a depth).
+Attention over the cached KV is organised by block depth, as in TVM's ``BeginForward``
+(docs/architecture.md). Arrays are int32 (B = batch size, n = tokens of the step, c = chunks
+at a depth).
 """
 
 from __future__ import annotations
@@ -31,9 +25,8 @@ COALESCE_RATIO_THRESHOLD = 32
 
 @dataclasses.dataclass(frozen=True)
 class TreeMask:
-    """Token-tree masks of the chunks of a kernel call (TVM's ``tree_attn_mn_indptr`` / mask):
-    ``mn_indptr [c + 1]`` (rows of ``mask`` per chunk: its sequence's tree nodes, 0 without a
-    tree) and ``mask [nodes, 2]`` (each node's DFS interval, see :mod:`.token_tree`)."""
+    """Token-tree masks of a kernel call's chunks (TVM's ``tree_attn_mn_indptr`` / mask):
+    ``mn_indptr [c + 1]`` and each node's DFS interval ``mask [nodes, 2]``."""
 
     mn_indptr: np.ndarray
     mask: np.ndarray
@@ -47,23 +40,14 @@ class TreeMask:
 
 @dataclasses.dataclass(frozen=True)
 class WindowPages:
-    """The part of a depth's pages a local layer reads (``MHA_SLIDING``: a window of ``W``
-    tokens; ``MHA_CHUNKED_LOCAL``: the query's attention chunk; see ``LayerSpan``).
-
-    Per chunk, keys before the first one its earliest query sees are dropped: whole pages from
-    ``page_indices`` and the rest through the window offset of ``length_info`` (``[3, c]``:
-    last page length, window offset, sink 0); the kernels mask the remaining keys per query by
-    absolute position. ``k_rope_pos_offset [c]``: position of each chunk's first visible key.
-    """
+    """The part of a depth's pages a local layer reads (see ``LayerSpan``): per chunk, keys
+    before the first one its earliest query sees are dropped, whole pages from ``page_indices``
+    and the rest through the window offset of ``length_info [3, c]``."""
 
     page_indptr: np.ndarray
     page_indices: np.ndarray
     length_info: np.ndarray
     k_rope_pos_offset: np.ndarray
-
-    @property
-    def has_pages(self) -> bool:
-        return self.page_indices.size > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,29 +57,18 @@ class DepthMetadata:
     qo_indptr: np.ndarray  # [c + 1] query token ranges of the chunks; covers all n tokens
     page_indptr: np.ndarray  # [c + 1] page ranges of the chunks in page_indices
     page_indices: np.ndarray  # [nnz] page ids of the chunks, in sequence order
-    # [c] last page length, or [3, c] (with sliding-window offset and sink size) when the cache
-    # supports sliding windows
-    length_info: np.ndarray
+    length_info: np.ndarray  # [c] last page length, or [3, c] with window offset and sink
     k_rope_pos_offset: np.ndarray  # [c] RoPE position of each chunk's first KV row
     use_decode_kernel: bool  # then c == B and every chunk has one query
     window: Optional[WindowPages] = None  # what local layers read (caches with such layers)
     tree: Optional[TreeMask] = None  # masks of the paged tree kernel (a step extending a tree)
 
-    @property
-    def has_pages(self) -> bool:
-        return self.page_indices.size > 0
-
 
 @dataclasses.dataclass(frozen=True)
 class StepMetadata:
-    """Everything the kernels of one forward step read.
-
-    ``append_before_attn``: append the new K/V before attention and attend to pages only
-    (decode batches, and steps that extend an uncommitted token tree); otherwise attend to the
-    new tokens with the ragged kernel, merge with the pages, then append. ``reused_pages``:
-    pages that slid out of a window in this step and hold some of its new tokens (attention
-    reads their old contents, which each layer's append then overwrites).
-    """
+    """Everything the kernels of one forward step read. ``append_before_attn``: append the new
+    K/V, then attend to pages only (decode batches, tree extensions). ``reused_pages``: pages
+    that slid out of a window in this step and hold some of its new tokens."""
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
@@ -119,16 +92,9 @@ class StepMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class BatchStructure:
-    """Block layout of a batch before its tokens are reserved (a read-only snapshot).
-
-    ``chunks[d]`` lists ``(block or None, query tokens, smallest query position)`` per chunk at
-    depth d; at the deepest level there is one chunk per sequence and ``trailing[i]`` holds
-    sequence i's blocks below it. ``last_blocks[i]`` is sequence i's last block (the live
-    object, grown by the reservation). ``trees[i]`` is sequence i's token tree after this step
-    (None without trees); ``rope_offsets[i]`` the RoPE position of its first token of the step
-    (or of its uncommitted tree's root), ``last_depths[i]`` the depth its last block is
-    attended at.
-    """
+    """Block layout of a batch before its tokens are reserved. ``chunks[d]``: ``(block or
+    None, query tokens, smallest query position)`` per chunk at depth d; ``trailing[i]``:
+    sequence i's blocks below the deepest level; ``last_blocks[i]``: its live last block."""
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
@@ -178,13 +144,9 @@ class BatchStructure:
 def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int],
               trees: Optional[List[TokenTree]], *, sliding_window: bool, layer_span: LayerSpan
               ) -> Tuple[StepMetadata, Tuple[int, ...]]:
-    """Plan a checked step in full: snapshot the batch's blocks, reserve its pages, build its
-    arrays. Returns the step and the depth each sequence's last block is attended at.
-
-    A step that appends before attention builds its depth arrays after the reservation (the
-    paged kernels see the new tokens), others before it (the ragged kernel covers them).
-    ``trees``: each sequence's token tree after the step, stored once the pages are reserved.
-    """
+    """Plan a checked step in full (its pages reserved); the step and the depth each
+    sequence's last block is attended at. Depth arrays are built after the reservation when
+    the step appends before attention, else before it."""
     structure = BatchStructure.collect(paging, seq_ids, append_lengths, trees)
     extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
     append_before_attn = (not sliding_window and structure.use_decode_kernel[-1]) or extends_tree
@@ -214,13 +176,9 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
 
 def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], positions: Sequence[int],
                  is_decode: bool, *, coalesce: bool) -> Tuple[Tuple[Tuple[Optional[Block], int, int], ...], bool]:
-    """Chunks of one depth and whether it uses the decode kernel (TVM's ``GetChunkedBlockIds``).
-
-    Adjacent sequences on the same block can be coalesced into one prefill chunk. A decode batch
-    keeps one chunk per sequence (decode kernel) unless coalescing saves at least
-    ``COALESCE_RATIO_THRESHOLD`` times the page reads. Each chunk carries its smallest query
-    position (the first new token's position of its sequences).
-    """
+    """Chunks of one depth and whether it uses the decode kernel (TVM's
+    ``GetChunkedBlockIds``): adjacent sequences on one block coalesce, unless a decode batch
+    saves less than ``COALESCE_RATIO_THRESHOLD`` times the page reads."""
     uncoalesced = tuple(zip(blocks, append_lengths, positions))
     coalesced: List[Tuple[Optional[Block], int, int]] = []
     for block, length, position in uncoalesced:
@@ -240,14 +198,8 @@ _EMPTY_BLOCK = Block(index=-1)
 
 def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_window: bool,
                  layer_span: LayerSpan = LayerSpan()) -> Tuple[DepthMetadata, ...]:
-    """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop).
-
-    Each chunk reads the pages of its block, or at the deepest level of its block followed by
-    the sequence's trailing blocks; its last page length, window offset and sink size come from
-    the last block of that chain (see `_window_info`), its RoPE offset from the first block's.
-    With a ``layer_span`` each depth also carries the :class:`WindowPages` of the local layers.
-    (Scalar Python per chunk: cheaper than numpy on small batches.)
-    """
+    """Depth arrays of the batch from the current page tables (TVM's ``BeginForward`` loop);
+    at the deepest level a chunk reads its block and the sequence's trailing blocks."""
     page_size = paging.page_size
     depths = []
     for d, chunks in enumerate(structure.chunks):
@@ -283,9 +235,8 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
 
 
 def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], List[int]]:
-    """(window offset, sink size) of each page list (a block, or at the deepest level a chain of
-    blocks whose last one alone may have slid), in slots of the list: a slid last block's values
-    move past the chain's earlier, whole pages (the kernels skip slots ``[sink, offset)``)."""
+    """(window offset, sink size) of each page list, in slots of the list (only a chain's last
+    block may have slid; the kernels skip slots ``[sink, offset)``)."""
     offsets, sinks = [], []
     for n, block in zip(lengths, lasts):
         before = n - block.seq_length if block.sliding_window_offset else 0
@@ -296,9 +247,8 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
 
 def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
                  starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
-    """Per chunk, the pages from the first key its earliest query (at ``min_positions``) can see,
-    from the chunks' full page lists whose first keys are at ``starts`` (see WindowPages);
-    vectorised, as repeated decode steps recompute it every step."""
+    """The `WindowPages` of chunks whose earliest queries are at ``min_positions``, from their
+    full page lists whose first keys are at ``starts``."""
     npages = np.diff(page_indptr).astype(np.int64)
     last = np.asarray(last_page_len, dtype=np.int64)
     lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
@@ -318,47 +268,35 @@ def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_le
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
-    """``(q_rope_position [n], append_position [n])`` of the step's new tokens, after their
-    reservation, vectorised over the batch: token t of sequence i sits at in-block offset
-    ``start_i + t`` of its last block. A token whose slot is pinned by a sink gets -1, as in TVM.
-    """
-    page_size = paging.page_size
-    # A sequence whose new tokens do not all have a slot (an attention sink, or a window that slid
-    # some of them out within this step) takes the sink-aware path; the rest are vectorised.
-    special = [i for i, (n, b) in enumerate(zip(structure.append_lengths, structure.last_blocks))
-               if b.sink_length > 0 or b.seq_length < n]
-    if all(n == 1 for n in structure.append_lengths) and not special:
-        # Decode: the one new token of each sequence is the last slot of its last block.
-        slots = [b.seq_length - 1 + b.sliding_window_offset for b in structure.last_blocks]
-        a_pos = [b.page_ids[s // page_size] * page_size + s % page_size
-                 for b, s in zip(structure.last_blocks, slots)]
-        return _tree_positions(structure, np.array(structure.rope_offsets, dtype=np.int32)), np.array(a_pos, dtype=np.int32)
-    lengths = np.array(structure.append_lengths, dtype=np.int64)
-    first_token = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    local = np.arange(int(lengths.sum()), dtype=np.int64) - first_token  # token index within its sequence
-    q_pos = np.repeat(np.array(structure.rope_offsets, dtype=np.int64), lengths) + local
-
-    starts, tables, table_base = [], [], [0]
-    special_set = set(special)
-    for i, (n, block) in enumerate(zip(structure.append_lengths, structure.last_blocks)):
-        if i in special_set:  # placeholder here, fixed up below
-            starts.append(0)
-            touched = [0] * -(-n // page_size)
-        else:
-            start = block.seq_length - n + block.sliding_window_offset
-            first_page = start // page_size
-            touched = block.page_ids[first_page:(start + n - 1) // page_size + 1]
-            starts.append(start - first_page * page_size)  # offset within the touched pages
-        tables.append(touched)
-        table_base.append(table_base[-1] + len(touched))
-    offset = np.repeat(np.array(starts, dtype=np.int64), lengths) + local
+    """``(q_rope_position [n], append_position [n])`` of the step's new tokens after their
+    reservation, vectorised over the batch: token t of sequence i is at in-block offset
+    ``len - n_i + t`` of its last block, its slot -1 where a sink pins it or the window slid it
+    out within the step (as in TVM)."""
+    ps, blocks, counts = paging.page_size, structure.last_blocks, structure.append_lengths
+    rope_offsets = np.array(structure.rope_offsets, dtype=np.int64)
+    if all(n == 1 and b.seq_length and not b.sink_length for n, b in zip(counts, blocks)):  # decode
+        slots = [b.seq_length - 1 + b.sliding_window_offset for b in blocks]
+        a_pos = np.array([b.page_ids[s // ps] * ps + s % ps for b, s in zip(blocks, slots)],
+                         dtype=np.int32)
+        return _tree_positions(structure, rope_offsets.astype(np.int32)), a_pos
+    lengths = np.array(counts, dtype=np.int64)
+    local = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    # each sequence's pages from the first one a new token can use (all of them with a sink)
+    firsts = [0 if b.sink_length else (max(b.seq_length - n, 0) + b.sliding_window_offset) // ps
+              for b, n in zip(blocks, counts)]
+    tables = [b.page_ids[first:] for b, first in zip(blocks, firsts)]
     table = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64)
-    page = table[np.repeat(np.array(table_base[:-1], dtype=np.int64), lengths) + offset // page_size]
-    a_pos = page * page_size + offset % page_size
-    for i in special:
-        lo = int(lengths[:i].sum())
-        a_pos[lo:lo + lengths[i]] = _sink_aware_positions(
-            structure.last_blocks[i], int(lengths[i]), structure.last_block_lengths_before[i], page_size)
+    columns = ([b.seq_length - n for b, n in zip(blocks, counts)], [b.sink_length for b in blocks],
+               [b.sliding_window_offset for b in blocks], structure.last_block_lengths_before,
+               indptr([len(t) * ps for t in tables])[:-1] - np.array(firsts, dtype=np.int64) * ps)
+    start, sink, shift, before, base = (np.repeat(np.asarray(column, dtype=np.int64), lengths)
+                                        for column in columns)
+    in_sink = before + local < sink
+    kept = in_sink | (start + local >= sink)
+    offset = np.where(in_sink, before + local, start + local - sink + shift)[kept] + base[kept]
+    a_pos = np.full(local.size, -1, dtype=np.int64)
+    a_pos[kept] = table[offset // ps] * ps + offset % ps
+    q_pos = np.repeat(rope_offsets, lengths) + local
     return _tree_positions(structure, q_pos.astype(np.int32)), a_pos.astype(np.int32)
 
 
@@ -375,12 +313,8 @@ def _tree_positions(structure: BatchStructure, q_pos: np.ndarray) -> np.ndarray:
 
 def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
                      ) -> Tuple[Optional[TreeMask], Tuple[Optional[TreeMask], ...]]:
-    """Tree masks of a step: ``(ragged_tree, per-depth trees)``.
-
-    Without an append before attention the ragged kernel masks the new tokens (unless every tree
-    is a chain). A step extending uncommitted trees masks each tree at the depth of its last
-    block, with the paged tree kernel, unless every tree there is a chain on the decode kernel.
-    """
+    """``(ragged_tree, per-depth trees)``: the ragged kernel masks the new tokens, or (after an
+    append before attention) the paged kernel at each tree's last depth; chains need no mask."""
     trees = structure.trees
     num_depths = len(structure.chunks)
     if not trees:
@@ -394,22 +328,6 @@ def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
         plain = all(t.is_chain for t in present) and structure.use_decode_kernel[d]
         depth_trees.append(TreeMask.of(here) if present and not plain else None)
     return None, tuple(depth_trees)
-
-
-def _sink_aware_positions(block: Block, n: int, last_block_length_before: int, page_size: int) -> np.ndarray:
-    """Pool positions of the last n tokens of a block, honouring its attention sink: a token whose
-    slot slid out of the window (within this step) or is pinned by the sink gets -1."""
-    pos = np.arange(n, dtype=np.int64)
-    in_block = block.seq_length - n + pos
-    in_sink = last_block_length_before + pos < block.sink_length
-    pinned = ~in_sink & (in_block < block.sink_length)
-    offset = np.where(in_sink, last_block_length_before + pos,
-                      in_block - block.sink_length + block.sliding_window_offset)
-    slots = np.full(n, -1, dtype=np.int64)
-    kept = ~pinned  # a block whose window slid all its tokens out may have no page at all
-    pages = np.asarray(block.page_ids, dtype=np.int64)
-    slots[kept] = pages[offset[kept] // page_size] * page_size + offset[kept] % page_size
-    return slots
 
 
 def indptr(lengths: Sequence[int]) -> np.ndarray:

@@ -1,11 +1,5 @@
-"""Chunked MLA context: the step's cached tokens in chunks of bounded size.
-
-Attending decompressed queries over the cached part of each sequence means decompressing its
-latent rows (``kv_c @ W_UK``, ``kv_c @ W_UV``), whose size grows with the context. As vLLM does,
-the context is walked in chunks of at most ``C`` rows whose attention states are merged by
-log-sum-exp: :class:`ContextPlan` is that walk for one step (planned once, used by every layer);
-:class:`ContextWorkspace` holds the ``C``-row buffers, the only memory it needs.
-"""
+"""Chunked MLA context (as vLLM's): the step's cached tokens in chunks of at most ``C`` rows
+(:class:`ContextPlan`, planned once per step) and their buffers (:class:`ContextWorkspace`)."""
 
 from __future__ import annotations
 
@@ -38,8 +32,7 @@ class ContextPlan:
     @classmethod
     def build(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],
               chunk_size: int, device: tvm.runtime.Device) -> "ContextPlan":
-        """Plan the context of a step whose pages are already reserved (sequence lengths
-        include the step's tokens)."""
+        """Plan the context of a step whose pages are already reserved."""
         lengths = [paging.sequence_length(s) - n for s, n in zip(seq_ids, append_lengths)]
         slots = [paging.position_map(s, 0, c) for s, c in zip(seq_ids, lengths) if c > 0]
         positions = np.concatenate(slots).astype(np.int32) if slots else np.zeros(1, np.int32)
@@ -58,9 +51,8 @@ class ContextPlan:
 
 
 class ContextWorkspace:
-    """Buffers for one chunk: latent rows ``(1, C, W)``, decompressed K ``(C, H, Dqk)`` and
-    V ``(C, H, Dv)``, and a chunk's attention output ``(n_max, H, Dv)`` (``n_max``: the
-    prefill chunk size); allocated once, with the cache."""
+    """Buffers for one chunk: latent rows ``(1, C, W)``, K ``(C, H, Dqk)``, V ``(C, H, Dv)``, and
+    a chunk's attention output ``(prefill chunk size, H, Dv)``."""
 
     def __init__(self, rows: int, max_tokens: int, width: int, heads: int, qk_head_dim: int, v_head_dim: int,
                  dtype: str, device: tvm.runtime.Device) -> None:

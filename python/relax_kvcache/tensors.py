@@ -17,27 +17,23 @@ TENSOR_TYPES = (tvm.runtime.Tensor, tvm_ffi.Tensor)
 
 _create_view = _ffi_api.TVMTensorCreateView
 
-#: Alignment (bytes) TVM's kernels assume for the data of every tensor argument (TVM's
-#: ``kAllocAlignment``): compiled code may use aligned vector loads, so less is a crash.
+#: Alignment (bytes) TVM's kernels assume for tensor data (TVM's ``kAllocAlignment``).
 DATA_ALIGNMENT = 64
 
-#: Where ``DLTensor.byte_offset`` lies from a tvm-ffi tensor handle (tvm-ffi's stable C ABI): a
-#: 24-byte object header, then the DLTensor's data, device, ndim, dtype, shape and strides fields
-#: (40 bytes). Verified once at import.
+#: Where ``DLTensor.byte_offset`` lies from a tvm-ffi tensor handle (a 24-byte object header,
+#: then 40 bytes of DLTensor fields); verified once at import.
 _BYTE_OFFSET_AT = 24 + 40
 _UINT64 = ctypes.c_uint64
 
 
 def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 0,
          dtype: Any = None) -> tvm.runtime.Tensor:
-    """A view of ``tensor`` with ``shape`` at ``byte_offset``, ~1 us (pass a cached ``dtype`` on
-    hot paths: reading ``tensor.dtype`` builds a new one each time)."""
+    """A view of ``tensor`` of ``shape`` at ``byte_offset`` (hot paths pass a cached ``dtype``)."""
     return _create_view(tensor, shape, tensor.dtype if dtype is None else dtype, byte_offset)
 
 
 def row_view(tensor: tvm.runtime.Tensor, index: int) -> tvm.runtime.Tensor:
-    """A view of ``tensor[index]`` (first axis) of a contiguous tensor; not for hot paths (it
-    reads ``tensor.dtype``)."""
+    """A view of ``tensor[index]`` (first axis) of a contiguous tensor."""
     shape = tuple(tensor.shape[1:])
     return view(tensor, shape, index * int(np.prod(shape, dtype=np.int64)) * tensor.dtype.itemsize)
 
@@ -52,8 +48,7 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 
 def allocate(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device, what: str) -> tvm.runtime.Tensor:
-    """``tvm.runtime.empty``, with an allocation failure (``std::bad_alloc``, device out of
-    memory) reported as a ``ConfigError`` naming ``what`` and its shape."""
+    """``tvm.runtime.empty``, an allocation failure raised as ``ConfigError`` naming ``what``."""
     try:
         return tvm.runtime.empty(shape, dtype, device)
     except (MemoryError, RuntimeError) as error:
@@ -65,8 +60,7 @@ def _raw_byte_offset(tensor: tvm.runtime.Tensor) -> int:
 
 
 def byte_offset(tensor: tvm.runtime.Tensor) -> int:
-    """``DLTensor.byte_offset`` of ``tensor`` (non-zero for views made with an offset), ~0.5 us;
-    0 where the field cannot be read safely."""
+    """``DLTensor.byte_offset`` of ``tensor`` (0 where the field cannot be read safely)."""
     return _raw_byte_offset(tensor) if _OFFSET_READABLE else 0
 
 
@@ -85,13 +79,8 @@ def check_tensor(
     dtype: str,
     device: tvm.runtime.Device,
 ) -> Tuple[int, ...]:
-    """Check a tensor argument (``None`` in ``shape`` matches any extent); its shape.
-
-    Besides shape, dtype and device, the tensor must be contiguous, start at its data pointer
-    and be aligned to :data:`DATA_ALIGNMENT` bytes, as the kernels assume (a view with an offset
-    makes them raise, possibly after an earlier kernel of the call changed the cache; misaligned
-    data can crash them). ``ArgumentError`` for a non-tensor, else ``ForwardError``.
-    """
+    """Check a tensor argument (``None`` in ``shape`` matches any extent); its shape. It must
+    also be contiguous, start at its data pointer and be aligned, as the kernels assume."""
     if not isinstance(value, TENSOR_TYPES):
         raise ArgumentError(f"{name} must be a tvm.runtime.Tensor, got {type(value).__name__}")
     got = tuple(value.shape)
@@ -116,9 +105,8 @@ def check_tensor(
 
 def check_disjoint(outputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]],
                    inputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]] = ()) -> None:
-    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's (a
-    kernel writing an output that aliases what it still reads gives wrong results silently).
-    Entries are ``(name, tensor, nbytes)`` of tensors checked by :func:`check_tensor`."""
+    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's;
+    entries are ``(name, tensor, nbytes)``."""
     spans = [(name, t.data_ptr(), n) for name, t, n in (*outputs, *inputs)]
     for i in range(len(outputs)):
         name, lo, n = spans[i]

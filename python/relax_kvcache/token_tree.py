@@ -34,20 +34,23 @@ class TokenTree:
         if len(parents) > MAX_TREE_SIZE:
             raise ForwardError(f"the token tree of sequence {seq_id} has {len(parents)} nodes, more than the "
                                f"maximum tree size {MAX_TREE_SIZE}")
-        depths: List[int] = []
-        children: List[List[int]] = [[] for _ in parents]
-        roots: List[int] = []
         for node, parent in enumerate(parents):
             if not -1 <= parent < node:
                 raise ForwardError(f"invalid token tree of sequence {seq_id}: the parent of node {node} is "
                                    f"{parent}; expected -1 (a root) or a node index in [0, {node})")
-            if parent == -1:
-                roots.append(node)
-                depths.append(0)
-            else:
-                children[parent].append(node)
-                depths.append(depths[parent] + 1)
-        return cls(parents=parents, depths=tuple(depths), intervals=_dfs_intervals(children, roots),
+        sizes = [1] * len(parents)  # of each node's subtree; children come after their parent
+        for node in range(len(parents) - 1, -1, -1):
+            if parents[node] != -1:
+                sizes[parents[node]] += sizes[node]
+        # DFS (preorder) number of each node, roots and children in index order
+        depths, firsts, next_first = [], [], {-1: 0}
+        for node, parent in enumerate(parents):
+            firsts.append(next_first[parent])
+            next_first[parent] += sizes[node]
+            next_first[node] = firsts[node] + 1
+            depths.append(depths[parent] + 1 if parent != -1 else 0)
+        return cls(parents=parents, depths=tuple(depths),
+                   intervals=tuple((first, first + size) for first, size in zip(firsts, sizes)),
                    is_chain=all(parent == node - 1 for node, parent in enumerate(parents)))
 
     def __len__(self) -> int:
@@ -61,22 +64,3 @@ class TokenTree:
             leaf = self.parents[leaf]
         return path[::-1]
 
-
-def _dfs_intervals(children: List[List[int]], roots: List[int]) -> Tuple[Tuple[int, int], ...]:
-    """Iterative DFS from the roots in order: ``first`` is the visit order, ``last`` one past the
-    largest ``first`` in the subtree."""
-    intervals = [(0, 0)] * len(children)
-    counter = 0
-    for root in roots:
-        stack = [(root, False)]
-        while stack:
-            node, done = stack.pop()
-            if done:
-                last = max([intervals[node][0] + 1] + [intervals[c][1] for c in children[node]])
-                intervals[node] = (intervals[node][0], last)
-                continue
-            intervals[node] = (counter, 0)
-            counter += 1
-            stack.append((node, True))
-            stack.extend((child, False) for child in reversed(children[node]))
-    return tuple(intervals)

@@ -1,9 +1,5 @@
-"""Attention components: which kernels a layer's attention launches, with a step's views.
-
-A cache holds one: :class:`MHAAttention` here or :class:`~relax_kvcache.cache.mla.MLAAttention`,
-sharing ragged attention over the step's own K/V and paged attention over the cached pages,
-depth by depth, merged by log-sum-exp. Components only launch kernels; the cache checks first.
-"""
+"""Attention components: which kernels a layer's attention launches, with a step's views (MHA
+here, MLA in :mod:`.mla`). Components only launch kernels; the cache checks first."""
 
 from __future__ import annotations
 
@@ -26,22 +22,16 @@ class Attention:
         self.config, self.kernels, self.pages = config, kernels, pages
         self.windowed = tuple(kind in LOCAL_KINDS for kind in config.attn_kinds)
         self.rotary_mode = 0
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        """``(KV heads, q / k head dim, v head dim)`` of ``self_attention``'s tensors."""
-        raise NotImplementedError
-
-    def merge_v_dim(self) -> int:
-        """Head dim of the states ``merge_attn_output_inplace`` merges."""
-        raise NotImplementedError
+        # (KV heads, q / k head dim, v head dim) of self_attention's tensors; the last is also
+        # the head dim of the states merge_attn_output_inplace merges
+        self.self_attention_dims = (config.num_kv_heads, config.head_dim, config.v_head_dim)
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         """Why this cache cannot take token-tree steps (the error to raise), or None."""
         raise NotImplementedError
 
     def ragged(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
-        """Causal attention of the step's queries over the step's k/v (windowed on local layers
-        when the kernel set has the windowed ragged kernel)."""
+        """Causal attention of the step's queries over the step's k/v."""
         cfg, kernels, dev = self.config, self.kernels, step.device
         if dev.ragged_tree is not None:
             kernels.attention_prefill_ragged_tree(
@@ -56,9 +46,8 @@ class Attention:
 
     def paged(self, step: Step, layer: int, q, o, lse, sm_scale: float, *, first: bool,
               write_empty: bool = False) -> None:
-        """Attend q to a layer's cached pages depth by depth, merging into (o, lse) (``first``:
-        the first depth writes them directly). ``write_empty``: when no depth has pages, run
-        depth 0 anyway so that (o, lse) become the empty state (o = 0, lse = -inf)."""
+        """Attend q to a layer's cached pages depth by depth, merging into (o, lse) (``first``: the
+        first depth writes them). ``write_empty``: with no pages, write the empty state."""
         dev, windowed = step.device, self.windowed[layer]
         depths = dev.depths_with_pages(windowed)
         if not depths and write_empty:
@@ -78,9 +67,7 @@ class Attention:
 
 
 class MHAAttention(Attention):
-    """Attention of MHA layers (``MHA``, ``MHA_SLIDING``, ``MHA_CHUNKED_LOCAL``): the model
-    passes fused QKV; ``split_rotary`` splits it (RoPE in NORMAL mode) and ``transpose_append``
-    stores K/V."""
+    """Attention of MHA layers (``MHA``, ``MHA_SLIDING``, ``MHA_CHUNKED_LOCAL``)."""
 
     kind = "MHA"
 
@@ -89,13 +76,6 @@ class MHAAttention(Attention):
         super().__init__(config, kernels, pages)
         self.rotary_mode = int(config.effective_rope_mode == RopeMode.INLINE)
         self._split_rope_argument = split_rotary_rope_argument(config, device)
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        cfg = self.config
-        return cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim
-
-    def merge_v_dim(self) -> int:
-        return self.config.v_head_dim
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         cfg = self.config
@@ -138,8 +118,8 @@ class MHAAttention(Attention):
             self.paged(step, layer, q, o, lse, sm_scale, first=False)
 
     def _prefixed(self, step: Step, layer: int) -> bool:
-        """Whether ``attention_prefill_prefixed`` serves this step and layer: every sequence has
-        one plain page list (one depth, one chunk per sequence), no tree, no window."""
+        """Whether ``attention_prefill_prefixed`` serves this step and layer (one plain page list
+        per sequence)."""
         dev = step.device
         if (self.kernels.attention_prefill_prefixed is None or dev.ragged_tree is not None
                 or len(dev.depths) != 1 or self.windowed[layer] or self.config.slides_sequences):
@@ -150,9 +130,7 @@ class MHAAttention(Attention):
 
     def run_depth(self, step: Step, layer: int, depth: DepthViews, views: PageViews, q, o, lse,
                   sm_scale: float) -> None:
-        """Kernel choice and ``causal`` follow TVM: sliding-window variants for local layers and
-        for caches whose sequences slide; ``causal`` is set for local layers outside decode
-        (their kernels mask by position)."""
+        """Kernel choice and ``causal`` as in TVM (sliding-window variants where windows apply)."""
         cfg, k, dev = self.config, self.kernels, step.device
         windowed = self.windowed[layer]
         sliding = windowed or cfg.slides_sequences

@@ -1,9 +1,4 @@
-"""Token-tree commits: which K/V move where, and the moves themselves (``compact_copy``).
-
-``commit_accepted_token_tree_nodes`` keeps, per sequence, the path from the tree's root to the
-accepted leaf: the path's K/V move to consecutive positions after the committed prefix and the
-rest of the tree's tokens are popped.
-"""
+"""Token-tree commits: which K/V move where, and the moves themselves (``compact_copy``)."""
 
 from __future__ import annotations
 

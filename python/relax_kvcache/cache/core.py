@@ -1,11 +1,5 @@
-"""``PagedAttentionKVCache``: sequences, pages and the forward protocol over our TIR kernels.
-
-The cache owns one page tensor per layer, the paging state (:mod:`relax_kvcache.paging`) and
-the step in progress; planning (:mod:`.planner`), device placement (:mod:`.step`), kernel
-launches (:mod:`.attention`, :mod:`.mla`), checkpoints and debug reads are components. Every
-public method validates its arguments before changing anything, so an exception leaves the
-cache as it was.
-"""
+"""``PagedAttentionKVCache``: sequences, pages and the forward protocol over our TIR kernels;
+planning, device placement, kernel launches, checkpoints and debug reads are components."""
 
 from __future__ import annotations
 
@@ -82,7 +76,7 @@ class PagedAttentionKVCache:
     @classmethod
     def _unchecked(cls, config: KVCacheConfig, device: tvm.runtime.Device,
                    kernels: KernelSet) -> "PagedAttentionKVCache":
-        """A cache on ``kernels`` without checking them (the kernel probe's own cache)."""
+        """A cache on unchecked ``kernels`` (the kernel probe's own)."""
         cache = cls.__new__(cls)
         cache._setup(config, device, kernels, 0, lazy_workspace=False)
         return cache
@@ -361,7 +355,7 @@ class PagedAttentionKVCache:
         layer = self._local_layer(layer_id)
         step = self._active_step("self_attention")
         n, hq = step.total_tokens, self.config.num_qo_heads
-        hkv, dqk, dv = self._attention.self_attention_dims()
+        hkv, dqk, dv = self._attention.self_attention_dims
         q_arg = self._check("q", q, (n, hq, dqk))
         dqk = q.shape[2]
         inputs = [q_arg, self._check("k", k, (n, hkv, dqk)), self._check("v", v, (n, hkv, dv))]
@@ -399,8 +393,8 @@ class PagedAttentionKVCache:
         ``o (n, Hq, Dv)``, ``lse (n, Hq)``; MLA caches: ``Dv`` is the decompressed v head dim
         (TVM's second merge function).
         """
-        outputs = [self._check("o_self_attn", o_self_attn,
-                               (None, self.config.num_qo_heads, self._attention.merge_v_dim()))]
+        v_dim = self._attention.self_attention_dims[2]
+        outputs = [self._check("o_self_attn", o_self_attn, (None, self.config.num_qo_heads, v_dim))]
         shape = tuple(o_self_attn.shape)
         outputs.append(self._check("lse_self_attn", lse_self_attn, shape[:2], "float32"))
         inputs = [self._check("o_cross_attn", o_cross_attn, shape),
@@ -472,17 +466,16 @@ class PagedAttentionKVCache:
         K is stored after RoPE in NORMAL mode and before it otherwise.
         """
         self._component("debug_get_kv", MHAAttention)
-        self._debug.get_kv(seq_id, start_pos, end_pos, k_data, v_data)
+        self._debug.read("debug_get_kv", seq_id, start_pos, end_pos, k_data=k_data, v_data=v_data)
 
     def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
         """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer
         into ``kv_data (num_layers, end_pos - start_pos, kv_lora_rank + rope dim)`` (MLA caches)."""
         self._component("debug_get_kv_mla", MLAAttention)
-        self._debug.get_kv_mla(seq_id, start_pos, end_pos, kv_data)
+        self._debug.read("debug_get_kv_mla", seq_id, start_pos, end_pos, kv_data=kv_data)
 
     def get_layout_hash(self) -> str:
-        """The layout hash of checkpoints of this cache (TVM's: 16 hex digits of a 64-bit
-        FNV-1a over the layout; checkpoints import only into caches of the same hash)."""
+        """The layout hash of checkpoints of this cache (TVM's 64-bit FNV-1a, 16 hex digits)."""
         return self._checkpoints.layout_hash()
 
     def get_checkpoint_metadata(self, seq_id: int) -> str:
@@ -525,7 +518,7 @@ class PagedAttentionKVCache:
     # ------------------------------------------------------------------ guards
 
     def _component(self, what: str, kind: type) -> Any:
-        """The attention component when it is of ``kind`` (MHA or MLA layers), else refuse ``what``."""
+        """The attention component when it is of ``kind``, else refuse ``what``."""
         if not isinstance(self._attention, kind):
             need = kind.kind
             raise KVCacheError(f"{what} needs {need} layers, but this cache's layers are {self._attention.kind}")
@@ -533,8 +526,7 @@ class PagedAttentionKVCache:
 
     def _check(self, name: str, value: Any, shape: Sequence[Optional[int]], dtype: Optional[str] = None
                ) -> Tuple[str, Any, int]:
-        """Check a tensor argument on the cache's device, of the cache's dtype unless ``dtype``;
-        its ``(name, tensor, nbytes)`` for `check_disjoint`."""
+        """Check a tensor argument on the cache's device; its ``(name, tensor, nbytes)``."""
         dtype = dtype or self.config.dtype
         got = check_tensor(name, value, shape=shape, dtype=dtype, device=self.device)
         return name, value, math.prod(got) * DTYPE_BYTES[dtype]
@@ -548,7 +540,7 @@ class PagedAttentionKVCache:
 
     @contextlib.contextmanager
     def _callback(self, what: str) -> Iterator[None]:
-        """Mark a callback of ours (``what``) as running: the cache refuses calls meanwhile."""
+        """Mark a callback of ours as running: the cache refuses calls meanwhile."""
         self._busy = what
         try:
             yield
@@ -556,8 +548,6 @@ class PagedAttentionKVCache:
             self._busy = None
 
     def _check_not_busy(self, what: str) -> None:
-        """Refuse calls made from inside a callback of ours (``mla_context_attention``'s
-        ``decompress``): they would change the step or the workspace the caller is using."""
         if self._busy is not None:
             raise ForwardError(f"{what} called from inside {self._busy}; the cache can be used again "
                                "once the callback returns")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List
 
 import numpy as np
 import tvm
@@ -16,11 +16,7 @@ from ..tensors import check_disjoint, check_tensor
 
 
 class DebugReader:
-    """``debug_get_kv`` / ``debug_get_kv_mla`` of a cache (the cache checks the layer kind).
-
-    ``check_not_importing(seq_id, what)`` refuses a sequence whose checkpoint import is
-    unfinished.
-    """
+    """``debug_get_kv`` / ``debug_get_kv_mla`` of a cache (the cache checks the layer kind)."""
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor],
@@ -28,30 +24,9 @@ class DebugReader:
         self._config, self._kernels, self._device = config, kernels, device
         self._paging, self._pages, self._check_not_importing = paging, pages, check_not_importing
 
-    def get_kv(self, seq_id: Any, start_pos: Any, end_pos: Any, k_data: Any, v_data: Any) -> None:
-        """K/V of positions ``[start_pos, end_pos)`` into ``(num_layers, end - start, Hkv, D)``."""
-        seq_id, start_pos, end_pos = self._range("debug_get_kv", seq_id, start_pos, end_pos)
-        cfg = self._config
-        shape = (cfg.num_layers, end_pos - start_pos, cfg.num_kv_heads, cfg.head_dim)
-        check_tensor("k_data", k_data, shape=shape, dtype=cfg.dtype, device=self._device)
-        check_tensor("v_data", v_data, shape=shape, dtype=cfg.dtype, device=self._device)
-        nbytes = int(np.prod(shape)) * self._pages[0].dtype.itemsize
-        check_disjoint([("k_data", k_data, nbytes), ("v_data", v_data, nbytes)])
-        positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self._device)
-        for layer, pages in enumerate(self._pages):
-            self._kernels.debug_get_kv(pages, positions, k_data, v_data, layer)
-
-    def get_kv_mla(self, seq_id: Any, start_pos: Any, end_pos: Any, kv_data: Any) -> None:
-        """Latent rows of positions ``[start_pos, end_pos)`` into ``(num_layers, end - start, W)``."""
-        seq_id, start_pos, end_pos = self._range("debug_get_kv_mla", seq_id, start_pos, end_pos)
-        cfg = self._config
-        check_tensor("kv_data", kv_data, shape=(cfg.num_layers, end_pos - start_pos, cfg.head_dim),
-                     dtype=cfg.dtype, device=self._device)
-        positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self._device)
-        for layer, pages in enumerate(self._pages):
-            self._kernels.debug_get_kv(pages, positions, kv_data, layer)
-
-    def _range(self, what: str, seq_id: Any, start_pos: Any, end_pos: Any) -> Tuple[int, int, int]:
+    def read(self, what: str, seq_id: Any, start_pos: Any, end_pos: Any, **outputs: Any) -> None:
+        """Positions ``[start, end)`` of every layer into ``k_data`` and ``v_data`` ``(num_layers,
+        end - start, Hkv, D)``, or into MLA's ``kv_data`` ``(num_layers, end - start, W)``."""
         if self._kernels.debug_get_kv is None:
             raise KVCacheError(f"{what} needs the debug_get_kv kernel, which this cache was created without")
         seq_id, start_pos, end_pos = (as_int("seq_id", seq_id), as_int("start_pos", start_pos),
@@ -60,5 +35,14 @@ class DebugReader:
         length = self._paging.sequence_length(seq_id)
         if not 0 <= start_pos < end_pos <= length:
             raise SequenceError(f"{what} range [{start_pos}, {end_pos}) is invalid for sequence "
-                               f"{seq_id} of length {length}; expected 0 <= start < end <= length")
-        return seq_id, start_pos, end_pos
+                                f"{seq_id} of length {length}; expected 0 <= start < end <= length")
+        cfg = self._config
+        rows = (cfg.head_dim,) if len(outputs) == 1 else (cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, end_pos - start_pos, *rows)
+        for name, tensor in outputs.items():
+            check_tensor(name, tensor, shape=shape, dtype=cfg.dtype, device=self._device)
+        nbytes = int(np.prod(shape)) * self._pages[0].dtype.itemsize
+        check_disjoint([(name, tensor, nbytes) for name, tensor in outputs.items()])
+        positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self._device)
+        for layer, pages in enumerate(self._pages):
+            self._kernels.debug_get_kv(pages, positions, *outputs.values(), layer)

@@ -1,12 +1,5 @@
-"""Attention of MLA layers: latent pages, absorbed paged attention, the chunked context.
-
-An MLA cache stores one latent row per token (``[compressed kv, RoPE'd k_pe]``, width
-``kv_lora_rank + rope dim``). The model appends them (:meth:`MLAAttention.append_kv`), attends
-absorbed queries over them (one paged kernel for decode and prefill, as in TVM), and attends
-its decompressed queries over the step's own tokens (ragged kernel) and over the cached context,
-decompressed chunk by chunk (:meth:`MLAAttention.context_attention`,
-:mod:`relax_kvcache.mla_context`).
-"""
+"""Attention of MLA layers: latent pages, absorbed paged attention, the chunked context
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -25,12 +18,8 @@ from .step import DepthViews, PageViews, Step
 
 
 class MLAAttention(Attention):
-    """Attention of MLA layers (see the module docstring).
-
-    ``callback(what)``: a context manager the cache holds while the model's ``decompress`` runs,
-    so that it cannot change the step from inside. ``lazy_workspace``: make the context
-    workspace on first use (caches that read their decompressed dims off foreign kernels).
-    """
+    """Attention of MLA layers. ``callback(what)``: the context the model's ``decompress`` runs
+    in; ``lazy_workspace``: make the context workspace on first use."""
 
     kind = "MLA"
 
@@ -38,19 +27,14 @@ class MLAAttention(Attention):
                  paging: PagingState, device: tvm.runtime.Device, callback: Callable[[str], ContextManager], *,
                  lazy_workspace: bool = False) -> None:
         super().__init__(config, kernels, pages)
+        self.self_attention_dims = (config.num_qo_heads, config.mla_original_qk_head_dim,
+                                    config.mla_original_v_head_dim)
         self._paging, self._device, self._callback = paging, device, callback
         self._dtype, self._itemsize = pages[0].dtype, pages[0].dtype.itemsize
         self._context: Optional[Tuple[Step, ContextPlan]] = None  # the chunked context of a step
         self.workspace: Optional[ContextWorkspace] = None
         if not lazy_workspace:
             self.workspace = self._new_workspace(config.mla_original_qk_head_dim, config.mla_original_v_head_dim)
-
-    def self_attention_dims(self) -> Tuple[int, int, int]:
-        cfg = self.config
-        return cfg.num_qo_heads, cfg.mla_original_qk_head_dim, cfg.mla_original_v_head_dim
-
-    def merge_v_dim(self) -> int:
-        return self.config.mla_original_v_head_dim
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         return ForwardError("token-tree attention is not supported for MLA layers (as in TVM); got a "
@@ -77,8 +61,7 @@ class MLAAttention(Attention):
 
     def context_attention(self, step: Step, layer: int, q: Any, o: Any, lse: Any, sm_scale: float,
                           decompress: Any) -> None:
-        """Check the arguments, then attend q over the step's cached context chunk by chunk,
-        merging the chunks' states into (o, lse)."""
+        """Attend q over the step's cached context chunk by chunk, merged into (o, lse)."""
         ws = self._check_context_args(step, q, o, lse, decompress)
         dev, n, hq, dv = step.device, step.total_tokens, self.config.num_qo_heads, ws.dims[1]
         plan = self._context_plan(step)
@@ -136,8 +119,6 @@ class MLAAttention(Attention):
     def _context_plan(self, step: Step) -> ContextPlan:
         """The step's chunked context, planned on first use and kept for the step."""
         if self._context is None or self._context[0] is not step:
-            # chunks of the workspace's rows: context_chunk_size, capped at the pages' rows (a
-            # context counts a shared prefix once per sequence, so it can be longer than that)
             plan = ContextPlan.build(self._paging, step.meta.seq_ids, step.meta.append_lengths,
                                      self.config.context_workspace_rows, self._device)
             self._context = (step, plan)

@@ -1,9 +1,5 @@
-"""The first stage of a step: check ``begin_forward``'s arguments and plan the step on the host.
-
-A repeated decode batch is derived from the previous step (:mod:`relax_kvcache.decode_plan`);
-any other step is checked here in full, then planned by :func:`metadata.plan_step`, which
-reserves its pages in the paging state. Nothing changes before every check has passed.
-"""
+"""The first stage of a step: check ``begin_forward``'s arguments and plan the step on the host
+(repeated decode batches through :mod:`relax_kvcache.decode_plan`)."""
 
 from __future__ import annotations
 
@@ -20,15 +16,13 @@ from ..token_tree import TokenTree
 
 
 def unwindowed_chunk_limit(config: KVCacheConfig, kernels: KernelSet) -> int:
-    """Most tokens a sequence may append per step (0: no limit): ``MHA_SLIDING`` layers without
-    the windowed ragged kernel are exact only while the new tokens fit in the window
-    (``MHA_CHUNKED_LOCAL`` layers require that kernel)."""
+    """Most tokens a sequence may append per step (0: no limit): the window of ``MHA_SLIDING``
+    layers without the windowed ragged kernel."""
     return config.layer_span.window if kernels.attention_prefill_ragged_sliding_window is None else 0
 
 
 class StepPlanner:
-    """Checks and plans steps over a cache's paging state; ``tree_refusal()`` returns why the
-    cache cannot take token-tree steps (an exception to raise), or None."""
+    """Checks and plans steps; ``tree_refusal()``: why token-tree steps are refused, or None."""
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, paging: PagingState,
                  tree_refusal: Callable[[], Optional[KVCacheError]]) -> None:
@@ -39,7 +33,7 @@ class StepPlanner:
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
         """The step ``begin_forward(seq_ids, append_lengths, parent_ptr)``, its pages reserved
-        (``importing``: the sequence whose checkpoint import is unfinished, which cannot join)."""
+        (``importing``: a sequence that cannot join)."""
         step = None
         if parent_ptr is None:  # the same decode batch again: update the last step
             step = self.decode.next_step(self._paging, seq_ids, append_lengths)
@@ -86,8 +80,8 @@ class StepPlanner:
 
     def _check_trees(self, seq_ids: List[int], append_lengths: List[int],
                      parent_ptr: Optional[Sequence[int]]) -> Optional[List[TokenTree]]:
-        """Each sequence's token tree after the step (or None), validated. Parent pointers index
-        the accumulated tree: the uncommitted nodes of earlier steps, then this step's."""
+        """Each sequence's token tree after the step (or None); parent pointers index the
+        uncommitted nodes of earlier steps, then this step's."""
         paging = self._paging
         if parent_ptr is None:
             for seq_id in seq_ids:

@@ -1,13 +1,8 @@
 """The forward step in progress, and the uploader that places a planned step on the device.
 
-A step runs one way through three stages: the planner (:mod:`.planner`, over the paging state
-and :mod:`relax_kvcache.metadata`) turns ``begin_forward``'s arguments into host arrays
-(`metadata.StepMetadata`); :class:`StepUploader` copies them to the device in one transfer and
-makes the views the kernels read (:class:`DeviceStep`); the cache keeps the result, one frozen
-:class:`Step`, until ``end_forward`` drops it.
-
-Shapes: B = sequences in the step, n = tokens of the step, c = chunks at a depth, Hq / Hkv =
-query / KV heads, D / Dv = q-k / v head dims; every index array is int32.
+:class:`StepUploader` copies a planned step's host arrays (`metadata.StepMetadata`) to the
+device in one transfer and makes the views the kernels read (:class:`DeviceStep`); the cache
+keeps the result, one :class:`Step`, until ``end_forward``. Shapes as in :mod:`..metadata`.
 """
 
 from __future__ import annotations
@@ -69,11 +64,9 @@ class DeviceStep:
     append_position: tvm.runtime.Tensor  # (n,) page slot of each new token
     depths: Tuple[DepthViews, ...]  # root depth first
     ragged_tree: Optional[TreeViews]  # masks of the ragged tree kernel
-    # split_rotary's output (n, Hq, D), (n, Hkv, D), (n, Hkv, Dv); None for MLA (the model
-    # passes q / k / v)
-    q: Optional[tvm.runtime.Tensor]
-    k: Optional[tvm.runtime.Tensor]
-    v: Optional[tvm.runtime.Tensor]
+    q: Optional[tvm.runtime.Tensor]  # split_rotary's output (n, Hq, D); None for MLA, and:
+    k: Optional[tvm.runtime.Tensor]  # (n, Hkv, D)
+    v: Optional[tvm.runtime.Tensor]  # (n, Hkv, Dv)
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv): a depth's partial output before it is merged
     tmp_lse: tvm.runtime.Tensor  # (n, Hq) float32
     merged_lse: tvm.runtime.Tensor  # (n, Hq) float32: LSE of attention_with_fused_qkv's output
@@ -89,12 +82,10 @@ class Step:
     """The forward step in progress, from ``begin_forward`` to ``end_forward``."""
 
     meta: md.StepMetadata  # the plan as host arrays
-    # its arrays on the device and the scratch views of its n tokens; repeated decode steps of
-    # one batch share one (fixed slots, see StepUploader)
-    device: DeviceStep
+    device: DeviceStep  # its device arrays and scratch views (repeated decode steps share one)
     fixed_slots: bool  # whether device lives in fixed slots (a CUDA graph may capture it)
     buffer: Any  # the AuxBuffer or SlotBuffer; buffer.wait() orders the compute stream after it
-    # layers whose K/V the step has appended so far: the one part that grows during the step
+    # layers whose K/V the step has appended so far
     appended: Set[int] = dataclasses.field(default_factory=set)
 
     @property
@@ -102,8 +93,7 @@ class Step:
         return self.meta.total_tokens
 
     def check_not_overwritten(self, what: str, layer: int, layer_id: int) -> None:
-        """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote pages that slid
-        out of a window this step."""
+        """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote slid-out pages."""
         if self.meta.reused_pages and layer in self.appended:
             raise ForwardError(self.reused_pages_message(what, layer_id))
 
@@ -154,19 +144,14 @@ class StepUploader:
 
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
-
-        ``repeated_decode``: a decode step the decode planner keeps (see
-        :mod:`relax_kvcache.decode_plan`); it goes to the fixed slots.
-        """
+        ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots."""
         packed = _packed_arrays(meta)
         arrays = [a for a, _ in packed]
         if not repeated_decode:
             return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux)
-        # Fixed slots: the views (and so every kernel argument) stay the same while the batch
-        # keeps its structure and its page lists fit the slots' headroom; a CUDA graph captured
-        # on one such step replays on the next ones (see relax_kvcache.cuda_graph).
-        has_pages = tuple((d.has_pages, d.window.has_pages if d.window is not None else None)
-                          for d in meta.depths)
+        # Fixed slots: the views stay the same while the batch keeps its structure and its page
+        # lists fit the slots' headroom (a captured CUDA graph replays on them).
+        has_pages = tuple((_has_pages(d), d.window and _has_pages(d.window)) for d in meta.depths)
         slots = self._slots
         if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
@@ -174,8 +159,7 @@ class StepUploader:
             buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
             slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
         elif slots[3] != meta.seq_ids:
-            # another batch of the same structure: the same slots, but a new object, so that a
-            # graph captured with the old batch's forward is not replayed for this one
+            # another batch of the same structure: new views, so no graph of the old one replays
             slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
         self._slots = slots
         slots[1].upload(arrays)
@@ -188,8 +172,8 @@ class StepUploader:
         depths = []
         for depth in meta.depths:
             qo_indptr = next(views)
-            pages = PageViews(next(views), next(views), next(views), next(views), depth.has_pages)
-            window = (PageViews(next(views), next(views), next(views), next(views), depth.window.has_pages)
+            pages = PageViews(*(next(views) for _ in range(4)), _has_pages(depth))
+            window = (PageViews(*(next(views) for _ in range(4)), _has_pages(depth.window))
                       if depth.window is not None else None)
             tree = TreeViews(next(views), next(views)) if depth.tree is not None else None
             depths.append(DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
@@ -208,10 +192,12 @@ class StepUploader:
         )
 
 
+def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
+    return p.page_indices.size > 0
+
+
 def _packed_arrays(meta: md.StepMetadata) -> List[Tuple[np.ndarray, bool]]:
-    """A step's arrays in upload order, each with whether it is a page list (which may grow):
-    the four token arrays, then per depth its qo_indptr and page lists (its window's, its tree
-    masks), then the ragged tree masks."""
+    """A step's arrays in upload order, each with whether it is a page list (which may grow)."""
     def page_set(p: Any) -> List[Tuple[np.ndarray, bool]]:  # a DepthMetadata or WindowPages
         return [(p.page_indptr, False), (p.page_indices, True), (p.length_info, False),
                 (p.k_rope_pos_offset, False)]

@@ -1,8 +1,4 @@
-"""Pure-Python paging layer of the paged KV cache: pages, the block tree and sequences.
-
-Reproduces the bookkeeping of TVM's C++ paged KV cache (page ids included) without touching
-KV data and without importing TVM.
-"""
+"""Pure-Python paging layer (pages, the block tree, sequences): TVM's bookkeeping, no TVM."""
 
 from .block_pool import Block, BlockPool
 from .decode_lane import DecodeLane

@@ -14,9 +14,8 @@ def as_seq_id(value: object) -> int:
     """``value`` as a sequence id: an int in the int64 range."""
     seq_id = as_int("sequence id", value)
     if not INT64_MIN <= seq_id <= INT64_MAX:
-        raise SequenceError(
-            f"sequence id {seq_id} is outside the int64 range [{INT64_MIN}, {INT64_MAX}]"
-        )
+        raise SequenceError(f"sequence id {seq_id} is outside the int64 range [{INT64_MIN}, "
+                            f"{INT64_MAX}]")
     return seq_id
 
 
@@ -29,27 +28,22 @@ def check_range(seq: Sequence, start: object, end: object) -> tuple[int, int]:
     start = as_int("start position", start)
     end = seq.seq_length if end is None else as_int("end position", end)
     if not 0 <= start <= end <= seq.seq_length:
-        raise SequenceError(
-            f"position range [{start}, {end}) is invalid for sequence {seq.seq_id}: "
-            f"expected 0 <= start <= end <= {seq.seq_length}"
-        )
+        raise SequenceError(f"position range [{start}, {end}) is invalid for sequence "
+                            f"{seq.seq_id}: expected 0 <= start <= end <= {seq.seq_length}")
     return start, end
 
 
 def check_append_length(seq: Sequence, length: object) -> int:
     length = as_int("append length", length)
     if length < 1:
-        raise SequenceError(
-            f"append length {length} for sequence {seq.seq_id} is invalid: expected >= 1"
-        )
+        raise SequenceError(f"append length {length} for sequence {seq.seq_id} is invalid: "
+                            "expected >= 1")
     return length
 
 
 def check_pop_length(seq: Sequence, n: object) -> int:
     n = as_int("pop length", n)
     if not 0 <= n <= seq.seq_length:
-        raise SequenceError(
-            f"cannot pop {n} tokens from sequence {seq.seq_id} of length {seq.seq_length}: "
-            f"expected 0 <= n <= {seq.seq_length}"
-        )
+        raise SequenceError(f"cannot pop {n} tokens from sequence {seq.seq_id} of length "
+                            f"{seq.seq_length}: expected 0 <= n <= {seq.seq_length}")
     return n

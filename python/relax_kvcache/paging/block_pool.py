@@ -9,12 +9,8 @@ from ..errors import KVCacheError
 
 @dataclasses.dataclass(slots=True)
 class Block:
-    """A node of the prefix tree: a run of tokens stored in pages of its own (TVM's ``Block``).
-
-    A block that has slid keeps its first ``sink_length`` tokens at in-block slots ``[0, sink)``;
-    token ``i >= sink_length`` lives at slot ``i - sink_length + sliding_window_offset`` (slot
-    ``k`` is ``page_ids[k // page_size]``, offset ``k % page_size``).
-    """
+    """A node of the prefix tree, a run of tokens in pages of its own (TVM's ``Block``); once
+    slid, token ``i >= sink_length`` is at slot ``i - sink_length + sliding_window_offset``."""
 
     index: int  # in its BlockPool
     page_ids: list[int] = dataclasses.field(default_factory=list)  # no two blocks share a page
@@ -27,11 +23,8 @@ class Block:
 
 
 class BlockPool:
-    """Owner of all blocks and of their reference counts.
-
-    Freed indices are reused most recent first, else the next unused one is taken (TVM's
-    ``free_block_idx_`` / ``GetFreeBlock``).
-    """
+    """Owner of all blocks and their reference counts; freed indices are reused most recent
+    first (TVM's ``GetFreeBlock``)."""
 
     __slots__ = ("_blocks", "_free", "_live")
 
@@ -43,10 +36,6 @@ class BlockPool:
     def __len__(self) -> int:
         """Blocks ever allocated since the last reset (free or live)."""
         return len(self._blocks)
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
 
     def all_free(self) -> bool:
         return len(self._free) == len(self._blocks)
@@ -94,9 +83,8 @@ class BlockPool:
         """Drop one reference to block ``idx``, which must keep at least one (it is shared)."""
         block = self.get(idx)
         if block.ref_count <= 1:
-            raise KVCacheError(
-                f"block {idx} has {block.ref_count} reference(s); expected a shared block (>= 2)"
-            )
+            raise KVCacheError(f"block {idx} has {block.ref_count} reference(s); expected a "
+                               "shared block (>= 2)")
         block.ref_count -= 1
 
     def free(self, idx: int) -> None:

@@ -1,10 +1,5 @@
-"""`DecodeLane`: a batch of sequences that grows by one token per step (repeated decode steps).
-
-Each such step adds one token to every sequence's last block and, every ``page_size`` steps, a
-page. `PagingState.open_lane` snapshots the batch into flat arrays once; `advance` then applies
-a step with numpy, touching Python objects only where they change. A lane is valid while the
-paging state is at the version it was opened or last advanced at.
-"""
+"""`DecodeLane`: a batch of sequences that grows by one token per step, as flat arrays that
+`advance` updates with numpy; valid while the paging state is at its version."""
 
 from __future__ import annotations
 
@@ -34,9 +29,8 @@ class DecodeLane:
 
 def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
               seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
-    """A lane over ``seq_ids``, or None unless every sequence is live and distinct, has no
-    window and no uncommitted tree, grew by one token in its last step, and owns its last block,
-    which has not slid and holds just the pages its tokens fill."""
+    """A lane over ``seq_ids``, or None unless every sequence is live, distinct, plain (no window,
+    no uncommitted tree), grew by one token last step and owns its unslid last block."""
     lane_seqs, lane_blocks = [], []
     for seq_id in seq_ids:
         seq = seqs.get(seq_id) if type(seq_id) is int else None
@@ -67,8 +61,7 @@ def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, vers
 
 def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int
             ) -> None:
-    """Append one token to every sequence of ``lane``, giving a page to the last blocks at
-    indices ``full`` (enough pages are free: checked by `PagingState.advance_lane`)."""
+    """Append one token to every sequence of ``lane``, a page to the last blocks at ``full``."""
     if len(full):
         new_pages = pages.allocate(len(full))
         pairs = lane._pairs

@@ -9,12 +9,8 @@ from ._checks import as_int
 
 
 class PagePool:
-    """Owner of the free page ids of a paged KV cache.
-
-    The free list is a stack, as TVM's ``free_page_ids_``: initially ``num_pages - 1, ..., 0``
-    with page 0 on top, so allocations return 0, 1, 2, ...; released pages are pushed on top in
-    the order given (LIFO reuse).
-    """
+    """The free page ids, a stack as TVM's ``free_page_ids_`` (page 0 on top at first; released
+    pages pushed on top in the order given)."""
 
     __slots__ = ("_num_pages", "_free", "_is_free")
 
@@ -44,15 +40,13 @@ class PagePool:
         self._is_free = bytearray(b"\x01") * self._num_pages
 
     def allocate(self, n: int) -> list[int]:
-        """Pop ``n >= 0`` pages off the free stack, in allocation order; CacheFullError (nothing
-        allocated) if fewer are free."""
+        """Pop ``n >= 0`` pages off the free stack, in allocation order."""
         n = as_int("number of pages to allocate", n)
         if n < 0:
             raise KVCacheError(f"number of pages to allocate must be >= 0, got {n}")
         if n > len(self._free):
-            raise CacheFullError(
-                f"the KV cache is full: {n} page(s) needed but only {len(self._free)} free"
-            )
+            raise CacheFullError(f"the KV cache is full: {n} page(s) needed but only "
+                                 f"{len(self._free)} free")
         if n == 0:
             return []
         pages = self._free[-n:]
@@ -63,8 +57,7 @@ class PagePool:
         return pages
 
     def release(self, page_ids: Iterable[int]) -> None:
-        """Push allocated pages back, in the given order (the last one ends on top); KVCacheError
-        (nothing released) for an id out of range, already free or repeated."""
+        """Push allocated pages back, in the given order (the last one ends on top)."""
         pages = list(page_ids)
         seen: set[int] = set()
         for page in pages:

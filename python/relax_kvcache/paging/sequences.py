@@ -7,20 +7,15 @@ import dataclasses
 
 @dataclasses.dataclass(slots=True)
 class Sequence:
-    """A live sequence: a path in the block tree ending at ``last_block`` (TVM's ``Sequence``).
-
-    Owned and mutated by `PagingState`; callers read it only. Once a windowed sequence is longer
-    than its window (and the cache slides), ``seq_length`` is the window size.
-    ``last_block_attn_sink_size`` is ``max(attn_sink_size - prefix length, 0)``: the blocks
-    before the last one cannot slide and act as a sink already.
-    """
+    """A live sequence, a path in the block tree ending at ``last_block`` (TVM's ``Sequence``);
+    owned by `PagingState`, read-only elsewhere."""
 
     seq_id: int
     last_block: int  # ancestors are reached through Block.parent
     seq_length: int = 0  # the sum of the lengths of the blocks on the path
     sliding_window_size: int = -1  # -1: no window
     attn_sink_size: int = 0  # the sink the window was enabled with
-    last_block_attn_sink_size: int = 0
+    last_block_attn_sink_size: int = 0  # max(attn_sink_size - prefix length, 0)
     accepted_indices_committed: bool = True  # the last step's token-tree nodes are committed
     token_tree: object = None  # the uncommitted relax_kvcache.token_tree.TokenTree, or None
     last_append_length: int = 0  # tokens of the last step (what a commit's leaf -1 pops)

@@ -1,16 +1,8 @@
 """`PagingState`: sequences, the block tree and the page pool of a paged KV cache.
 
-The semantics are those of TVM's C++ ``PagedAttentionKVCacheObj`` (``AddSequence``,
-``RemoveSequence``, ``ForkSequence``, ``PopN``, ``ReserveAppendLengthInSeq``,
-``EnableSlidingWindowForSeq``, ``SlideWindowForSequence``, ``Empty``, ``DebugGetKV``'s position
-map), including the order in which page and block ids are handed out. Unlike TVM, every
-operation validates the whole request first and raises a `KVCacheError` subclass with the state
-untouched, and windowed sequences stay consistent through forks and pops where TVM's
-bookkeeping would not (docs/compatibility.md lists the differences). The paging layer never
-touches KV data: the partial pages to copy are returned as `PageCopy` records.
-
-The block tree and page pool (:mod:`.tree`), sliding windows (:mod:`.windows`), batches of
-appends (:mod:`.appends`) and decode lanes (:mod:`.decode_lane`) live in their own modules.
+TVM's C++ bookkeeping (same page and block ids), each operation checked whole before anything
+changes (docs/compatibility.md lists the differences). KV data is never touched: partial pages
+to copy are returned as `PageCopy` records.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..errors import ConfigError, KVCacheError, SequenceError
-from . import appends, decode_lane, windows
+from . import appends, decode_lane
 from ._checks import as_int, as_seq_id, ceil_div, check_append_length, check_pop_length, check_range
 from .block_pool import Block
 from .decode_lane import DecodeLane
@@ -35,31 +27,19 @@ _INT32_MAX = 2**31 - 1
 
 
 class PagingState:
-    """Paging bookkeeping of a paged KV cache: the façade the cache uses.
-
-    Parameters
-    ----------
-    num_pages : int
-        Number of pages in the pool, ``>= 0``.
-    page_size : int
-        Tokens per page, ``>= 1``; ``num_pages * page_size`` must fit in int32.
-    slide_windows : bool
-        TVM's ``support_sliding_window_``: whether sequences with a window really slide. When
-        False they are only marked (fork is still restricted to their sink), as TVM does for
-        models with per-layer sliding-window layers.
-    """
+    """Paging bookkeeping of a paged KV cache, over ``num_pages`` pages of ``page_size``
+    tokens. ``slide_windows`` (TVM's ``support_sliding_window_``): whether sequences with a
+    window really slide, or are only marked."""
 
     def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False) -> None:
         num_pages = as_int("number of pages", num_pages)
         page_size = as_int("page size", page_size)
         if num_pages < 0 or page_size < 1:
-            raise ConfigError(
-                f"expected num_pages >= 0 and page_size >= 1, got {num_pages} and {page_size}"
-            )
+            raise ConfigError(f"expected num_pages >= 0 and page_size >= 1, got {num_pages} and "
+                              f"{page_size}")
         if num_pages * page_size > _INT32_MAX:
-            raise ConfigError(
-                f"num_pages * page_size = {num_pages * page_size} exceeds the int32 slot range"
-            )
+            raise ConfigError(f"num_pages * page_size = {num_pages * page_size} exceeds the int32 "
+                              "slot range")
         self._page_size = page_size
         self._tree = BlockTree(num_pages, page_size)
         self._pages, self._blocks = self._tree.pages, self._tree.blocks
@@ -83,8 +63,7 @@ class PagingState:
         return self._slide_windows
 
     @property
-    def version(self) -> int:
-        """A counter that every change of the state increments."""
+    def version(self) -> int:  # incremented by every change
         return self._version
 
     @property
@@ -99,7 +78,7 @@ class PagingState:
         return as_seq_id(seq_id) in self._seqs
 
     def sequence(self, seq_id: int) -> Sequence:
-        """The record of sequence ``seq_id`` (a live object: read it, do not modify it)."""
+        """The live record of sequence ``seq_id`` (read it, do not modify it)."""
         return self._seq(seq_id)
 
     def sequence_length(self, seq_id: int) -> int:
@@ -133,15 +112,13 @@ class PagingState:
         return not self._seqs and self._blocks.all_free() and self._pages.num_free == self.num_pages
 
     def pages_needed(self, seq_id: int, length: int) -> int:
-        """The pages `reserve_append` would allocate to append ``length >= 1`` tokens (before
-        a window slides, which may give pages back)."""
+        """The pages `reserve_append` would allocate for ``length`` tokens (before any slide)."""
         seq = self._seq(seq_id)
         length = check_append_length(seq, length)
         return self._tree.block_pages_needed(self._blocks[seq.last_block], length)
 
     def position_map(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
-        """int32 KV slots (``page_id * page_size + in_page_offset``) of the positions
-        ``[start, end)`` (``end`` defaults to the length), as TVM's ``DebugGetKV`` maps them."""
+        """int32 KV slots of the positions ``[start, end)`` (TVM's ``DebugGetKV`` map)."""
         seq = self._seq(seq_id)
         start, end = check_range(seq, start, end)
         return self._tree.slots(seq, start, end)
@@ -174,9 +151,7 @@ class PagingState:
         self._insert_sequence(seq_id, self._blocks.new_block(), 0)
 
     def remove_sequence(self, seq_id: int) -> None:
-        """Remove a sequence (``RemoveSequence``): the blocks only it references are freed from
-        its last block up (pages released block by block, in page order); the first shared
-        ancestor loses one reference."""
+        """Remove a sequence (``RemoveSequence``), freeing the blocks only it references."""
         seq = self._seq(seq_id)
         self._version += 1
         self._tree.release_path(seq.last_block)
@@ -185,16 +160,11 @@ class PagingState:
             self._num_windowed -= 1
 
     def enable_sliding_window(self, seq_id: int, window_size: int, sink_size: int) -> None:
-        """Give sequence ``seq_id`` a sliding window (TVM's ``EnableSlidingWindowForSeq``).
-
-        Once longer than ``window_size`` (with ``slide_windows``), each append keeps the
-        sequence's first ``sink_size`` tokens and its most recent ones. Blocks before the last
-        one cannot slide and act as a sink already: the last block's sink is
-        ``max(sink_size - prefix, 0)``. Whether the cache supports windows is the caller's check.
-        """
+        """Give sequence ``seq_id`` a sliding window (TVM's ``EnableSlidingWindowForSeq``);
+        earlier blocks cannot slide and count as sink."""
         seq = self._seq(seq_id)
         prefix = seq.seq_length - self._blocks[seq.last_block].seq_length
-        window_size, sink_size = windows.check_window(
+        window_size, sink_size = appends.check_window(
             seq, window_size, sink_size, prefix, self._slide_windows
         )
         self._version += 1
@@ -204,12 +174,8 @@ class PagingState:
         self._num_windowed += 1
 
     def fork_sequence(self, parent_id: int, child_id: int, fork_pos: int = -1) -> list[PageCopy]:
-        """Create ``child_id`` sharing the first ``fork_pos`` tokens (-1: all) of ``parent_id``.
-
-        TVM's ``ForkSequence``: whole pages are shared through the block tree; a partial last
-        page is copied into a fresh page of the child (the returned copies, zero or one). A
-        windowed parent can only be forked within its sink; the child has no window.
-        """
+        """Create ``child_id`` sharing the first ``fork_pos`` tokens (-1: all) of ``parent_id``
+        (TVM's ``ForkSequence``); returns the partial page to copy, if any."""
         parent = self._seq(parent_id)
         child_id = self._check_absent(child_id)
         pos = self._tree.fork_position(parent, fork_pos)
@@ -221,14 +187,8 @@ class PagingState:
         return copies
 
     def popn(self, seq_id: int, n: int) -> list[PageCopy]:
-        """Drop the last ``n`` tokens of sequence ``seq_id`` (TVM's ``PopN``).
-
-        Unshared blocks are trimmed from the end. If tokens remain to pop once a shared block
-        is reached, the sequence is re-forked from its own prefix (keeping its window); the
-        returned copies (zero or one) are that fork's partial page. Popping a slid block down
-        to its sink resets it to an unslid block; popping whole blocks recomputes the new last
-        block's sink.
-        """
+        """Drop the last ``n`` tokens of sequence ``seq_id`` (TVM's ``PopN``): unshared blocks are
+        trimmed, then a shared prefix is re-forked (its partial page returned, as a fork's)."""
         seq = self._seq(seq_id)
         n = check_pop_length(seq, n)
         if n == 0:
@@ -247,12 +207,8 @@ class PagingState:
         return copies
 
     def check_pops(self, pops: list[tuple[int, int]]) -> None:
-        """Raise what ``popn(seq_id, n)`` for each pair, in order, would raise; change nothing.
-
-        Pops that only trim unshared blocks cannot affect each other, so each is checked on its
-        own; a pop that re-forks depends on what the pops before it freed, so such batches are
-        tried on a copy of this state.
-        """
+        """Raise what ``popn(seq_id, n)`` for each pair, in order, would raise; change nothing
+        (a batch with a re-forking pop is tried on a copy)."""
         refork = False
         for seq_id, n in pops:
             seq = self._seq(seq_id)
@@ -269,30 +225,22 @@ class PagingState:
     def reserve_append(
         self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int]
     ) -> tuple[int, ...]:
-        """Make room for ``lengths[i] >= 1`` new tokens at the end of each distinct sequence
-        ``seq_ids[i]``: TVM's ``ReserveAppendLengthInSeq`` over a batch, in batch order.
-
-        A windowed sequence (with ``slide_windows``) then slides in its turn, as TVM's
-        ``SlideWindowForSequence``, borrowing temporary pages when the pool runs dry. The whole
-        batch is planned first: on any error nothing changes. Returns the pages that slid out
-        of a window and were handed to new tokens of the same batch, in allocation order.
-        """
+        """Make room for ``lengths[i]`` new tokens of each sequence ``seq_ids[i]`` (TVM's
+        ``ReserveAppendLengthInSeq`` and ``SlideWindowForSequence``, in batch order); returns
+        the pages that slid out of a window and were handed to new tokens of the batch."""
         items, total = appends.plan(self._seqs, self._tree, seq_ids, lengths, self._seq)
         if self._num_windowed and self._slide_windows:
-            plans = windows.plan_sliding(items, self._pages, self._page_size)
+            plans = appends.plan_sliding(items, self._pages, self._page_size)
             self._version += 1
-            return windows.apply_sliding(items, plans, self._pages)
+            return appends.apply_sliding(items, plans, self._pages)
         self._tree.check_free_pages(total, 0, f"append to {len(items)} sequence(s)")
         self._version += 1
         appends.apply(items, self._pages.allocate(total))
         return ()
 
     def import_sequence(self, seq_id: int, length: int) -> np.ndarray:
-        """Give sequence ``seq_id`` (added when absent; else empty, without a window, tree or
-        fork) ``length`` tokens on fresh pages for a checkpoint import; their int32 slots.
-
-        The tokens are not a step's append (a later commit with leaf -1 pops nothing).
-        """
+        """Give sequence ``seq_id`` (new, or empty without a window, tree or fork) ``length``
+        tokens on fresh pages for a checkpoint import; their int32 slots."""
         seq_id, length = as_seq_id(seq_id), as_int("length", length)
         if length < 0:
             raise SequenceError(f"a sequence cannot hold {length} tokens; expected at least 0")
@@ -300,10 +248,8 @@ class PagingState:
         if seq is not None:
             if seq.seq_length or seq.sliding_window_size != -1 or seq.token_tree is not None:
                 window = " and a sliding window" if seq.sliding_window_size != -1 else ""
-                raise SequenceError(
-                    f"sequence {seq_id} has {seq.seq_length} token(s){window}; a checkpoint "
-                    "imports into a new or empty sequence without a window"
-                )
+                raise SequenceError(f"sequence {seq_id} has {seq.seq_length} token(s){window}; a "
+                                    "checkpoint imports into a new or empty sequence, no window")
             self._tree.appendable_block(seq)
         pages = ceil_div(length, self._page_size)
         self._tree.check_free_pages(pages, 0, f"import {length} token(s) into sequence {seq_id}")
@@ -315,23 +261,15 @@ class PagingState:
         return self.position_map(seq_id)
 
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
-        """Snapshot a decode batch for `advance_lane`, or None when a sequence cannot use one
-        (see `decode_lane.open_lane`)."""
-        return decode_lane.open_lane(
-            self._seqs, self._blocks, self._page_size, self._version, seq_ids
-        )
+        """Snapshot a decode batch for `advance_lane`, or None (see `decode_lane.open_lane`)."""
+        return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
+                                     seq_ids)
 
     def advance_lane(self, lane: DecodeLane) -> None:
-        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1).
-
-        KVCacheError if the state changed since the lane was opened or last advanced;
-        CacheFullError (nothing changes) if more last blocks are full than pages are free.
-        """
+        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1)."""
         if lane.version != self._version:
-            raise KVCacheError(
-                f"decode lane is stale: opened at state version {lane.version}, the state is at "
-                f"version {self._version}; open a new lane"
-            )
+            raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
+                               f"state is at version {self._version}; open a new lane")
         full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks needing a page
         self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
         self._version += 1
@@ -345,8 +283,7 @@ class PagingState:
         seq.accepted_indices_committed = False
 
     def clear_token_tree(self, seq_id: int) -> None:
-        """Mark the tree of ``seq_id`` committed; the commit consumed the last step, so a second
-        commit with leaf -1 pops nothing."""
+        """Mark the tree of ``seq_id`` committed (a later commit with leaf -1 pops nothing)."""
         seq = self._seq(seq_id)
         self._version += 1
         seq.token_tree = None

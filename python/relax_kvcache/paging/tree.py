@@ -1,9 +1,5 @@
-"""`BlockTree`: the block-level half of `PagingState` over its page pool.
-
-The pages of each block, the slots of a sequence's tokens, and the block surgery of forks and
-pops (TVM's ``ForkSequence`` splits and ``PopN`` trims). It knows the sequences it is handed,
-not the set of live sequences; callers check requests first.
-"""
+"""`BlockTree`: blocks over the page pool, token slots, and the block surgery of forks and pops
+(TVM's ``ForkSequence`` splits and ``PopN`` trims); callers check requests first."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ from .sequences import Sequence
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PageCopy:
-    """Copy the first ``length`` slots of page ``src_page`` into page ``dst_page`` (TVM's
-    ``CopySinglePage``: the caller performs it on the KV data of every layer, in order)."""
+    """Copy the first ``length`` slots of page ``src_page`` into ``dst_page``, in every layer."""
 
     src_page: int
     dst_page: int
@@ -79,34 +74,27 @@ class BlockTree:
     def check_free_pages(self, needed: int, extra: int, what: str) -> None:
         available = self.pages.num_free + extra
         if needed > available:
-            raise CacheFullError(
-                f"the KV cache is full: cannot {what}: {needed} page(s) needed, {available} free"
-            )
+            raise CacheFullError(f"the KV cache is full: cannot {what}: {needed} page(s) needed, "
+                                 f"{available} free")
 
     def appendable_block(self, seq: Sequence) -> None:
         block = self.blocks[seq.last_block]
         if block.ref_count != 1:
-            raise SequenceError(
-                f"the last block {block.index} of sequence {seq.seq_id} is referenced by "
-                f"{block.ref_count - 1} other block(s) and cannot accept new tokens "
-                f"(expected exactly 1 reference)"
-            )
+            raise SequenceError(f"the last block {block.index} of sequence {seq.seq_id} is "
+                                f"referenced by {block.ref_count - 1} other block(s) and cannot "
+                                "accept new tokens (expected exactly 1 reference)")
 
     def check_committed(self, seq: Sequence) -> None:
         if not seq.accepted_indices_committed:
-            raise SequenceError(
-                f"sequence {seq.seq_id} has uncommitted token-tree nodes and cannot be forked"
-            )
+            raise SequenceError(f"sequence {seq.seq_id} has uncommitted token-tree nodes and "
+                                "cannot be forked")
 
     def fork_position(self, parent: Sequence, fork_pos: object) -> int:
-        """``fork_pos`` of a fork of ``parent`` as a position (-1: its length), after TVM's
-        ForkSequence checks."""
+        """``fork_pos`` as a position (-1: the length), after TVM's ForkSequence checks."""
         fork_pos = as_int("fork position", fork_pos)
         if not -1 <= fork_pos <= parent.seq_length:
-            raise SequenceError(
-                f"fork position {fork_pos} is out of range [-1, {parent.seq_length}] for "
-                f"parent sequence {parent.seq_id}"
-            )
+            raise SequenceError(f"fork position {fork_pos} is out of range [-1, "
+                                f"{parent.seq_length}] for parent sequence {parent.seq_id}")
         pos = parent.seq_length if fork_pos == -1 else fork_pos
         self.check_committed(parent)
         if parent.sliding_window_size == -1:
@@ -114,10 +102,9 @@ class BlockTree:
         last = self.blocks[parent.last_block]
         sink_size = parent.seq_length - last.seq_length + parent.last_block_attn_sink_size
         if pos > sink_size:
-            raise SequenceError(
-                f"fork position {pos} of sequence {parent.seq_id} is past its attention sink: "
-                f"a sliding-window sequence can only be forked within {sink_size} tokens"
-            )
+            raise SequenceError(f"fork position {pos} of sequence {parent.seq_id} is past its "
+                                "attention sink: a sliding-window sequence can only be forked "
+                                f"within {sink_size} tokens")
         return pos
 
     # ------------------------------------------------------------------ slots
@@ -164,8 +151,7 @@ class BlockTree:
         return pos == parent.seq_length and pos % self.page_size == 0 and last.seq_length > 0
 
     def _locate(self, last_block: int, pos: int) -> tuple[int, int]:
-        """Return the block of the path ending at ``last_block`` a fork at ``pos`` cuts, and
-        the offset of ``pos`` in it (non-last blocks are skipped when ``pos`` is past them)."""
+        """The block of the path ending at ``last_block`` a fork at ``pos`` cuts, and the offset."""
         trace = self.trace_blocks(last_block)
         for block in trace[:-1]:
             if block.seq_length > pos:
@@ -217,8 +203,7 @@ class BlockTree:
 
     def _split_block(self, seq: Sequence, forked_idx: int, moved_pages: int, child_idx: int
                      ) -> None:
-        """Move the first ``moved_pages`` pages of ``forked_idx`` into a new parent block
-        shared by ``forked_idx`` and ``child_idx``."""
+        """Move the first ``moved_pages`` pages of ``forked_idx`` into a new shared parent."""
         head_idx = self.blocks.new_block()
         head, forked = self.blocks[head_idx], self.blocks[forked_idx]
         moved = moved_pages * self.page_size
@@ -252,8 +237,7 @@ class BlockTree:
                 idx = block.parent
                 continue
             left = block.seq_length - n
-            # popping the whole window of a slid block, or into its sink: only sink tokens are
-            # left, at their original slots (a slid block never becomes a prefix block)
+            # popping to or into a slid block's sink: only sink tokens are left, at their slots
             reset = left <= block.sink_length
             used = left if reset else left - block.sink_length + block.sliding_window_offset
             drop = max(0, len(block.page_ids) - ceil_div(used, self.page_size))
