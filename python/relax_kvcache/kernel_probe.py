@@ -1,10 +1,5 @@
 """Check a kernel set against the config of the cache that would run it, before the cache
-allocates anything (``check_kernels``, called by ``PagedAttentionKVCache.__init__``).
-
-Our libraries name the config they were built for (``KernelSet.identity``). Kernels passed as
-TVM's creation arguments do not: each page kernel runs on two random pages, then a small probe
-cache takes a few steps, each output compared with float64 numpy (:mod:`relax_kvcache.reference`)
-over the K/V it stored, so that kernels of another shape, dtype or role fail here by name.
+allocates anything (``check_kernels``); docs/reliability.md describes the probe of foreign kernels.
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ MAX_PROBED_HEAD_DIM = 1024
 
 @dataclasses.dataclass(frozen=True)
 class ProbeCache:
-    """A fresh cache on the kernels under test, and what the probe reads besides its API: page
-    tensors, ``position_map(seq_id, start, end)`` (slots), ``split_rotary``'s q output (the queries
-    the kernels see), the partial-state scratch, token-tree support, the most tokens a sequence may
-    append per step (0: no limit)."""
+    """A fresh cache on the kernels under test, and what the probe reads besides its API
+    (``position_map(seq_id, start, end)``: slots; ``max_append``: 0 for no limit)."""
 
     cache: Any
     kernels: KernelSet
@@ -47,42 +40,45 @@ class ProbeCache:
 
 def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                   new_cache: Callable[[KVCacheConfig, KernelSet], ProbeCache]) -> KVCacheConfig:
-    """Refuse kernels a cache of ``config`` cannot run on (a ``ConfigError``: ours built for another
-    config, a kernel its steps call missing, a foreign kernel failing its probe); return the config
-    to build it with (MLA without decompressed head dims: those the foreign kernels accept).
+    """Refuse kernels a cache of ``config`` cannot run on (``ConfigError``); return the config to
+    build it with (MLA without decompressed head dims: those the foreign kernels accept).
     ``new_cache(config, kernels)`` builds an unchecked cache for the probe."""
     if kernels.identity is not None:
-        expected = kernel_identity(config)
-        differ = [f"{name} {value!r} (kernels) vs {expected[name]!r} (config)" for name, value in kernels.identity
-                  if value != expected[name]]
+        want = kernel_identity(config)
+        differ = [f"{name} {value!r} (kernels) vs {want[name]!r} (config)"
+                  for name, value in kernels.identity if value != want[name]]
         if differ:
-            raise ConfigError("the kernels were built for another configuration: " + "; ".join(differ)
-                              + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for this "
-                              "config with relax_kvcache.build_kernels(config, target)")
-    roles = ["transpose_append_mla", "attention_prefill_mla"] if config.is_mla else [
-        "transpose_append", "split_rotary", "attention_prefill", "attention_decode"]
+            raise ConfigError(
+                "the kernels were built for another configuration: " + "; ".join(differ)
+                + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for "
+                "this config with relax_kvcache.build_kernels(config, target)")
+    roles = ["attention_prefill_ragged", "copy_single_page", "merge_inplace", "merge_general"]
+    roles += (["transpose_append_mla", "attention_prefill_mla"] if config.is_mla else
+              ["transpose_append", "split_rotary", "attention_prefill", "attention_decode"])
     if config.slides_sequences or config.has_layer_windows:
         roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
     if config.layer_span.chunk:  # the plain ragged kernel cannot split a step at chunk boundaries
         roles += ["attention_prefill_ragged_sliding_window"]
-    missing = kernels.missing(roles + ["attention_prefill_ragged", "copy_single_page", "merge_inplace",
-                                       "merge_general"])
+    missing = kernels.missing(roles)
     if missing:
-        raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
-                          "calls in every step; pass them (or let the cache build its own; TVM has no kernels for "
-                          "MHA_CHUNKED_LOCAL layers)")
+        raise ConfigError(
+            f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
+            "calls in every step; pass them (or let the cache build its own; TVM has no kernels "
+            "for MHA_CHUNKED_LOCAL layers)")
     if kernels.identity is not None:  # ours, built for this config
         return config
     if config.is_mla and config.mla_original_qk_head_dim is None:
         qk, v = _decompressed_head_dims(config, kernels, device)
         try:
-            config = dataclasses.replace(config, mla_original_qk_head_dim=qk, mla_original_v_head_dim=v)
+            config = dataclasses.replace(config, mla_original_qk_head_dim=qk,
+                                         mla_original_v_head_dim=v)
         except ConfigError as err:
-            raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims the ragged kernel "
-                              f"and merge_general accept) do not fit this config: {err}") from None
+            raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims "
+                              "the ragged kernel and merge_general accept) do not fit this config: "
+                              f"{err}") from None
     # a pool of about 16 pages (enough for every probe step) and one sequence
-    small = dataclasses.replace(config, max_total_seq_len=min(config.max_total_seq_len, 15 * config.page_size),
-                                max_num_seqs=1)
+    small = dataclasses.replace(config, max_num_seqs=1, max_total_seq_len=min(
+        config.max_total_seq_len, 15 * config.page_size))
     small = small if 16 <= small.num_total_pages <= config.num_total_pages else config
     # a set with the prefixed prefill kernel is probed without it first (ragged + paged + merge,
     # the path of the steps it does not serve), then with it
