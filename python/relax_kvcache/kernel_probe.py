@@ -146,9 +146,8 @@ def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.ru
 
 
 def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> None:
-    """Split a random fused QKV of two tokens: v copied; q and k copied (no RoPE at append time) or
-    rotated, any rotation keeping head vector lengths (the kernel defines it, as in TVM), times
-    one positive attention factor with LongRoPE factors."""
+    """Split a random fused QKV of two tokens: v copied; q and k copied or rotated (any rotation
+    keeping head vector lengths, times LongRoPE's attention factor)."""
     hq, hkv, d, rotary = config.num_qo_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
     qkv = exact_random(np.random.default_rng(0), (2, hq + 2 * hkv, d))
     outs = [tvm.runtime.empty((2, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
@@ -182,9 +181,8 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
 
 
 def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> Tuple[int, int]:
-    """The decompressed ``(qk, v)`` head dims of a foreign MLA set: the dims ``merge_general`` and
-    then ``attention_prefill_ragged`` accept on one-token tensors (a compiled kernel checks shapes
-    before it runs), trying 1 to :data:`MAX_PROBED_HEAD_DIM`."""
+    """The decompressed ``(qk, v)`` head dims of a foreign MLA set: the first that
+    ``merge_general``, then ``attention_prefill_ragged`` accept on one-token tensors."""
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
     wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
     lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
@@ -214,7 +212,6 @@ def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: t
 
 
 def _failure(kernel: str, err: Exception, detail: str = "") -> ConfigError:
-    """``kernel`` raised ``err`` (its message on one line, at most 200 characters)."""
     text = " ".join(str(err).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     return ConfigError(f"{kernel} fails on this cache's tensors ({type(err).__name__}: {text}{detail}){EXPECTED}")
@@ -262,10 +259,8 @@ def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
 
 
 def _probe_attention(probe: ProbeCache, kernels: KernelSet, calls: List[str]) -> None:
-    """Steps of one probe sequence (:func:`_probe_steps`), one layer of each attention kind each:
-    outputs must match float64 attention over the stored K/V where the host knows the queries the
-    kernels see (RoPE NONE or NORMAL, MLA, one-key decode), else be finite. Then ``debug_get_kv``
-    and the merges. ``calls``: the roles each step ran, for messages."""
+    """Steps of one probe sequence, one layer of each attention kind each, outputs checked where
+    the host knows the queries the kernels see (else finite); then ``debug_get_kv``, merges."""
     cache, cfg, rng = probe.cache, probe.cache.config, np.random.default_rng(1)
     # TVM's windowed prefill kernel gives NaN for a query whose window holds no cached token (a
     # chunk as long as the window over a prefix): keep the prefill step shorter than the window
@@ -402,7 +397,7 @@ def _probe_debug_get_kv(probe: ProbeCache, layers: Sequence[int]) -> None:
 
 
 def _probe_merges(probe: ProbeCache, rng: np.random.Generator) -> None:
-    """Merge two states with ``merge_inplace`` and through ``merge_attn_output_inplace`` (``merge_general``)."""
+    """Merge two states with ``merge_inplace`` and ``merge_attn_output_inplace``."""
     cache, cfg = probe.cache, probe.cache.config
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
     for what, dim, merge in (("merge_inplace", cfg.v_head_dim, probe.kernels.merge_inplace),
