@@ -134,7 +134,8 @@ class PagedKVCache(nn.Object):
             rx.prim_value(False),  # KV transfer
             rx.prim_value(int(layout.rope_mode)), rx.prim_value(float(layout.rope_scale)),
             rx.prim_value(float(layout.rope_theta)),
-            _ext_factors(layout),  # rope_ext_factors
+            rx.op.null_value() if layout.rope_ext_factors is None else
+            rx.const(np.array(layout.rope_ext_factors, dtype=np.float32)),  # rope_ext_factors
             rx.op.zeros((), layout.dtype),  # the cache's dtype and device
             function("transpose_append"), function("transpose_append_mla"),
             attention("attention_prefill_ragged"), attention("attention_prefill"),
@@ -148,8 +149,6 @@ class PagedKVCache(nn.Object):
             attention("attention_prefill_ragged_sliding_window"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
-
-    # ---------------------------------------------------------------- attention
 
     def attention_with_fused_qkv(self, layer_id: int, qkv: nn.Tensor, num_qo_heads: int,
                                  sm_scale: float) -> nn.Tensor:
@@ -258,13 +257,6 @@ def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Ta
             func = func.with_attr("tirx.is_scheduled", True)
         kernels[role] = bb.add_func(func, name)
     return kernels
-
-
-def _ext_factors(layout: CacheLayout) -> rx.Expr:
-    """Creation argument 11: the LongRoPE factors as a float32 constant, or a null value."""
-    if layout.rope_ext_factors is None:
-        return rx.op.null_value()
-    return rx.const(np.array(layout.rope_ext_factors, dtype=np.float32))
 
 
 def _dps(builtin: str, args: list, out_types: list):

@@ -110,8 +110,6 @@ class Engine:
                                                           "begin_forward", "end_forward"))
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
 
-    # ---------------------------------------------------------------- requests
-
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
         """A new request; ValueError (nothing changed) on a bad prompt or budget, or one longer
         than the cache can hold."""
@@ -159,8 +157,6 @@ class Engine:
 
     def free_pages(self) -> int:
         return int(self._free_pages(self.cache))
-
-    # ---------------------------------------------------------------- steps
 
     def step(self) -> List[Request]:
         """One step: a token of every decoding request plus prompt chunks within

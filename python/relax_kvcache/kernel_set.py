@@ -77,7 +77,7 @@ class KernelSet:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is "
                               "empty; at least one merge_inplace function is required")
         kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index == 28 else
-                           _optional_function(args[index], index))
+                           None if args[index] is None else _function(args[index], index))
                    for index in roles.CREATION_KERNELS if index != 23 and index < len(args)}
         kernels[25] = _function(args[25], 25)
         sources = {role: roles.label(index) for index, (role, _) in roles.CREATION_KERNELS.items()}
@@ -132,10 +132,6 @@ def _function(value: Any, index: int) -> Function:
         raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a packed "
                           f"function, got {type(value).__name__}")
     return value
-
-
-def _optional_function(value: Any, index: int) -> Optional[Function]:
-    return None if value is None else _function(value, index)
 
 
 def _attention(value: Any, index: int) -> Optional[Function]:
