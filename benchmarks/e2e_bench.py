@@ -56,7 +56,7 @@ from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
 import relax_kvcache  # noqa: E402,F401  (before any VirtualMachine: routes vm.builtin.* to our cache)
 from relax_kvcache.ffi_registry.builtins import BUILTINS, ORIGINAL_PREFIX  # noqa: E402
-from relax_kvcache.models.config import LlamaConfig  # noqa: E402
+from relax_kvcache.models import LlamaConfig  # noqa: E402
 
 from e2e_report import SIDES, report  # noqa: E402
 

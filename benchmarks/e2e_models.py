@@ -29,7 +29,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 
 from relax_kvcache import deploy, frontend
-from relax_kvcache.models.config import LlamaConfig
+from relax_kvcache.models import LlamaConfig
 from relax_kvcache.models.llama import Llama
 
 PAGE_SIZE = 16

@@ -60,9 +60,8 @@ def load(path: Union[str, "os.PathLike[str]"], *,
     path : path-like
         The library (``.so``).
     device : tvm.runtime.Device, optional
-        The device the kernels will run on. With a CUDA device (or, when None, a library that
-        holds CUDA code) the CUDA runtime and compile callback are prepared first
-        (:func:`prepare_cuda`), for that device's architecture.
+        The device to run on; a CUDA one (or None and a library holding CUDA code) is prepared
+        first (:func:`prepare_cuda`).
 
     Returns
     -------
