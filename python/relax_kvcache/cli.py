@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+import tvm
+
 from .config import SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
 from .targets import TARGET_KINDS
 
@@ -69,9 +71,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     log = _logger(args)
     try:
-        _check_demo_args(args)
+        target = _check_demo_args(args)
         if not args.cache_only:
-            return _run_model_demo(args, log)
+            return _run_model_demo(args, target, log)
         from .demo import run_demo
 
         result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
@@ -84,8 +86,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _check_demo_args(args: argparse.Namespace) -> None:
-    """Refuse option combinations and --export destinations that cannot work, before compiling."""
+def _check_demo_args(args: argparse.Namespace) -> Optional[tvm.target.Target]:
+    """Refuse option combinations and --export destinations that cannot work, before compiling;
+    return the target to compile for (None: nothing to compile)."""
     for option, value in (("--load", args.load), ("--export", args.export)):
         if value is not None and not value.strip():
             raise _UsageError(f"{option} {value!r} is empty; expected a file path")
@@ -101,10 +104,10 @@ def _check_demo_args(args: argparse.Namespace) -> None:
         if not args.export.endswith(".so"):
             raise _UsageError(f"--export {args.export!r} does not end in .so; expected a shared library path such "
                               "as model.so")
-    _check_demo_target(args)
+    return _check_demo_target(args)
 
 
-def _check_demo_target(args: argparse.Namespace) -> None:
+def _check_demo_target(args: argparse.Namespace) -> Optional[tvm.target.Target]:
     """Refuse an --arch the demo would not use or that names no device model, and --target cuda
     without a GPU when it would run here."""
     from .build import can_load_here
@@ -119,7 +122,7 @@ def _check_demo_target(args: argparse.Namespace) -> None:
                           f"--export); with --target {args.target}"
                           f"{' and --load' if args.load is not None else ''} it would be ignored")
     if not compiles:
-        return
+        return None
     try:
         target = make_target(args.target, arch=args.arch)
     except (ValueError, TargetUnavailableError) as err:
@@ -127,6 +130,7 @@ def _check_demo_target(args: argparse.Namespace) -> None:
     if args.export is None and not can_load_here(target):  # it would run here: --target cuda
         raise _UsageError("--target cuda runs the demo on this machine's GPU and there is none (or no CUDA "
                           "runtime); compile here with --export model.so and run it on the GPU host with --load")
+    return target
 
 
 def _check_output_path(path: str, option: str) -> None:
@@ -152,17 +156,14 @@ def _check_output_path(path: str, option: str) -> None:
         raise _UsageError(f"{option} {path!r} cannot be written: {_one_line(err)}") from None
 
 
-def _run_model_demo(args: argparse.Namespace, log) -> int:
+def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target], log) -> int:
     from .deploy import write_checksum
     from .model_demo import compile_model, default_dtype, run_model_demo
     from .models import LlamaConfig
 
     dtype = args.dtype or default_dtype(args.target)
     executable = None
-    if args.export is not None or args.target == "cuda" and args.load is None:
-        from .targets import make_target
-
-        target = make_target(args.target, arch=args.arch)
+    if target is not None:
         log(f"compiling the demo model for {target} ...")
         executable = compile_model(LlamaConfig(dtype=dtype), target)
         if args.export:
@@ -175,8 +176,6 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
                   f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
             return 0
     if args.load is not None:
-        import tvm
-
         from .deploy import DeployError, load
 
         # with --target cuda, prepare (and check) the CUDA runtime and GPU before loading
