@@ -32,13 +32,8 @@ __all__ = [
 Progress = Optional[Callable[[str], None]]
 
 
-def build_kernels(
-    config: KVCacheConfig,
-    target: tvm.target.Target,
-    *,
-    use_cache: bool = True,
-    progress: Progress = None,
-) -> tvm.runtime.Module:
+def build_kernels(config: KVCacheConfig, target: tvm.target.Target, *, use_cache: bool = True,
+                  progress: Progress = None) -> tvm.runtime.Module:
     """Compile (or load from the on-disk cache) the kernel set for ``config`` and ``target``.
 
     Parameters
@@ -79,14 +74,9 @@ def build_kernels(
     return tvm.runtime.load_module(str(path)) if loadable else executable.mod
 
 
-def export_kernels(
-    config: KVCacheConfig,
-    target: tvm.target.Target,
-    path: Union[str, "os.PathLike[str]"],
-    *,
-    use_cache: bool = True,
-    progress: Progress = None,
-) -> pathlib.Path:
+def export_kernels(config: KVCacheConfig, target: tvm.target.Target,
+                   path: Union[str, "os.PathLike[str]"], *, use_cache: bool = True,
+                   progress: Progress = None) -> pathlib.Path:
     """Write the kernel set for ``config`` and ``target`` to one shared library at ``path``
     (copied from the on-disk cache, else compiled and cached; no device needed).
 
