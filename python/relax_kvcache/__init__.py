@@ -14,13 +14,7 @@ from .build import KERNEL_ROLES, build_kernels, export_kernels  # noqa: E402
 from .cache import PagedAttentionKVCache  # noqa: E402
 from .config import AttnKind, KVCacheConfig, LayerSpan, RopeMode, longrope_attention_factor  # noqa: E402
 from .errors import (  # noqa: E402
-    ArgumentError,
-    CacheFullError,
-    ConfigError,
-    ForwardError,
-    KVCacheError,
-    SequenceError,
-)
+    ArgumentError, CacheFullError, ConfigError, ForwardError, KVCacheError, SequenceError)
 from .deploy import DeployError  # noqa: E402
 from .ffi_registry import paged_attention_kv_cache_create  # noqa: E402
 from .kernel_set import KernelSet  # noqa: E402
@@ -31,8 +25,9 @@ __version__ = "0.1.0"
 ffi_registry.register()
 
 __all__ = [
-    "ArgumentError", "AttnKind", "CacheFullError", "ConfigError", "DeployError", "ForwardError", "KERNEL_ROLES",
-    "KVCacheConfig", "KVCacheError", "KernelSet", "LayerSpan", "PagedAttentionKVCache", "RopeMode", "SequenceError",
-    "TargetUnavailableError", "build_kernels", "deploy", "export_kernels", "make_target",
-    "paged_attention_kv_cache_create", "longrope_attention_factor", "targets",
+    "ArgumentError", "AttnKind", "CacheFullError", "ConfigError", "DeployError", "ForwardError",
+    "KERNEL_ROLES", "KVCacheConfig", "KVCacheError", "KernelSet", "LayerSpan",
+    "PagedAttentionKVCache", "RopeMode", "SequenceError", "TargetUnavailableError",
+    "build_kernels", "deploy", "export_kernels", "make_target", "paged_attention_kv_cache_create",
+    "longrope_attention_factor", "targets",
 ]

@@ -1,11 +1,6 @@
-"""Compile the kernel set of a cache configuration for a target, with an on-disk cache.
-
-The set is one IRModule whose functions are named by role (``KERNEL_ROLES``), compiled once per
-key (:func:`build_key`) and cached as a checksummed library (:mod:`relax_kvcache.kernel_cache`).
-A GPU library can be built without the GPU: it is cached and exported, but loaded back only
-where the device exists. The kernel factories (TVMScript) are imported only to compile, so that
-``import relax_kvcache`` works with a runtime-only TVM.
-"""
+"""Compile the kernel set of a cache configuration for a target (one IRModule, functions named
+by role), with an on-disk cache (:mod:`relax_kvcache.kernel_cache`; docs/deployment.md). The
+kernel factories (TVMScript) are imported only to compile: a runtime-only TVM can import this."""
 
 from __future__ import annotations
 
@@ -16,8 +11,10 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Union
 import tvm
 
 from .config import KVCacheConfig
-from .kernel_cache import LIBRARY_FORMAT, build_key, cache_dir, cache_path, cached_intact, copy_atomic, export_atomic
-from .kernel_roles import IDENTITY_FIELDS, IDENTITY_PREFIX, KERNEL_ROLES, MLA_KERNEL_ROLES, kernel_identity
+from .kernel_cache import (LIBRARY_FORMAT, build_key, cache_dir, cache_path, cached_intact,
+                           copy_atomic, export_atomic)
+from .kernel_roles import (IDENTITY_FIELDS, IDENTITY_PREFIX, KERNEL_ROLES, MLA_KERNEL_ROLES,
+                           kernel_identity)
 from .kernel_specs import AnyKernelSetSpec, KernelSetSpec, MLAKernelSetSpec, kernel_set_spec
 from .targets import check_can_compile, describe_target
 
@@ -26,21 +23,17 @@ if TYPE_CHECKING:  # TVMScript, which a runtime-only TVM lacks
     from tvm.runtime.executable import Executable
 
 __all__ = [
-    "IDENTITY_FIELDS", "IDENTITY_PREFIX", "KERNEL_ROLES", "LIBRARY_FORMAT", "MLA_KERNEL_ROLES", "AnyKernelSetSpec",
-    "KernelSetSpec", "MLAKernelSetSpec", "Progress", "build_kernels", "build_key", "cache_dir", "cache_path",
-    "can_load_here", "export_kernels", "kernel_identity", "kernel_set_spec",
+    "IDENTITY_FIELDS", "IDENTITY_PREFIX", "KERNEL_ROLES", "LIBRARY_FORMAT", "MLA_KERNEL_ROLES",
+    "AnyKernelSetSpec", "KernelSetSpec", "MLAKernelSetSpec", "Progress", "build_kernels",
+    "build_key", "cache_dir", "cache_path", "can_load_here", "export_kernels", "kernel_identity",
+    "kernel_set_spec",
 ]
 
 Progress = Optional[Callable[[str], None]]
 
 
-def build_kernels(
-    config: KVCacheConfig,
-    target: tvm.target.Target,
-    *,
-    use_cache: bool = True,
-    progress: Progress = None,
-) -> tvm.runtime.Module:
+def build_kernels(config: KVCacheConfig, target: tvm.target.Target, *, use_cache: bool = True,
+                  progress: Progress = None) -> tvm.runtime.Module:
     """Compile (or load from the on-disk cache) the kernel set for ``config`` and ``target``.
 
     Parameters
@@ -48,8 +41,7 @@ def build_kernels(
     config : KVCacheConfig
         The cache configuration; only the fields in :class:`KernelSetSpec` matter.
     target : tvm.target.Target
-        Compilation target, e.g. ``tvm.target.Target({"kind": "llvm", "mcpu": "znver3"})`` or
-        ``relax_kvcache.targets.make_target("cuda", arch="sm_90a")``.
+        Compilation target (see :func:`relax_kvcache.make_target`).
     use_cache : bool
         Read and write the on-disk cache (default True).
     progress : callable, optional
@@ -58,9 +50,8 @@ def build_kernels(
     Returns
     -------
     tvm.runtime.Module
-        One module whose functions are named by :data:`KERNEL_ROLES`. For a GPU target whose
-        device this process cannot use (e.g. CUDA on a machine without a GPU), the freshly
-        compiled module: it can be exported but its functions cannot be called here.
+        Functions named by :data:`KERNEL_ROLES` (for a GPU whose device this process lacks:
+        exportable, not callable here).
 
     Raises
     ------
@@ -83,30 +74,21 @@ def build_kernels(
     return tvm.runtime.load_module(str(path)) if loadable else executable.mod
 
 
-def export_kernels(
-    config: KVCacheConfig,
-    target: tvm.target.Target,
-    path: Union[str, "os.PathLike[str]"],
-    *,
-    use_cache: bool = True,
-    progress: Progress = None,
-) -> pathlib.Path:
-    """Write the kernel set for ``config`` and ``target`` to one shared library at ``path``.
-
-    The library is copied from the on-disk cache when it is there, else compiled (and cached).
-    It does not need the target's device: a CUDA library built on a machine without a GPU
-    holds the CUDA source, which :func:`relax_kvcache.deploy.load` compiles on the GPU host.
+def export_kernels(config: KVCacheConfig, target: tvm.target.Target,
+                   path: Union[str, "os.PathLike[str]"], *, use_cache: bool = True,
+                   progress: Progress = None) -> pathlib.Path:
+    """Write the kernel set for ``config`` and ``target`` to one shared library at ``path``
+    (copied from the on-disk cache, else compiled and cached; no device needed).
 
     Parameters
     ----------
     config : KVCacheConfig
         The cache configuration; only the fields in :class:`KernelSetSpec` matter.
     target : tvm.target.Target
-        Compilation target (see :func:`relax_kvcache.targets.make_target`).
+        Compilation target (see :func:`relax_kvcache.make_target`).
     path : path-like
-        Library file to write, ending in ``.so``; its folder must exist. Replaced atomically;
-        its SHA-256 is written beside it (``<path>.sha256``), which :func:`relax_kvcache.deploy.load`
-        checks.
+        Library file to write, ending in ``.so``, in an existing folder; replaced atomically,
+        with its SHA-256 beside it (``<path>.sha256``, checked by ``deploy.load``).
     use_cache : bool
         Read and write the on-disk cache (default True).
     progress : callable, optional
@@ -132,11 +114,8 @@ def export_kernels(
 
 
 def can_load_here(target: tvm.target.Target) -> bool:
-    """Whether a library compiled for ``target`` can be loaded (and run) in this process.
-
-    CPU libraries always can; GPU libraries where the target's device (index 0) exists, which
-    also means TVM's runtime for it is loaded.
-    """
+    """Whether a library compiled for ``target`` can be loaded (and run) in this process (CPU
+    libraries always, GPU ones where the device exists)."""
     kind = target.kind.name
     if kind == "llvm":
         return True
@@ -161,7 +140,8 @@ def _checked_output(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
     if dest.suffix != ".so":
         raise ValueError(f"kernel library path must end in '.so', got {str(path)!r}")
     if not dest.parent.is_dir():
-        raise FileNotFoundError(f"folder of kernel library path {str(path)!r} does not exist: {dest.parent}")
+        raise FileNotFoundError(f"folder of kernel library path {str(path)!r} does not exist: "
+                                f"{dest.parent}")
     if dest.is_dir():
         raise IsADirectoryError(f"kernel library path {str(path)!r} is a folder")
     return dest
@@ -206,9 +186,8 @@ def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progre
 
 
 def _pass_config(target: tvm.target.Target) -> Dict[str, object]:
-    """No TIR common-subexpression elimination for GPU kernels: it binds thread-indexed addresses
-    to variables, which hides from TVM's barrier planner that a thread reads back what it wrote,
-    and the planner then wants barriers inside conditions (an error)."""
+    """No TIR CSE for GPU kernels: it hides thread-local reads from TVM's barrier planner, which
+    then wants barriers inside conditions (docs/kernels.md)."""
     from .tir_kernels.schedule import GPU_TARGET_KINDS
 
     return {"tirx.disable_cse_tir": True} if target.kind.name in GPU_TARGET_KINDS else {}

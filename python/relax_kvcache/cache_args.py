@@ -12,9 +12,8 @@ from .kernel_set import KernelSet
 
 
 def check_cache_args(device: Any, kernels: Any, layer_offset: Any, target: Any = None) -> int:
-    """Check ``PagedAttentionKVCache``'s device, kernels, layer_offset and target; return the offset.
-    ``ArgumentError`` for a wrong type, ``ConfigError`` for a bad value (a negative or int32-overflowing
-    offset, a device that does not exist here, a target for another kind of device)."""
+    """Check ``PagedAttentionKVCache``'s device, kernels, layer_offset and target (``ArgumentError``
+    for a wrong type, ``ConfigError`` for a bad value); return the offset."""
     if not isinstance(device, tvm.runtime.Device):
         raise ArgumentError(f"device must be a tvm.runtime.Device or None, got {describe(device)} "
                             f"of type {type(device).__name__}")

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+import tvm
+
 from .config import SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
 from .targets import TARGET_KINDS
 
@@ -29,11 +31,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo", help="serve a small Llama-style model compiled with the cache, checked against numpy",
-        description="Compile a 2-layer Llama-style model together with the cache's kernels and serve a few "
-                    "requests: chunked prefill, batched greedy decode, a fork (parallel sampling), a "
-                    "speculative step rolled back with popn, requests finishing; every logit is checked "
-                    "against a float64 numpy model. On a GPU host with a runtime-only TVM: "
-                    "`--target cuda --arch sm_90a --export model.so` here, `--load model.so` there.")
+        description="Compile a 2-layer Llama-style model with the cache's kernels and serve a few "
+                    "requests, every logit checked against a float64 numpy model. For a GPU host "
+                    "with a runtime-only TVM: `--target cuda --export model.so` here, "
+                    "`--load model.so` there.")
     demo.add_argument("--target", default="llvm", choices=["llvm", "cuda"], help="where to run (default: llvm)")
     demo.add_argument("--arch", help="CUDA architecture (default: the local GPU's, else sm_80)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
@@ -54,7 +55,7 @@ def _seed(text: str) -> int:
 
 
 class _UsageError(Exception):
-    """A command line that cannot work (reported in one line, exit code 2)."""
+    """A command line that cannot work (one line, exit code 2)."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -70,23 +71,24 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     log = _logger(args)
     try:
-        _check_demo_args(args)
+        target = _check_demo_args(args)
         if not args.cache_only:
-            return _run_model_demo(args, log)
+            return _run_model_demo(args, target, log)
         from .demo import run_demo
 
         result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
-    except (FileNotFoundError, DeployError, _UsageError) as err:  # bad options, a missing or unloadable library
+    except (FileNotFoundError, DeployError, _UsageError) as err:
         print(f"relax-kvcache demo: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
     print(f"demo {'OK' if result.ok else 'FAILED'}: {result.steps} steps, {result.tokens} tokens, "
-          f"{result.tokens_per_second:,.0f} tokens/s through the cache, max |error| vs float64 reference "
-          f"{result.max_error:.1e} (tolerance {result.tolerance:.0e})", flush=True)
+          f"{result.tokens_per_second:,.0f} tokens/s through the cache, max |error| vs float64 "
+          f"reference {result.max_error:.1e} (tolerance {result.tolerance:.0e})", flush=True)
     return 0 if result.ok else 1
 
 
-def _check_demo_args(args: argparse.Namespace) -> None:
-    """Refuse option combinations and --export destinations that cannot work, before compiling."""
+def _check_demo_args(args: argparse.Namespace) -> Optional[tvm.target.Target]:
+    """Refuse option combinations and --export destinations that cannot work, before compiling;
+    return the target to compile for (None: nothing to compile)."""
     for option, value in (("--load", args.load), ("--export", args.export)):
         if value is not None and not value.strip():
             raise _UsageError(f"{option} {value!r} is empty; expected a file path")
@@ -102,12 +104,12 @@ def _check_demo_args(args: argparse.Namespace) -> None:
         if not args.export.endswith(".so"):
             raise _UsageError(f"--export {args.export!r} does not end in .so; expected a shared library path such "
                               "as model.so")
-    _check_demo_target(args)
+    return _check_demo_target(args)
 
 
-def _check_demo_target(args: argparse.Namespace) -> None:
+def _check_demo_target(args: argparse.Namespace) -> Optional[tvm.target.Target]:
     """Refuse an --arch the demo would not use or that names no device model, and --target cuda
-    without a GPU when it would run here (before compiling, which takes seconds)."""
+    without a GPU when it would run here."""
     from .build import can_load_here
     from .targets import TargetUnavailableError, make_target
 
@@ -120,7 +122,7 @@ def _check_demo_target(args: argparse.Namespace) -> None:
                           f"--export); with --target {args.target}"
                           f"{' and --load' if args.load is not None else ''} it would be ignored")
     if not compiles:
-        return
+        return None
     try:
         target = make_target(args.target, arch=args.arch)
     except (ValueError, TargetUnavailableError) as err:
@@ -128,42 +130,40 @@ def _check_demo_target(args: argparse.Namespace) -> None:
     if args.export is None and not can_load_here(target):  # it would run here: --target cuda
         raise _UsageError("--target cuda runs the demo on this machine's GPU and there is none (or no CUDA "
                           "runtime); compile here with --export model.so and run it on the GPU host with --load")
+    return target
 
 
 def _check_output_path(path: str, option: str) -> None:
-    """Raise _UsageError unless ``path`` names a file that can be written (in an existing folder)."""
+    """Raise _UsageError unless ``path`` names a file that can be written."""
     if not path.strip():
         raise _UsageError(f"{option} {path!r} is empty; expected a file path such as model.so")
     if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
         raise _UsageError(f"{option} {path!r} ends with a path separator; expected a file path such as "
                           f"{path.rstrip(os.sep + (os.altsep or '')) or 'model'}.so")
     try:
-        dest = pathlib.Path(os.path.realpath(pathlib.Path(path).expanduser()))  # a symlink: where it points
+        dest = pathlib.Path(os.path.realpath(pathlib.Path(path).expanduser()))  # a link's target
         if len(dest.name.encode()) > 255:
             raise _UsageError(f"{option} {path!r}: the file name is longer than 255 bytes")
         if dest.is_dir():
             raise _UsageError(f"{option} {path!r} is a folder; expected a file path such as "
                               f"{str(dest / 'model.so')!r}")
         if not dest.parent.is_dir():
-            raise _UsageError(f"{option} {path!r}: folder {str(dest.parent)!r} does not exist; expected an "
-                              "existing folder")
+            raise _UsageError(f"{option} {path!r}: folder {str(dest.parent)!r} does not exist; "
+                              "expected an existing folder")
         if not os.access(dest.parent, os.W_OK | os.X_OK):
             raise _UsageError(f"{option} {path!r}: folder {str(dest.parent)!r} is not writable")
     except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
         raise _UsageError(f"{option} {path!r} cannot be written: {_one_line(err)}") from None
 
 
-def _run_model_demo(args: argparse.Namespace, log) -> int:
+def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target], log) -> int:
     from .deploy import write_checksum
     from .model_demo import compile_model, default_dtype, run_model_demo
     from .models import LlamaConfig
 
     dtype = args.dtype or default_dtype(args.target)
     executable = None
-    if args.export is not None or args.target == "cuda" and args.load is None:
-        from .targets import make_target
-
-        target = make_target(args.target, arch=args.arch)
+    if target is not None:
         log(f"compiling the demo model for {target} ...")
         executable = compile_model(LlamaConfig(dtype=dtype), target)
         if args.export:
@@ -176,8 +176,6 @@ def _run_model_demo(args: argparse.Namespace, log) -> int:
                   f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
             return 0
     if args.load is not None:
-        import tvm
-
         from .deploy import DeployError, load
 
         # with --target cuda, prepare (and check) the CUDA runtime and GPU before loading
@@ -219,27 +217,21 @@ def _add_build_parser(commands: argparse._SubParsersAction) -> None:
     build.add_argument("--head-dim", type=int, required=True, help="features per head")
     build.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
     build.add_argument("--dtype", default="float16", choices=SUPPORTED_DTYPES, help="KV dtype (default: float16)")
-    build.add_argument("--rope-mode", default="normal", choices=sorted(_ROPE_MODES, key=lambda m: _ROPE_MODES[m]),
+    build.add_argument("--rope-mode", default="normal", choices=list(_ROPE_MODES),
                        help="where RoPE is applied (default: normal)")
     build.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (default: 10000)")
     build.add_argument("--rope-scale", type=float, default=1.0, help="RoPE position scale (default: 1)")
-    build.add_argument("--sliding-window", action="store_true",
-                       help="support per-sequence sliding windows (builds the windowed attention kernels)")
-    build.add_argument("--layer-window", type=int, metavar="N",
-                       help="window of MHA_SLIDING layers (builds the per-layer windowed kernels)")
+    build.add_argument("--sliding-window", action="store_true", help="per-sequence sliding windows")
+    build.add_argument("--layer-window", type=int, metavar="N", help="window of MHA_SLIDING layers")
     build.add_argument("--attention-chunk", type=int, metavar="N",
-                       help="chunk of MHA_CHUNKED_LOCAL layers (Llama 4; builds the chunked local kernels)")
+                       help="chunk of MHA_CHUNKED_LOCAL layers")
     build.add_argument("--no-cache", action="store_true", help="neither read nor write the on-disk kernel cache")
     build.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
 def build_config(args: argparse.Namespace) -> KVCacheConfig:
-    """The cache configuration of ``relax-kvcache build`` arguments.
-
-    Layer and page counts are placeholders: the kernels do not depend on them
-    (:class:`relax_kvcache.build.KernelSetSpec`). With ``--layer-window`` one of two layers is
-    ``MHA_SLIDING``, with ``--attention-chunk`` ``MHA_CHUNKED_LOCAL`` (both: the config refuses).
-    """
+    """The cache configuration of ``relax-kvcache build`` arguments (placeholder layer and page
+    counts; ``--layer-window`` / ``--attention-chunk``: one local layer, one ``MHA``)."""
     local, window = [], {}
     if args.layer_window is not None:
         local.append(AttnKind.MHA_SLIDING)

@@ -1,12 +1,6 @@
-"""``relax-kvcache demo``: a small serving workload on the local CPU, checked against numpy.
-
-A scheduler-like loop drives a GQA model shape through the cache: several requests with chunked
-prefill mixed into decode steps, a request forked mid-page into a second continuation (parallel
-sampling), a speculative extension rolled back with ``popn``, and requests finishing while
-others run. Every attention output of every layer is compared with float64 numpy attention
-(:mod:`relax_kvcache.reference`) over copies of the K/V the cache should hold, and the stored
-K/V of every sequence is read back with ``debug_get_kv``.
-"""
+"""``relax-kvcache demo --cache-only``: a serving workload through the cache on the local CPU
+(chunked prefill, a fork mid-page, a ``popn`` rollback), every attention output checked against
+float64 numpy attention over copies of the K/V, which ``debug_get_kv`` reads back."""
 
 from __future__ import annotations
 
@@ -31,14 +25,8 @@ class _Request:
     max_new_tokens: int
     prefilled: int = 0
     generated: int = 0
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.prefilled < self.prompt_len
-
-    @property
-    def done(self) -> bool:
-        return not self.in_prefill and self.generated >= self.max_new_tokens
+    in_prefill = property(lambda self: self.prefilled < self.prompt_len)
+    done = property(lambda self: not self.in_prefill and self.generated >= self.max_new_tokens)
 
 
 @dataclasses.dataclass
@@ -59,8 +47,8 @@ class DemoResult:
 
 
 class _Driver:
-    """Serves requests on the cache and on float64 numpy copies of its K/V side by side, tracking
-    the worst error. Positions are token indices (no windows): stored K is K rotated at its index."""
+    """Serves requests on the cache and on float64 copies of its K/V (stored K: K rotated at its
+    token index), tracking the worst error."""
 
     def __init__(self, cache: PagedAttentionKVCache, seed: int, log: Callable[[str], None]) -> None:
         self.cache, self.cfg, self.log = cache, cache.config, log
@@ -110,7 +98,8 @@ class _Driver:
             for seq_id in [s for s, r in self.requests.items() if r.done]:
                 self.cache.remove_sequence(seq_id)
                 del self.kv[seq_id], self.requests[seq_id]
-                self.log(f"      request {seq_id} finished; {self.cache.get_num_available_pages()} pages free")
+                self.log(f"      request {seq_id} finished; "
+                         f"{self.cache.get_num_available_pages()} pages free")
 
     def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return rope(x, positions, self.cfg.rope_theta, self.cfg.rope_scale)
@@ -118,29 +107,33 @@ class _Driver:
     def step(self, batch: List[Tuple[int, int]], label: str) -> None:
         cfg, device = self.cfg, self.cache.device
         n, hq, hkv = sum(length for _, length in batch), cfg.num_qo_heads, cfg.num_kv_heads
-        np_dtype = numpy_dtype(cfg.dtype)
-        qkv_dev = [tvm.runtime.tensor(self.rng.standard_normal((n, hq + 2 * hkv, cfg.head_dim)).astype(np_dtype),
-                                      device) for _ in range(cfg.num_layers)]
-        outs = [tvm.runtime.tensor(np.full((n, hq, cfg.head_dim), np.nan).astype(np_dtype), device)
-                for _ in range(cfg.num_layers)]
+
+        def tensor(values: np.ndarray) -> tvm.runtime.Tensor:
+            return tvm.runtime.tensor(values.astype(numpy_dtype(cfg.dtype)), device)
+
+        qkv_dev = [tensor(self.rng.standard_normal((n, hq + 2 * hkv, cfg.head_dim)))
+                   for _ in range(cfg.num_layers)]
+        outs = [tensor(np.full((n, hq, cfg.head_dim), np.nan)) for _ in range(cfg.num_layers)]
         start = time.perf_counter()
         self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch])
         for layer in range(cfg.num_layers):
             self.cache.attention_with_fused_qkv(layer, qkv_dev[layer], outs[layer], self.sm_scale)
         self.cache.end_forward()
         self.cache_seconds += time.perf_counter() - start
-        qkv = np.stack([x.numpy().astype(np.float64) for x in qkv_dev])  # (layers, n, Hq + 2 Hkv, D)
+        qkv = np.stack([x.numpy().astype(np.float64) for x in qkv_dev])  # (layers, n, heads, D)
         got = np.stack([o.numpy().astype(np.float64) for o in outs])
         error, offset = 0.0, 0
         for seq_id, length in batch:
             rows = slice(offset, offset + length)
-            positions = np.arange(self.kv[seq_id][0].shape[1], self.kv[seq_id][0].shape[1] + length)
+            cached = self.kv[seq_id][0].shape[1]
+            positions = np.arange(cached, cached + length)
             new_k = np.stack([self._rope(x[rows, hq:hq + hkv], positions) for x in qkv])
-            k, v = (np.concatenate(pair, axis=1) for pair in zip(self.kv[seq_id], (new_k, qkv[:, rows, hq + hkv:])))
+            k, v = (np.concatenate(pair, axis=1)
+                    for pair in zip(self.kv[seq_id], (new_k, qkv[:, rows, hq + hkv:])))
             self.kv[seq_id] = [k, v]
             for layer in range(cfg.num_layers):
-                want, _ = attention(self._rope(qkv[layer, rows, :hq], positions), k[layer], v[layer], self.sm_scale,
-                                    causal=True)
+                q = self._rope(qkv[layer, rows, :hq], positions)
+                want, _ = attention(q, k[layer], v[layer], self.sm_scale, causal=True)
                 error = max(error, float(np.abs(got[layer, rows] - want).max()))
             offset += length
         self.max_error = max(self.max_error, error)
@@ -158,17 +151,19 @@ class _Driver:
             k, v = (tvm.runtime.empty(shape, cfg.dtype, self.cache.device) for _ in range(2))
             self.cache.debug_get_kv(seq_id, 0, length, k, v)
             for got, expected in zip((k, v), want):
-                self.max_error = max(self.max_error, float(np.abs(got.numpy().astype(np.float64) - expected).max()))
+                error = float(np.abs(got.numpy().astype(np.float64) - expected).max())
+                self.max_error = max(self.max_error, error)
         self.log(f"      read back K/V of {len(self.kv)} sequences with debug_get_kv")
 
 
-def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None] = print) -> DemoResult:
-    """Run the demo workload and return its summary (see module docstring)."""
+def run_demo(*, dtype: str = "float32", seed: int = 0,
+             log: Callable[[str], None] = print) -> DemoResult:
+    """Run the demo workload and return its summary."""
     config = KVCacheConfig(num_layers=4, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                            max_num_seqs=8, max_total_seq_len=2048, prefill_chunk_size=64,
                            rope_mode=RopeMode.NORMAL, rope_theta=1e4, dtype=dtype)
-    log(f"[1/4] kernels for the local CPU ({dtype}, GQA {config.num_qo_heads}/{config.num_kv_heads} heads, "
-        f"head_dim {config.head_dim}, {config.num_layers} layers)")
+    log(f"[1/4] kernels for the local CPU ({dtype}, GQA {config.num_qo_heads}/"
+        f"{config.num_kv_heads} heads, head_dim {config.head_dim}, {config.num_layers} layers)")
     start = time.perf_counter()
     cache = PagedAttentionKVCache(config, tvm.cpu(), progress=lambda msg: log("      " + msg))
     log(f"      ready in {time.perf_counter() - start:.1f} s: {cache}")
@@ -177,11 +172,12 @@ def run_demo(*, dtype: str = "float32", seed: int = 0, log: Callable[[str], None
     for seq_id, prompt, new_tokens in ((0, 70, 24), (1, 25, 12), (2, 40, 30)):
         driver.admit(seq_id, prompt, new_tokens)
     driver.run_steps(6)
-    log("[3/4] fork mid-page (parallel sampling), speculative extension rolled back with popn, late arrival")
+    log("[3/4] fork mid-page, speculative extension rolled back with popn, late arrival")
     parent = driver.requests[1]
     fork_pos = parent.prompt_len + parent.generated - 3  # inside a page
     driver.fork(1, 10, fork_pos, new_tokens=10)
-    log(f"      forked request 1 at position {fork_pos} (page offset {fork_pos % config.page_size}) into request 10")
+    log(f"      forked request 1 at position {fork_pos} (page offset "
+        f"{fork_pos % config.page_size}) into request 10")
     driver.step([(2, 5)], "speculative extension of request 2 by 5")
     driver.popn(2, 4)
     log("      rolled back 4 rejected tokens of request 2 with popn")

@@ -1,20 +1,9 @@
 """Model authors' frontend: the cache as an object of ``tvm.relax.frontend.nn`` model code.
 
-A model takes the cache as an argument of its ``prefill`` / ``decode`` functions and calls the
-methods of :class:`PagedKVCache`, which emit the ``vm.builtin.attention_kv_cache_*`` calls of TVM's
-own frontend (a model compiled against either runs on either cache). Its ``create_kv_cache`` calls
-:meth:`PagedKVCache.create`, which adds our kernels to the model's IRModule: one :func:`compile`
-builds both. ``import relax_kvcache`` before creating the ``VirtualMachine`` (it binds the
-``vm.builtin`` functions when made).
-
-Example
--------
->>> class Model(nn.Module):
-...     def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
-...         return PagedKVCache.create(CacheLayout(num_layers=2, num_qo_heads=8, ...), target,
-...                                    max_batch_size=max_batch_size, ...)
-...     def decode(self, x, cache: PagedKVCache):
-...         ... cache.attention_with_fused_qkv(layer, qkv, num_qo_heads=8, sm_scale=d ** -0.5) ...
+:class:`PagedKVCache` methods emit the ``vm.builtin.attention_kv_cache_*`` calls of TVM's own
+frontend; :meth:`PagedKVCache.create` adds our kernels to the model's IRModule, which one
+:func:`compile` builds. ``import relax_kvcache`` before creating the ``VirtualMachine``. An
+example: docs/getting-started.md.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
 from .config import AttnKind, KVCacheConfig, RopeMode
 from .tir_kernels.schedule import GpuSchedule, schedule_for
 
-#: The creation function the model's ``create_kv_cache`` calls (registered by ``import relax_kvcache``).
+#: The creation function the model's ``create_kv_cache`` calls.
 CREATE = "relax_kvcache.paged_attention_kv_cache_create"
 
 IntOrVar = Union[int, tvm.tirx.Expr]
@@ -40,10 +29,8 @@ IntOrVar = Union[int, tvm.tirx.Expr]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheLayout:
-    """What a model fixes about its cache at compile time (the kernels depend on it).
-
-    Capacities (batch size, total tokens, prefill chunk) are run-time arguments of
-    :meth:`PagedKVCache.create` instead.
+    """What a model fixes about its cache at compile time (capacities are arguments of
+    :meth:`PagedKVCache.create`); fields as in :class:`~relax_kvcache.KVCacheConfig`.
 
     Parameters
     ----------
@@ -55,31 +42,20 @@ class CacheLayout:
         Tokens per page (16).
     rope_mode : RopeMode
         ``NORMAL``: the cache rotates q/k (Llama); ``NONE``; ``INLINE``: inside the kernels.
-    rope_theta, rope_scale : float
-    rope_rotary_dim : int, optional
-        Partial rotary: RoPE rotates the first ``rope_rotary_dim`` features of q / k heads
-        (NORMAL mode; see :class:`~relax_kvcache.KVCacheConfig`).
-    rope_interleaved : bool
-        GPT-J style RoPE pairs (NORMAL mode).
-    rope_ext_factors : sequence of float, optional
-        LongRoPE (Phi-3) factors, ``rope_rotary_dim`` floats (long, then short), with
-        ``rope_original_max_position_embeddings`` and ``rope_attention_factor``: see
-        :class:`~relax_kvcache.KVCacheConfig`. The model's module holds them as a constant.
+    rope_theta, rope_scale, rope_rotary_dim, rope_interleaved
+        RoPE base, position scale, partial rotary dim, GPT-J style pairs.
+    rope_ext_factors, rope_original_max_position_embeddings, rope_attention_factor
+        LongRoPE (Phi-3); the model's module holds the factors as a constant.
     dtype : str
         ``float32``, ``float16`` or ``bfloat16``.
     attn_kinds : sequence of AttnKind, optional
         Per layer (default all ``MHA``).
-    layer_sliding_window_size : int
-        Window of ``MHA_SLIDING`` layers.
-    attention_chunk_size : int, optional
-        Chunk of ``MHA_CHUNKED_LOCAL`` layers (Llama 4's chunked local attention).
+    layer_sliding_window_size, attention_chunk_size : int
+        Window of ``MHA_SLIDING`` layers, chunk of ``MHA_CHUNKED_LOCAL`` layers.
     sliding_window : bool
-        Whether sequences may get sliding windows (``enable_sliding_window_for_seq``); adds the
-        windowed kernels.
+        Whether sequences may get sliding windows (``enable_sliding_window_for_seq``).
     mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
-        MLA layouts (``attn_kinds`` all ``MLA``, ``num_kv_heads`` 1, ``head_dim`` =
-        kv_lora_rank + rope dim, ``v_head_dim`` = kv_lora_rank): the decompressed head dims of
-        ``self_attention`` (DeepSeek-V3: 192 and 128).
+        MLA layouts: the decompressed head dims of ``self_attention``.
     """
 
     num_layers: int
@@ -108,27 +84,20 @@ class CacheLayout:
         """The kernels of this layout (capacities do not enter the kernels)."""
         fields = dataclasses.asdict(self)
         fields["support_sliding_window"] = fields.pop("sliding_window")
-        return kernel_set_spec(KVCacheConfig(**fields, max_num_seqs=1, max_total_seq_len=self.page_size,
-                                             prefill_chunk_size=1))
+        return kernel_set_spec(KVCacheConfig(**fields, max_num_seqs=1, prefill_chunk_size=1,
+                                             max_total_seq_len=self.page_size))
 
 
 class PagedKVCache(nn.Object):
-    """The paged KV cache inside ``tvm.relax.frontend.nn`` model code.
-
-    Tensors are ``(batch, seq, heads, dim)`` as model code has them; the calls flatten
-    ``batch x seq`` into the token axis the cache works on (prefill: batch 1 with all the
-    step's tokens; decode: one token per sequence).
-    """
+    """The paged KV cache inside ``tvm.relax.frontend.nn`` model code; tensors are ``(batch, seq,
+    heads, dim)``, flattened to the cache's token axis."""
 
     @classmethod
     def create(cls, layout: CacheLayout, target: Union[str, dict, tvm.target.Target], *,
                max_batch_size: IntOrVar, max_total_seq_len: IntOrVar, prefill_chunk_size: IntOrVar,
                name: str = "paged_kv_cache") -> "PagedKVCache":
-        """Emit the cache's creation (inside a function being built, e.g. an exported method).
-
-        Our kernels for ``layout`` and ``target`` are added to the IRModule under
-        ``relax_kvcache_<role>`` and passed to ``relax_kvcache.paged_attention_kv_cache_create``
-        in TVM's argument order.
+        """Emit the cache's creation (inside a function being built), adding our kernels to the
+        IRModule as ``relax_kvcache_<role>``.
 
         Parameters
         ----------
@@ -141,23 +110,23 @@ class PagedKVCache(nn.Object):
         target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
         bb = rx.BlockBuilder.current()
         if bb is None:
-            raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function being "
-                               "built (an nn.Module method exported with export_tvm)")
-        kinds = list(layout.attn_kinds) if layout.attn_kinds is not None else [AttnKind.MHA] * layout.num_layers
+            raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function "
+                               "being built (an nn.Module method exported with export_tvm)")
+        kinds = layout.attn_kinds
+        kinds = [AttnKind.MHA] * layout.num_layers if kinds is None else kinds
         kernels = _add_kernels(bb, layout, target)
 
         def attention(role: str):
-            return rx.Tuple([tvm.ir.StringImm("tirx"), kernels[role]]) if role in kernels else rx.Tuple([])
+            return rx.Tuple([tvm.ir.StringImm("tirx"), kernels[role]] if role in kernels else [])
 
         def function(role: str):
             return kernels[role] if role in kernels else rx.op.null_value()
 
         merges = [kernels[role] for role in ("merge_inplace", "merge_general") if role in kernels]
-
         args = [
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
                           int(layout.sliding_window), layout.layer_sliding_window_size,
-                          layout.attention_chunk_size or 0]),  # 7th entry: ours (TVM's creation reads 6)
+                          layout.attention_chunk_size or 0]),  # 7th entry: ours (TVM reads 6)
             rx.ShapeExpr([0, layout.num_layers]),
             rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
             rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),
@@ -165,7 +134,8 @@ class PagedKVCache(nn.Object):
             rx.prim_value(False),  # KV transfer
             rx.prim_value(int(layout.rope_mode)), rx.prim_value(float(layout.rope_scale)),
             rx.prim_value(float(layout.rope_theta)),
-            _ext_factors(layout),  # rope_ext_factors
+            rx.op.null_value() if layout.rope_ext_factors is None else
+            rx.const(np.array(layout.rope_ext_factors, dtype=np.float32)),  # rope_ext_factors
             rx.op.zeros((), layout.dtype),  # the cache's dtype and device
             function("transpose_append"), function("transpose_append_mla"),
             attention("attention_prefill_ragged"), attention("attention_prefill"),
@@ -180,36 +150,33 @@ class PagedKVCache(nn.Object):
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
 
-    # ---------------------------------------------------------------- attention
-
     def attention_with_fused_qkv(self, layer_id: int, qkv: nn.Tensor, num_qo_heads: int,
                                  sm_scale: float) -> nn.Tensor:
-        """Append the new tokens' K/V (RoPE per the cache's mode) and attend over the sequence.
-
-        ``qkv (b, s, num_qo_heads + 2 * num_kv_heads, d)`` -> ``(b, s, num_qo_heads, d)``.
-        """
+        """Append the new tokens' K/V and attend over the sequence: ``qkv (b, s, num_qo_heads + 2 *
+        num_kv_heads, d)`` -> ``(b, s, num_qo_heads, d)``."""
         b, s, heads, d = qkv.shape
-        o = _dps("attention_with_fused_qkv", [self._expr, layer_id, sm_scale, qkv.reshape(b * s, heads, d)._expr],
+        o = _dps("attention_with_fused_qkv", [self._expr, layer_id, sm_scale,
+                                              qkv.reshape(b * s, heads, d)._expr],
                  [rx.TensorType((b * s, num_qo_heads, d), qkv.dtype)])
         return o.reshape(b, s, num_qo_heads, d)
 
     def self_attention(self, layer_id: int, q: nn.Tensor, k: nn.Tensor, v: nn.Tensor,
                        sm_scale: float) -> Tuple[nn.Tensor, nn.Tensor]:
-        """Causal attention among the step's new tokens only (nothing is appended).
-
-        Returns ``o (b, s, Hq, dv)`` and base-2 ``lse (b, s, Hq)``.
-        """
+        """Causal attention among the step's new tokens only (nothing is appended): ``o (b, s,
+        Hq, dv)`` and base-2 ``lse (b, s, Hq)``."""
         b, s, hq, dqk = q.shape
         hkv, dv = v.shape[2], v.shape[3]
         args = [q.reshape(b * s, hq, dqk), k.reshape(b * s, hkv, dqk), v.reshape(b * s, hkv, dv)]
-        return _state_pair(_dps("self_attention", [self._expr, layer_id, sm_scale, *(t._expr for t in args)],
+        return _state_pair(_dps("self_attention", [self._expr, layer_id, sm_scale,
+                                                   *(t._expr for t in args)],
                                 _state_types(b * s, hq, dv, q.dtype)), b, s)
 
     def cross_attention(self, layer_id: int, q: nn.Tensor, v_head_dim: int,
                         sm_scale: float) -> Tuple[nn.Tensor, nn.Tensor]:
         """Attention of the new tokens over the sequence's cached tokens; ``(o, lse)``."""
         b, s, hq, dqk = q.shape
-        return _state_pair(_dps("cross_attention", [self._expr, layer_id, sm_scale, q.reshape(b * s, hq, dqk)._expr],
+        return _state_pair(_dps("cross_attention", [self._expr, layer_id, sm_scale,
+                                                    q.reshape(b * s, hq, dqk)._expr],
                                 _state_types(b * s, hq, v_head_dim, q.dtype)), b, s)
 
     def append_mla_kv(self, layer_id: int, kv: nn.Tensor) -> "PagedKVCache":
@@ -224,11 +191,11 @@ class PagedKVCache(nn.Object):
                                   lse_b: nn.Tensor) -> Tuple[nn.Tensor, nn.Tensor]:
         """Merge two attention states by LSE into ``(o_a, lse_a)`` (returned)."""
         b, s, h, dv = o_a.shape
-        flat = [o_a.reshape(b * s, h, dv), lse_a.reshape(b * s, h), o_b.reshape(b * s, h, dv), lse_b.reshape(b * s, h)]
-        bb = rx.BlockBuilder.current()
-        merged = bb.emit(rx.call_pure_packed(
-            "vm.builtin.attention_kv_cache_merge_attn_output_inplace", self._expr, *(t._expr for t in flat),
-            ty_args=rx.TupleType([flat[0]._expr.ty, flat[1]._expr.ty])))
+        flat = [o_a.reshape(b * s, h, dv), lse_a.reshape(b * s, h),
+                o_b.reshape(b * s, h, dv), lse_b.reshape(b * s, h)]
+        merged = rx.BlockBuilder.current().emit(rx.call_pure_packed(
+            "vm.builtin.attention_kv_cache_merge_attn_output_inplace", self._expr,
+            *(t._expr for t in flat), ty_args=rx.TupleType([flat[0]._expr.ty, flat[1]._expr.ty])))
         return _state_pair(merged, b, s)
 
     def get_query_positions(self, total_length: IntOrVar) -> nn.Tensor:
@@ -240,7 +207,7 @@ class PagedKVCache(nn.Object):
 
 def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kwargs):  # noqa: A001
     """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
-    kernels need (see :mod:`relax_kvcache.build`)."""
+    kernels need."""
     target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
@@ -249,21 +216,21 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kw
 
 
 def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """TVM's default CUDA Relax pipeline with the model's matmuls scheduled without tensor cores:
-    TVM 0.27's ``MatmulTensorization`` (dlight's ``Matmul`` for sm_70+) segfaults in ``Tensorize``
-    on a model's fp16 matmuls. The cache's kernels are scheduled already."""
+    """TVM's default CUDA Relax pipeline with the model's matmuls scheduled without tensor cores
+    (TVM 0.27's ``MatmulTensorization`` segfaults on a model's fp16 matmuls)."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
-    legalize = [rx.transform.LegalizeOps(), rx.transform.AnnotateTIROpPattern(), rx.transform.FoldConstant(),
-                rx.transform.FuseOps(), rx.transform.FuseTIR(),
-                dl.ApplyDefaultSchedule(_MatmulWithoutTensorCores(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                        dl.gpu.GeneralReduction(), dl.gpu.Fallback())]
+    legalize = [rx.transform.LegalizeOps(), rx.transform.AnnotateTIROpPattern(),
+                rx.transform.FoldConstant(), rx.transform.FuseOps(), rx.transform.FuseTIR(),
+                dl.ApplyDefaultSchedule(_MatmulWithoutTensorCores(), dl.gpu.GEMV(),
+                                        dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
+                                        dl.gpu.Fallback())]
 
     @tvm.transform.module_pass(opt_level=0)
     def pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         with target:
-            passes = (cuda.library_dispatch_passes(target) + legalize + cuda.dataflow_lower_passes(target)
-                      + cuda.finalize_passes(target))
+            passes = (cuda.library_dispatch_passes(target) + legalize
+                      + cuda.dataflow_lower_passes(target) + cuda.finalize_passes(target))
             return tvm.transform.Sequential(passes)(mod)
 
     return pipeline
@@ -292,17 +259,9 @@ def _add_kernels(bb: rx.BlockBuilder, layout: CacheLayout, target: tvm.target.Ta
     return kernels
 
 
-def _ext_factors(layout: CacheLayout) -> rx.Expr:
-    """Creation argument 11: the LongRoPE factors as a float32 constant (checked by the layout's
-    kernel spec, made first), or a null value."""
-    if layout.rope_ext_factors is None:
-        return rx.op.null_value()
-    return rx.const(np.array(layout.rope_ext_factors, dtype=np.float32))
-
-
 def _dps(builtin: str, args: list, out_types: list):
-    """Emit ``call_dps_packed`` of ``vm.builtin.attention_kv_cache_<builtin>`` (numbers as prim
-    values); one output type: the tensor, several: the tuple."""
+    """Emit ``call_dps_packed`` of ``vm.builtin.attention_kv_cache_<builtin>``: the tensor, or the
+    tuple of several outputs."""
     args = [rx.prim_value(a) if isinstance(a, (int, float)) else a for a in args]
     call = rx.call_dps_packed(f"vm.builtin.attention_kv_cache_{builtin}", args,
                               out_ty=out_types[0] if len(out_types) == 1 else out_types)

@@ -1,13 +1,5 @@
-"""A small generation engine on top of a compiled model and the cache (what a server does).
-
-The engine keeps requests (token lists), decides each step's batch and drives the cache only
-through TVM's ``vm.builtin.kv_state_*`` functions, as MLC-LLM's engine does: chunked prefill mixed
-with batched greedy decode, :meth:`Engine.fork` (parallel sampling sharing the prompt's pages),
-:meth:`Engine.speculate` (drafts verified in one call, the rejected tail rolled back with
-``popn``), and finished or :meth:`Engine.cancel`-led requests returning their pages. Every step's
-logits can be checked against a reference (``tokens -> logits of every position``, e.g.
-:class:`relax_kvcache.models.LlamaNumpy`).
-"""
+"""A small generation engine on a compiled model and the cache (what a server does), driving the
+cache only through TVM's ``vm.builtin.kv_state_*`` functions as MLC-LLM's engine does."""
 
 from __future__ import annotations
 
@@ -26,14 +18,13 @@ Reference = Callable[[Sequence[int]], np.ndarray]
 
 
 class Request:
-    """One sequence being generated: a read-only handle (the engine owns the state; changing it
-    from outside would desynchronise the engine from the cache or feed unchecked token ids).
-
+    """One sequence being generated: a read-only handle (the engine owns the state).
     ``tokens`` (a copy) = prompt + generated; the first ``cached`` are in the cache."""
 
     __slots__ = ("_seq_id", "_tokens", "_prompt_len", "_max_new_tokens", "_cached", "_last_logits")
 
-    def __init__(self, seq_id: int, tokens: List[int], prompt_len: int, max_new_tokens: int, cached: int = 0) -> None:
+    def __init__(self, seq_id: int, tokens: List[int], prompt_len: int, max_new_tokens: int,
+                 cached: int = 0) -> None:
         self._seq_id, self._tokens, self._prompt_len = seq_id, tokens, prompt_len
         self._max_new_tokens, self._cached = max_new_tokens, cached
         self._last_logits: Optional[np.ndarray] = None
@@ -66,8 +57,9 @@ class Request:
         return self.generated >= self._max_new_tokens and self._cached == len(self._tokens) - 1
 
     def __repr__(self) -> str:
-        return (f"Request(seq_id={self._seq_id}, prompt_len={self._prompt_len}, generated={self.generated}, "
-                f"cached={self._cached}, max_new_tokens={self._max_new_tokens})")
+        return (f"Request(seq_id={self._seq_id}, prompt_len={self._prompt_len}, "
+                f"generated={self.generated}, cached={self._cached}, "
+                f"max_new_tokens={self._max_new_tokens})")
 
 
 @dataclasses.dataclass
@@ -82,88 +74,82 @@ class Stats:
 
 
 class Engine:
-    """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``).
+    """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)
+    on one cache it owns (not picklable; docs/api.md). Token ids are checked against
+    ``vocab_size``; ``prefill_chunk_size`` (the most tokens a step feeds) against our cache's."""
 
-    An engine drives one cache and owns its requests: it is not picklable and must not be copied
-    (a copy would drive the same cache with requests of its own); fork a request for parallel
-    samples."""
-
-    def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache, device: tvm.runtime.Device, *,
-                 prefill_chunk_size: int, vocab_size: int, reference: Optional[Reference] = None) -> None:
-        """``vocab_size`` (required): token ids are checked against it, as the model would read
-        its embedding out of bounds (a crash). ``prefill_chunk_size``: the most tokens one step
-        feeds; at most the cache's ``prefill_chunk_size`` where the cache is a
-        :class:`relax_kvcache.PagedAttentionKVCache`. Raises ValueError on a bad value."""
+    def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache,
+                 device: tvm.runtime.Device, *, prefill_chunk_size: int, vocab_size: int,
+                 reference: Optional[Reference] = None) -> None:
         vocab, chunk = exact_int(vocab_size), exact_int(prefill_chunk_size)
         if vocab is None or not 1 <= vocab <= 2**31:
-            raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in [1, 2**31] (the "
-                             "model's vocabulary size; token ids are checked against it)")
+            raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in "
+                             "[1, 2**31] (the model's vocabulary size; token ids are checked "
+                             "against it)")
         if chunk is None or chunk < 1:
-            raise ValueError(f"Engine: prefill_chunk_size is {describe(prefill_chunk_size)}; expected an int >= 1")
+            raise ValueError(f"Engine: prefill_chunk_size is {describe(prefill_chunk_size)}; "
+                             "expected an int >= 1")
         from .cache import PagedAttentionKVCache
 
-        config = cache.config if isinstance(cache, PagedAttentionKVCache) else None  # else not checked
+        config = cache.config if isinstance(cache, PagedAttentionKVCache) else None  # unchecked
         if config is not None and chunk > config.prefill_chunk_size:
             raise ValueError(f"Engine: prefill_chunk_size is {chunk}; expected at most the cache's "
-                             f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that many tokens)")
+                             f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that "
+                             "many tokens)")
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
         self.vocab_size, self.chunk, self.reference = vocab, chunk, reference
         #: the most tokens one sequence can hold (None: unknown, not checked)
-        self.max_seq_tokens: Optional[int] = None if config is None else int(config.max_total_seq_len)
+        self.max_seq_tokens = None if config is None else int(config.max_total_seq_len)
         self.requests: Dict[int, Request] = {}
         self.stats = Stats()
         self._next_id = 0
         g = tvm.get_global_func
-        self._add, self._remove = g("vm.builtin.kv_state_add_sequence"), g("vm.builtin.kv_state_remove_sequence")
-        self._fork, self._popn = g("vm.builtin.kv_state_fork_sequence"), g("vm.builtin.kv_state_popn")
-        self._begin, self._end = g("vm.builtin.kv_state_begin_forward"), g("vm.builtin.kv_state_end_forward")
+        self._add, self._remove, self._fork, self._popn, self._begin, self._end = (
+            g(f"vm.builtin.kv_state_{name}") for name in ("add_sequence", "remove_sequence",
+                                                          "fork_sequence", "popn",
+                                                          "begin_forward", "end_forward"))
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
 
-    # ---------------------------------------------------------------- requests
-
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
-        """A new request; raises ValueError (nothing changed) on an empty prompt or one that is
-        not a list, tuple, range or 1-D integer numpy array, a token id outside the vocabulary,
-        a token budget below 1, or a prompt plus budget longer than the cache can hold (a
-        request that could never finish would block the others)."""
+        """A new request; ValueError (nothing changed) on a bad prompt or budget, or one longer
+        than the cache can hold."""
         length = self._token_count("add_request: prompt", prompt)
         if length == 0:
             raise ValueError("add_request: the prompt is empty; expected at least one token")
         budget = exact_int(max_new_tokens)  # a Python int: numpy integers overflow in the sum below
         if budget is None or budget < 1:
-            raise ValueError(f"add_request: max_new_tokens is {describe(max_new_tokens)}; expected an int >= 1")
-        max_new_tokens = budget
-        if self.max_seq_tokens is not None and length + max_new_tokens > self.max_seq_tokens:
-            raise ValueError(f"add_request: the prompt ({length} tokens) plus max_new_tokens ({max_new_tokens}) "
-                             f"is {length + max_new_tokens} tokens; expected at most the cache's capacity, "
-                             f"max_total_seq_len={self.max_seq_tokens}")
+            raise ValueError(f"add_request: max_new_tokens is {describe(max_new_tokens)}; "
+                             "expected an int >= 1")
+        if self.max_seq_tokens is not None and length + budget > self.max_seq_tokens:
+            raise ValueError(f"add_request: the prompt ({length} tokens) plus max_new_tokens "
+                             f"({budget}) is {length + budget} tokens; expected at most the "
+                             f"cache's capacity, max_total_seq_len={self.max_seq_tokens}")
         prompt = self._tokens("add_request: prompt", prompt)
-        req = Request(seq_id=self._next_id, tokens=prompt, prompt_len=length, max_new_tokens=max_new_tokens)
+        req = Request(seq_id=self._next_id, tokens=prompt, prompt_len=length, max_new_tokens=budget)
         self._add(self.cache, req.seq_id)
         self._next_id += 1  # only once the cache took the sequence
         self.requests[req.seq_id] = req
         return req
 
     def cancel(self, request: Request) -> None:
-        """Remove a live request and its sequence (its pages return to the pool). Use it e.g.
-        after :meth:`step` raised :class:`relax_kvcache.CacheFullError`: a step that raises
-        leaves the engine and the cache as they were, so cancelling (or finishing) requests
-        frees room and the next step goes on."""
+        """Remove a live request and its sequence (its pages return to the pool), e.g. after
+        :meth:`step` raised :class:`relax_kvcache.CacheFullError`."""
         self._live("cancel", request)
         self._remove(self.cache, request.seq_id)
         del self.requests[request.seq_id]
 
     def fork(self, parent: Request, alternative: int) -> Request:
-        """A second continuation of ``parent`` (prompt in, first token generated) sharing its
-        cached prefix; it continues from ``alternative`` instead of the parent's first token
-        (e.g. the runner-up of ``parent.last_logits``)."""
+        """A second continuation of ``parent`` (right after its first token) sharing its cached
+        prefix, continuing from ``alternative`` instead of that token."""
         self._live("fork", parent)
         alternative = self._tokens("fork: alternative", [alternative])[0]
         if parent.prefilling or parent.generated != 1:
-            raise ValueError(f"fork a request right after its first token; request {parent.seq_id} has "
-                             f"{parent.cached}/{parent.prompt_len} prompt tokens cached, {parent.generated} generated")
+            raise ValueError(f"fork a request right after its first token; request "
+                             f"{parent.seq_id} has {parent.cached}/{parent.prompt_len} prompt "
+                             f"tokens cached, {parent.generated} generated")
         child = Request(seq_id=self._next_id, tokens=parent._tokens[:-1] + [alternative],
-                        prompt_len=parent.prompt_len, max_new_tokens=parent.max_new_tokens, cached=parent.cached)
+                        prompt_len=parent.prompt_len, max_new_tokens=parent.max_new_tokens,
+                        cached=parent.cached)
         self._fork(self.cache, parent.seq_id, child.seq_id, parent.cached)
         self._next_id += 1  # only once the cache took the sequence
         self.requests[child.seq_id] = child
@@ -172,17 +158,11 @@ class Engine:
     def free_pages(self) -> int:
         return int(self._free_pages(self.cache))
 
-    # ---------------------------------------------------------------- steps
-
     def step(self) -> List[Request]:
-        """One step: a token of every decoding request plus, within ``prefill_chunk_size``
-        tokens, the next pieces of the prompts not in yet (chunked prefill mixed with decode).
-        Returns the requests that finished (and were removed).
-
-        A step that raises (e.g. :class:`relax_kvcache.CacheFullError` when the pages run out,
-        or an error of the model) leaves the requests and the cache's sequences, pages and K/V
-        as they were: the caller can :meth:`cancel` requests to make room and step again (a
-        failed step is undone with ``popn``, so the sequences' last-step length is 0 afterwards)."""
+        """One step: a token of every decoding request plus prompt chunks within
+        ``prefill_chunk_size`` tokens; returns the requests that finished (and were removed). A
+        step that raises (e.g. :class:`relax_kvcache.CacheFullError`) changes nothing (undone
+        with ``popn``)."""
         if not self.requests:
             raise ValueError("step: there are no requests; add one with add_request")
         # (a request finished by a speculative step is only retired: it gets no more tokens)
@@ -207,14 +187,14 @@ class Engine:
         return done
 
     def speculate(self, req: Request, drafts: Sequence[int]) -> int:
-        """Append ``req``'s pending token and ``drafts`` in one call, keep the drafts the model
-        itself would have produced (greedy), roll the rest back with ``popn``. Returns how many
-        drafts were accepted. Raises ValueError (nothing changed) unless ``req`` is a live
-        decoding request of this engine with room for ``drafts`` and the token after them
-        within its ``max_new_tokens``."""
+        """Feed ``req``'s pending token and ``drafts`` in one call, keep the drafts greedy
+        decoding agrees with, roll the rest back with ``popn``; return how many were kept.
+        ValueError (nothing changed) unless ``req`` is a live decoding request with room for
+        them within its ``max_new_tokens``."""
         self._live("speculate", req)
         if req.prefilling or req.cached != len(req._tokens) - 1:
-            raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still prefilling")
+            raise ValueError(f"speculate on a decoding request; request {req.seq_id} is still "
+                             "prefilling")
         drafts = self._tokens("speculate: drafts", drafts)
         if req.generated + len(drafts) + 1 > req.max_new_tokens:
             raise ValueError(f"speculate: {len(drafts)} drafts would take request {req.seq_id} to "
@@ -241,8 +221,8 @@ class Engine:
         return accepted
 
     def _run(self, batch, *, sample: bool = True) -> List[np.ndarray]:
-        """Feed each request's next ``n`` tokens in one model call; per request the logits of
-        its tokens. With ``sample``, a request whose tokens are all in gets its greedy next token."""
+        """Feed each request's next ``n`` tokens in one model call; per request its logits (with
+        ``sample``, a request whose tokens are all in gets its greedy next token)."""
         ids = np.concatenate([r._tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
         decode = all(n == 1 for _, n in batch)
         start = time.perf_counter()
@@ -278,18 +258,18 @@ class Engine:
         return per_request
 
     def _token_count(self, what: str, tokens: Sequence[int]) -> int:
-        """The length of a list, tuple, range or 1-D integer numpy array (not a set or a dict),
-        read without touching the elements."""
+        """The length of a list, tuple, range or 1-D integer numpy array (elements untouched)."""
         if isinstance(tokens, np.ndarray):
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-                raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype {tokens.dtype}; "
-                                 "expected a 1-D integer array of token ids")
+                raise ValueError(f"{what} is a numpy array of shape {tokens.shape} and dtype "
+                                 f"{tokens.dtype}; expected a 1-D integer array of token ids")
             return int(tokens.shape[0])
         if isinstance(tokens, range):
             return range_length(tokens)  # len() overflows beyond 2**63
         if not isinstance(tokens, (list, tuple)):
-            raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D integer numpy "
-                             f"array), got {type(tokens).__name__} ({describe(tokens)})")
+            raise ValueError(f"{what} must be a sequence of token ids (list, tuple, range or 1-D "
+                             f"integer numpy array), got {type(tokens).__name__} "
+                             f"({describe(tokens)})")
         return len(tokens)
 
     def _tokens(self, what: str, tokens: Sequence[int]) -> List[int]:
@@ -301,20 +281,23 @@ class Engine:
             raise ValueError(f"{err}: not a token id (int)") from None
         for tok in ids:
             if not 0 <= tok < self.vocab_size:
-                raise ValueError(f"{what} holds token id {tok}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"{what} holds token id {tok}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         return ids
 
     def _live(self, what: str, req: Request) -> None:
         """Raise ValueError unless ``req`` is a request of this engine that is still running."""
         if not isinstance(req, Request) or self.requests.get(req.seq_id) is not req:
-            state = "not a Request" if not isinstance(req, Request) else "finished, cancelled or of another engine"
-            raise ValueError(f"{what}: {req!r:.100} is {state}; expected a running request of this engine "
-                             f"(running: {sorted(self.requests)})")
+            state = ("not a Request" if not isinstance(req, Request) else
+                     "finished, cancelled or of another engine")
+            raise ValueError(f"{what}: {req!r:.100} is {state}; expected a running request of this "
+                             f"engine (running: {sorted(self.requests)})")
 
     def _check(self, tokens: Sequence[int], rows: np.ndarray) -> None:
         if self.reference is None:
             return
         want = self.reference(tokens)[-len(rows):]
         scale = max(float(np.abs(want).max()), 1e-30)
-        self.stats.max_rel_error = max(self.stats.max_rel_error, float(np.abs(rows - want).max()) / scale)
+        error = float(np.abs(rows - want).max()) / scale
+        self.stats.max_rel_error = max(self.stats.max_rel_error, error)
         self.stats.checked_rows += len(rows)

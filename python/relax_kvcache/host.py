@@ -10,7 +10,8 @@ import os
 
 def physical_core_count() -> int:
     """Physical cores this process may run on (SMT siblings counted once)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cpus = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else range(os.cpu_count() or 1))
     cores = set()
     for cpu in cpus:
         base = f"/sys/devices/system/cpu/cpu{cpu}/topology"

@@ -1,9 +1,5 @@
-"""Kernel libraries on disk: the cache folder and keys, SHA-256 checksum files, atomic writes.
-
-Every library we write gets its SHA-256 beside it (``<library>.sha256``); a cached library whose
-bytes differ from it is compiled again, and :func:`relax_kvcache.deploy.load` refuses it. Nothing
-here needs TVM's compiler.
-"""
+"""Kernel libraries on disk: the cache folder and keys, SHA-256 checksum files (``<library>.sha256``
+beside each library we write), atomic writes. Needs no TVM compiler."""
 
 from __future__ import annotations
 
@@ -28,7 +24,7 @@ LIBRARY_FORMAT = 7
 
 
 def cache_dir() -> pathlib.Path:
-    """Folder of compiled kernel libraries: ``$RELAX_KVCACHE_CACHE_DIR`` or ``~/.cache/relax_kvcache``."""
+    """Folder of compiled kernels: ``$RELAX_KVCACHE_CACHE_DIR`` or ``~/.cache/relax_kvcache``."""
     env = os.environ.get("RELAX_KVCACHE_CACHE_DIR")
     path = pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "relax_kvcache"
     path.mkdir(parents=True, exist_ok=True)
@@ -44,8 +40,9 @@ def _kernel_source_digest() -> str:
 
 
 def build_key(spec: Any, target: tvm.target.Target) -> str:
-    """Cache key of a kernel set spec: spec, target, TVM version, kernel sources, :data:`LIBRARY_FORMAT`."""
-    text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest(), str(LIBRARY_FORMAT)])
+    """Cache key of a kernel set spec: spec, target, TVM version, kernel sources, format."""
+    text = "\n".join([repr(spec), str(target), tvm.__version__, _kernel_source_digest(),
+                      str(LIBRARY_FORMAT)])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -78,8 +75,8 @@ def file_sha256(path: Union[str, "os.PathLike[str]"]) -> str:
 
 
 def write_checksum(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
-    """Write ``<library>.sha256`` (``sha256sum`` format: ``sha256sum -c`` checks it) beside
-    ``library``; :func:`relax_kvcache.deploy.load` then refuses the library if its bytes change. Returns its path."""
+    """Write ``<library>.sha256`` (``sha256sum -c`` format) beside ``library``, which
+    :func:`relax_kvcache.deploy.load` then checks; return its path."""
     library = pathlib.Path(library)
     line = f"{file_sha256(library)}  {library.name}\n"
     path = checksum_path(library)
@@ -87,13 +84,10 @@ def write_checksum(library: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
     return path
 
 
-def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[Union[str, "os.PathLike[str]"]] = None
-                    ) -> bool:
-    """Check ``library`` (or ``copy``, a copy of it) against ``<library>.sha256``.
-
-    Returns True when the checksum file exists and agrees, False when there is none (a library
-    written by other tools); raises DeployError, naming ``library``, when they disagree or the
-    checksum file cannot be read."""
+def verify_checksum(library: Union[str, "os.PathLike[str]"], *,
+                    copy: Optional[Union[str, "os.PathLike[str]"]] = None) -> bool:
+    """Check ``library`` (or ``copy``, a copy of it) against ``<library>.sha256``: True when it
+    agrees, False without one; ``DeployError`` when they disagree or it cannot be read."""
     library = pathlib.Path(library)
     path = checksum_path(library)
     if not path.is_file():
@@ -102,13 +96,15 @@ def verify_checksum(library: Union[str, "os.PathLike[str]"], *, copy: Optional[U
         words = path.read_text(errors="replace").split()
         actual = file_sha256(library if copy is None else copy)
     except OSError as err:
-        raise DeployError(f"could not read {str(library)!r} or its checksum {str(path)!r} ({err})") from None
+        raise DeployError(f"could not read {str(library)!r} or its checksum {str(path)!r} "
+                          f"({err})") from None
     expected = words[0].lower() if words else ""
     if actual != expected:
-        raise DeployError(f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
-                          f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected the "
-                          "bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
-                          "library together with its .sha256 file)")
+        raise DeployError(
+            f"could not load {str(library)!r}: its SHA-256 is {actual[:16]}..., its checksum file "
+            f"{path.name} says {expected[:16] or '(empty)'}...: the library is damaged; expected "
+            "the bytes `relax-kvcache build` / export_kernels wrote (build it again, or copy the "
+            "library together with its .sha256 file)")
     return True
 
 
@@ -131,9 +127,9 @@ def write_atomic(path: pathlib.Path, data: bytes) -> None:
 
 
 def _replace(dest: pathlib.Path, write: Callable[[str], Any], mode: int) -> None:
-    """``write(tmp)`` a temporary file beside ``dest``, give it ``mode`` (a temporary file is
-    private, 0600), then rename it to ``dest``."""
-    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=dest.suffix, delete=False) as tmp:
+    """``write(tmp)`` a temporary file beside ``dest``, chmod it, rename it to ``dest``."""
+    with tempfile.NamedTemporaryFile(dir=dest.parent, prefix=".tmp-", suffix=dest.suffix,
+                                     delete=False) as tmp:
         tmp_path = tmp.name
     try:
         write(tmp_path)

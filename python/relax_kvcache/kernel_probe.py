@@ -1,10 +1,5 @@
 """Check a kernel set against the config of the cache that would run it, before the cache
-allocates anything (``check_kernels``, called by ``PagedAttentionKVCache.__init__``).
-
-Our libraries name the config they were built for (``KernelSet.identity``). Kernels passed as
-TVM's creation arguments do not: each page kernel runs on two random pages, then a small probe
-cache takes a few steps, each output compared with float64 numpy (:mod:`relax_kvcache.reference`)
-over the K/V it stored, so that kernels of another shape, dtype or role fail here by name.
+allocates anything (``check_kernels``); docs/reliability.md describes the probe of foreign kernels.
 """
 
 from __future__ import annotations
@@ -30,10 +25,8 @@ MAX_PROBED_HEAD_DIM = 1024
 
 @dataclasses.dataclass(frozen=True)
 class ProbeCache:
-    """A fresh cache on the kernels under test, and what the probe reads besides its API: page
-    tensors, ``position_map(seq_id, start, end)`` (slots), ``split_rotary``'s q output (the queries
-    the kernels see), the partial-state scratch, token-tree support, the most tokens a sequence may
-    append per step (0: no limit)."""
+    """A fresh cache on the kernels under test, and what the probe reads besides its API
+    (``position_map(seq_id, start, end)``: slots; ``max_append``: 0 for no limit)."""
 
     cache: Any
     kernels: KernelSet
@@ -47,42 +40,45 @@ class ProbeCache:
 
 def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                   new_cache: Callable[[KVCacheConfig, KernelSet], ProbeCache]) -> KVCacheConfig:
-    """Refuse kernels a cache of ``config`` cannot run on (a ``ConfigError``: ours built for another
-    config, a kernel its steps call missing, a foreign kernel failing its probe); return the config
-    to build it with (MLA without decompressed head dims: those the foreign kernels accept).
+    """Refuse kernels a cache of ``config`` cannot run on (``ConfigError``); return the config to
+    build it with (MLA without decompressed head dims: those the foreign kernels accept).
     ``new_cache(config, kernels)`` builds an unchecked cache for the probe."""
     if kernels.identity is not None:
-        expected = kernel_identity(config)
-        differ = [f"{name} {value!r} (kernels) vs {expected[name]!r} (config)" for name, value in kernels.identity
-                  if value != expected[name]]
+        want = kernel_identity(config)
+        differ = [f"{name} {value!r} (kernels) vs {want[name]!r} (config)"
+                  for name, value in kernels.identity if value != want[name]]
         if differ:
-            raise ConfigError("the kernels were built for another configuration: " + "; ".join(differ)
-                              + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for this "
-                              "config with relax_kvcache.build_kernels(config, target)")
-    roles = ["transpose_append_mla", "attention_prefill_mla"] if config.is_mla else [
-        "transpose_append", "split_rotary", "attention_prefill", "attention_decode"]
+            raise ConfigError(
+                "the kernels were built for another configuration: " + "; ".join(differ)
+                + " (dtype as its index in ('float32', 'float16', 'bfloat16')); build them for "
+                "this config with relax_kvcache.build_kernels(config, target)")
+    roles = ["attention_prefill_ragged", "copy_single_page", "merge_inplace", "merge_general"]
+    roles += (["transpose_append_mla", "attention_prefill_mla"] if config.is_mla else
+              ["transpose_append", "split_rotary", "attention_prefill", "attention_decode"])
     if config.slides_sequences or config.has_layer_windows:
         roles += ["attention_prefill_sliding_window", "attention_decode_sliding_window"]
     if config.layer_span.chunk:  # the plain ragged kernel cannot split a step at chunk boundaries
         roles += ["attention_prefill_ragged_sliding_window"]
-    missing = kernels.missing(roles + ["attention_prefill_ragged", "copy_single_page", "merge_inplace",
-                                       "merge_general"])
+    missing = kernels.missing(roles)
     if missing:
-        raise ConfigError(f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
-                          "calls in every step; pass them (or let the cache build its own; TVM has no kernels for "
-                          "MHA_CHUNKED_LOCAL layers)")
+        raise ConfigError(
+            f"the kernel set has no {', '.join(missing)} kernel(s), which a cache with this config "
+            "calls in every step; pass them (or let the cache build its own; TVM has no kernels "
+            "for MHA_CHUNKED_LOCAL layers)")
     if kernels.identity is not None:  # ours, built for this config
         return config
     if config.is_mla and config.mla_original_qk_head_dim is None:
         qk, v = _decompressed_head_dims(config, kernels, device)
         try:
-            config = dataclasses.replace(config, mla_original_qk_head_dim=qk, mla_original_v_head_dim=v)
+            config = dataclasses.replace(config, mla_original_qk_head_dim=qk,
+                                         mla_original_v_head_dim=v)
         except ConfigError as err:
-            raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims the ragged kernel "
-                              f"and merge_general accept) do not fit this config: {err}") from None
+            raise ConfigError(f"the kernels' decompressed head dims (q / k {qk}, v {v}, the dims "
+                              "the ragged kernel and merge_general accept) do not fit this config: "
+                              f"{err}") from None
     # a pool of about 16 pages (enough for every probe step) and one sequence
-    small = dataclasses.replace(config, max_total_seq_len=min(config.max_total_seq_len, 15 * config.page_size),
-                                max_num_seqs=1)
+    small = dataclasses.replace(config, max_num_seqs=1, max_total_seq_len=min(
+        config.max_total_seq_len, 15 * config.page_size))
     small = small if 16 <= small.num_total_pages <= config.num_total_pages else config
     # a set with the prefixed prefill kernel is probed without it first (ragged + paged + merge,
     # the path of the steps it does not serve), then with it
@@ -150,9 +146,8 @@ def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.ru
 
 
 def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> None:
-    """Split a random fused QKV of two tokens: v copied; q and k copied (no RoPE at append time) or
-    rotated, any rotation keeping head vector lengths (the kernel defines it, as in TVM), times
-    one positive attention factor with LongRoPE factors."""
+    """Split a random fused QKV of two tokens: v copied; q and k copied or rotated (any rotation
+    keeping head vector lengths, times LongRoPE's attention factor)."""
     hq, hkv, d, rotary = config.num_qo_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
     qkv = exact_random(np.random.default_rng(0), (2, hq + 2 * hkv, d))
     outs = [tvm.runtime.empty((2, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
@@ -186,9 +181,8 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
 
 
 def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device) -> Tuple[int, int]:
-    """The decompressed ``(qk, v)`` head dims of a foreign MLA set: the dims ``merge_general`` and
-    then ``attention_prefill_ragged`` accept on one-token tensors (a compiled kernel checks shapes
-    before it runs), trying 1 to :data:`MAX_PROBED_HEAD_DIM`."""
+    """The decompressed ``(qk, v)`` head dims of a foreign MLA set: the first that
+    ``merge_general``, then ``attention_prefill_ragged`` accept on one-token tensors."""
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
     wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
     lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
@@ -218,7 +212,6 @@ def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: t
 
 
 def _failure(kernel: str, err: Exception, detail: str = "") -> ConfigError:
-    """``kernel`` raised ``err`` (its message on one line, at most 200 characters)."""
     text = " ".join(str(err).split())
     text = text if len(text) <= 200 else text[:197] + "..."
     return ConfigError(f"{kernel} fails on this cache's tensors ({type(err).__name__}: {text}{detail}){EXPECTED}")
@@ -266,10 +259,8 @@ def _recording(kernels: KernelSet, calls: List[str]) -> KernelSet:
 
 
 def _probe_attention(probe: ProbeCache, kernels: KernelSet, calls: List[str]) -> None:
-    """Steps of one probe sequence (:func:`_probe_steps`), one layer of each attention kind each:
-    outputs must match float64 attention over the stored K/V where the host knows the queries the
-    kernels see (RoPE NONE or NORMAL, MLA, one-key decode), else be finite. Then ``debug_get_kv``
-    and the merges. ``calls``: the roles each step ran, for messages."""
+    """Steps of one probe sequence, one layer of each attention kind each, outputs checked where
+    the host knows the queries the kernels see (else finite); then ``debug_get_kv``, merges."""
     cache, cfg, rng = probe.cache, probe.cache.config, np.random.default_rng(1)
     # TVM's windowed prefill kernel gives NaN for a query whose window holds no cached token (a
     # chunk as long as the window over a prefix): keep the prefill step shorter than the window
@@ -406,7 +397,7 @@ def _probe_debug_get_kv(probe: ProbeCache, layers: Sequence[int]) -> None:
 
 
 def _probe_merges(probe: ProbeCache, rng: np.random.Generator) -> None:
-    """Merge two states with ``merge_inplace`` and through ``merge_attn_output_inplace`` (``merge_general``)."""
+    """Merge two states with ``merge_inplace`` and ``merge_attn_output_inplace``."""
     cache, cfg = probe.cache, probe.cache.config
     dv = cfg.mla_original_v_head_dim if cfg.is_mla else cfg.v_head_dim
     for what, dim, merge in (("merge_inplace", cfg.v_head_dim, probe.kernels.merge_inplace),

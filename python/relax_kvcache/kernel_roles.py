@@ -1,14 +1,5 @@
-"""What a kernel library holds: the catalogue of kernel roles, and the library's identity.
-
-:data:`CATALOGUE` lists every role a :class:`~relax_kvcache.kernel_set.KernelSet` holds: its
-creation argument of ``paged_attention_kv_cache_create`` and TVM's name for it, the parameter
-counts of TVM's convention, and the factory of our kernel for it in a multi-head or MLA set.
-A compiled TIR kernel called without arguments raises ``TypeError: Expected N arguments ...``
-and touches nothing: :func:`parameter_count` reads N so that a creation argument holding a
-kernel of another role is refused by name (Python callables are left to the creation probe).
-:func:`kernel_identity` is the config a library was built for (its ``kernel_spec_*``
-functions). Needs no TVM.
-"""
+"""What a kernel library holds: the catalogue of kernel roles (creation argument, TVM's name,
+parameter counts, our factories) and the library's identity (:func:`kernel_identity`). No TVM."""
 
 from __future__ import annotations
 
@@ -30,10 +21,9 @@ class Factory(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """One kernel role: ``name`` (a KernelSet field, a library function name), its creation
-    ``argument`` index and ``tvm_name`` (None: not one; ``merge_general`` is argument 23's second
-    entry), TVM's ``parameters`` counts (empty: ours only), our factory in a multi-head (``mha``)
-    or MLA (``mla``) set, and the multi-head spec attribute it ``requires`` (None: always there)."""
+    """One kernel role: a KernelSet field and library function ``name``, its creation ``argument``
+    (None: not one), TVM's ``parameters`` counts (empty: ours only), our factories, and the
+    multi-head spec attribute it ``requires`` (None: always there)."""
 
     name: str
     argument: Optional[int]
@@ -44,8 +34,7 @@ class Role:
     requires: Optional[str] = None
 
 
-#: Every role, in the order the cache uses them (the order of :data:`KERNEL_ROLES` and
-#: :data:`MLA_KERNEL_ROLES`).
+#: Every role, in the order the cache uses them.
 CATALOGUE: Tuple[Role, ...] = (
     Role("transpose_append", 13, "f_transpose_append_mha", (4,), mha=Factory("make_transpose_append", "page")),
     Role("transpose_append_mla", 14, "f_transpose_append_mla", (3,), mla=Factory("make_transpose_append_mla", "latent")),
@@ -77,39 +66,32 @@ CATALOGUE: Tuple[Role, ...] = (
     Role("attention_prefill_mla", 22, "f_mla_prefill", (10,), mla=Factory("make_paged_mla", "absorbed")),
 )
 
-#: role name -> :class:`Role`
 ROLES: Dict[str, Role] = {role.name: role for role in CATALOGUE}
-
 #: Roles of the kernels of a multi-head set, in the order the cache uses them.
 KERNEL_ROLES: Tuple[str, ...] = tuple(role.name for role in CATALOGUE if role.mha)
-
 #: Roles of the kernels of an MLA set (``debug_get_kv`` with the latent layout).
 MLA_KERNEL_ROLES: Tuple[str, ...] = tuple(role.name for role in CATALOGUE if role.mla)
-
-#: argument index -> (role in :class:`~relax_kvcache.kernel_set.KernelSet`, TVM's name for it)
+#: argument index -> (role, TVM's name for it)
 CREATION_KERNELS: Dict[int, Tuple[str, str]] = {
     role.argument: (role.name, role.tvm_name)
-    for role in sorted(CATALOGUE, key=lambda role: role.argument if role.argument is not None else -1)
-    if role.argument is not None}
-
-#: parameters of each role's kernel (TVM's conventions; debug_get_kv and copy_single_page take
-#: the latent page layout's arguments in MLA caches)
-PARAMETER_COUNTS: Dict[str, Tuple[int, ...]] = {role.name: role.parameters for role in CATALOGUE if role.parameters}
+    for role in sorted(CATALOGUE, key=lambda role: role.argument or -1) if role.argument}
+#: parameters of each role's kernel (TVM's conventions)
+PARAMETER_COUNTS: Dict[str, Tuple[int, ...]] = {
+    role.name: role.parameters for role in CATALOGUE if role.parameters}
 
 _EXPECTED = re.compile(r"Expected (\d+) arguments when calling")
 _TREE_PAGED, _TREE_RAGGED = 20, 21
 
 
 def label(index: int, item: Optional[int] = None) -> str:
-    """``"argument 20 (f_attention_prefill_with_tree_mask_paged_kv)"``; ``item`` names an entry of
-    the list argument 23."""
+    """``"argument 20 (f_attention_prefill_with_tree_mask_paged_kv)"``; ``item``: a list entry."""
     name = CREATION_KERNELS[index][1] + ("" if item is None else f"[{item}]")
     return f"argument {index} ({name})"
 
 
 def parameter_count(kernel: Any) -> Optional[int]:
-    """The argument count a compiled kernel checks for, read off the ``TypeError`` it raises when
-    called without arguments; None where it raises nothing or something else."""
+    """The argument count a compiled kernel checks for, read off the ``TypeError`` it raises
+    (touching nothing) when called without arguments; None where it raises nothing else."""
     try:
         kernel()
     except TypeError as err:
@@ -121,76 +103,74 @@ def parameter_count(kernel: Any) -> Optional[int]:
 
 
 def check_role(role: str, kernel: Any, where: str) -> None:
-    """Refuse ``kernel`` for ``role`` when its parameter count is known and not the role's.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``where`` (the creation argument), the kernel's count and the role's.
-    """
+    """Refuse ``kernel`` for ``role`` (``ConfigError`` naming ``where``, the creation argument)
+    when its parameter count is known and not the role's."""
     count = parameter_count(kernel)
     expected = PARAMETER_COUNTS[role]
     if count is not None and count not in expected:
         fits = [other for other, counts in PARAMETER_COUNTS.items() if count in counts and other != role]
         hint = f" (as {', '.join(fits[:3])} kernels take)" if fits else ""
-        raise ConfigError(f"paged_attention_kv_cache_create: {where} is a kernel of {count} parameters{hint}; "
-                          f"expected the {role} kernel, of {' or '.join(map(str, expected))} parameters "
-                          "(TVM's convention for this argument)")
+        raise ConfigError(f"paged_attention_kv_cache_create: {where} is a kernel of {count} "
+                          f"parameters{hint}; expected the {role} kernel, of "
+                          f"{' or '.join(map(str, expected))} parameters (TVM's convention for this "
+                          "argument)")
 
 
-def order_tree_kernels(paged: Optional[Any], ragged: Optional[Any]) -> Tuple[Optional[Any], Optional[Any], bool]:
+def order_tree_kernels(paged: Any, ragged: Any) -> Tuple[Any, Any, bool]:
     """Arguments 20 (paged) and 21 (ragged tree attention) in their roles: ``(paged, ragged,
-    swapped)``. TVM 0.27's ``TIRPagedKVCache`` passes them the other way round for ``llvm``
-    targets (its CUDA path and its C++ cache use this order); a pair whose parameter counts say
-    so is swapped back, with a warning."""
+    swapped)``; swapped back, with a warning, where the parameter counts show TVM 0.27's
+    ``llvm`` order (docs/compatibility.md)."""
     if paged is None or ragged is None:
         return paged, ragged, False
-    counts = parameter_count(paged), parameter_count(ragged)
-    if counts != (PARAMETER_COUNTS["attention_prefill_ragged_tree"][0], PARAMETER_COUNTS["attention_prefill_tree"][0]):
+    if (parameter_count(paged), parameter_count(ragged)) != (
+            PARAMETER_COUNTS["attention_prefill_ragged_tree"][0],
+            PARAMETER_COUNTS["attention_prefill_tree"][0]):
         return paged, ragged, False
-    warnings.warn(f"paged_attention_kv_cache_create: {label(_TREE_PAGED)} holds the ragged tree-attention kernel and "
-                  f"{label(_TREE_RAGGED)} the paged one (the order of TVM 0.27's TIRPagedKVCache for llvm targets); "
-                  "each is used in its own role", stacklevel=3)
+    warnings.warn(f"paged_attention_kv_cache_create: {label(_TREE_PAGED)} holds the ragged "
+                  f"tree-attention kernel and {label(_TREE_RAGGED)} the paged one (the order of "
+                  "TVM 0.27's TIRPagedKVCache for llvm targets); each is used in its own role",
+                  stacklevel=3)
     return ragged, paged, True
 
 
 #: Prefix of the functions of a built library that return its :func:`kernel_identity`.
 IDENTITY_PREFIX = "kernel_spec_"
 #: The fields of :func:`kernel_identity`, in order.
-IDENTITY_FIELDS = ("mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
-                   "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
-                   "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
-                   "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size")
+IDENTITY_FIELDS = (
+    "mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
+    "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
+    "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
+    "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size")
 
 
 def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
-    """What ``config``'s kernels depend on (its kernel set spec), read from the config alone (a
-    runtime-only host has no specs): the dtype as its index in ``SUPPORTED_DTYPES``, flags as 0 / 1,
-    fields that do not apply as 0. A library returns each from ``kernel_spec_<field>()``."""
-    mla, windows = config.is_mla, config.support_sliding_window or config.has_layer_windows
+    """What ``config``'s kernels depend on, from the config alone (a runtime-only host has no
+    specs): the dtype as its index in ``SUPPORTED_DTYPES``, flags 0 / 1, fields that do not
+    apply 0. A library returns each from ``kernel_spec_<field>()``."""
+    cfg, mla = config, config.is_mla
+    longrope = cfg.rope_ext_factors is not None  # split_rotary takes the factors tensor
     return {
-        "mla": int(mla), "dtype": SUPPORTED_DTYPES.index(config.dtype), "page_size": config.page_size,
-        "num_qo_heads": config.num_qo_heads, "num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "v_head_dim": config.v_head_dim,
-        "mla_original_qk_head_dim": (config.mla_original_qk_head_dim or 0) if mla else 0,
-        "mla_original_v_head_dim": (config.mla_original_v_head_dim or 0) if mla else 0,
-        "rope_theta": 0.0 if mla else float(config.rope_theta),
-        "rope_scale": 0.0 if mla else float(config.rope_scale),
-        "sliding_window": int(not mla and windows),
-        "layer_sliding_window_size": config.layer_span.window,
-        "attention_chunk_size": config.layer_span.chunk,
-        # LongRoPE: split_rotary takes the factors tensor (0: the apply-RoPE flag)
-        "longrope_original_max_position": ((config.rope_original_max_position_embeddings or 0)
-                                           if config.rope_ext_factors is not None else 0),
-        "longrope_attention_factor": config.rope_attention_factor if config.rope_ext_factors is not None else 0.0,
-        "rope_rotary_dim": 0 if mla else config.rotary_dim,
-        "rope_interleaved": int(config.rope_interleaved),
+        "mla": int(mla), "dtype": SUPPORTED_DTYPES.index(cfg.dtype), "page_size": cfg.page_size,
+        "num_qo_heads": cfg.num_qo_heads, "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "v_head_dim": cfg.v_head_dim,
+        "mla_original_qk_head_dim": (cfg.mla_original_qk_head_dim or 0) if mla else 0,
+        "mla_original_v_head_dim": (cfg.mla_original_v_head_dim or 0) if mla else 0,
+        "rope_theta": 0.0 if mla else float(cfg.rope_theta),
+        "rope_scale": 0.0 if mla else float(cfg.rope_scale),
+        "sliding_window": int(not mla and (cfg.support_sliding_window or cfg.has_layer_windows)),
+        "layer_sliding_window_size": cfg.layer_span.window,
+        "attention_chunk_size": cfg.layer_span.chunk,
+        "longrope_original_max_position":
+            (cfg.rope_original_max_position_embeddings or 0) if longrope else 0,
+        "longrope_attention_factor": cfg.rope_attention_factor if longrope else 0.0,
+        "rope_rotary_dim": 0 if mla else cfg.rotary_dim,
+        "rope_interleaved": int(cfg.rope_interleaved),
     }
 
 
 def read_identity(get: Callable[[str], Optional[Any]]) -> Optional[Tuple[Tuple[str, float], ...]]:
     """A library's ``kernel_spec_<field>`` values as (field, value) pairs, through ``get`` (name ->
-    function or None); None where a field is missing (TVM's kernels)."""
+    function or None); None where one is missing (TVM's kernels)."""
     functions = [(name, get(IDENTITY_PREFIX + name)) for name in IDENTITY_FIELDS]
     if any(f is None for _, f in functions):
         return None

@@ -18,22 +18,11 @@ Function = Any  # a tvm_ffi.Function (or any callable with the same convention)
 
 @dataclasses.dataclass(frozen=True)
 class KernelSet:
-    """Kernels by role (one field per role of :data:`relax_kvcache.kernel_roles.CATALOGUE`);
-    argument conventions are TVM's (``docs/kernels.md``).
-
-    ``merge_general`` is the merge used by ``merge_attn_output_inplace`` (TVM's second merge
-    function, which it keeps for MLA's other head dim); it defaults to ``merge_inplace``.
-    Optional roles are None when the cache was created without them. TVM's creation arguments
-    have no windowed ragged kernel: with them, the new tokens of ``MHA_SLIDING`` layers use the
-    plain ragged kernel (TVM's behaviour, exact while a step appends at most a window of tokens).
-
-    MLA caches use ``transpose_append_mla``, ``attention_prefill_mla`` (absorbed attention over
-    latent pages), the ragged kernel at the decompressed head dims, ``merge_inplace`` at
-    ``kv_lora_rank`` and ``merge_general`` at the decompressed v head dim; their
-    ``copy_single_page`` and ``debug_get_kv`` have the latent page layout.
-
-    A set holds compiled functions: it is not picklable or deep-copyable (ship a library written
-    by ``export_kernels`` instead, loaded with ``deploy.load`` and :meth:`from_module`).
+    """Kernels by role (one field per role of :data:`relax_kvcache.kernel_roles.CATALOGUE`), with
+    TVM's argument conventions (docs/kernels.md). ``merge_general`` is the merge of
+    ``merge_attn_output_inplace`` (TVM's second merge function); optional roles are None when
+    absent. Not picklable: ship a library (``export_kernels``, ``deploy.load``,
+    :meth:`from_module`).
     """
 
     transpose_append: Optional[Function]
@@ -53,16 +42,12 @@ class KernelSet:
     attention_prefill_tree: Optional[Function] = None
     transpose_append_mla: Optional[Function] = None
     attention_prefill_mla: Optional[Function] = None
-    #: ours only (not among TVM's creation arguments): attention over a cached prefix and the
-    #: step's own K/V in one kernel (``tir_kernels.make_prefixed_prefill``)
+    #: ours only: attention over a cached prefix and the step's own K/V in one kernel
     attention_prefill_prefixed: Optional[Function] = None
-    #: :func:`relax_kvcache.build.kernel_identity` of the config the kernels were built for, as
-    #: (field, value) pairs (None where unknown: TVM's kernels, libraries built before it). Set
-    #: only by :meth:`from_module`: a set made or changed otherwise (``dataclasses.replace``)
-    #: has none, so a cache probes its kernels as it does foreign ones.
+    #: :func:`relax_kvcache.build.kernel_identity` pairs of the config the kernels were built
+    #: for; set only by :meth:`from_module` (a replaced or foreign set is probed instead)
     identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
-    #: (role, creation argument) pairs of a set made by :meth:`from_creation_args` (None
-    #: otherwise): which argument each role's kernel came from, for error messages
+    #: (role, creation argument) pairs of a set made by :meth:`from_creation_args`
     sources: Optional[Tuple[Tuple[str, str], ...]] = dataclasses.field(default=None, init=False)
 
     def missing(self, roles: Sequence[str]) -> List[str]:
@@ -73,7 +58,8 @@ class KernelSet:
     def from_module(cls, mod: tvm.runtime.Module) -> "KernelSet":
         """Our kernel set from :func:`relax_kvcache.build_kernels`."""
         def get(role: str) -> Optional[Function]:
-            return mod.get_function(role, query_imports=True) if mod.implements_function(role, query_imports=True) else None
+            found = mod.implements_function(role, query_imports=True)
+            return mod.get_function(role, query_imports=True) if found else None
 
         found = {role.name: get(role.name) for role in roles.CATALOGUE}
         found["merge_general"] = found["merge_general"] or found["merge_inplace"]
@@ -83,26 +69,22 @@ class KernelSet:
 
     @classmethod
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
-        """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``, and
-        the optional 29th (index 28; TVM's creation ignores it): ``["tirx", f]``, the windowed
-        ragged kernel of ``MHA_SLIDING`` layers (``relax_kvcache.frontend`` passes ours).
-
-        A kernel whose parameter count (:mod:`relax_kvcache.kernel_roles`) is not its role's is
-        refused, naming its argument; the two tree-attention kernels in each other's place (TVM
-        0.27's order for ``llvm`` targets) are swapped back, with a warning.
-        """
+        """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``
+        and the optional 29th (ours: the windowed ragged kernel); a kernel whose parameter count
+        is not its role's is refused, naming its argument."""
         merges = _list(args[23], 23)
         if not merges:
-            raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is empty; "
-                              "at least one merge_inplace function is required")
+            raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is "
+                              "empty; at least one merge_inplace function is required")
         kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index == 28 else
-                           _optional_function(args[index], index))
+                           None if args[index] is None else _function(args[index], index))
                    for index in roles.CREATION_KERNELS if index != 23 and index < len(args)}
         kernels[25] = _function(args[25], 25)
         sources = {role: roles.label(index) for index, (role, _) in roles.CREATION_KERNELS.items()}
         kernels[20], kernels[21], swapped = roles.order_tree_kernels(kernels[20], kernels[21])
         if swapped:
-            sources.update(attention_prefill_tree=roles.label(21), attention_prefill_ragged_tree=roles.label(20))
+            sources.update(attention_prefill_tree=roles.label(21),
+                           attention_prefill_ragged_tree=roles.label(20))
         found = {roles.CREATION_KERNELS[index][0]: kernel for index, kernel in kernels.items()}
         found["merge_inplace"] = _function(merges[0], 23)
         found["merge_general"] = _function(merges[1] if len(merges) > 1 else merges[0], 23)
@@ -116,21 +98,18 @@ class KernelSet:
         return kernel_set
 
     def source(self, role: str) -> Optional[str]:
-        """The creation argument a role's kernel came from (``"argument 21
-        (f_attention_prefill_with_tree_mask)"``), or None for a set not made from creation arguments."""
+        """The creation argument a role's kernel came from, or None."""
         return dict(self.sources or ()).get(role)
 
     def origin(self, role: str) -> str:
-        """A prefix for error messages about a role's kernel: ``"creation argument 21
-        (f_attention_prefill_with_tree_mask): "``, or "" where :meth:`source` is None."""
+        """``"creation <source>: "`` (a prefix for messages), or "" where :meth:`source` is None."""
         where = self.source(role)
         return f"creation {where}: " if where else ""
 
 
 def split_rotary_rope_argument(config: Any, device: tvm.runtime.Device) -> Any:
-    """The last argument of ``split_rotary`` for ``config`` (TVM's convention): the LongRoPE
-    factors ``(rotary_dim,) float32`` on ``device`` when the config has ``rope_ext_factors``,
-    else the apply-RoPE flag (1 when RoPE is applied at append time, NORMAL mode)."""
+    """The last argument of ``split_rotary`` (TVM's convention): the LongRoPE factors on
+    ``device``, else the apply-RoPE flag (1 in NORMAL mode)."""
     if config.rope_ext_factors is None:
         return int(config.effective_rope_mode == RopeMode.NORMAL)
     factors = allocate((config.rotary_dim,), "float32", device, "RoPE extension factors")
@@ -150,13 +129,9 @@ def _list(value: Any, index: int) -> list:
 
 def _function(value: Any, index: int) -> Function:
     if not callable(value):
-        raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a packed function, "
-                          f"got {type(value).__name__}")
+        raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be a packed "
+                          f"function, got {type(value).__name__}")
     return value
-
-
-def _optional_function(value: Any, index: int) -> Optional[Function]:
-    return None if value is None else _function(value, index)
 
 
 def _attention(value: Any, index: int) -> Optional[Function]:
@@ -171,5 +146,5 @@ def _attention(value: Any, index: int) -> Optional[Function]:
         raise NotImplementedError(
             f"paged_attention_kv_cache_create: argument {index} uses the FlashInfer backend, which "
             "relax_kvcache does not support; pass TIR kernels ([\"tirx\", f])")
-    raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be [] or [\"tirx\", f], "
-                      f"got {entry!r}")
+    raise ConfigError(f"paged_attention_kv_cache_create: argument {index} must be [] or "
+                      f"[\"tirx\", f], got {entry!r}")

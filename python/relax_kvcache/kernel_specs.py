@@ -1,10 +1,5 @@
-"""Kernel set specs: what the kernels of a cache configuration depend on, and how they are made.
-
-:func:`kernel_set_spec` turns a config into a :class:`KernelSetSpec` (multi-head) or
-:class:`MLAKernelSetSpec`: typed specs of :mod:`relax_kvcache.tir_kernels` and nothing else of the
-config. Each makes its roles' PrimFuncs through the catalogue's factories, imported only then
-(they need TVMScript, which a runtime-only TVM lacks).
-"""
+"""Kernel set specs: what the kernels of a cache configuration depend on (typed specs of
+:mod:`relax_kvcache.tir_kernels`), and their PrimFuncs through the catalogue's factories."""
 
 from __future__ import annotations
 
@@ -27,18 +22,19 @@ class _SetSpec:
     _FACTORY = "mha"
 
     def roles(self) -> Tuple[str, ...]:
-        """Roles of the kernels in the set, in :data:`KERNEL_ROLES` order (those whose spec attribute
-        ``requires`` is true)."""
-        return tuple(role for role in KERNEL_ROLES if not ROLES[role].requires or getattr(self, ROLES[role].requires))
+        """Roles of the kernels in the set, in :data:`KERNEL_ROLES` order."""
+        return tuple(role for role in KERNEL_ROLES
+                     if not ROLES[role].requires or getattr(self, ROLES[role].requires))
 
     def kernel_functions(self, sched: tk.schedule.Schedule) -> Dict[str, tirx.PrimFunc]:
         """The PrimFuncs of the set, keyed by role (:meth:`roles`)."""
         return {role: self.kernel_function(role, sched) for role in self.roles()}
 
     def kernel_function(self, role: str, sched: tk.schedule.Schedule) -> tirx.PrimFunc:
-        """The PrimFunc of one role of the set (one of :meth:`roles`): its catalogue factory."""
+        """The PrimFunc of one role of the set (one of :meth:`roles`)."""
         if role not in self.roles():
-            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of {self.roles()}")
+            raise ValueError(f"{role!r} is not a kernel role of this set; expected one of "
+                             f"{self.roles()}")
         factory = getattr(ROLES[role], self._FACTORY)
         from . import tir_kernels as tk
 
@@ -50,8 +46,9 @@ def _longrope_spec(config: KVCacheConfig) -> Optional[tk.LongRopeSpec]:
     if config.rope_ext_factors is None:
         return None
     if config.rope_original_max_position_embeddings is None:
-        raise ConfigError("building LongRoPE kernels needs KVCacheConfig.rope_original_max_position_embeddings "
-                          "(the position from which the long factors apply), got None")
+        raise ConfigError("building LongRoPE kernels needs KVCacheConfig."
+                          "rope_original_max_position_embeddings (the position from which the "
+                          "long factors apply), got None")
     from . import tir_kernels as tk
 
     return tk.LongRopeSpec(original_max_position_embeddings=config.rope_original_max_position_embeddings,
@@ -78,17 +75,18 @@ class KernelSetSpec(_SetSpec):
         return cls(
             page=tk.PageLayoutSpec(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                                    page_size=config.page_size, dtype=config.dtype),
-            rope=tk.RopeSplitSpec(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                                  head_dim=config.head_dim, dtype=config.dtype,
-                                  rope_theta=config.rope_theta, rope_scale=config.rope_scale,
-                                  longrope=_longrope_spec(config),
-                                  rotary_dim=None if config.rotary_dim == config.head_dim else config.rotary_dim,
-                                  interleaved=config.rope_interleaved),
+            rope=tk.RopeSplitSpec(
+                num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim, dtype=config.dtype, rope_theta=config.rope_theta,
+                rope_scale=config.rope_scale, longrope=_longrope_spec(config),
+                rotary_dim=None if config.rotary_dim == config.head_dim else config.rotary_dim,
+                interleaved=config.rope_interleaved),
             merge=tk.MergeSpec(num_heads=config.num_qo_heads, head_dim=config.v_head_dim,
                                dtype=config.dtype),
-            attention=tk.AttentionSpec(num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
-                                       qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
-                                       page_size=config.page_size),
+            attention=tk.AttentionSpec(
+                num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
+                qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
+                page_size=config.page_size),
             sliding_window=config.support_sliding_window or config.has_layer_windows,
             layer_span=config.layer_span,
         )
@@ -103,13 +101,9 @@ class KernelSetSpec(_SetSpec):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MLAKernelSetSpec(_SetSpec):
-    """What the kernels of an MLA cache depend on.
-
-    ``latent``: the page layout; ``absorbed``: attention of the W_UK-absorbed queries over the
-    one latent head (output ``kv_lora_rank`` wide); ``ragged``: causal self-attention over the
-    step's decompressed K/V (one KV head per query head, ``mla_original_*`` head dims), also the
-    kernel of :meth:`~relax_kvcache.PagedAttentionKVCache.mla_context_attention`.
-    """
+    """What the kernels of an MLA cache depend on: the ``latent`` page layout, ``absorbed``
+    attention over the one latent head, ``ragged`` self-attention at the decompressed head dims
+    (docs/kernels.md)."""
 
     latent: tk.LatentPageSpec
     absorbed: tk.AttentionSpec
@@ -121,8 +115,9 @@ class MLAKernelSetSpec(_SetSpec):
         if not config.is_mla:
             raise ValueError("MLAKernelSetSpec needs an MLA configuration; use kernel_set_spec(config)")
         if config.mla_original_qk_head_dim is None:
-            raise ConfigError("building MLA kernels needs KVCacheConfig.mla_original_qk_head_dim and "
-                              "mla_original_v_head_dim (the decompressed self-attention head dims), got None")
+            raise ConfigError("building MLA kernels needs KVCacheConfig.mla_original_qk_head_dim "
+                              "and mla_original_v_head_dim (the decompressed self-attention head "
+                              "dims), got None")
         from . import tir_kernels as tk
 
         hq, dtype, ps = config.num_qo_heads, config.dtype, config.page_size
@@ -130,8 +125,9 @@ class MLAKernelSetSpec(_SetSpec):
             latent=tk.LatentPageSpec(width=config.head_dim, page_size=ps, dtype=dtype),
             absorbed=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=1, qk_head_dim=config.head_dim,
                                       v_head_dim=config.v_head_dim, dtype=dtype, page_size=ps),
-            ragged=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=hq, qk_head_dim=config.mla_original_qk_head_dim,
-                                    v_head_dim=config.mla_original_v_head_dim, dtype=dtype, page_size=ps),
+            ragged=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=hq, dtype=dtype, page_size=ps,
+                                    qk_head_dim=config.mla_original_qk_head_dim,
+                                    v_head_dim=config.mla_original_v_head_dim),
         )
 
     @property
@@ -139,25 +135,19 @@ class MLAKernelSetSpec(_SetSpec):
         """The attention over the cache's pages (for messages and benchmarks)."""
         return self.absorbed
 
-    @property
-    def absorbed_merge(self) -> tk.MergeSpec:
-        """The merge of absorbed-attention outputs (``kv_lora_rank`` wide): ``merge_inplace``."""
+    def _merge(self, attention: tk.AttentionSpec) -> tk.MergeSpec:
         from . import tir_kernels as tk
 
-        return tk.MergeSpec(num_heads=self.absorbed.num_qo_heads, head_dim=self.absorbed.v_head_dim,
+        return tk.MergeSpec(num_heads=self.absorbed.num_qo_heads, head_dim=attention.v_head_dim,
                             dtype=self.absorbed.dtype)
 
-    @property
-    def ragged_merge(self) -> tk.MergeSpec:
-        """The merge at the decompressed v head dim: ``merge_general``."""
-        from . import tir_kernels as tk
-
-        return tk.MergeSpec(num_heads=self.absorbed.num_qo_heads, head_dim=self.ragged.v_head_dim,
-                            dtype=self.absorbed.dtype)
+    #: ``merge_inplace``: absorbed-attention outputs (``kv_lora_rank`` wide)
+    absorbed_merge = property(lambda self: self._merge(self.absorbed))
+    #: ``merge_general``: at the decompressed v head dim
+    ragged_merge = property(lambda self: self._merge(self.ragged))
 
     def roles(self) -> Tuple[str, ...]:
-        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES` (``debug_get_kv`` with TVM's MLA
-        convention ``(pages, position_map, kv_out (L, n, W), layer_id)``)."""
+        """Roles of the kernels in the set: :data:`MLA_KERNEL_ROLES`."""
         return MLA_KERNEL_ROLES
 
 
@@ -165,7 +155,6 @@ AnyKernelSetSpec = Union[KernelSetSpec, MLAKernelSetSpec]
 
 
 def kernel_set_spec(config: KVCacheConfig) -> AnyKernelSetSpec:
-    """The kernel set spec of a configuration: :class:`MLAKernelSetSpec` for MLA caches, else
-    :class:`KernelSetSpec`."""
-    return MLAKernelSetSpec.from_config(config) if config.is_mla else KernelSetSpec.from_config(config)
+    """The kernel set spec of a configuration (:class:`MLAKernelSetSpec` for MLA caches)."""
+    return (MLAKernelSetSpec if config.is_mla else KernelSetSpec).from_config(config)
 

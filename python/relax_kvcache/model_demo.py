@@ -1,12 +1,6 @@
-"""``relax-kvcache demo``: a Llama-style model compiled with the cache, serving a few requests.
-
-The model (:mod:`relax_kvcache.models.llama`, deterministic random weights) is compiled together
-with our kernels for the target; the :class:`~relax_kvcache.generate.Engine` serves requests of
-different prompt lengths with chunked prefill mixed into decode steps, forks one request into two
-continuations that share its prompt's pages, makes one speculative step whose rejected drafts are
-rolled back with ``popn``, and removes requests as they finish. Every logit row is checked
-against the float64 numpy model.
-"""
+"""``relax-kvcache demo``: a Llama-style model compiled with the cache serves a few requests
+through :class:`~relax_kvcache.generate.Engine` (chunked prefill, a fork, a speculative step
+rolled back with ``popn``), every logit row checked against the float64 numpy model."""
 
 from __future__ import annotations
 
@@ -18,14 +12,13 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .generate import Engine
+from .generate import Engine, Stats
 from .models import LlamaConfig, LlamaNumpy, random_weights
 
 #: unit roundoff (half the spacing of numbers near 1) of the 16-bit dtypes: 2^-11, 2^-8
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
-#: relative max logit error allowed. The 16-bit models' errors (rounding, accumulated over the
-#: layers) scale with the dtype's unit roundoff (measured: float16 ~1e-2, bfloat16 ~8e-2), so
-#: the tolerance is 40 x it: float16 ~2e-2, bfloat16 ~0.16; float32 1e-3 (it measures ~1e-6).
+#: relative max logit error allowed: 40 x the unit roundoff (measured: float16 ~1e-2, bfloat16
+#: ~8e-2); float32 1e-3 (it measures ~1e-6)
 TOLERANCE = {"float32": 1e-3, **{dtype: 40 * u for dtype, u in UNIT_ROUNDOFF.items()}}
 PAGE_SIZE = 16
 PROMPTS = (37, 90, 12, 61)
@@ -33,19 +26,14 @@ NEW_TOKENS = (8, 12, 16, 6)
 PREFILL_CHUNK = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDemoResult:
+@dataclasses.dataclass(kw_only=True)
+class ModelDemoResult(Stats):
+    """The engine's :class:`~relax_kvcache.generate.Stats` and what the demo adds."""
+
     target: str
     dtype: str
     requests: int
-    steps: int
-    prefill_tokens: int
-    decode_tokens: int
-    model_seconds: float
     shared_prefix_pages: int
-    rolled_back: int
-    max_rel_error: float
-    checked_rows: int
     pages_returned: bool
     tolerance: float
 
@@ -64,8 +52,7 @@ def default_dtype(kind: str) -> str:
 
 
 def compile_model(cfg: LlamaConfig, target: tvm.target.Target):
-    """The model compiled with the cache's kernels for ``target`` (a relax executable; needs
-    TVM's compiler)."""
+    """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler)."""
     from . import frontend
     from .models.llama import build_module
 
@@ -74,16 +61,15 @@ def compile_model(cfg: LlamaConfig, target: tvm.target.Target):
 
 def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: int = 0,
                    executable=None, log: Callable[[str], None] = print) -> ModelDemoResult:
-    """Serve the demo workload. ``executable``: the model already compiled for ``target``
-    (e.g. exported with ``relax-kvcache demo --export`` and loaded with
-    :func:`relax_kvcache.deploy.load` on a host with a runtime-only TVM); else it is compiled."""
+    """Serve the demo workload; ``executable``: the model compiled for ``target`` already (e.g.
+    loaded with :func:`relax_kvcache.deploy.load`), else it is compiled here."""
     kind = str(target) if isinstance(target, str) else target.kind.name
     dtype = dtype or default_dtype(kind)
     cfg = LlamaConfig(dtype=dtype)
     device = tvm.cpu() if kind == "llvm" else tvm.device(kind, 0)
     if executable is None:
-        log(f"compiling a {cfg.num_layers}-layer Llama ({cfg.num_heads}/{cfg.num_kv_heads} heads, head_dim "
-            f"{cfg.head_dim}, {dtype}) with the cache's kernels for {kind} ...")
+        log(f"compiling a {cfg.num_layers}-layer Llama ({cfg.num_heads}/{cfg.num_kv_heads} heads, "
+            f"head_dim {cfg.head_dim}, {dtype}) with the cache's kernels for {kind} ...")
         start = time.perf_counter()
         executable = compile_model(cfg, tvm.target.Target(kind))
         log(f"  compiled in {time.perf_counter() - start:.1f} s")
@@ -93,14 +79,15 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     shape = tvm.runtime.ShapeTuple
     max_total = sum(PROMPTS) + sum(NEW_TOKENS) * 2 + 8 * PAGE_SIZE
     cache = vm["create_kv_cache"](shape([8]), shape([max_total]), shape([PREFILL_CHUNK]))
-    engine = Engine(vm, [tvm.runtime.tensor(w.astype(dtype), device) for w in weights.values()], cache, device,
-                    prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits,
+    engine = Engine(vm, [tvm.runtime.tensor(w.astype(dtype), device) for w in weights.values()],
+                    cache, device, prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits,
                     vocab_size=cfg.vocab_size)
     pages_at_start = engine.free_pages()
     rng = np.random.default_rng(seed)
     requests = [engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), new)
                 for n, new in zip(PROMPTS, NEW_TOKENS)]
-    log(f"serving {len(requests)} requests (prompts {list(PROMPTS)} tokens, prefill chunks of {PREFILL_CHUNK})")
+    log(f"serving {len(requests)} requests (prompts {list(PROMPTS)} tokens, prefill chunks of "
+        f"{PREFILL_CHUNK})")
     forked = speculated = False
     shared_pages = 0
     while engine.requests:
@@ -111,25 +98,22 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
             child = engine.fork(first, runner_up)
             shared_pages = first.cached // PAGE_SIZE
             forked = True
-            log(f"  step {engine.stats.steps}: forked request {first.seq_id} -> {child.seq_id} (parallel sampling; "
-                f"{first.cached}-token prefix, {shared_pages} full pages shared)")
+            log(f"  step {engine.stats.steps}: forked request {first.seq_id} -> {child.seq_id} "
+                f"({first.cached}-token prefix, {shared_pages} full pages shared)")
         second = requests[1]
         if not speculated and second.seq_id in engine.requests and second.generated >= 3:
             draft = int(reference.logits(second.tokens)[-1].argmax())  # right; then two wrong guesses
             wrong = [(draft + 1 + i) % cfg.vocab_size for i in range(2)]
             accepted = engine.speculate(second, [draft] + wrong)
             speculated = True
-            log(f"  step {engine.stats.steps}: speculative step on request {second.seq_id}: {accepted}/3 drafts "
-                f"accepted, {3 - accepted} rolled back with popn")
+            log(f"  step {engine.stats.steps}: speculative step on request {second.seq_id}: "
+                f"{accepted}/3 drafts accepted, {3 - accepted} rolled back with popn")
         for req in finished:
-            log(f"  step {engine.stats.steps}: request {req.seq_id} finished ({req.generated} tokens), "
-                f"pages freed; {len(engine.requests)} still running, {engine.free_pages()} pages free")
-    stats = engine.stats
-    result = ModelDemoResult(
-        target=kind, dtype=dtype, requests=len(requests) + int(forked), steps=stats.steps,
-        prefill_tokens=stats.prefill_tokens, decode_tokens=stats.decode_tokens, model_seconds=stats.model_seconds,
-        shared_prefix_pages=shared_pages, rolled_back=stats.rolled_back, max_rel_error=stats.max_rel_error,
-        checked_rows=stats.checked_rows, pages_returned=engine.free_pages() == pages_at_start,
-        tolerance=TOLERANCE[dtype])
+            log(f"  step {engine.stats.steps}: request {req.seq_id} finished ({req.generated} "
+                f"tokens), pages freed; {len(engine.requests)} still running, "
+                f"{engine.free_pages()} pages free")
     log(f"  all requests done; {engine.free_pages()}/{pages_at_start} pages free")
-    return result
+    return ModelDemoResult(**dataclasses.asdict(engine.stats), target=kind, dtype=dtype,
+                           requests=len(requests) + int(forked), shared_prefix_pages=shared_pages,
+                           pages_returned=engine.free_pages() == pages_at_start,
+                           tolerance=TOLERANCE[dtype])

@@ -19,30 +19,20 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float, scale: float) -> np
     half = d // 2
     inv_freq = scale / theta ** (np.arange(half, dtype=np.float64) * 2 / d)
     angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    cos = np.cos(angle)[:, None, :]
-    sin = np.sin(angle)[:, None, :]
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
     x0, x1 = x[..., :half], x[..., half:]
     return np.concatenate([x0 * cos - x1 * sin, x1 * cos + x0 * sin], axis=-1)
 
 
-def attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    sm_scale: float,
-    *,
-    causal: bool,
-    mask: Optional[np.ndarray] = None,
-) -> tuple[np.ndarray, np.ndarray]:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, sm_scale: float, *, causal: bool,
+              mask: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
     """Attention of one sequence: ``q (n, Hq, d)``, ``k/v (m, Hkv, d)``, GQA by head groups.
 
     With ``causal`` query i sees keys ``j <= m - n + i``. ``mask (n, m)`` (True = visible) is
     combined with it. Returns ``o (n, Hq, dv)`` and the base-2 log-sum-exp ``lse (n, Hq)``;
     rows with no visible key give ``o = 0, lse = -inf``.
     """
-    q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     n, hq, _ = q.shape
     m, hkv, dv = v.shape
     group = hq // hkv

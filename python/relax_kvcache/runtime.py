@@ -16,8 +16,7 @@ def default_target(device: tvm.runtime.Device) -> tvm.target.Target:
     Parameters
     ----------
     device : tvm.runtime.Device
-        ``tvm.cpu()``: the host CPU model (:func:`host_target`). ``tvm.cuda(i)``: ``cuda`` with
-        the architecture of that GPU (compute capability 9.0 -> ``sm_90a``, 8.0 -> ``sm_80``).
+        ``tvm.cpu()``: :func:`host_target`; ``tvm.cuda(i)``: ``cuda`` with that GPU's arch.
 
     Raises
     ------
@@ -31,9 +30,9 @@ def default_target(device: tvm.runtime.Device) -> tvm.target.Target:
         return host_target()
     if kind != tvm.cuda().dlpack_device_type():
         raise NotImplementedError(
-            f"relax_kvcache picks default targets for CPU and CUDA devices only; got {device}. Pass "
-            "target=relax_kvcache.targets.make_target(kind, arch=...) explicitly (kinds: llvm, cuda, "
-            "rocm, metal, webgpu, opencl).")
+            f"relax_kvcache picks default targets for CPU and CUDA devices only; got {device}. "
+            "Pass target=relax_kvcache.targets.make_target(kind, arch=...) explicitly (kinds: "
+            "llvm, cuda, rocm, metal, webgpu, opencl).")
     if not device.exist:
         raise TargetUnavailableError(
             f"{device} is not available in this process (no GPU, CUDA driver or TVM CUDA runtime), "

@@ -1,8 +1,5 @@
-"""Compilation targets of the kernels: construction, validation and toolchain checks.
-
-:func:`make_target` checks up front that TVM (and for ROCm the system toolchain) can compile for
-a target, so that a missing capability is named instead of failing halfway through a build.
-"""
+"""Compilation targets of the kernels: construction, validation and toolchain checks (a missing
+capability is named before a build starts; docs/deployment.md, "Targets")."""
 
 from __future__ import annotations
 
@@ -20,15 +17,11 @@ from .host import physical_core_count
 
 #: Target kinds relax_kvcache compiles its kernels for.
 TARGET_KINDS = ("llvm", "cuda", "rocm", "metal", "webgpu", "opencl", "vulkan")
-
 #: CUDA architecture used when ``make_target("cuda")`` is given none (Ampere, runs on newer GPUs).
 DEFAULT_CUDA_ARCH = "sm_80"
-
 #: AMD GPU used when ``make_target("rocm")`` is given none (MI200 series).
 DEFAULT_ROCM_MCPU = "gfx90a"
-
-#: Oldest ld.lld that links the AMDGPU code objects of TVM's LLVM (ld.lld 14 fails with
-#: "unknown abi version"; 19 and 22 were checked to work).
+#: Oldest ld.lld that links the AMDGPU code objects of TVM's LLVM (14 fails, 19 and 22 work).
 MIN_LLD_MAJOR = 16
 
 _CUDA_ARCH = re.compile(r"^sm_(\d{2,3})([af]?)$")
@@ -51,19 +44,14 @@ def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm
     kind : str
         One of :data:`TARGET_KINDS`.
     arch : str, optional
-        The device model: a CUDA architecture (``"sm_80"``, ``"sm_90a"``; default
-        :data:`DEFAULT_CUDA_ARCH`), an AMD GPU (``"gfx90a"``, ``"gfx942"``; default
-        :data:`DEFAULT_ROCM_MCPU`) or, for ``llvm``, a CPU model (``"znver3"``). Other kinds
-        take none.
+        The device model: a CUDA architecture (default :data:`DEFAULT_CUDA_ARCH`), an AMD GPU
+        (default :data:`DEFAULT_ROCM_MCPU`) or, for ``llvm``, a CPU model (default: the host's).
     **options
-        Further target attributes passed to TVM (e.g. ``max_shared_memory_per_block``);
-        underscores or dashes as TVM spells them.
+        Further target attributes passed to TVM (e.g. ``max_shared_memory_per_block``).
 
     Returns
     -------
     tvm.target.Target
-        For ``llvm`` without ``arch`` or options: the host CPU, as
-        :func:`host_target`, as :func:`relax_kvcache.runtime.default_target` picks it for ``tvm.cpu()``.
 
     Raises
     ------
@@ -71,15 +59,15 @@ def make_target(kind: str, *, arch: Optional[str] = None, **options: Any) -> tvm
         Unknown kind, malformed ``arch``, ``arch`` for a kind that takes none, or an option
         TVM does not know for the kind.
     TargetUnavailableError
-        The installed TVM or toolchain cannot compile for the target (see
-        :func:`check_can_compile`).
+        The installed TVM or toolchain cannot compile for it (:func:`check_can_compile`).
     """
     if not isinstance(kind, str):
         raise TypeError(f"target kind must be a str, got {type(kind).__name__}")
     if kind not in TARGET_KINDS:
         close = difflib.get_close_matches(kind, TARGET_KINDS, n=1)
-        raise ValueError(f"unknown target kind {kind!r}{f' (did you mean {close[0]!r}?)' if close else ''}; "
-                         f"expected one of {', '.join(TARGET_KINDS)}")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown target kind {kind!r}{hint}; expected one of "
+                         f"{', '.join(TARGET_KINDS)}")
     if arch is not None and not isinstance(arch, str):
         raise TypeError(f"arch must be a str or None, got {type(arch).__name__}")
     if kind == "llvm" and arch is None and not options:
@@ -113,8 +101,8 @@ def _target_config(kind: str, arch: Optional[str], options: Dict[str, Any]) -> D
         config["mcpu"] = _checked_cpu(DEFAULT_ROCM_MCPU if arch is None else arch, _AMDGPU_TRIPLE,
                                       "an AMD GPU such as 'gfx90a', 'gfx942' or 'gfx1100'")
     elif kind == "llvm" and arch is not None:
-        config["mcpu"] = _checked_cpu(arch, tvm.target.codegen.llvm_get_system_triple(),
-                                      "a CPU model such as 'znver3' or 'skylake-avx512' (see llc -mcpu=help)")
+        config["mcpu"] = _checked_cpu(arch, tvm.target.codegen.llvm_get_system_triple(), "a CPU "
+                                      "model such as 'znver3' or 'skylake-avx512' (llc -mcpu=help)")
     elif arch is not None:
         raise ValueError(f"target kind {kind!r} takes no arch (got {arch!r}); arch applies to "
                          "cuda (sm_XX), rocm (gfxNNN) and llvm (CPU model)")
@@ -135,25 +123,18 @@ def check_cuda_arch(arch: str) -> str:
 
 
 def cuda_arch(compute_version: str) -> str:
-    """The nvcc / TVM architecture for a CUDA compute capability.
-
-    ``"9.0"`` maps to ``"sm_90a"`` (Hopper's architecture-specific features); any other
-    ``"<major>.<minor>"`` maps to ``"sm_<major><minor>"``.
-
-    Parameters
-    ----------
-    compute_version : str
-        As reported by ``tvm.cuda(i).compute_version``, e.g. ``"8.0"``.
-    """
+    """The nvcc / TVM architecture of a compute capability (``tvm.cuda(i).compute_version``):
+    ``"9.0"`` -> ``"sm_90a"`` (Hopper's own features), ``"8.6"`` -> ``"sm_86"``."""
     match = _COMPUTE_VERSION.match(compute_version) if isinstance(compute_version, str) else None
     if match is None:
-        raise ValueError(f"CUDA compute version must look like '8.0' or '9.0', got {compute_version!r}")
+        raise ValueError("CUDA compute version must look like '8.0' or '9.0', got "
+                         f"{compute_version!r}")
     major, minor = match.groups()
     return "sm_90a" if (major, minor) == ("9", "0") else f"sm_{major}{minor}"
 
 
 def describe_target(target: tvm.target.Target) -> str:
-    """A short name of a target: its kind and device model, e.g. ``"cuda sm_90a"``, ``"llvm znver3"``."""
+    """A short name of a target: its kind and device model, e.g. ``"cuda sm_90a"``."""
     attrs = target.attrs
     model = next((str(attrs[key]) for key in ("arch", "mcpu") if key in attrs), "")
     return f"{target.kind.name} {model}".strip()
@@ -166,34 +147,29 @@ def _checked_cpu(mcpu: str, triple: str, expected: str) -> str:
 
 
 def check_can_compile(target: tvm.target.Target) -> None:
-    """Raise :class:`TargetUnavailableError` unless this process can compile for ``target``.
-
-    Checks that TVM has the target's code generator (the 0.27 wheel has none for Vulkan:
-    SPIR-V codegen needs a TVM built with ``USE_VULKAN=ON``) and, for ROCm, that LLVM has its
-    AMDGPU backend, that ``ld.lld`` (new enough) is installed and that the ROCm device
-    libraries are found.
-    """
+    """Raise :class:`TargetUnavailableError` unless this process can compile for ``target``: TVM
+    has its code generator (the 0.27 wheel has none for Vulkan) and, for ROCm,
+    :func:`check_rocm_toolchain` passes."""
     kind = target.kind.name
     if kind not in TARGET_KINDS:
-        raise ValueError(f"relax_kvcache compiles for target kinds {', '.join(TARGET_KINDS)}; got {kind!r}")
+        raise ValueError(f"relax_kvcache compiles for target kinds {', '.join(TARGET_KINDS)}; "
+                         f"got {kind!r}")
     if tvm_ffi.get_global_func(f"target.build.{kind}", allow_missing=True) is None:
         raise TargetUnavailableError(
-            f"TVM built without SPIR-V code generation (USE_VULKAN): the installed TVM {tvm.__version__} has no "
-            "'target.build.vulkan'. Build TVM from source with USE_VULKAN=ON (needs the Vulkan SDK / SPIRV-Tools) "
-            "to compile for Vulkan, or use another target kind." if kind == "vulkan" else
-            f"the installed TVM {tvm.__version__} has no code generator for target kind {kind!r} (global "
-            f"function 'target.build.{kind}' is missing; runtime-only TVM compiles nothing)")
+            "TVM built without SPIR-V code generation (USE_VULKAN): the installed TVM "
+            f"{tvm.__version__} has no 'target.build.vulkan'. Build TVM from source with "
+            "USE_VULKAN=ON (needs the Vulkan SDK / SPIRV-Tools) to compile for Vulkan, or use "
+            "another target kind." if kind == "vulkan" else
+            f"the installed TVM {tvm.__version__} has no code generator for target kind {kind!r} "
+            f"(global function 'target.build.{kind}' is missing; runtime-only TVM compiles "
+            "nothing)")
     if kind == "rocm":
         check_rocm_toolchain()
 
 
 def check_rocm_toolchain() -> Dict[str, str]:
-    """What building for ROCm needs besides TVM: ``{"ld.lld": path, "bitcode": folder}``.
-
-    TVM's AMDGPU code generator links the ROCm device libraries (``ocml.bc`` ...) into each
-    module and then calls ``ld.lld`` to turn the object into a code object. On Debian:
-    ``apt-get install lld-<N> rocm-device-libs`` and ``ROCM_PATH=/usr/lib/x86_64-linux-gnu``
-    (:data:`DEBIAN_ROCM_PATH`).
+    """What building for ROCm needs besides TVM: ``{"ld.lld": path, "bitcode": folder}`` (the
+    device libraries; on Debian ``ROCM_PATH`` = :data:`DEBIAN_ROCM_PATH`).
 
     Raises
     ------
@@ -201,8 +177,9 @@ def check_rocm_toolchain() -> Dict[str, str]:
         No AMDGPU backend in TVM's LLVM, no (or too old an) ``ld.lld``, or no device libraries.
     """
     if "amdgcn" not in tvm.target.codegen.llvm_get_targets():
-        raise TargetUnavailableError("TVM's LLVM was built without the AMDGPU backend (no 'amdgcn' "
-                                     "in tvm.target.codegen.llvm_get_targets()); cannot compile for ROCm")
+        raise TargetUnavailableError(
+            "TVM's LLVM was built without the AMDGPU backend (no 'amdgcn' in "
+            "tvm.target.codegen.llvm_get_targets()); cannot compile for ROCm")
     return {"ld.lld": _find_lld(), "bitcode": _find_rocm_bitcode()}
 
 
@@ -240,19 +217,13 @@ def _lld_major(path: str) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
-def _rocm_root() -> Optional[str]:
-    """The ROCm folder TVM's ``find_rocm_path`` picks, or None where it would fail."""
-    if "ROCM_PATH" in os.environ:
-        return os.environ["ROCM_PATH"]
-    hipcc = shutil.which("hipcc")
-    if hipcc:
-        return os.path.realpath(os.path.join(hipcc, "..", ".."))
-    return "/opt/rocm" if os.path.exists("/opt/rocm/bin/hipcc") else None
-
-
 def _find_rocm_bitcode() -> str:
-    """The folder of the ROCm device libraries, as TVM's ``tvm_callback_rocm_bitcode_path`` finds it."""
-    root = _rocm_root()
+    """The folder of the ROCm device libraries, found as TVM finds it (its ``find_rocm_path`` and
+    ``tvm_callback_rocm_bitcode_path``)."""
+    hipcc = shutil.which("hipcc")
+    root = (os.environ["ROCM_PATH"] if "ROCM_PATH" in os.environ else
+            os.path.realpath(os.path.join(hipcc, "..", "..")) if hipcc else
+            "/opt/rocm" if os.path.exists("/opt/rocm/bin/hipcc") else None)
     folder = None
     if root is not None:
         folder = os.path.join(root, "amdgcn", "bitcode")

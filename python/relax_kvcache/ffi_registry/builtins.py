@@ -1,12 +1,6 @@
 """TVM's ``vm.builtin.kv_state_*`` / ``vm.builtin.attention_kv_cache_*`` functions, made to serve
-our cache too.
-
-Each builtin is replaced by a dispatcher: a :class:`PagedAttentionKVCache` first argument goes to
-our method (argument order converted from TVM's builtin convention), anything else to TVM's
-original function, which is kept under ``relax_kvcache.original.<name>`` in the global registry.
-Relax programs compiled against TVM's ``nn.llm`` KV cache interface therefore run on our cache
-unchanged, and TVM's native caches keep working in the same process.
-"""
+our cache too: a dispatcher sends a :class:`PagedAttentionKVCache` to our method and anything
+else to TVM's original (kept as ``relax_kvcache.original.<name>``)."""
 
 from __future__ import annotations
 
@@ -26,7 +20,8 @@ def _method(name: str) -> Callable[..., Any]:
     """``cache.<name>(*args)``, with the method's signature (for :func:`_arity`)."""
     def call(cache: PagedAttentionKVCache, *args: Any) -> Any:
         return getattr(cache, name)(*args)
-    call.__signature__ = inspect.signature(getattr(PagedAttentionKVCache, name))  # type: ignore[attr-defined]
+    call.__signature__ = inspect.signature(  # type: ignore[attr-defined]
+        getattr(PagedAttentionKVCache, name))
     return call
 
 
@@ -41,8 +36,8 @@ def _append_mla_kv(cache: PagedAttentionKVCache, layer_id, kv):
 
 def _unsupported(feature: str) -> Callable[..., Any]:
     def run(cache: PagedAttentionKVCache, *args: Any) -> Any:
-        raise NotImplementedError(f"{feature} is not supported by relax_kvcache's PagedAttentionKVCache yet")
-    run.unsupported = feature  # type: ignore[attr-defined]
+        raise NotImplementedError(f"{feature} is not supported by relax_kvcache's "
+                                  "PagedAttentionKVCache yet")
     return run
 
 
@@ -51,12 +46,14 @@ BUILTINS: Dict[str, Callable[..., Any]] = {
     **{f"vm.builtin.kv_state_{name}": _method(name) for name in (
         "clear", "add_sequence", "remove_sequence", "popn", "begin_forward", "end_forward")},
     "vm.builtin.kv_state_fork_sequence":  # all three arguments (fork_pos has no default in TVM)
-        lambda c, parent_seq_id, child_seq_id, fork_pos: c.fork_sequence(parent_seq_id, child_seq_id, fork_pos),
+        lambda c, parent_seq_id, child_seq_id, fork_pos: c.fork_sequence(parent_seq_id,
+                                                                         child_seq_id, fork_pos),
     **{f"vm.builtin.attention_kv_cache_{name}": _method(name) for name in (
         "empty", "get_num_available_pages", "get_total_sequence_length", "get_sequence_length",
-        "get_query_positions", "debug_get_kv", "enable_sliding_window_for_seq", "commit_accepted_token_tree_nodes",
-        "debug_get_kv_mla", "get_checkpoint_metadata", "get_layout_hash", "export_page_group", "prepare_import",
-        "import_page_group", "finish_import")},
+        "get_query_positions", "debug_get_kv", "enable_sliding_window_for_seq",
+        "commit_accepted_token_tree_nodes", "debug_get_kv_mla", "get_checkpoint_metadata",
+        "get_layout_hash", "export_page_group", "prepare_import", "import_page_group",
+        "finish_import")},
     "vm.builtin.attention_kv_cache_attention_with_fused_qkv":
         lambda c, layer_id, sm_scale, qkv, o: c.attention_with_fused_qkv(layer_id, qkv, o, sm_scale),
     "vm.builtin.attention_kv_cache_self_attention":
@@ -79,8 +76,8 @@ def original(name: str) -> Callable[..., Any]:
 
 
 def _arity(name: str, ours: Callable[..., Any]) -> Optional[Tuple[int, int, str]]:
-    """(fewest, most) arguments after the cache that ``ours`` takes, and its signature for
-    messages; None when it takes any number."""
+    """(fewest, most) arguments after the cache that ``ours`` takes, and its signature; None
+    when it takes any number."""
     params = list(inspect.signature(ours).parameters.values())[1:]
     if any(p.kind == p.VAR_POSITIONAL for p in params):
         return None
@@ -106,8 +103,7 @@ def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any])
     return dispatch
 
 
-#: Type keys of TVM's state objects that TVM's own builtins take (its KV caches and RNN state
-#: derive from ``relax.vm.KVState``).
+#: Type keys of TVM's state objects (its KV caches and RNN state) that its builtins take.
 _TVM_STATE_KEYS = frozenset({"relax.vm.KVState", "relax.vm.AttentionKVCacheLegacy"})
 
 

@@ -1,9 +1,5 @@
-"""``relax_kvcache.paged_attention_kv_cache_create``: TVM's creation convention, our cache.
-
-The positional arguments are those of TVM 0.27's ``vm.builtin.paged_attention_kv_cache_create``
-(listed in docs/api.md), plus a 7th ``cache_config`` entry (``attention_chunk_size``) and an
-optional 29th argument (the windowed ragged kernel), both ours.
-"""
+"""``relax_kvcache.paged_attention_kv_cache_create``: TVM 0.27's creation arguments (docs/api.md)
+plus ours (a 7th ``cache_config`` entry, a 29th argument), our cache."""
 
 from __future__ import annotations
 
@@ -27,23 +23,28 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     ``ConfigError`` (``NotImplementedError`` for features relax_kvcache lacks).
     """
     if len(args) not in (28, 29):
-        raise ArgumentError(f"paged_attention_kv_cache_create takes 28 or 29 arguments, got {len(args)}")
+        raise ArgumentError("paged_attention_kv_cache_create takes 28 or 29 arguments, got "
+                            f"{len(args)}")
     cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=7, error=ConfigError)
     if len(cache_config) not in (5, 6, 7):
-        raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, prefill_chunk_size, "
-                          "page_size, support_sliding_window[, layer_sliding_window_size[, attention_chunk_size]]), "
-                          f"got {cache_config}")
+        raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, "
+                          "prefill_chunk_size, page_size, support_sliding_window[, "
+                          "layer_sliding_window_size[, attention_chunk_size]]), got "
+                          f"{cache_config}")
     if cache_config[4] not in (0, 1):
-        raise ConfigError(f"cache_config[4] (support_sliding_window) must be 0 or 1, got {cache_config[4]}")
+        raise ConfigError("cache_config[4] (support_sliding_window) must be 0 or 1, got "
+                          f"{cache_config[4]}")
     chunk = cache_config[6] if len(cache_config) == 7 else 0
     if not 0 <= chunk <= MAX_INT:
-        raise ConfigError(f"cache_config[6] (attention_chunk_size) must be in [0, {MAX_INT}] (0: no chunked "
-                          f"layers), got {chunk}")
+        raise ConfigError(f"cache_config[6] (attention_chunk_size) must be in [0, {MAX_INT}] (0: "
+                          f"no chunked layers), got {chunk}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
-        raise ConfigError(f"layer_indptr must be (layer_begin, layer_end) of one group, got {layer_indptr}")
+        raise ConfigError("layer_indptr must be (layer_begin, layer_end) of one group, got "
+                          f"{layer_indptr}")
     if as_bool("enable_kv_transfer (argument 7)", args[7]):
-        raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported by relax_kvcache")
+        raise NotImplementedError("enable_kv_transfer (NVSHMEM disaggregation) is not supported "
+                                  "by relax_kvcache")
     ext_factors = _ext_factors(args[11])
     init = args[12]
     if type(init) not in TENSOR_TYPES or not init.__chandle__():
@@ -57,8 +58,10 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     names = ("num_qo_heads", "num_kv_heads", "qk_head_dim", "v_head_dim")
     heads = [as_int(f"{name} (argument {i})", args[i]) for i, name in enumerate(names, start=2)]
     if ext_factors is not None and (len(ext_factors) % 2 or not 2 <= len(ext_factors) <= heads[2]):
-        raise ConfigError(f"rope_ext_factors (argument 11) holds {len(ext_factors)} factors; expected an even count "
-                          f"of at most qk_head_dim={heads[2]} (the rotary dim's long factors, then its short ones)")
+        raise ConfigError(f"rope_ext_factors (argument 11) holds {len(ext_factors)} factors; "
+                          f"expected an even count of at most qk_head_dim={heads[2]} (the rotary "
+                          "dim's long factors, then its short ones)")
+    kinds = attn_kinds[begin:end]
     config = KVCacheConfig(
         num_layers=end - begin, num_qo_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
         v_head_dim=heads[3], page_size=cache_config[3], max_num_seqs=cache_config[0],
@@ -66,13 +69,13 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         rope_mode=as_int("rope_mode (argument 8)", args[8]),
         rope_scale=as_float("rope_scale (argument 9)", args[9], not_finite=ConfigError),
         rope_theta=as_float("rope_theta (argument 10)", args[10], not_finite=ConfigError),
-        dtype=str(init.dtype), support_sliding_window=bool(cache_config[4]), attn_kinds=attn_kinds[begin:end],
+        dtype=str(init.dtype), support_sliding_window=bool(cache_config[4]), attn_kinds=kinds,
         layer_sliding_window_size=cache_config[5] if len(cache_config) >= 6 else 1024,
         # shared by the groups of a model: only a group with chunked layers takes it
-        attention_chunk_size=(chunk or None) if AttnKind.MHA_CHUNKED_LOCAL in attn_kinds[begin:end] else None,
+        attention_chunk_size=(chunk or None) if AttnKind.MHA_CHUNKED_LOCAL in kinds else None,
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
-        rope_rotary_dim=len(ext_factors) if ext_factors is not None and len(ext_factors) < heads[2] else None,
+        rope_rotary_dim=len(ext_factors) if ext_factors and len(ext_factors) < heads[2] else None,
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
                                  layer_offset=begin)
@@ -80,21 +83,18 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
 
 def _ext_factors(value: Any) -> Optional[Tuple[float, ...]]:
     """Argument 11: None, or a 1-D float32 tensor of LongRoPE factors (read to the host once).
-
-    TVM's C++ cache reads any argument that is not a tensor as no factors. Its frontends pass
-    ``PrimValue(0)`` for that (an int 0 here); a list of factors that are all 1.0 carries none
-    either. Both are taken as no factors, as in TVM; other non-tensors (a list of other factors,
-    which TVM would ignore silently) are refused.
-    """
+    As in TVM, 0 (its frontends' ``PrimValue(0)``) and a list of ones carry none; other
+    non-tensors, which TVM would ignore silently, are refused."""
     if value is None or exact_int(value) == 0 or _ones(value):
         return None
     if type(value) not in TENSOR_TYPES or not value.__chandle__():
-        raise ArgumentError(f"rope_ext_factors (argument 11) must be None, 0 (TVM's null value), a list of ones (no "
-                            f"factors) or a float32 tensor of LongRoPE factors, got {describe(value)} of type "
-                            f"{type(value).__name__}")
+        raise ArgumentError("rope_ext_factors (argument 11) must be None, 0 (TVM's null value), a "
+                            "list of ones (no factors) or a float32 tensor of LongRoPE factors, "
+                            f"got {describe(value)} of type {type(value).__name__}")
     if str(value.dtype) != "float32" or len(value.shape) != 1:
-        raise ConfigError(f"rope_ext_factors (argument 11) must be a 1-D float32 tensor (rotary-dim factors: long, "
-                          f"then short), got {value.dtype} of shape {tuple(value.shape)}")
+        raise ConfigError("rope_ext_factors (argument 11) must be a 1-D float32 tensor (rotary-dim "
+                          f"factors: long, then short), got {value.dtype} of shape "
+                          f"{tuple(value.shape)}")
     return tuple(float(x) for x in value.numpy())
 
 
@@ -103,4 +103,5 @@ def _ones(value: Any) -> bool:
     if not isinstance(value, (list, tuple, tvm_ffi.Array)):
         return False
     items = list(value)
-    return bool(items) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1 for x in items)
+    return bool(items) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x == 1
+                               for x in items)

@@ -1,10 +1,5 @@
-"""Example models built on the frontend (used by ``relax-kvcache demo`` and the tests).
-
-The toy Llama's shape, seeded weights and float64 numpy implementation live here and need no TVM
-compiler; ``models.llama`` (the ``tvm.relax.frontend.nn`` model) does. :class:`LlamaNumpy` shares
-nothing with the kernels or the cache: it recomputes every sequence from its whole token history,
-so forks, rollbacks and removals of the compiled model's cache are checked without modelling them.
-"""
+"""Example models built on the frontend: the toy Llama's shape, seeded weights and float64 numpy
+implementation (no TVM compiler needed; ``models.llama``, the ``nn`` model, needs it)."""
 
 from __future__ import annotations
 
@@ -64,7 +59,8 @@ def random_weights(cfg: LlamaConfig, seed: int) -> Dict[str, np.ndarray]:
 
 
 class LlamaNumpy:
-    """``logits(tokens)``: float64 logits ``(len(tokens), vocab)`` of every position."""
+    """``logits(tokens)``: float64 logits ``(len(tokens), vocab)`` of every position, from the
+    whole token history (shares nothing with the kernels or the cache)."""
 
     def __init__(self, cfg: LlamaConfig, weights: Dict[str, np.ndarray]) -> None:
         self.cfg = cfg
@@ -76,7 +72,8 @@ class LlamaNumpy:
         positions = np.arange(len(tokens))
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            x = x + self._attention(self._rms(x, w[p + "input_layernorm.weight"]), p + "self_attn.", positions)
+            h = self._rms(x, w[p + "input_layernorm.weight"])
+            x = x + self._attention(h, p + "self_attn.", positions)
             x = x + self._mlp(self._rms(x, w[p + "post_attention_layernorm.weight"]), p + "mlp.")
         return self._rms(x, w["norm.weight"]) @ w["lm_head.weight"].T
 

@@ -1,17 +1,8 @@
-"""A small Llama-architecture decoder written with ``tvm.relax.frontend.nn`` and our frontend.
-
-RMSNorm, grouped-query attention with RoPE (applied by the cache: ``RopeMode.NORMAL``), SwiGLU
-MLP, tied nothing; weights are drawn from a seeded generator (nothing is downloaded). Entry
-points of the compiled module:
-
-* ``create_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size)`` -> the cache (our
-  kernels are TIR functions of the same module);
-* ``prefill(input_ids (1, n), cache, *weights)`` -> logits ``(1, n, vocab)`` of every new token of
-  the step (the step's sequences concatenated, as ``begin_forward`` laid them out);
-* ``decode(input_ids (b, 1), cache, *weights)`` -> logits ``(b, 1, vocab)``.
-
-:class:`relax_kvcache.models.LlamaNumpy` is the float64 numpy implementation of the same model.
-"""
+"""A small Llama decoder (RMSNorm, GQA with RoPE applied by the cache, SwiGLU) written with
+``tvm.relax.frontend.nn`` and our frontend. Entry points: ``create_kv_cache(max_batch_size,
+max_total_seq_len, prefill_chunk_size)``, ``prefill(input_ids (1, n), cache, *weights)`` ->
+logits ``(1, n, vocab)`` (the step's sequences concatenated), ``decode(input_ids (b, 1), cache,
+*weights)`` -> ``(b, 1, vocab)``."""
 
 from __future__ import annotations
 
@@ -25,9 +16,9 @@ from . import LlamaConfig
 
 def cache_layout(cfg: LlamaConfig, page_size: int = 16) -> CacheLayout:
     """The cache the model needs: one layer per decoder layer, RoPE applied by the cache."""
-    return CacheLayout(num_layers=cfg.num_layers, num_qo_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                       head_dim=cfg.head_dim, page_size=page_size, rope_mode=RopeMode.NORMAL,
-                       rope_theta=cfg.rope_theta, dtype=cfg.dtype)
+    return CacheLayout(num_layers=cfg.num_layers, num_qo_heads=cfg.num_heads,
+                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+                       rope_mode=RopeMode.NORMAL, rope_theta=cfg.rope_theta, dtype=cfg.dtype)
 
 
 class Attention(nn.Module):
