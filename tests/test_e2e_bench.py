@@ -93,3 +93,40 @@ def test_compare_flags_differences_beyond_tolerance_nans_and_graphs_that_never_r
     no_replay = _runs(native, ours=close, graph=close)
     no_replay["graph"]["runs"] = {"eager": 7}
     assert not e2e_bench.compare(no_replay)["ok"]
+
+
+def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_rows():
+    """The CUDA pipeline of ``frontend.compile`` on the smoke model's build for sm_90a (no GPU needed):
+    no weight transposes left (``x @ W.T`` is one matmul reading ``W``), every matmul with a dynamic
+    row count chooses at run time between the GEMV kernels of each row bucket and the tiled matmul,
+    and the module generates CUDA."""
+    import re
+
+    import tvm
+
+    import e2e_models
+    from relax_kvcache import frontend
+    from relax_kvcache.build import _pass_config
+    from relax_kvcache.targets import make_target
+
+    target = make_target("cuda", arch="sm_90a")
+    mod = e2e_models.build_module("ours", e2e_bench.SMOKE_MODEL, target)
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        lowered = frontend._cuda_relax_pipeline(target)(mod)
+    model = {gv.name_hint: f for gv, f in lowered.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and not gv.name_hint.startswith("relax_kvcache")}
+    assert not [name for name in model if "transpose" in name]
+    def dynamic(f):
+        return any(isinstance(d, tvm.tirx.Var) for p in f.params if isinstance(p.ty, tvm.tirx.BufferType)
+                   for d in p.shape)
+
+    matmuls = {name: f for name, f in model.items() if "matmul" in name}
+    rows = sorted(name for name, f in matmuls.items() if dynamic(f))
+    assert len(rows) == 9, sorted(matmuls)  # decode: 4 per layer + vocab; prefill: 4 per layer
+    for name in rows:
+        limits = re.findall(r"tvm_thread_invariant\([bn] <= T\.int64\((\d+)\)\)", matmuls[name].script())
+        assert tuple(map(int, limits)) == frontend.LOW_BATCH_BUCKETS, (name, limits)
+    [source] = e2e_models.cuda_sources(frontend.compile(mod, target).mod)
+    kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)
+    assert not [k for k in kernels if "transpose" in k and not k.startswith("relax_kvcache_")]
+    assert {"NT_matmul_kernel", "fused_NT_matmul1_add_kernel"} <= set(kernels), kernels

@@ -215,13 +215,22 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kw
         return tvm.compile(mod, target=target, **kwargs)
 
 
+#: Row counts up to which a matmul whose rows are its one dynamic extent (decode: the batch) runs as
+#: dlight's ``LowBatchGEMV`` padded to that many rows; past the last, dlight's ``Matmul``.
+LOW_BATCH_BUCKETS = (1, 4, 8)
+
+
 def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """TVM's default CUDA Relax pipeline with the model's matmuls scheduled without tensor cores
-    (TVM 0.27's ``MatmulTensorization`` segfaults on a model's fp16 matmuls)."""
+    """TVM's default CUDA Relax pipeline with the model's matmuls scheduled as MLC-LLM's does:
+    ``FuseTransposeMatmul`` makes ``x @ W.T`` one matmul reading ``W`` in place, matmuls with a
+    dynamic row count dispatch on it (:func:`_dispatch_rows`), static vector products run as GEMV.
+    ``Matmul`` runs without tensor cores: TVM 0.27's ``MatmulTensorization`` segfaults in
+    ``Tensorize`` under apache-tvm-ffi 0.1.15."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
-    legalize = [rx.transform.LegalizeOps(), rx.transform.AnnotateTIROpPattern(),
-                rx.transform.FoldConstant(), rx.transform.FuseOps(), rx.transform.FuseTIR(),
+    legalize = [rx.transform.FuseTransposeMatmul(), rx.transform.LegalizeOps(),
+                rx.transform.AnnotateTIROpPattern(), rx.transform.FoldConstant(),
+                rx.transform.FuseOps(), rx.transform.FuseTIR(), _dispatch_rows,
                 dl.ApplyDefaultSchedule(_MatmulWithoutTensorCores(), dl.gpu.GEMV(),
                                         dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
                                         dl.gpu.Fallback())]
@@ -234,6 +243,42 @@ def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
             return tvm.transform.Sequential(passes)(mod)
 
     return pipeline
+
+
+@tvm.transform.module_pass(opt_level=0, name="DispatchMatmulRows")
+def _dispatch_rows(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+    """Each unscheduled matmul whose one dynamic extent is its row count becomes one kernel per
+    :data:`LOW_BATCH_BUCKETS` entry (``LowBatchGEMV``: each block reads its weight rows once for the
+    bucket's rows) and a ``Matmul`` past the last, chosen at run time on the row count."""
+    for gvar, func in list(mod.functions_items()):
+        if isinstance(func, tvm.tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs:
+            dispatched = _row_dispatch(func)
+            if dispatched is not None:
+                mod[gvar] = dispatched
+    return mod
+
+
+def _row_dispatch(func: tvm.tirx.PrimFunc) -> Optional[tvm.tirx.PrimFunc]:
+    dims = {d for p in func.params if isinstance(p.ty, tvm.tirx.BufferType) for d in p.shape
+            if isinstance(d, tvm.tirx.Var)}
+    if len(dims) != 1:
+        return None
+    low = [_scheduled(func, dl.gpu.LowBatchGEMV(rows)) for rows in LOW_BATCH_BUCKETS]
+    body = _scheduled(func, _MatmulWithoutTensorCores())
+    if body is None or any(f is None for f in low):
+        return None
+    (rows,) = dims
+    body = body.body
+    for limit, f in reversed(list(zip(LOW_BATCH_BUCKETS, low))):
+        body = tvm.tirx.IfThenElse(tvm.tirx.op.tvm_thread_invariant(rows <= limit), f.body, body)
+    body = tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "root", body))
+    return func.with_body(body).with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})
+
+
+def _scheduled(func: tvm.tirx.PrimFunc, rule: dl.ScheduleRule) -> Optional[tvm.tirx.PrimFunc]:
+    """``func`` scheduled by ``rule`` (under the current target), or None where it does not apply."""
+    func = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
+    return func if "tirx.is_scheduled" in func.attrs else None
 
 
 class _MatmulWithoutTensorCores(dl.gpu.Matmul):
