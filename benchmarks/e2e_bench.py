@@ -420,21 +420,23 @@ def _graph_decode(runner: Runner, cache, device: Device, plan: Plan, ids, run_st
 
 def decode_phase(runner: Runner, device: Device, cfg: LlamaConfig, plan: Plan, context: int,
                  batches: Sequence[int], graphs: bool, log) -> dict:
-    """Fill ``max(batches)`` sequences with ``context`` tokens, then every batch's decode configuration."""
-    most = max(batches)
-    cache = runner.create(most, most * _round_up(context + plan.extra + PAGE), plan.chunk)
-    for s in range(most):
-        runner.add(cache, s)
-    result = {"fill": fill(runner, cache, device, cfg, plan, range(most), context, np.random.default_rng(SEED + 3)),
-              "rows": {}}
-    log(f"    {runner.side}: filled {most} x {context} tokens in {result['fill']:.1f} s")
+    """Each batch's decode configuration on a cache of its own, holding exactly ``batch``
+    sequences of ``context`` tokens (filled by prefill). TVM's native cache, filled with 128
+    sequences, failed a batch-8 decode with an illegal address on an H100, so no cache is shared
+    between configurations."""
+    result: dict = {"fill": 0.0, "rows": {}}
     for batch in batches:
+        cache = runner.create(batch, batch * _round_up(context + plan.extra + PAGE), plan.chunk)
+        for s in range(batch):
+            runner.add(cache, s)
+        result["fill"] += fill(runner, cache, device, cfg, plan, range(batch), context,
+                               np.random.default_rng(SEED + 3))
         row = result["rows"][batch] = decode_config(runner, cache, device, cfg, plan, batch, graphs)
         log(f"    {runner.side} {batch} x {context}: " + ", ".join(
             f"{name} {batch / m['step']:.0f} tokens/s (step {m['step'] * 1e3:.2f} ms, host {m['host'] * 1e3:.2f} ms)"
             if "step" in m else f"{name} n/a" for name, m in row.items()), flush=True)
-    del cache
-    gc.collect()
+        del cache
+        gc.collect()
     return result
 
 
