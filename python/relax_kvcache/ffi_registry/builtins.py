@@ -38,6 +38,7 @@ def _unsupported(feature: str) -> Callable[..., Any]:
     def run(cache: PagedAttentionKVCache, *args: Any) -> Any:
         raise NotImplementedError(f"{feature} is not supported by relax_kvcache's "
                                   "PagedAttentionKVCache yet")
+    run.unsupported = feature  # type: ignore[attr-defined]
     return run
 
 
