@@ -1,22 +1,9 @@
-"""Kernels that move KV data in and out of pages.
+"""Kernels that move KV data in and out of pages (TVM's calling conventions, ``docs/kernels.md``).
 
-A position in the page pool is ``page_id * page_size + slot``. Calling conventions (TVM's):
-
-* ``transpose_append(pages, k, v, position_map)``: write token i's k/v to ``position_map[i]``
-  (skipped when it is -1).
-* ``copy_single_page(pages, src_page_id, tgt_page_id, copy_length)``: copy the first
-  ``copy_length`` slots of a page (K and V, all heads).
-* ``compact_copy(pages, copy_length_indptr, src_dst_pos, batch_size)``: for each sequence b,
-  move ``src_dst_pos[0, i] -> src_dst_pos[1, i]`` for i in its range, in order.
-* ``debug_get_kv(pages, position_map, k_out, v_out, layer_id)``: gather positions into
-  ``k_out/v_out[layer_id]`` of shape ``(num_layers, n, num_kv_heads, head_dim)``.
-
-Each kernel is one algorithm: the per-element work is a ``T.macro`` that moves one span
-``[d0, d0 + lanes)`` of one head, and the schedule picks the loop nest around it. On CPU
-(``CpuSchedule``) that is ``T.parallel`` over tokens (or sequences, or K/V heads) with the whole
-head_dim as one vectorised span. On GPUs (``GpuSchedule``) the independent spans are flattened
-onto ``blockIdx.x x threadIdx.x`` (``copy_threads`` threads a block) and each thread moves one
-``vector_bytes``-wide span, so a warp reads and writes contiguous 128-bit vectors.
+A pool position is ``page_id * page_size + slot``. Each kernel's per-element work is a macro
+moving one span ``[d0, d0 + lanes)`` of one head; CPU nests run ``T.parallel`` with head_dim as one
+span, GPU nests flatten the spans onto ``blockIdx.x x threadIdx.x``, one ``vector_bytes`` span a
+thread.
 """
 
 from __future__ import annotations
@@ -29,38 +16,28 @@ from .schedule import GpuSchedule, Schedule
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
-# ----------------------------------------------------------------------------- per-element work
-
-
 @T.macro
 def store_span(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32):
-    """``pages[position pos, kv, h, d0 : d0 + lanes] = src[row, h, d0 : d0 + lanes]``."""
     for d in T.vectorized(lanes):
         pages[pos // ps, kv, h, pos % ps, d0 + d] = src[row, h, d0 + d]
 
 
 @T.macro
 def load_span(dst, layer, row, pages, pos, kv: T.int32, h, d0, lanes: T.int32, ps: T.int32):
-    """``dst[layer, row, h, d0 : d0 + lanes] = pages[position pos, kv, h, d0 : d0 + lanes]``."""
     for d in T.vectorized(lanes):
         dst[layer, row, h, d0 + d] = pages[pos // ps, kv, h, pos % ps, d0 + d]
 
 
 @T.macro
 def move_span(pages, src, dst, kv, h, d0, lanes: T.int32, ps: T.int32):
-    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)`` from pool position src to dst."""
     for d in T.vectorized(lanes):
         pages[dst // ps, kv, h, dst % ps, d0 + d] = pages[src // ps, kv, h, src % ps, d0 + d]
 
 
 @T.macro
 def copy_page_span(pages, src_page, dst_page, kv, h, slot, d0, lanes: T.int32):
-    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)``, slot ``slot`` from page src to dst."""
     for d in T.vectorized(lanes):
         pages[dst_page, kv, h, slot, d0 + d] = pages[src_page, kv, h, slot, d0 + d]
-
-
-# ----------------------------------------------------------------------------- GPU helpers
 
 
 def gpu_lanes(sched: GpuSchedule, dtype: str, extent: int) -> int:
@@ -73,11 +50,7 @@ def gpu_blocks(work, threads: int):
     return T.max(1, T.ceildiv(work, threads))
 
 
-# ----------------------------------------------------------------------------- transpose_append
-
-
 def _append_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of transpose_append: token i's k/v go to position ``position_map[i]``."""
     H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
@@ -132,11 +105,7 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return transpose_append
 
 
-# ----------------------------------------------------------------------------- copy_single_page
-
-
 def _copy_page_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of copy_single_page: slots ``[0, copy_length)`` of every (kv, head)."""
     H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
@@ -151,7 +120,6 @@ def _copy_page_nest(spec: PageLayoutSpec, sched: Schedule):
 
     lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
     nv = D // lanes
-    # Threads cover every (kv, head, slot, span) of a page; slots past copy_length idle.
     work = 2 * H * ps * nv
 
     @T.macro
@@ -184,17 +152,9 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return copy_single_page
 
 
-# ----------------------------------------------------------------------------- compact_copy
-
-
 def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of compact_copy: sequences in parallel, the moves of one sequence in order.
-
-    On GPU one block runs one sequence and each thread owns fixed (kv, head, span) columns of
-    a slot. A thread makes all of the sequence's moves of its columns in order, and no other
-    thread touches those columns, so overlapping moves (a path shifted down by a few slots)
-    see exactly the sequential result without barriers.
-    """
+    """Sequences in parallel, each sequence's moves in order. On GPU a block runs a sequence and a
+    thread owns fixed (kv, head, span) columns, so overlapping moves need no barriers."""
     H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
@@ -253,11 +213,7 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return compact_copy
 
 
-# ----------------------------------------------------------------------------- debug_get_kv
-
-
 def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of debug_get_kv: token i's k/v are read from position ``position_map[i]``."""
     H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
@@ -312,23 +268,14 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return debug_get_kv
 
 
-# ----------------------------------------------------------------------------- MLA (latent) pages
-#
-# An MLA layer's pages are ``(num_pages, page_size, width)``: one latent row per position. Each
-# kernel moves whole rows; on CPU a row is one vectorised span, on GPUs the (row, span) pairs
-# are flattened onto the grid as for the MHA kernels.
-
-
 @T.macro
 def move_latent_span(dst, dst_index, src, src_index, d0, lanes: T.int32):
-    """``dst[dst_index + (d0 : d0 + lanes,)] = src[src_index + (d0 : d0 + lanes,)]``."""
     for d in T.vectorized(lanes):
         dst[dst_index + (d0 + d,)] = src[src_index + (d0 + d,)]
 
 
 def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move):
-    """Loop nest over ``n`` rows: ``row_move(bufs, i, d0, lanes)`` moves span ``[d0, d0 + lanes)``
-    of row i (CPU: rows in parallel, one span of the whole width; GPU: (row, span) per thread)."""
+    """Loop nest over ``n`` latent rows; ``row_move(bufs, i, d0, lanes)`` moves one span of row i."""
     W = spec.width
     if not isinstance(sched, GpuSchedule):
         @T.macro
