@@ -92,9 +92,6 @@ vector load of K (half rows, for RoPE pairs) / V rows.
                          v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
 
 
-# ---------------------------------------------------------------------------- the tile
-
-
 def swizzled(row, d, width: int):
     """Column of element (row, d) in a ``width``-wide shared tile whose 8-element (16-byte)
     pieces are XOR-permuted by row: ``d ^ (row % S) * 8`` with S the largest power of two <= 8
@@ -421,9 +418,6 @@ def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
                 found[0] = b
                 found[1] = (tile_id - found[2]) * q_tokens
             found[2] = found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
-
-
-# ---------------------------------------------------------------------------- grids
 
 
 def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, tree: bool = False, kv_rows=None):

@@ -70,13 +70,8 @@ class DecodeShape:
 
 
 def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: bool):
-    """Macro computing one (sequence, KV head, split) into the split workspace.
-
-    ``kv_rows = (locate, elem_at, _)`` (:func:`~.macros.paged_kv_rows`): a KV row's pool slot,
-    and element d of a slot (kv 0 = K, 1 = V). Slots are looked up one step before the rows are
-    fetched, so the page-table read is off the fetch's critical path. ``rope``: the item
-    applies RoPE to q and K inline (``rotary_mode == 1``).
-    """
+    """Macro computing one (sequence, KV head, split) into the split workspace (``kv_rows``:
+    :func:`~.macros.paged_kv_rows`; ``rope``: RoPE q and K inline)."""
     shape = DecodeShape.choose(spec, sched)
     locate, elem_at, _ = kv_rows
     G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
@@ -310,12 +305,9 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
 
 
 def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
-    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge.
-
-    The function holds two such kernel pairs and runs one: with RoPE inline (``rotary_mode ==
-    1``) or without; the second needs fewer registers, so more of its blocks fit on an SM, and
-    runs on tensor cores where they apply (:mod:`.attention_gpu_decode_mma`: GQA groups of 4-8
-    heads, float16 / bfloat16, sm_80+). ``kv_rows``: :func:`~.macros.paged_kv_rows`."""
+    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge; one of
+    two kernel pairs runs, with inline RoPE or without (fewer registers; tensor cores where
+    :func:`.attention_gpu_decode_mma.decode_mma_applies`)."""
     rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
     tensor_cores = decode_mma_applies(spec, sched)
     plain_item = (make_decode_mma_item(spec, sched, kv_rows) if tensor_cores
@@ -325,10 +317,8 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
 
     def splits(batch, num_pages):
         """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
-        ``wave`` blocks holds (a partial second wave would idle most SMs while it runs),
-        but none shorter than one step of the block's row groups over the batch's mean context
-        (``num_pages``: the pages the kernel is given; their mean per sequence times the page
-        size is at most a sequence's length plus the slots' headroom, far from int32's limit)."""
+        ``wave`` blocks holds, none shorter than one step of the row groups over the mean
+        context (``num_pages`` per sequence)."""
         by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
         return T.min(NS, T.max(1, T.min(wave // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
