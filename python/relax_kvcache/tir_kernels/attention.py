@@ -377,14 +377,9 @@ def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
 
 
 def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
-    """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention).
-
-    Arguments: ``q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
-    q_rope_position, o, lse, rotary_mode, rope_scale, rope_theta, sm_scale, tree_mn_indptr,
-    tree_mask``. The last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its
-    tree's nodes (``tree_mask`` rows are their DFS intervals); its queries are the last nodes.
-    Inline RoPE is not supported (``rotary_mode`` must be 0), as in TVM.
-    """
+    """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention):
+    the last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its tree's
+    nodes (``tree_mask``: their DFS intervals), its queries the last nodes; ``rotary_mode`` 0."""
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     on_gpu = isinstance(sched, GpuSchedule)
@@ -450,13 +445,8 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
 
 
 def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
-    """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention).
-
-    Arguments: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, tree_mn_indptr, tree_mask, o, lse,
-    rotary_mode, rope_scale, rope_theta, sm_scale``. Each sequence's new tokens form (the end of)
-    its tree: a query sees the keys of its ancestors and itself. Inline RoPE is not supported
-    (``rotary_mode`` must be 0), as in TVM.
-    """
+    """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention): a query sees the
+    keys of its ancestors and itself; ``rotary_mode`` 0."""
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
     on_gpu = isinstance(sched, GpuSchedule)
