@@ -50,11 +50,11 @@ def gpu_blocks(work, threads: int):
     return T.max(1, T.ceildiv(work, threads))
 
 
-def _append_nest(spec: PageLayoutSpec, sched: Schedule):
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, k, v, position_map, n):
+        def nest(pages, k, v, position_map, n):
             for i in T.parallel(n):
                 with T.sblock("append"):
                     T.reads()
@@ -64,31 +64,24 @@ def _append_nest(spec: PageLayoutSpec, sched: Schedule):
                         for h in T.serial(H):
                             store_span(pages, pos, 0, h, k, i, 0, D, ps)
                             store_span(pages, pos, 1, h, v, i, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes  # spans of one head
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes  # spans of one head
-
-    @T.macro
-    def gpu_nest(pages, k, v, position_map, n):
-        for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("append"):
-                    T.reads()
-                    T.writes()
-                    if bx * nt + tx < n * H * nv:
-                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
-                        if pos != -1:
-                            store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
-                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
-                            store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
-                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _append_nest(spec, sched)
+        @T.macro
+        def nest(pages, k, v, position_map, n):
+            for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("append"):
+                        T.reads()
+                        T.writes()
+                        if bx * nt + tx < n * H * nv:
+                            pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                            if pos != -1:
+                                store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
+                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
+                                store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
+                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def transpose_append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_position_map: T.handle):
@@ -105,41 +98,34 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return transpose_append
 
 
-def _copy_page_nest(spec: PageLayoutSpec, sched: Schedule):
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, src_page, dst_page, copy_length):
+        def nest(pages, src_page, dst_page, copy_length):
             for kv_h in T.parallel(2 * H):
                 with T.sblock("copy"):
                     T.reads()
                     T.writes()
                     for slot in T.serial(copy_length):
                         copy_page_span(pages, src_page, dst_page, kv_h // H, kv_h % H, slot, 0, D)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
+        work = 2 * H * ps * nv
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-    work = 2 * H * ps * nv
-
-    @T.macro
-    def gpu_nest(pages, src_page, dst_page, copy_length):
-        for bx in T.thread_binding(gpu_blocks(work, nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("copy"):
-                    T.reads()
-                    T.writes()
-                    if bx * nt + tx < work:
-                        if T.Cast("int64", (bx * nt + tx) // nv % ps) < copy_length:
-                            copy_page_span(pages, src_page, dst_page, (bx * nt + tx) // (H * ps * nv),
-                                           (bx * nt + tx) // (ps * nv) % H, (bx * nt + tx) // nv % ps,
-                                           (bx * nt + tx) % nv * lanes, lanes)
-    return gpu_nest
-
-
-def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _copy_page_nest(spec, sched)
+        @T.macro
+        def nest(pages, src_page, dst_page, copy_length):
+            for bx in T.thread_binding(gpu_blocks(work, nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("copy"):
+                        T.reads()
+                        T.writes()
+                        if bx * nt + tx < work:
+                            if T.Cast("int64", (bx * nt + tx) // nv % ps) < copy_length:
+                                copy_page_span(pages, src_page, dst_page, (bx * nt + tx) // (H * ps * nv),
+                                               (bx * nt + tx) // (ps * nv) % H, (bx * nt + tx) // nv % ps,
+                                               (bx * nt + tx) % nv * lanes, lanes)
 
     @T.prim_func(s_tir=True)
     def copy_single_page(var_pages: T.handle, src_page_id: T.int64, tgt_page_id: T.int64,
@@ -152,13 +138,11 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return copy_single_page
 
 
-def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Sequences in parallel, each sequence's moves in order. On GPU a block runs a sequence and a
-    thread owns fixed (kv, head, span) columns, so overlapping moves need no barriers."""
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, indptr, src_dst_pos, batch_size):
+        def nest(pages, indptr, src_dst_pos, batch_size):
             for b in T.parallel(batch_size):
                 with T.sblock("compact"):
                     T.reads()
@@ -168,33 +152,27 @@ def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
                             for h in T.serial(H):
                                 move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
                                           kv, h, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
+        # a block per sequence, moves in order; a thread owns fixed columns: no barriers needed
+        cols = 2 * H * nv  # (kv, head, span) columns of one slot
+        rounds = (cols + nt - 1) // nt  # columns a thread owns
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-    cols = 2 * H * nv  # (kv, head, span) columns of one slot
-    rounds = (cols + nt - 1) // nt  # columns a thread owns
-
-    @T.macro
-    def gpu_nest(pages, indptr, src_dst_pos, batch_size):
-        for b in T.thread_binding(T.max(1, batch_size), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("compact"):
-                    T.reads()
-                    T.writes()
-                    if b < batch_size:
-                        for i in T.serial(indptr[b + 1] - indptr[b]):
-                            for r in T.serial(rounds):
-                                if r * nt + tx < cols:
-                                    move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
-                                              (r * nt + tx) // (H * nv), (r * nt + tx) // nv % H,
-                                              (r * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _compact_nest(spec, sched)
+        @T.macro
+        def nest(pages, indptr, src_dst_pos, batch_size):
+            for b in T.thread_binding(T.max(1, batch_size), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("compact"):
+                        T.reads()
+                        T.writes()
+                        if b < batch_size:
+                            for i in T.serial(indptr[b + 1] - indptr[b]):
+                                for r in T.serial(rounds):
+                                    if r * nt + tx < cols:
+                                        move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
+                                                  (r * nt + tx) // (H * nv), (r * nt + tx) // nv % H,
+                                                  (r * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def compact_copy(var_pages: T.handle, var_copy_length_indptr: T.handle,
@@ -213,11 +191,11 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return compact_copy
 
 
-def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, position_map, k, v, layer_id, n):
+        def nest(pages, position_map, k, v, layer_id, n):
             for i in T.parallel(n):
                 with T.sblock("gather"):
                     T.reads()
@@ -226,30 +204,23 @@ def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
                     for h in T.serial(H):
                         load_span(k, layer_id, i, pages, pos, 0, h, 0, D, ps)
                         load_span(v, layer_id, i, pages, pos, 1, h, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-
-    @T.macro
-    def gpu_nest(pages, position_map, k, v, layer_id, n):
-        for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("gather"):
-                    T.reads()
-                    T.writes()
-                    if T.Cast("int64", bx * nt + tx) < n * (H * nv):
-                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
-                        load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
-                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
-                        load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
-                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _gather_nest(spec, sched)
+        @T.macro
+        def nest(pages, position_map, k, v, layer_id, n):
+            for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("gather"):
+                        T.reads()
+                        T.writes()
+                        if T.Cast("int64", bx * nt + tx) < n * (H * nv):
+                            pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                            load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
+                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
+                            load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
+                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def debug_get_kv(var_pages: T.handle, var_position_map: T.handle, var_k: T.handle,
