@@ -1,11 +1,8 @@
 """GPU schedule of the attention algorithm of :mod:`.attention`: prefill tiles and the grids.
 
-A prefill work item is a thread block over (query tile, KV head). :class:`TileIO` stages the
-query tile and each KV chunk in shared memory and holds the mask predicates and chunk ranges;
-the tiles built on it are the ring tile (:mod:`.attention_gpu_wgmma`), the ``mma.sync`` tile
-(:mod:`.attention_gpu_mma`) and, for float32 and GPUs without tensor cores, the CUDA-core tile
-(:func:`make_tile`: register micro-tiles of scores and outputs). Decode has its own schedule
-(:mod:`.attention_gpu_decode`). The design in full: ``docs/kernels.md``.
+A prefill work item is a thread block over (query tile, KV head); :class:`TileIO` holds what the
+tiles share (this module's CUDA-core :func:`make_tile`, :mod:`.attention_gpu_mma`,
+:mod:`.attention_gpu_wgmma`). Design: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """GPU schedule of decode attention (one query token per sequence), its grid and the merge of
 its splits.
 
-The algorithm is :mod:`.attention`'s, split across blocks over (sequence x KV head, split) and
-merged by LSE in a second kernel. This CUDA-core item (FlashInfer's decode layout: ``bdx`` lanes
-cover head_dim with 16-byte vectors, ``bdy`` row groups take different KV rows, ``bdz`` head
-groups different query heads) serves inline RoPE and the groups and GPUs the tensor-core item of
-:mod:`.attention_gpu_decode_mma` does not; KV rows are loaded a step ahead of the math and their
-page-table entries a step earlier still. The design in full: ``docs/kernels.md``.
+Blocks over (sequence x KV head, split), merged by LSE in a second kernel. The CUDA-core item
+(FlashInfer's layout, :class:`DecodeShape`) serves inline RoPE and what the tensor-core item of
+:mod:`.attention_gpu_decode_mma` does not. Design: ``docs/kernels.md``.
 """
 
 from __future__ import annotations

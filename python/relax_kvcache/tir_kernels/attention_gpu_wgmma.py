@@ -1,16 +1,10 @@
 """The ring prefill tile (CUDA float16 / bfloat16): warpgroup MMA on sm_90a, ``mma.sync``
-without it.
+without it (design: ``docs/kernels.md``).
 
-Same algorithm, masks and chunk ranges as the other tiles (:class:`~.attention_gpu.TileIO`). A
-block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
+A block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
 + 16`` (GQA packed). The query tile and a ring of ``stages`` K/V chunks live in dynamic shared
-memory in the 128-byte swizzled layout (:func:`sw128`), filled by ``cp.async`` through the
-kernel's row accessor. On sm_90a, ``wgmma`` reads both operands of ``Q K^T`` and V through
-matrix descriptors and chunk c's ``P V`` overlaps chunk c + 1's scores; elsewhere each warp
-runs ``mma.sync`` on ``ldmatrix`` fragments of the same tiles. Accumulators have the
-``mma.sync`` layout either way, so the online softmax is shared
-(:func:`~.attention_gpu_mma.fold_scores`). Inline RoPE and token trees run the ``mma.sync`` tile
-of :mod:`.attention_gpu_mma`. The design in full: ``docs/kernels.md``.
+memory in the 128-byte swizzled layout (:func:`sw128`). Accumulators have the ``mma.sync``
+layout either way (:func:`~.attention_gpu_mma.fold_scores`).
 """
 
 from __future__ import annotations
