@@ -261,9 +261,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
 
 def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
     """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
-    into o / lse: a block per row, a thread per output element. The split loops are unrolled
-    and branch-free (loads past ``nsplit`` are clamped to the last split and their weight is
-    zero), so that all of a thread's loads are in flight at once."""
+    into o / lse: a block per row, a thread per output element, unrolled branch-free loads."""
     DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
 
 
