@@ -1,26 +1,8 @@
-"""Attention kernels: paged decode, paged prefill and ragged prefill.
+"""Attention kernels: paged decode, paged prefill and ragged prefill (TVM's calling conventions).
 
-One algorithm serves all three: a work item owns one sequence and one KV head; it takes the
-queries of that head group in tiles (``q_tile`` tokens x group_size heads = rows), walks the KV
-in chunks (a page for paged KV, ``kv_chunk`` tokens for ragged KV), and folds each chunk into an
-online-softmax state (running max ``m``, sum ``l`` and accumulator ``acc``, all float32).
-The kernels differ only in where rows and chunks come from; the steps are the shared macros
-of :mod:`.macros`.
-
-Calling conventions are TVM's (listed in ``docs/kernels.md``):
-
-* paged prefill: ``q, qo_indptr, pages, page_indptr, page_indices, length_info,
-  k_rope_pos_offset, q_rope_position, o, lse, causal, rotary_mode, rope_scale, rope_theta,
-  sm_scale``
-* paged decode: ``q, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
-  q_rope_position, o, lse, rotary_mode, rope_scale, rope_theta, sm_scale``
-* ragged prefill: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, k_rope_pos_offset, o, lse,
-  causal, rotary_mode, rope_scale, rope_theta, sm_scale``
-
-``rotary_mode == 1`` applies RoPE inline: query token ``i`` at ``q_rope_position[i]``, KV
-row ``j`` of sequence ``b`` at ``k_rope_pos_offset[b] + j``. With ``causal == 1`` query
-token ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sees keys
-``j <= kv_len - q_len + i``.
+A work item owns one sequence and one KV head: it takes the queries of that head group in tiles,
+walks the KV in chunks (a page, or ``kv_chunk`` ragged rows) and folds each chunk into an
+online-softmax state (the macros of :mod:`.macros`). Conventions and masks: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -107,27 +89,16 @@ def make_paged_decode(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
 
 def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int, chunk: int, kv_elem,
                           tree: bool = False):
-    """The work item shared by all CPU attention kernels: one sequence, one KV head.
-
-    Takes the sequence's queries of that head group in tiles of ``q_tile`` tokens, walks its
-    ``kv_len`` KV rows in chunks of ``chunk`` rows read through ``kv_elem(kv_src, h, j, kv, d)``
-    (``kv_src`` is a kernel-specific tuple of buffers and values), and writes every row's
-    normalised output and base-2 LSE. Decode tiles read K and V in place (with inline RoPE the
-    chunk's K rows are rotated into a float32 buffer first); prefill tiles stage the chunk's K
-    and V in float32 (see ``stage`` below). Keys are masked causally (``causal``), by window
-    or attention chunk (``spec.span``), or, with ``tree``, by the token tree ``tree_src = (tree_mask, first mask
-    row, tree size)``: the last ``tree size`` KV rows are the tree's nodes, the queries its last
-    ``q_len`` nodes.
-    """
+    """The CPU work item (one sequence, one KV head): query tiles of ``q_tile`` tokens against KV
+    chunks of ``chunk`` rows read through ``kv_elem(kv_src, h, j, kv, d)``. With ``tree``,
+    ``tree_src = (tree_mask, first mask row, tree size)``; the last ``tree size`` KV rows are the
+    tree's nodes."""
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     lanes = sched.lanes_for(D)
     v_lanes = sched.lanes_for(DV)
     pv_lanes = 2 * v_lanes if DV % (2 * v_lanes) == 0 else v_lanes  # two registers per row in P @ V
     rows, half, span, local, rb = q_tile * G, D // 2, spec.span, spec.is_local, row_block(G)
-    # Tiles of several query tokens (prefill) stage each KV chunk in float32: the copy is paid
-    # once for q_tile * G rows, and P @ V then reads V rows at a short stride (ragged V rows lie
-    # Hkv * DV elements apart: 4 KiB for 8 x 128 float32, so the column-block walk of
-    # accumulate_pv would hit one L1 set). Decode tiles (G rows) read K and V in place.
+    # prefill tiles stage each KV chunk in float32 (short V stride for accumulate_pv)
     stage = q_tile > 1
 
     def k_in_place(kv_src, h, c0, t, d):
@@ -147,15 +118,13 @@ def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int
 
     @T.macro
     def prefetch_v_row(v_src, t):
-        """Prefetch V row t of the chunk ``v_src = (kv_src, h, c0)`` (``accumulate_pv`` walks
-        V column-block by column-block, which the hardware prefetcher does not follow)."""
+        """Prefetch V row t of the chunk ``v_src = (kv_src, h, c0)``."""
         for x in T.unroll(ceildiv(DV, line)):
             prefetch(kv_elem(v_src[0], v_src[1], v_src[2] + t, 1, x * line))
 
     @T.macro
     def stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, rope, with_v: T.bool):
-        """Copy KV rows [c0, c0 + nt) to float32 ``kc`` (rotated with inline RoPE; ``rope =
-        (inv_freq, rotation scratch)``) and, with ``with_v``, ``vc``."""
+        """KV rows [c0, c0 + nt) to float32 ``kc`` (RoPE'd) and, with ``with_v``, ``vc``."""
         for t in T.serial(nt):
             for d in T.vectorized(D):
                 kc[t, d] = T.Cast("float32", kv_elem(kv_src, h, c0 + t, 0, d))
@@ -167,8 +136,7 @@ def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int
 
     @T.macro
     def score(s, qs, kc, vc, kv_src, h, c0, nt, nrows, rotary_mode, k_pos0, rope, part):
-        """Scores of KV rows [c0, c0 + nt). Tiles of several query tokens stage the chunk (K and
-        V) in float32 first; decode tiles read K in place, or rotate it into ``kc`` (inline RoPE)."""
+        """Scores of KV rows [c0, c0 + nt)."""
         if stage:
             stage_chunk(kc, vc, kv_src, h, c0, nt, rotary_mode, k_pos0, rope, True)
             score_chunk(s, qs, kc, staged, h, c0, nrows, nt, D, lanes, rb, part, no_hook, ())
@@ -182,7 +150,6 @@ def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int
 
     @T.macro
     def fold(s, m, l, alpha, acc, vc, kv_src, h, c0, nt, nrows, red, part):
-        """Fold the masked scores of KV rows [c0, c0 + nt) into the online-softmax state."""
         softmax_update(s, m, l, alpha, nrows, nt, chunk, red)
         if stage:
             accumulate_pv(acc, s, alpha, vc, staged, h, c0, nrows, nt, DV, pv_lanes, rb, part)
@@ -230,7 +197,6 @@ def make_attend_sequence(spec: AttentionSpec, sched: CpuSchedule, *, q_tile: int
                         causal_mask_chunk(s, nq * G, nt, G, c * chunk, first_row_limit)
                     fold(s, m, l, alpha, acc, vc, kv_src, h, c * chunk, nt, nq * G, red, part_pv)
             else:
-                # Only the chunks holding keys in [first visible of min q_pos, max q_pos] are visited.
                 query_position_range(bounds, q_rope_position, tok0, nq)
                 row_lo: T.let[T.int32] = T.max(span.first_visible(bounds[0]) - k_pos0, 0)
                 row_hi: T.let[T.int32] = T.if_then_else(
@@ -411,14 +377,9 @@ def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
 
 
 def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
-    """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention).
-
-    Arguments: ``q, qo_indptr, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
-    q_rope_position, o, lse, rotary_mode, rope_scale, rope_theta, sm_scale, tree_mn_indptr,
-    tree_mask``. The last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its
-    tree's nodes (``tree_mask`` rows are their DFS intervals); its queries are the last nodes.
-    Inline RoPE is not supported (``rotary_mode`` must be 0), as in TVM.
-    """
+    """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention):
+    the last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its tree's
+    nodes (``tree_mask``: their DFS intervals), its queries the last nodes; ``rotary_mode`` 0."""
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     on_gpu = isinstance(sched, GpuSchedule)
@@ -484,13 +445,8 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
 
 
 def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
-    """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention).
-
-    Arguments: ``q, qo_indptr, k, v, kv_indptr, q_rope_position, tree_mn_indptr, tree_mask, o, lse,
-    rotary_mode, rope_scale, rope_theta, sm_scale``. Each sequence's new tokens form (the end of)
-    its tree: a query sees the keys of its ancestors and itself. Inline RoPE is not supported
-    (``rotary_mode`` must be 0), as in TVM.
-    """
+    """Ragged prefill with a token-tree mask (TVM's ``tree_attn`` convention): a query sees the
+    keys of its ancestors and itself; ``rotary_mode`` 0."""
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
     on_gpu = isinstance(sched, GpuSchedule)

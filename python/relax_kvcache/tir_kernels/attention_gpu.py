@@ -1,11 +1,8 @@
 """GPU schedule of the attention algorithm of :mod:`.attention`: prefill tiles and the grids.
 
-A prefill work item is a thread block over (query tile, KV head). :class:`TileIO` stages the
-query tile and each KV chunk in shared memory and holds the mask predicates and chunk ranges;
-the tiles built on it are the ring tile (:mod:`.attention_gpu_wgmma`), the ``mma.sync`` tile
-(:mod:`.attention_gpu_mma`) and, for float32 and GPUs without tensor cores, the CUDA-core tile
-(:func:`make_tile`: register micro-tiles of scores and outputs). Decode has its own schedule
-(:mod:`.attention_gpu_decode`). The design in full: ``docs/kernels.md``.
+A prefill work item is a thread block over (query tile, KV head); :class:`TileIO` holds what the
+tiles share (this module's CUDA-core :func:`make_tile`, :mod:`.attention_gpu_mma`,
+:mod:`.attention_gpu_wgmma`). Design: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -90,9 +87,6 @@ vector load of K (half rows, for RoPE pairs) / V rows.
                          s_cols=ceildiv(chunk, s_cg), o_row_groups=o_rg, o_col_groups=o_cg,
                          o_rows=ceildiv(rows, o_rg), o_cols=o_cols, lanes=lanes,
                          v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
-
-
-# ---------------------------------------------------------------------------- the tile
 
 
 def swizzled(row, d, width: int):
@@ -421,9 +415,6 @@ def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
                 found[0] = b
                 found[1] = (tile_id - found[2]) * q_tokens
             found[2] = found[2] + ceildiv(qo_indptr[b + 1] - qo_indptr[b], q_tokens)
-
-
-# ---------------------------------------------------------------------------- grids
 
 
 def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, tree: bool = False, kv_rows=None):

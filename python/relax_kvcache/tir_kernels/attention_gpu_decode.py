@@ -1,12 +1,9 @@
 """GPU schedule of decode attention (one query token per sequence), its grid and the merge of
 its splits.
 
-The algorithm is :mod:`.attention`'s, split across blocks over (sequence x KV head, split) and
-merged by LSE in a second kernel. This CUDA-core item (FlashInfer's decode layout: ``bdx`` lanes
-cover head_dim with 16-byte vectors, ``bdy`` row groups take different KV rows, ``bdz`` head
-groups different query heads) serves inline RoPE and the groups and GPUs the tensor-core item of
-:mod:`.attention_gpu_decode_mma` does not; KV rows are loaded a step ahead of the math and their
-page-table entries a step earlier still. The design in full: ``docs/kernels.md``.
+Blocks over (sequence x KV head, split), merged by LSE in a second kernel. The CUDA-core item
+(FlashInfer's layout, :class:`DecodeShape`) serves inline RoPE and what the tensor-core item of
+:mod:`.attention_gpu_decode_mma` does not. Design: ``docs/kernels.md``.
 """
 
 from __future__ import annotations
@@ -70,13 +67,8 @@ class DecodeShape:
 
 
 def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: bool):
-    """Macro computing one (sequence, KV head, split) into the split workspace.
-
-    ``kv_rows = (locate, elem_at, _)`` (:func:`~.macros.paged_kv_rows`): a KV row's pool slot,
-    and element d of a slot (kv 0 = K, 1 = V). Slots are looked up one step before the rows are
-    fetched, so the page-table read is off the fetch's critical path. ``rope``: the item
-    applies RoPE to q and K inline (``rotary_mode == 1``).
-    """
+    """Macro computing one (sequence, KV head, split) into the split workspace (``kv_rows``:
+    :func:`~.macros.paged_kv_rows`; ``rope``: RoPE q and K inline)."""
     shape = DecodeShape.choose(spec, sched)
     locate, elem_at, _ = kv_rows
     G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
@@ -269,9 +261,7 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
 
 def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
     """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
-    into o / lse: a block per row, a thread per output element. The split loops are unrolled
-    and branch-free (loads past ``nsplit`` are clamped to the last split and their weight is
-    zero), so that all of a thread's loads are in flight at once."""
+    into o / lse: a block per row, a thread per output element, unrolled branch-free loads."""
     DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
 
 
@@ -310,12 +300,9 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
 
 
 def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
-    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge.
-
-    The function holds two such kernel pairs and runs one: with RoPE inline (``rotary_mode ==
-    1``) or without; the second needs fewer registers, so more of its blocks fit on an SM, and
-    runs on tensor cores where they apply (:mod:`.attention_gpu_decode_mma`: GQA groups of 4-8
-    heads, float16 / bfloat16, sm_80+). ``kv_rows``: :func:`~.macros.paged_kv_rows`."""
+    """Macro running decode: blocks over (sequence x KV head, split), then the LSE merge; one of
+    two kernel pairs runs, with inline RoPE or without (fewer registers; tensor cores where
+    :func:`.attention_gpu_decode_mma.decode_mma_applies`)."""
     rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
     tensor_cores = decode_mma_applies(spec, sched)
     plain_item = (make_decode_mma_item(spec, sched, kv_rows) if tensor_cores
@@ -325,10 +312,8 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
 
     def splits(batch, num_pages):
         """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
-        ``wave`` blocks holds (a partial second wave would idle most SMs while it runs),
-        but none shorter than one step of the block's row groups over the batch's mean context
-        (``num_pages``: the pages the kernel is given; their mean per sequence times the page
-        size is at most a sequence's length plus the slots' headroom, far from int32's limit)."""
+        ``wave`` blocks holds, none shorter than one step of the row groups over the mean
+        context (``num_pages`` per sequence)."""
         by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
         return T.min(NS, T.max(1, T.min(wave // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits

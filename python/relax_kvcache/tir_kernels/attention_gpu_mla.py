@@ -1,12 +1,9 @@
 """Tensor-core schedule of absorbed MLA attention (CUDA sm_80 and newer, float16 / bfloat16).
 
-The algorithm is :func:`.attention_mla.make_paged_mla`'s. A block is 8 warps over 16 query rows
-and one split of a sequence's KV range (merged by LSE); latent chunks stream through a two-stage
-``cp.async`` ring and serve as K and V. ``Q K^T``: warp w computes 16 score columns over a slice
-of the features (query fragments held in registers, K by ``ldmatrix``); the softmax runs on
-shared partial scores (two rows a warp); ``P V``: P by ``ldmatrix``, V by ``ldmatrix.trans``,
-warp w owns ``DV / 8`` output columns. Fragment layouts are PTX's ``mma.m16n8k16`` ones (lane
-``4 g + t``: rows g, g + 8, columns 2 t, 2 t + 1). The design in full: ``docs/kernels.md``.
+A block is 8 warps over 16 query rows and one split of a sequence's KV range (merged by LSE);
+latent chunks stream through a two-stage ``cp.async`` ring as K and V. ``Q K^T``: warp w computes
+16 score columns over a slice of the features; ``P V``: warp w owns ``DV / 8`` output columns.
+Fragments: PTX's ``mma.m16n8k16`` (lane ``4 g + t``: rows g, g + 8, columns 2 t, 2 t + 1).
 """
 
 from __future__ import annotations

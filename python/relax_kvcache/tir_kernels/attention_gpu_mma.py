@@ -1,11 +1,8 @@
 """Tensor-core schedule of the prefill tile (CUDA sm_80 and newer, float16 / bfloat16) for what
 the ring tile does not take: inline RoPE, token trees, unequal or other head dims.
 
-Same algorithm and shared pieces as :mod:`.attention_gpu` (:class:`~.attention_gpu.TileIO`). A
-block of ``rows / 16`` warps; warp w computes rows ``[16 w, 16 w + 16)`` with
-``mma.sync.m16n8k16`` (FlashAttention-2's layout: lane ``4 g + t`` holds rows g and g + 8,
-columns 2 t and 2 t + 1 of every 16 x 8 accumulator tile; the score accumulators become the P
-operand in registers). Shared tiles are XOR-swizzled in 16-byte pieces per row.
+Warp w computes rows ``[16 w, 16 w + 16)`` with ``mma.sync.m16n8k16``: lane ``4 g + t`` holds rows
+g and g + 8, columns 2 t and 2 t + 1 of every 16 x 8 accumulator tile.
 """
 
 from __future__ import annotations
@@ -146,12 +143,8 @@ def online_fold(ns: int, no: int):
 
 
 def make_mma_tile(spec: AttentionSpec, shape: MmaTileShape, io, swizzled):
-    """The work item of one block on tensor cores (same arguments as the CUDA-core tile).
-
-    ``io`` is the swizzled :class:`~.attention_gpu.TileIO` of a tile of ``shape.rows`` rows
-    staging ``shape.kv_chunk`` KV rows with ``shape.threads`` threads; ``swizzled`` its column
-    map (:func:`~.attention_gpu.swizzled`).
-    """
+    """The work item of one block on tensor cores (``io``: the swizzled
+    :class:`~.attention_gpu.TileIO` of the tile, ``swizzled``: its column map)."""
     G, D, DV, dtype = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype
     R, TQ, KC = shape.rows, shape.q_tokens, shape.kv_chunk
     NS, NO = KC // TILE_N, DV // TILE_N  # score / output n-tiles of a warp

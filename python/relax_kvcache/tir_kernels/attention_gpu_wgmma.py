@@ -1,16 +1,10 @@
 """The ring prefill tile (CUDA float16 / bfloat16): warpgroup MMA on sm_90a, ``mma.sync``
-without it.
+without it (design: ``docs/kernels.md``).
 
-Same algorithm, masks and chunk ranges as the other tiles (:class:`~.attention_gpu.TileIO`). A
-block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
+A block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
 + 16`` (GQA packed). The query tile and a ring of ``stages`` K/V chunks live in dynamic shared
-memory in the 128-byte swizzled layout (:func:`sw128`), filled by ``cp.async`` through the
-kernel's row accessor. On sm_90a, ``wgmma`` reads both operands of ``Q K^T`` and V through
-matrix descriptors and chunk c's ``P V`` overlaps chunk c + 1's scores; elsewhere each warp
-runs ``mma.sync`` on ``ldmatrix`` fragments of the same tiles. Accumulators have the
-``mma.sync`` layout either way, so the online softmax is shared
-(:func:`~.attention_gpu_mma.fold_scores`). Inline RoPE and token trees run the ``mma.sync`` tile
-of :mod:`.attention_gpu_mma`. The design in full: ``docs/kernels.md``.
+memory in the 128-byte swizzled layout (:func:`sw128`). Accumulators have the ``mma.sync``
+layout either way (:func:`~.attention_gpu_mma.fold_scores`).
 """
 
 from __future__ import annotations
@@ -97,11 +91,8 @@ FENCES = {
 
 @T.macro
 def fence_registers(buf, count, name, source):
-    """Tie ``count`` registers of ``buf`` to this point of the program: an empty ``asm volatile``
-    reads and writes each (``name`` / ``source``: one of :data:`FENCES`). Placed after
-    ``wgmma.wait_group``, it keeps the compiler from moving reads of a wgmma's accumulators, or
-    writes of its A fragments, above the wait: the asm of ``wgmma`` names its registers only
-    where the instruction is issued."""
+    """Tie ``count`` registers of ``buf`` to this point (an empty ``asm volatile``; ``name`` /
+    ``source``: one of :data:`FENCES`), so that no access to them moves above a wgmma wait."""
     for i in T.unroll(count):
         T.evaluate(T.cuda.func_call(name, buf[i], source_code=source))
 
@@ -112,14 +103,8 @@ def _ptx(name: str):
 
 
 def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
-    """The work item of one block on Hopper tensor cores (same arguments as the other tiles).
-
-    ``io`` is the :class:`~.attention_gpu.TileIO` of the tile (its ``visible`` and
-    ``chunk_range``); ``kv_rows = (locate, elem_at, elem_new)`` find KV row j's slot and
-    element d of a slot (:func:`~.macros.paged_kv_rows`; with ``elem_new``, negative slots are
-    the step's own rows, :func:`~.macros.prefixed_kv_rows`): ``cp.async`` copies from that
-    element's address.
-    """
+    """The work item of one ring-tile block (same arguments as the other tiles; ``io``: its
+    :class:`~.attention_gpu.TileIO`, ``kv_rows``: :func:`~.macros.paged_kv_rows`'s triple)."""
     locate, elem_at, elem_new = kv_rows
     one_source = elem_new is None
     G, D, dtype = spec.group_size, spec.qk_head_dim, spec.dtype

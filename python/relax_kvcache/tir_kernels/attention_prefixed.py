@@ -1,10 +1,4 @@
-"""``attention_prefill_prefixed``: prefill over a cached prefix and the step's own K/V in one pass.
-
-The keys of a sequence are its page list (as the paged prefill kernel reads it) followed by the
-step's new rows, which the cache has not appended yet; one kernel replaces ragged prefill +
-paged prefill + merge. Same algorithm and schedules as :mod:`.attention` (CPU work item,
-GPU tiles), with the row source :func:`~.macros.prefixed_kv_access`.
-"""
+"""``attention_prefill_prefixed``: :mod:`.attention`'s algorithm over :func:`~.macros.prefixed_kv_access`."""
 
 from __future__ import annotations
 

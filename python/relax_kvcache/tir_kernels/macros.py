@@ -211,14 +211,9 @@ def rope_steps(rot, inv_freq, half: T.int32):
 
 @T.macro
 def rope_rows_inplace(buf, nt, pos0, inv_freq, rot, half: T.int32):
-    """Rotate rows ``[0, nt)`` of ``buf`` (float32) in place to RoPE positions ``pos0 + t``.
-
-    cos / sin are evaluated at ``pos0`` once per feature pair and advanced from row to row by
-    the angle-addition formulas (a rotation by ``inv_freq[d]``, whose cos / sin ``rot[2:4]``
-    holds, see :func:`rope_steps`), so a chunk costs ``half`` cos/sin pairs instead of one per
-    element; ``rot`` is a (4, half) float32 buffer, rows 0-1 scratch. The recurrence drifts by
-    ~1e-7 per row, well inside float32 RoPE's own angle error.
-    """
+    """Rotate rows ``[0, nt)`` of ``buf`` (float32) in place to RoPE positions ``pos0 + t``:
+    cos / sin at ``pos0`` advanced row by row by angle addition (``rot``: (4, half), rows 2-3
+    from :func:`rope_steps`, rows 0-1 scratch; drift ~1e-7 a row)."""
     for d in T.serial(half):
         angle: T.let[T.float32] = T.Cast("float32", pos0) * inv_freq[d]
         rot[0, d] = T.cos(angle)

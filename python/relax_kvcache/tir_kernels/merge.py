@@ -4,11 +4,6 @@
 of both key sets: ``lse' = log2(2^lse + 2^lse_other)`` and ``o' = (2^lse o + 2^lse_other
 o_other) / 2^lse'``. A state with ``lse = -inf`` (no keys) contributes nothing; two empty
 states stay empty.
-
-The same arithmetic, two loop nests: on CPU a token is one parallel work item and head_dim one
-vectorised span (the ``merge_head`` macro merges one (token, head)); on GPUs a group of
-neighbouring threads merges one (token, head), each taking ``vector_bytes``-wide spans of
-head_dim, so that a warp reads and writes contiguous memory.
 """
 
 from __future__ import annotations
@@ -58,10 +53,8 @@ def _cpu_nest(spec: MergeSpec):
 
 
 def _gpu_nest(spec: MergeSpec, sched: GpuSchedule):
-    """A (token, head) per group of ``tph`` neighbouring threads of one warp: thread s of the
-    group takes the 16-byte spans ``s, s + tph, ...`` of head_dim, so a warp's loads and stores
-    are contiguous. Every thread of the group reads the two lse values; after a warp barrier
-    the first one writes the merged lse."""
+    """A (token, head) per group of ``tph`` neighbouring threads; thread s takes the spans ``s, s +
+    tph, ...`` of head_dim; after a warp barrier the first one writes the merged lse."""
     H, D, dtype, nt = spec.num_heads, spec.head_dim, spec.dtype, sched.copy_threads
     lanes = sched.lanes_for(tvm.DataType(dtype).bits, D)
     spans = D // lanes

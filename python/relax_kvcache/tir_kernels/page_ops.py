@@ -1,22 +1,9 @@
-"""Kernels that move KV data in and out of pages.
+"""Kernels that move KV data in and out of pages (TVM's calling conventions, ``docs/kernels.md``).
 
-A position in the page pool is ``page_id * page_size + slot``. Calling conventions (TVM's):
-
-* ``transpose_append(pages, k, v, position_map)``: write token i's k/v to ``position_map[i]``
-  (skipped when it is -1).
-* ``copy_single_page(pages, src_page_id, tgt_page_id, copy_length)``: copy the first
-  ``copy_length`` slots of a page (K and V, all heads).
-* ``compact_copy(pages, copy_length_indptr, src_dst_pos, batch_size)``: for each sequence b,
-  move ``src_dst_pos[0, i] -> src_dst_pos[1, i]`` for i in its range, in order.
-* ``debug_get_kv(pages, position_map, k_out, v_out, layer_id)``: gather positions into
-  ``k_out/v_out[layer_id]`` of shape ``(num_layers, n, num_kv_heads, head_dim)``.
-
-Each kernel is one algorithm: the per-element work is a ``T.macro`` that moves one span
-``[d0, d0 + lanes)`` of one head, and the schedule picks the loop nest around it. On CPU
-(``CpuSchedule``) that is ``T.parallel`` over tokens (or sequences, or K/V heads) with the whole
-head_dim as one vectorised span. On GPUs (``GpuSchedule``) the independent spans are flattened
-onto ``blockIdx.x x threadIdx.x`` (``copy_threads`` threads a block) and each thread moves one
-``vector_bytes``-wide span, so a warp reads and writes contiguous 128-bit vectors.
+A pool position is ``page_id * page_size + slot``. Each kernel's per-element work is a macro
+moving one span ``[d0, d0 + lanes)`` of one head; CPU nests run ``T.parallel`` with head_dim as one
+span, GPU nests flatten the spans onto ``blockIdx.x x threadIdx.x``, one ``vector_bytes`` span a
+thread.
 """
 
 from __future__ import annotations
@@ -29,38 +16,28 @@ from .schedule import GpuSchedule, Schedule
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
-# ----------------------------------------------------------------------------- per-element work
-
-
 @T.macro
 def store_span(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32):
-    """``pages[position pos, kv, h, d0 : d0 + lanes] = src[row, h, d0 : d0 + lanes]``."""
     for d in T.vectorized(lanes):
         pages[pos // ps, kv, h, pos % ps, d0 + d] = src[row, h, d0 + d]
 
 
 @T.macro
 def load_span(dst, layer, row, pages, pos, kv: T.int32, h, d0, lanes: T.int32, ps: T.int32):
-    """``dst[layer, row, h, d0 : d0 + lanes] = pages[position pos, kv, h, d0 : d0 + lanes]``."""
     for d in T.vectorized(lanes):
         dst[layer, row, h, d0 + d] = pages[pos // ps, kv, h, pos % ps, d0 + d]
 
 
 @T.macro
 def move_span(pages, src, dst, kv, h, d0, lanes: T.int32, ps: T.int32):
-    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)`` from pool position src to dst."""
     for d in T.vectorized(lanes):
         pages[dst // ps, kv, h, dst % ps, d0 + d] = pages[src // ps, kv, h, src % ps, d0 + d]
 
 
 @T.macro
 def copy_page_span(pages, src_page, dst_page, kv, h, slot, d0, lanes: T.int32):
-    """Copy ``[d0, d0 + lanes)`` of head ``(kv, h)``, slot ``slot`` from page src to dst."""
     for d in T.vectorized(lanes):
         pages[dst_page, kv, h, slot, d0 + d] = pages[src_page, kv, h, slot, d0 + d]
-
-
-# ----------------------------------------------------------------------------- GPU helpers
 
 
 def gpu_lanes(sched: GpuSchedule, dtype: str, extent: int) -> int:
@@ -73,15 +50,11 @@ def gpu_blocks(work, threads: int):
     return T.max(1, T.ceildiv(work, threads))
 
 
-# ----------------------------------------------------------------------------- transpose_append
-
-
-def _append_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of transpose_append: token i's k/v go to position ``position_map[i]``."""
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, k, v, position_map, n):
+        def nest(pages, k, v, position_map, n):
             for i in T.parallel(n):
                 with T.sblock("append"):
                     T.reads()
@@ -91,31 +64,24 @@ def _append_nest(spec: PageLayoutSpec, sched: Schedule):
                         for h in T.serial(H):
                             store_span(pages, pos, 0, h, k, i, 0, D, ps)
                             store_span(pages, pos, 1, h, v, i, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes  # spans of one head
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes  # spans of one head
-
-    @T.macro
-    def gpu_nest(pages, k, v, position_map, n):
-        for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("append"):
-                    T.reads()
-                    T.writes()
-                    if bx * nt + tx < n * H * nv:
-                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
-                        if pos != -1:
-                            store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
-                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
-                            store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
-                                       (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _append_nest(spec, sched)
+        @T.macro
+        def nest(pages, k, v, position_map, n):
+            for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("append"):
+                        T.reads()
+                        T.writes()
+                        if bx * nt + tx < n * H * nv:
+                            pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                            if pos != -1:
+                                store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
+                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
+                                store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
+                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def transpose_append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_position_map: T.handle):
@@ -132,46 +98,34 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return transpose_append
 
 
-# ----------------------------------------------------------------------------- copy_single_page
-
-
-def _copy_page_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of copy_single_page: slots ``[0, copy_length)`` of every (kv, head)."""
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, src_page, dst_page, copy_length):
+        def nest(pages, src_page, dst_page, copy_length):
             for kv_h in T.parallel(2 * H):
                 with T.sblock("copy"):
                     T.reads()
                     T.writes()
                     for slot in T.serial(copy_length):
                         copy_page_span(pages, src_page, dst_page, kv_h // H, kv_h % H, slot, 0, D)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
+        work = 2 * H * ps * nv
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-    # Threads cover every (kv, head, slot, span) of a page; slots past copy_length idle.
-    work = 2 * H * ps * nv
-
-    @T.macro
-    def gpu_nest(pages, src_page, dst_page, copy_length):
-        for bx in T.thread_binding(gpu_blocks(work, nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("copy"):
-                    T.reads()
-                    T.writes()
-                    if bx * nt + tx < work:
-                        if T.Cast("int64", (bx * nt + tx) // nv % ps) < copy_length:
-                            copy_page_span(pages, src_page, dst_page, (bx * nt + tx) // (H * ps * nv),
-                                           (bx * nt + tx) // (ps * nv) % H, (bx * nt + tx) // nv % ps,
-                                           (bx * nt + tx) % nv * lanes, lanes)
-    return gpu_nest
-
-
-def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _copy_page_nest(spec, sched)
+        @T.macro
+        def nest(pages, src_page, dst_page, copy_length):
+            for bx in T.thread_binding(gpu_blocks(work, nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("copy"):
+                        T.reads()
+                        T.writes()
+                        if bx * nt + tx < work:
+                            if T.Cast("int64", (bx * nt + tx) // nv % ps) < copy_length:
+                                copy_page_span(pages, src_page, dst_page, (bx * nt + tx) // (H * ps * nv),
+                                               (bx * nt + tx) // (ps * nv) % H, (bx * nt + tx) // nv % ps,
+                                               (bx * nt + tx) % nv * lanes, lanes)
 
     @T.prim_func(s_tir=True)
     def copy_single_page(var_pages: T.handle, src_page_id: T.int64, tgt_page_id: T.int64,
@@ -184,21 +138,11 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     return copy_single_page
 
 
-# ----------------------------------------------------------------------------- compact_copy
-
-
-def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of compact_copy: sequences in parallel, the moves of one sequence in order.
-
-    On GPU one block runs one sequence and each thread owns fixed (kv, head, span) columns of
-    a slot. A thread makes all of the sequence's moves of its columns in order, and no other
-    thread touches those columns, so overlapping moves (a path shifted down by a few slots)
-    see exactly the sequential result without barriers.
-    """
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, indptr, src_dst_pos, batch_size):
+        def nest(pages, indptr, src_dst_pos, batch_size):
             for b in T.parallel(batch_size):
                 with T.sblock("compact"):
                     T.reads()
@@ -208,33 +152,27 @@ def _compact_nest(spec: PageLayoutSpec, sched: Schedule):
                             for h in T.serial(H):
                                 move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
                                           kv, h, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
+        # a block per sequence, moves in order; a thread owns fixed columns: no barriers needed
+        cols = 2 * H * nv  # (kv, head, span) columns of one slot
+        rounds = (cols + nt - 1) // nt  # columns a thread owns
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-    cols = 2 * H * nv  # (kv, head, span) columns of one slot
-    rounds = (cols + nt - 1) // nt  # columns a thread owns
-
-    @T.macro
-    def gpu_nest(pages, indptr, src_dst_pos, batch_size):
-        for b in T.thread_binding(T.max(1, batch_size), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("compact"):
-                    T.reads()
-                    T.writes()
-                    if b < batch_size:
-                        for i in T.serial(indptr[b + 1] - indptr[b]):
-                            for r in T.serial(rounds):
-                                if r * nt + tx < cols:
-                                    move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
-                                              (r * nt + tx) // (H * nv), (r * nt + tx) // nv % H,
-                                              (r * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _compact_nest(spec, sched)
+        @T.macro
+        def nest(pages, indptr, src_dst_pos, batch_size):
+            for b in T.thread_binding(T.max(1, batch_size), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("compact"):
+                        T.reads()
+                        T.writes()
+                        if b < batch_size:
+                            for i in T.serial(indptr[b + 1] - indptr[b]):
+                                for r in T.serial(rounds):
+                                    if r * nt + tx < cols:
+                                        move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
+                                                  (r * nt + tx) // (H * nv), (r * nt + tx) // nv % H,
+                                                  (r * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def compact_copy(var_pages: T.handle, var_copy_length_indptr: T.handle,
@@ -253,15 +191,11 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return compact_copy
 
 
-# ----------------------------------------------------------------------------- debug_get_kv
-
-
-def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
-    """Loop nest of debug_get_kv: token i's k/v are read from position ``position_map[i]``."""
-    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
+def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def cpu_nest(pages, position_map, k, v, layer_id, n):
+        def nest(pages, position_map, k, v, layer_id, n):
             for i in T.parallel(n):
                 with T.sblock("gather"):
                     T.reads()
@@ -270,30 +204,23 @@ def _gather_nest(spec: PageLayoutSpec, sched: Schedule):
                     for h in T.serial(H):
                         load_span(k, layer_id, i, pages, pos, 0, h, 0, D, ps)
                         load_span(v, layer_id, i, pages, pos, 1, h, 0, D, ps)
-        return cpu_nest
+    else:
+        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        nv = D // lanes
 
-    lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
-    nv = D // lanes
-
-    @T.macro
-    def gpu_nest(pages, position_map, k, v, layer_id, n):
-        for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
-            for tx in T.thread_binding(nt, thread="threadIdx.x"):
-                with T.sblock("gather"):
-                    T.reads()
-                    T.writes()
-                    if T.Cast("int64", bx * nt + tx) < n * (H * nv):
-                        pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
-                        load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
-                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
-                        load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
-                                  (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
-    return gpu_nest
-
-
-def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
-    nest = _gather_nest(spec, sched)
+        @T.macro
+        def nest(pages, position_map, k, v, layer_id, n):
+            for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
+                for tx in T.thread_binding(nt, thread="threadIdx.x"):
+                    with T.sblock("gather"):
+                        T.reads()
+                        T.writes()
+                        if T.Cast("int64", bx * nt + tx) < n * (H * nv):
+                            pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
+                            load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
+                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
+                            load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
+                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
 
     @T.prim_func(s_tir=True)
     def debug_get_kv(var_pages: T.handle, var_position_map: T.handle, var_k: T.handle,
@@ -312,23 +239,14 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return debug_get_kv
 
 
-# ----------------------------------------------------------------------------- MLA (latent) pages
-#
-# An MLA layer's pages are ``(num_pages, page_size, width)``: one latent row per position. Each
-# kernel moves whole rows; on CPU a row is one vectorised span, on GPUs the (row, span) pairs
-# are flattened onto the grid as for the MHA kernels.
-
-
 @T.macro
 def move_latent_span(dst, dst_index, src, src_index, d0, lanes: T.int32):
-    """``dst[dst_index + (d0 : d0 + lanes,)] = src[src_index + (d0 : d0 + lanes,)]``."""
     for d in T.vectorized(lanes):
         dst[dst_index + (d0 + d,)] = src[src_index + (d0 + d,)]
 
 
 def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move):
-    """Loop nest over ``n`` rows: ``row_move(bufs, i, d0, lanes)`` moves span ``[d0, d0 + lanes)``
-    of row i (CPU: rows in parallel, one span of the whole width; GPU: (row, span) per thread)."""
+    """Loop nest over ``n`` latent rows; ``row_move(bufs, i, d0, lanes)`` moves one span of row i."""
     W = spec.width
     if not isinstance(sched, GpuSchedule):
         @T.macro

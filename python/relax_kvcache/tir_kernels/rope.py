@@ -11,12 +11,6 @@ and cos / sin are multiplied by the attention factor. ``R`` is ``spec.rotary_dim
 ``D``): a partial rotary dim rotates the pairs ``(d, d + R/2)`` for ``d < R/2`` and copies the
 features ``[R, D)`` (GPT-NeoX / Phi-2 style). ``spec.interleaved`` (GPT-J style) pairs
 neighbours ``(2i, 2i + 1)`` instead of ``(i, i + R/2)``, at the same frequencies.
-
-One algorithm, two loop nests: the per-element work (angles of features ``[d0, d0 + lanes)``,
-rotating the pair of spans ``[d0, d0 + lanes)`` and ``[d0 + D/2, d0 + D/2 + lanes)``, copying a
-span) is shared ``T.macro`` code. On CPU a token is one parallel work item: its cosines and sines
-are computed once for the whole half and reused by all its heads. On GPUs one thread handles
-one (token, head of qkv, span of the first half) and computes its own angles.
 """
 
 from __future__ import annotations
@@ -133,13 +127,9 @@ def _cpu_nest(spec: RopeSplitSpec):
 
 
 def _gpu_nest(spec: RopeSplitSpec, sched: GpuSchedule):
-    """One thread per (token, qkv head, span of ``lanes`` features of the first half).
-
-    A thread writes its span and the matching span of the second half: rotated for q and k
-    heads when ``rotates``, copied otherwise (and always for v heads). With a partial rotary
-    dim ``R``, a q / k thread whose span starts at ``d0 >= R / 2`` copies the spans at
-    ``R + (d0 - R / 2)`` in both halves of the unrotated features ``[R, D)``.
-    """
+    """One thread per (token, qkv head, span of the first half); it also writes the matching
+    span of the second half. Partial rotary: a q / k span at ``d0 >= R / 2`` copies the spans at
+    ``R + (d0 - R / 2)`` of both halves of ``[R, D)``."""
     Hq, Hkv, D, R = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.rotary
     half, rhalf = D // 2, R // 2
     heads = Hq + 2 * Hkv

@@ -1,12 +1,4 @@
-"""Per-target schedules: loop kinds and tile sizes that the kernel algorithms are written against.
-
-Each kernel in this package is one algorithm (TVMScript with shared ``T.macro`` pieces); a
-schedule decides how its loops map onto the target. On CPU that is ``T.parallel`` over
-independent work items (sequence x KV head), ``T.vectorized`` over head_dim in ``vector_lanes``
-wide pieces, and query tiles of ``q_tile`` tokens for prefill. On GPUs (CUDA, ROCm, Metal,
-WebGPU, OpenCL) a work item is a thread block: threads cooperate on one tile through shared
-memory, KV is read in wide vectors, and decode splits long contexts across blocks.
-"""
+"""Per-target schedules: loop kinds and tile sizes that the kernel algorithms are written against."""
 
 from __future__ import annotations
 
@@ -46,71 +38,43 @@ class CpuSchedule:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuSchedule:
-    """GPU schedule of the kernels (one thread block per work item).
+    """GPU schedule of the kernels (one thread block per work item; ``docs/kernels.md``).
 
     Parameters
     ----------
-    threads : int
-        Threads per block of the attention kernels (a multiple of ``warp_size``).
-    copy_threads : int
-        Threads per block of the elementwise kernels (append, page copies, RoPE, merge).
+    threads, copy_threads : int
+        Threads per block of the attention kernels (a multiple of ``warp_size``) / of the
+        elementwise kernels (append, page copies, RoPE, merge).
     vector_bytes : int
         Width of one global-memory load or store of KV data (16 = 128-bit loads).
-    q_rows : int
-        Rows (query tokens x group heads) of one prefill tile.
-    kv_chunk : int
-        KV tokens staged in shared memory per step of the online softmax.
-    decode_splits : int
-        Most blocks one sequence's KV (one KV head) is split across in decode, merged by LSE.
-    mla_decode_splits : int
-        The same for MLA's absorbed decode (one latent head).
-    decode_wave_blocks : int
-        Decode blocks resident at once: four per SM of an H100 / H200 (132 SMs), as many as
-        the registers of the rope-free CUDA-core decode kernel allow (128 per thread, 128
-        threads).
-        Decode splits sequences while the blocks fill one such wave: a partial second wave
-        idles most SMs while it runs. Larger batches split less; from 67 sequences x 8 KV
-        heads, not at all.
-    decode_mma_wave_blocks : int
-        The same for the tensor-core decode kernel (GQA groups of 4-8 heads, sm_80+): three
-        blocks per SM (150 registers per thread).
+    q_rows, kv_chunk : int
+        Rows (query tokens x group heads) of a prefill tile; KV tokens staged per step.
+    decode_splits, mla_decode_splits : int
+        Most blocks one sequence's KV (one KV / latent head) is split across in decode, merged
+        by LSE.
+    decode_wave_blocks, decode_mma_wave_blocks, mla_wave_blocks : int
+        Blocks resident at once on an H100 / H200 (132 SMs) for the CUDA-core decode (4 per SM),
+        the tensor-core decode (3 per SM) and MLA (1 per SM); work is split while the blocks
+        fill one such wave (a partial second wave idles most SMs).
     decode_unroll : int
         KV rows a decode row group loads per step (0: as many as fill two 16-byte vectors per
-        lane; more rows per step cost registers, and so blocks per SM).
-    mla_wave_blocks : int
-        MLA attention blocks resident at once (one per SM: 132 on an H100 / H200); MLA splits
-        its tiles while the blocks fill one such wave.
-    warp_size : int
-        Threads of one warp / wavefront / SIMD group.
-    max_lanes : int
-        Most elements of one vector type (Metal and WebGPU have no 8-lane vectors).
-    shared_bytes : int
-        Shared (workgroup) memory one attention block may use, with room to spare.
+        lane).
+    warp_size, max_lanes : int
+        Threads of one warp / wavefront / SIMD group; most elements of one vector type (Metal
+        and WebGPU have no 8-lane vectors).
+    shared_bytes, dynamic_shared_bytes : int
+        Shared memory one attention block may use (with room to spare) / when it opts in to a
+        larger dynamic allocation (0 where no kernel opts in).
     bfloat16_shared_bytes : int
-        Bytes a bfloat16 element of a shared tile takes: 2, or 4 on ROCm, where TVM 0.27 keeps
-        bfloat16 shared buffers in float32.
-    dynamic_shared_bytes : int
-        Shared memory a block may use when it opts in to a larger dynamic allocation (CUDA:
-        227 KiB on sm_90 / sm_100, 163 KiB on sm_80 / sm_87, 99 KiB on other sm_8x / sm_12x);
-        0 where no kernel opts in.
-    warp_shuffle : bool
-        Whether the kernels exchange registers between the threads of a warp (CUDA's
-        ``__shfl_xor_sync``; TVM 0.27 lowers the intrinsic for CUDA only); otherwise cross-lane
-        sums go through shared memory.
-    mma : bool
-        Whether prefill tiles use tensor cores (``mma.sync``: CUDA sm_80 and newer, float16 and
-        bfloat16); otherwise CUDA cores.
-    wgmma : bool
-        Whether prefill tiles use Hopper's warpgroup MMA (``wgmma``, TMA-free ``cp.async``
-        pipeline; CUDA ``sm_90a``, float16 and bfloat16).
-    wgmma_warpgroups : int
-        Warpgroups (of 128 threads, 64 query rows each) of a warpgroup-MMA prefill block.
-    wgmma_stages : int
-        K/V chunks in a warpgroup-MMA prefill block's shared-memory ring (fewer where they do
-        not fit; at least 2, and 3 for a whole chunk of slack: ``P V`` of chunk c and ``Q K^T``
-        of chunk c + 1 run together while chunk c + 2 loads).
-    wgmma_kv_chunk : int
-        KV rows per step of a warpgroup-MMA prefill block (0: 128, or 64 for head_dim 256).
+        Bytes of a bfloat16 element of a shared tile: 2, or 4 on ROCm (TVM 0.27 keeps bfloat16
+        shared buffers in float32).
+    warp_shuffle, mma, wgmma : bool
+        Whether kernels exchange registers within a warp (CUDA only in TVM 0.27), prefill tiles
+        use ``mma.sync`` (CUDA sm_80+, 16-bit dtypes), and warpgroup MMA (CUDA ``sm_90a``).
+    wgmma_warpgroups, wgmma_stages, wgmma_kv_chunk : int
+        Warpgroups (128 threads, 64 query rows each) of a warpgroup-MMA prefill block, K/V
+        chunks in its shared-memory ring (fewer where they do not fit, at least 2), KV rows per
+        step (0: 128, or 64 for head_dim 256).
     """
 
     threads: int = 128

@@ -23,10 +23,7 @@ def _check_dtype(dtype: str) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PageLayoutSpec:
-    """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``.
-
-    Keys transpose_append, copy_single_page, compact_copy and debug_get_kv.
-    """
+    """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``."""
 
     num_kv_heads: int
     head_dim: int
@@ -41,12 +38,8 @@ class PageLayoutSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LatentPageSpec:
-    """Layout of one MLA layer's pages: ``(num_pages, page_size, width)``.
-
-    Each token stores one latent vector of ``width = kv_lora_rank + qk_rope_head_dim`` features
-    (DeepSeek-V3: 512 compressed KV features, then 64 RoPE'd key features), shared by all query
-    heads. Keys transpose_append_mla, copy_single_page_mla and debug_get_kv_mla.
-    """
+    """Layout of one MLA layer's pages: ``(num_pages, page_size, width)``, ``width =
+    kv_lora_rank + qk_rope_head_dim``. Keys the ``*_mla`` page kernels."""
 
     width: int
     page_size: int
@@ -129,13 +122,9 @@ class AttentionSpec:
     (last page length) when False, ``[3, B]`` (last page length, window offset, sink size)
     when True. Ragged kernels ignore ``page_size`` and ``sliding_window``.
 
-    ``window > 0`` makes the kernel attend only to keys at absolute positions
-    ``(q_pos - window, q_pos]`` (``q_rope_position`` for queries, ``k_rope_pos_offset + row``
-    for keys); with ``causal`` the upper bound is applied by position as well. This is how
-    ``AttnKind.MHA_SLIDING`` layers see their window across chunks and prefix blocks.
-    ``attention_chunk > 0`` instead restricts a query at ``q_pos`` to the keys of its own
-    attention chunk, ``[q_pos - q_pos % attention_chunk, q_pos]`` (``AttnKind.MHA_CHUNKED_LOCAL``,
-    Llama 4's chunked local attention); see :class:`LayerSpan`.
+    ``window > 0`` restricts a query at ``q_pos`` to keys at positions ``(q_pos - window, q_pos]``,
+    ``attention_chunk > 0`` to its own chunk ``[q_pos - q_pos % attention_chunk, q_pos]``
+    (:class:`LayerSpan`).
     """
 
     num_qo_heads: int
