@@ -14,7 +14,7 @@ from tvm.script import tirx as T
 
 from .attention_gpu import find_tile, swizzled
 from .attention_gpu_decode import merge_splits
-from .attention_gpu_mma import mma_m16n8k16, shfl_xor
+from .attention_gpu_mma import ldmatrix_x4, mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -96,16 +96,13 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     K_IT = ceildiv(KC * NVEC, NT)
     SMS = sched.mla_wave_blocks
     merge = merge_splits(spec, sched, sched.mla_decode_splits)
-    mma, shfl = mma_m16n8k16(dtype), shfl_xor
+    mma, ldmatrix, shfl = mma_m16n8k16(dtype), ldmatrix_x4(dtype), shfl_xor
 
     def col(row, d):
         return swizzled(row, d, W)
 
     def scol(row, j):  # the score and P tiles (KC columns)
         return swizzled(row, j, KC)
-
-    def ldmatrix(frag, at, smem, offset, *, trans: bool):
-        return T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, at, smem.access_ptr("r"), offset, dtype=dtype)
 
     def splits(tiles):
         """Splits per tile: as many as fill one wave of blocks (a second, partial wave would
@@ -156,7 +153,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
             sacc[x] = ZERO
         for kk in T.unroll(KSW):
             # matrices: rows 0-7 of the group x features lo / hi, rows 8-15 x lo / hi
-            T.evaluate(ldmatrix(bf, 0, kv, (stage * KC + cg * 16 + tx % 32 // 16 * 8 + tx % 8) * W
+            T.evaluate(ldmatrix(bf, kv, (stage * KC + cg * 16 + tx % 32 // 16 * 8 + tx % 8) * W
                                 + col(cg * 16 + tx % 32 // 16 * 8 + tx % 8,
                                       (ks * KSW + kk) * 16 + tx % 16 // 8 * 8), trans=False))
             T.evaluate(mma(qf, bf, sacc, 0, a_at=kk * 8, b_at=0))
@@ -223,10 +220,10 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 oacc[nn * 4 + e] = oacc[nn * 4 + e] * al[g + e // 2 * 8]
         for kk in T.unroll(KC // 16):
             # matrices: rows 0-7 / 8-15 x columns lo / hi of the k-step (as the query fragments)
-            T.evaluate(ldmatrix(pf, 0, kv, P0 * W + tx % 16 * KC + scol(tx % 16, kk * 16 + tx % 32 // 16 * 8), trans=False))
+            T.evaluate(ldmatrix(pf, kv, P0 * W + tx % 16 * KC + scol(tx % 16, kk * 16 + tx % 32 // 16 * 8), trans=False))
             for pair in T.unroll(NO // 2):
                 # matrices: rows lo / hi of the k-step x columns of n-tile 2 pair, then 2 pair + 1
-                T.evaluate(ldmatrix(vf, 0, kv, (stage * KC + kk * 16 + tx % 16 // 8 * 8 + tx % 8) * W
+                T.evaluate(ldmatrix(vf, kv, (stage * KC + kk * 16 + tx % 16 // 8 * 8 + tx % 8) * W
                                     + col(kk * 16 + tx % 16 // 8 * 8 + tx % 8,
                                           w * CW + pair * 16 + tx % 32 // 16 * 8), trans=True))
                 T.evaluate(mma(pf, vf, oacc, 2 * pair, b_at=0))

@@ -79,6 +79,16 @@ def mma_m16n8k16(dtype: str):
     return mma
 
 
+def ldmatrix_x4(dtype: str):
+    """``ldmatrix(frag, smem, offset, trans=..., at=0)``: four 8 x 8 matrices of 16-bit elements
+    from shared memory (each lane gives one row's element offset in ``smem``) into the per-lane
+    fragment buffer ``frag`` from element ``at``; ``trans``: transposed."""
+    def ldmatrix(frag, smem, offset, *, trans: bool, at=0):
+        return T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, at, smem.access_ptr("r"), offset, dtype=dtype)
+
+    return ldmatrix
+
+
 def shfl_xor(x, lane_mask: int):
     """``x`` of the lane whose index differs from this one's by ``lane_mask`` (whole warp)."""
     return T.tvm_warp_shuffle_xor(T.tvm_warp_activemask(), x, lane_mask, 32, 32)

@@ -16,7 +16,7 @@ from typing import Optional
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .attention_gpu_mma import fold_scores, mma_m16n8k16, rescale_rows, shfl_xor
+from .attention_gpu_mma import fold_scores, ldmatrix_x4, mma_m16n8k16, rescale_rows, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -122,7 +122,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
     local = spec.is_local  # window / chunk masks: every chunk is masked by the general predicate
     SYNC = shape.sync
     Q_REGS = D <= 128  # mma.sync: the query fragments stay in registers (64 per lane at most)
-    mma = mma_m16n8k16(dtype)
+    mma, ldmatrix = mma_m16n8k16(dtype), ldmatrix_x4(dtype)
 
     def k_at(stage):
         return KV_OFF + 2 * stage * KC * D
@@ -267,16 +267,12 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         for x in T.unroll(NS * 2):
             T.evaluate(cvt_pair(pa[x], sacc[2 * x + 1], sacc[2 * x]))
 
-    def ldmatrix(frag, smem, offset, trans: bool):
-        return T.ptx_legacy.ldmatrix(trans, 4, ".b16", frag.data, 0, smem.access_ptr("r"), offset, dtype=dtype)
-
     @T.macro
     def q_fragments(smem, base, qf, kk, row0, lane):
         """qf[8 kk : 8 kk + 8] (or qf[0 : 8]) = this warp's A fragments of Q over k-step kk:
         matrices rows 0-7 / 8-15 x columns 0-7, then the same x columns 8-15."""
-        T.evaluate(T.ptx_legacy.ldmatrix(False, 4, ".b16", qf.data, kk * 8 if Q_REGS else 0, smem.access_ptr("r"),
-                                         base + sw128(row0 + lane % 16, kk * 16 + lane // 16 * 8, R),
-                                         dtype=dtype))
+        T.evaluate(ldmatrix(qf, smem, base + sw128(row0 + lane % 16, kk * 16 + lane // 16 * 8, R), trans=False,
+                            at=kk * 8 if Q_REGS else 0))
 
     @T.macro
     def scores_sync(smem, base, sacc, qf, bf, c, c_lo, row0, lane):
