@@ -263,9 +263,11 @@ def _row_dispatch(func: tvm.tirx.PrimFunc) -> Optional[tvm.tirx.PrimFunc]:
             if isinstance(d, tvm.tirx.Var)}
     if len(dims) != 1:
         return None
+    body = _scheduled(func, _MatmulWithoutTensorCores())  # None for all but matmuls: tried first
+    if body is None:
+        return None
     low = [_scheduled(func, dl.gpu.LowBatchGEMV(rows)) for rows in LOW_BATCH_BUCKETS]
-    body = _scheduled(func, _MatmulWithoutTensorCores())
-    if body is None or any(f is None for f in low):
+    if any(f is None for f in low):
         return None
     (rows,) = dims
     body = body.body
