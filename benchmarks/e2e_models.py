@@ -28,6 +28,7 @@ from tvm import te
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm import kv_cache as tvm_kv
 
+import gpu_prepare
 from relax_kvcache import deploy, frontend
 from relax_kvcache.models import LlamaConfig
 from relax_kvcache.models.llama import Llama
@@ -108,16 +109,6 @@ def cuda_sources(module: tvm.runtime.Module) -> List[str]:
     return found
 
 
-def precompile(source: str, arch: str, out: pathlib.Path) -> int:
-    """nvcc here, into the fatbin cache ``relax_kvcache.deploy`` reads on the GPU host
-    (``out/cache`` as ``RELAX_KVCACHE_CACHE_DIR``); returns the fatbin's size."""
-    fatbin = deploy.nvcc_compile(source, arch=arch, use_cache=False)
-    dest = out / "cache" / "cuda-fatbin" / deploy.fatbin_cache_path(source, arch=arch).name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_bytes(fatbin)
-    return len(fatbin)
-
-
 def prepare(out: pathlib.Path, arch: str, models: Dict[str, LlamaConfig], manifest_name: str,
             bundle: bool) -> int:
     """Compile both sides of ``models`` for CUDA ``arch`` into ``out``: ``<side>-<model>.so`` with
@@ -140,7 +131,7 @@ def prepare(out: pathlib.Path, arch: str, models: Dict[str, LlamaConfig], manife
             executable = compile_model(side, cfg, target)
             executable.export_library(str(lib))
             deploy.write_checksum(lib)
-            fatbin = sum(precompile(source, arch, out) for source in cuda_sources(executable.mod))
+            fatbin = sum(gpu_prepare.precompile(source, arch, out) for source in cuda_sources(executable.mod))
             entry[side] = lib.name
             print(f"{lib.name}: {time.perf_counter() - start:.0f} s, {lib.stat().st_size / 2**20:.1f} MiB, "
                   f"fatbin {fatbin / 2**20:.1f} MiB", flush=True)
