@@ -85,8 +85,8 @@ class PinnedUploader:
         device_ptr = ctypes.c_void_p(self.device_buffer.data_ptr())
         check_status(lib.cudaEventRecord(self._computed, self._compute_stream()), "cudaEventRecord")
         check_status(lib.cudaStreamWaitEvent(self._stream, self._computed, 0), "cudaStreamWaitEvent")
-        check_status(lib.cudaMemcpyAsync(device_ptr, self._host_ptr, ctypes.c_size_t(4 * count), _H2D, self._stream),
-               "cudaMemcpyAsync")
+        check_status(lib.cudaMemcpyAsync(device_ptr, self._host_ptr, ctypes.c_size_t(4 * count), _H2D,
+                                         self._stream), "cudaMemcpyAsync")
         check_status(lib.cudaEventRecord(self._copied, self._stream), "cudaEventRecord")
         self._copy_issued = True
         self._pending_wait = True
