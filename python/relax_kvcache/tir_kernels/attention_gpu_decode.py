@@ -1,7 +1,8 @@
 """GPU schedule of decode attention (one query token per sequence), its grid and the merge of
 its splits.
 
-Blocks over (sequence x KV head, split), merged by LSE in a second kernel. The CUDA-core item
+Blocks over (sequence x KV head, split), merged by LSE in a second kernel (which has nothing to do
+where a batch fills the GPU without splits). The CUDA-core item
 (FlashInfer's layout, :class:`DecodeShape`) serves inline RoPE and what the tensor-core item of
 :mod:`.attention_gpu_decode_mma` does not. Design: ``docs/kernels.md``.
 """
@@ -259,11 +260,12 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
     return item, shape
 
 
-def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
+def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, single_done: bool = False):
     """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
-    into o / lse: a block per row, a thread per output element, unrolled branch-free loads."""
+    into o / lse: a block per row, a thread per output element, unrolled branch-free loads
+    (``single_done``: nothing to do for ``nsplit == 1``, see :func:`copy_single_split`)."""
     DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
-
+    least = 2 if single_done else 1  # fewest splits that need merging
 
     @T.macro
     def merge(ws_o, ws_lse, o, lse, rows, nsplit):
@@ -274,29 +276,54 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int):
                     T.writes()
                     w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")
-                    red[0] = NEG_INF
-                    for sp in T.unroll(max_splits):
-                        # the load unconditional (clamped), the selection on the loaded value:
-                        # a load inside a condition would be a branch, one load at a time
-                        w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
-                        w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
-                        red[0] = T.max(red[0], w[sp])
-                    red[1] = ZERO
-                    for sp in T.unroll(max_splits):
-                        # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
-                        w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
-                        red[1] = red[1] + w[sp]
-                    for k in T.unroll(ceildiv(DV, NT)):
-                        if k * NT + tx < DV:
-                            red[2] = ZERO
-                            for sp in T.unroll(max_splits):
-                                red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
-                            o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
-                                dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
-                    if tx == 0:
-                        lse[bx // Hq, bx % Hq] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
+                    if nsplit >= least:
+                        red[0] = NEG_INF
+                        for sp in T.unroll(max_splits):
+                            # the load unconditional (clamped), the selection on the loaded value:
+                            # a load inside a condition would be a branch, one load at a time
+                            w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
+                            w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
+                            red[0] = T.max(red[0], w[sp])
+                        red[1] = ZERO
+                        for sp in T.unroll(max_splits):
+                            # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
+                            w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
+                            red[1] = red[1] + w[sp]
+                        for k in T.unroll(ceildiv(DV, NT)):
+                            if k * NT + tx < DV:
+                                red[2] = ZERO
+                                for sp in T.unroll(max_splits):
+                                    red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
+                                o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
+                                    dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
+                        if tx == 0:
+                            lse[bx // Hq, bx % Hq] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
 
     return merge
+
+
+def copy_single_split(spec: AttentionSpec, sched: GpuSchedule):
+    """Macro ending a decode block whose (sequence, KV head) is not split: its state, final
+    already, goes from the workspace (where the block wrote it) to o / lse, so that the merge
+    kernel has nothing to do."""
+    G, DV, dtype, NT, Hq, Hkv = (spec.group_size, spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads,
+                                 spec.num_kv_heads)
+
+    @T.macro
+    def copy(ws_o, ws_lse, o, lse, bx, nsplit, tx):
+        T.evaluate(T.tvm_storage_sync("shared"))
+        if nsplit == 1:
+            b: T.let[T.int32] = bx // Hkv
+            head0: T.let[T.int32] = bx % Hkv * G  # the group's first query head
+            for it in T.serial(ceildiv(G * DV, NT)):
+                if it * NT + tx < G * DV:
+                    hd: T.let[T.int32] = (it * NT + tx) // DV
+                    d: T.let[T.int32] = (it * NT + tx) % DV
+                    o[b, head0 + hd, d] = T.Cast(dtype, ws_o[b * Hq + head0 + hd, 0, d])
+            if tx < G:
+                lse[b, head0 + tx] = ws_lse[b * Hq + head0 + tx, 0]
+
+    return copy
 
 
 def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
@@ -308,7 +335,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
     plain_item = (make_decode_mma_item(spec, sched, kv_rows) if tensor_cores
                   else make_decode_item(spec, sched, kv_rows, rope=False)[0])
     wave = sched.decode_mma_wave_blocks if tensor_cores else sched.decode_wave_blocks
-    merge = merge_splits(spec, sched, sched.decode_splits)
+    merge, copy = merge_splits(spec, sched, sched.decode_splits, True), copy_single_split(spec, sched)
 
     def splits(batch, num_pages):
         """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
@@ -334,6 +361,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
                             src = seq_src(bufs, bx // Hkv)
                             work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
                                  bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)
+                            copy(ws_o, ws_lse, o, lse, bx, nsplit, tx)
             merge(ws_o, ws_lse, o, lse, batch * Hq, nsplit)
 
         return run
