@@ -9,6 +9,7 @@ Two builds of each (``e2e_models.py``): ``ours`` (``relax_kvcache.models.llama``
 module) and ``native`` (the same model creating TVM's ``TIRPagedKVCache``: TVM's kernels and C++
 cache); prefill returns the last token's logits. Both VMs run in one process on the same weights;
 the native VM is bound to TVM's own ``vm.builtin`` functions (as in a process without relax_kvcache).
+On a GPU each native decode configuration runs in a process of its own (``--same-process``: not).
 For each model and side (ours eager, ours with CUDA graphs of the decode step, native):
 
 * **logits check**: one prefill and a few decode steps on the same tokens; max |ours - native| over
@@ -40,6 +41,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -63,6 +65,7 @@ from e2e_report import SIDES, report  # noqa: E402
 PAGE = 16
 SEED = 0
 MANIFEST = "manifest.json"
+CHILD_MARK = "E2E-NATIVE-DECODE "
 _LLAMA3 = dict(vocab_size=128256, num_heads=32, num_kv_heads=8, rope_theta=5e5, dtype="float16")
 MODELS: Dict[str, LlamaConfig] = {
     "1b": LlamaConfig(hidden_size=2048, intermediate_size=8192, num_layers=16, head_dim=64, **_LLAMA3),
@@ -440,6 +443,40 @@ def decode_phase(runner: Runner, device: Device, cfg: LlamaConfig, plan: Plan, c
     return result
 
 
+def isolated_phase(native_decode: Callable[[int, int], dict], context: int, batches: Sequence[int], log) -> dict:
+    """:func:`decode_phase`'s result, each batch from ``native_decode(context, batch)``."""
+    result: dict = {"fill": 0.0, "rows": {}}
+    for batch in batches:
+        one = native_decode(context, batch)
+        if "error" in one:
+            result["rows"][batch] = {"eager": {"error": one["error"]}}
+            log(f"    native {batch} x {context} (own process): {one['error']}", flush=True)
+            continue
+        result["fill"] += one["fill"]
+        result["rows"][batch] = one["rows"][str(batch)]
+        m = result["rows"][batch]["eager"]
+        log(f"    native {batch} x {context} (own process): {batch / m['step']:.0f} tokens/s "
+            f"(step {m['step'] * 1e3:.2f} ms, host {m['host'] * 1e3:.2f} ms)", flush=True)
+    return result
+
+
+def native_process(libs: pathlib.Path, model: str, plan: Plan) -> Callable[[int, int], dict]:
+    """``native_decode(context, batch)`` running one native decode configuration in a process of
+    its own (``--native-decode``): TVM's native cache failed a batch-8 decode with an illegal
+    address on an H100 once other native caches had been used in the same process."""
+    def native_decode(context: int, batch: int) -> dict:
+        cmd = [sys.executable, __file__, "--libs", str(libs), "--models", model, "--steps", str(plan.steps),
+               "--native-decode", str(context), str(batch)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)]
+        if proc.returncode or not lines:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"error": f"exit status {proc.returncode}: {tail[:200]}"}
+        return json.loads(lines[-1][len(CHILD_MARK):])
+
+    return native_decode
+
+
 def kv_bytes(cfg: LlamaConfig, tokens: int) -> int:
     return tokens * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
 
@@ -464,7 +501,9 @@ def fitting_batches(cfg: LlamaConfig, plan: Plan, context: int, free: Optional[i
 
 
 def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, plan: Plan, graphs: bool,
-              log=print) -> dict:
+              log=print, native_decode: Optional[Callable[[int, int], dict]] = None) -> dict:
+    """Every phase of one model; with ``native_decode(context, batch)``, the native side's decode
+    configurations run through it (one process each) instead of in this process."""
     weights = device.weights(cfg, SEED)
     runners = {side: Runner(side, make_vm(side, executables[side], device), weights) for side in SIDES}
     result: dict = {"model": name, "config": dataclasses.asdict(cfg), "device": device.describe(), "skipped": [],
@@ -489,6 +528,9 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
         log(f"{name}: decode at context {context}, batches {batches} ...")
         result["decode"][context] = {}
         for side in SIDES:
+            if side == "native" and native_decode is not None:
+                result["decode"][context][side] = isolated_phase(native_decode, context, batches, log)
+                continue
             result["decode"][context][side] = decode_phase(runners[side], device, cfg, plan, context, batches,
                                                            graphs and side == "ours", log)
     del runners, weights
@@ -499,10 +541,11 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
 # ----------------------------------------------------------------------------- main
 
 def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], device: Device, plan: Plan,
-        graphs: bool, json_path: Optional[pathlib.Path]) -> int:
+        graphs: bool, json_path: Optional[pathlib.Path], libs: Optional[pathlib.Path] = None) -> int:
     results = []
     for name, cfg in models.items():
-        result = run_model(name, cfg, executables_for(name), device, plan, graphs)
+        result = run_model(name, cfg, executables_for(name), device, plan, graphs,
+                           native_decode=native_process(libs, name, plan) if libs else None)
         result["chunk"] = plan.chunk
         report(result)
         results.append(result)
@@ -538,6 +581,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "no TTFT)")
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
+    parser.add_argument("--same-process", action="store_true", help="native decode configurations in this "
+                        "process (default: a process each)")
+    parser.add_argument("--native-decode", type=int, nargs=2, metavar=("CONTEXT", "BATCH"),
+                        help=argparse.SUPPRESS)  # one native decode configuration (a child process)
     args = parser.parse_args(argv)
     if args.prepare:
         import e2e_models
@@ -569,8 +616,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         return {side: deploy.load(str(args.libs / manifest["models"][name][side]), device=device.dev)
                 for side in SIDES}
 
+    if args.native_decode:
+        return native_child(args.models[0], executables_for(args.models[0])["native"], device, plan,
+                            *args.native_decode)
     print(f"e2e benchmark on {device.describe()}, TVM {tvm.__version__}", flush=True)
-    return run(executables_for, {m: MODELS[m] for m in args.models}, device, plan, not args.no_graph, args.json)
+    return run(executables_for, {m: MODELS[m] for m in args.models}, device, plan, not args.no_graph, args.json,
+               libs=None if args.same_process else args.libs)
+
+
+def native_child(name: str, executable, device: Device, plan: Plan, context: int, batch: int) -> int:
+    """``--native-decode``: one native decode configuration; its result as a JSON line."""
+    cfg = MODELS[name]
+    runner = Runner("native", make_vm("native", executable, device), device.weights(cfg, SEED))
+    result = decode_phase(runner, device, cfg, plan, context, [batch], False, lambda *a, **k: None)
+    print(CHILD_MARK + json.dumps(result), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

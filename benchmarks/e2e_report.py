@@ -52,8 +52,8 @@ def report(result: dict, log=print) -> None:
     log(f"{'batch x ctx':>12} {'ours':>9} {'graph':>9} {'native':>9} {'ours/nat':>9} {'graph/nat':>9}")
     for context, sides in result["decode"].items():
         for batch, row in sides["ours"]["rows"].items():
-            native = sides["native"]["rows"][batch]["eager"]["step"]
-            ours, graph = row["eager"]["step"], _graph_cell(row)
+            native = sides["native"]["rows"].get(batch, {}).get("eager", {}).get("step")
+            ours, graph = row["eager"].get("step"), _graph_cell(row)
             rate = lambda s: batch / s if s else None  # noqa: E731
             log(f"{f'{batch} x {context}':>12} {_num(rate(ours), 1, 9, 0)} "
                 f"{_num(rate(graph), 1, 9, 0) if graph else format('n/a', '>9')} {_num(rate(native), 1, 9, 0)} "
@@ -67,7 +67,7 @@ def report(result: dict, log=print) -> None:
         for batch in sides["ours"]["rows"]:
             cells = [("ours", sides["ours"]["rows"][batch]["eager"]),
                      ("graph", sides["ours"]["rows"][batch].get("graph")),
-                     ("native", sides["native"]["rows"][batch]["eager"])]
+                     ("native", sides["native"]["rows"].get(batch, {}).get("eager"))]
             for side, m in cells:
                 if m is None:
                     continue
