@@ -3,6 +3,7 @@ cache only through TVM's ``vm.builtin.kv_state_*`` functions as MLC-LLM's engine
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from operator import attrgetter
@@ -76,11 +77,16 @@ class Stats:
 class Engine:
     """Drives ``vm["prefill"]`` / ``vm["decode"]`` (``(input_ids, cache, *weights) -> logits``)
     on one cache it owns (not picklable; docs/api.md). Token ids are checked against
-    ``vocab_size``; ``prefill_chunk_size`` (the most tokens a step feeds) against our cache's."""
+    ``vocab_size``; ``prefill_chunk_size`` (the most tokens a step feeds) against our cache's.
+
+    ``cuda_graphs`` (default: whenever ``cache`` is our cache on a CUDA device): decode steps run
+    through :class:`relax_kvcache.cuda_graph.DecodeGraphs`, so that a batch repeated from the
+    step before replays the whole model call as one CUDA graph; prefill steps and changed
+    batches run eagerly."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache,
                  device: tvm.runtime.Device, *, prefill_chunk_size: int, vocab_size: int,
-                 reference: Optional[Reference] = None) -> None:
+                 reference: Optional[Reference] = None, cuda_graphs: Optional[bool] = None) -> None:
         vocab, chunk = exact_int(vocab_size), exact_int(prefill_chunk_size)
         if vocab is None or not 1 <= vocab <= 2**31:
             raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in "
@@ -109,6 +115,17 @@ class Engine:
                                                           "fork_sequence", "popn",
                                                           "begin_forward", "end_forward"))
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        on_cuda = config is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"Engine: cuda_graphs needs our cache on a CUDA device; got "
+                             f"{type(cache).__name__} on {device}")
+        self._graphs = None
+        if on_cuda if cuda_graphs is None else cuda_graphs:
+            from .cuda_graph import DecodeGraphs
+
+            self._graphs = DecodeGraphs(cache)
+        self._decode_ids: Dict[int, tvm.runtime.Tensor] = {}  # per batch size: a graph reads them
+        self._held = None  # the output of the decode call a graph replays
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
         """A new request; ValueError (nothing changed) on a bad prompt or budget, or one longer
@@ -227,23 +244,24 @@ class Engine:
         decode = all(n == 1 for _, n in batch)
         start = time.perf_counter()
         fn = self.vm["decode"] if decode else self.vm["prefill"]  # before the step: it may raise
-        inputs = tvm.runtime.tensor(ids.reshape(-1, 1) if decode else ids.reshape(1, -1), self.device)
-        self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
-                    tvm.runtime.ShapeTuple([n for _, n in batch]))
-        try:
-            logits = fn(inputs, self.cache, *self.weights).numpy()
-            self._end(self.cache)
-            logits = logits.reshape(len(ids), -1)
-            per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
-            for (req, n), rows in zip(batch, per_request):  # the reference check may raise
-                self._check(req._tokens[:req.cached + n], rows)
-        except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
-            self._end(self.cache)
-            # begin_forward grew the sequences: drop the step's tokens, last sequence first, so
-            # that their pages return to the free list in the order they left it
-            for req, n in reversed(batch):
-                self._popn(self.cache, req.seq_id, n)
-            raise
+        inputs = self._inputs(ids, decode)
+        with self._graphs.stream_context() if self._graphs else contextlib.nullcontext():
+            self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
+                        tvm.runtime.ShapeTuple([n for _, n in batch]))
+            try:
+                logits = self._call(fn, inputs, decode).numpy()
+                self._end(self.cache)
+                logits = logits.reshape(len(ids), -1)
+                per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
+                for (req, n), rows in zip(batch, per_request):  # the reference check may raise
+                    self._check(req._tokens[:req.cached + n], rows)
+            except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
+                self._end(self.cache)
+                # begin_forward grew the sequences: drop the step's tokens, last sequence first, so
+                # that their pages return to the free list in the order they left it
+                for req, n in reversed(batch):
+                    self._popn(self.cache, req.seq_id, n)
+                raise
         self.stats.model_seconds += time.perf_counter() - start
         self.stats.steps += 1
         for (req, n), rows in zip(batch, per_request):
@@ -256,6 +274,35 @@ class Engine:
             if sample and req.cached == len(req._tokens):
                 req._tokens.append(int(rows[-1].argmax()))
         return per_request
+
+    def _inputs(self, ids: np.ndarray, decode: bool) -> tvm.runtime.Tensor:
+        """The step's token ids on the device; with graphs, a decode batch's in the tensor its
+        graph reads (one per batch size)."""
+        if not (decode and self._graphs):
+            return tvm.runtime.tensor(ids.reshape(-1, 1) if decode else ids.reshape(1, -1), self.device)
+        held = self._decode_ids.get(len(ids))
+        if held is None:
+            held = self._decode_ids[len(ids)] = tvm.runtime.empty((len(ids), 1), "int32", self.device)
+        held.copyfrom(ids.reshape(-1, 1))
+        return held
+
+    def _call(self, fn, inputs: tvm.runtime.Tensor, decode: bool) -> tvm.runtime.Tensor:
+        """The model call: a decode step through the graphs where there are any."""
+        if not (decode and self._graphs):
+            return fn(inputs, self.cache, *self.weights)
+
+        def forward() -> None:
+            self._held = fn(inputs, self.cache, *self.weights)  # a replay writes into this one
+
+        self._graphs.run(forward)
+        self._graphs.synchronize()
+        return self._held
+
+    def close(self) -> None:
+        """Release the CUDA graphs and their stream (if any)."""
+        if self._graphs is not None:
+            self._graphs.close()
+            self._graphs = None
 
     def _token_count(self, what: str, tokens: Sequence[int]) -> int:
         """The length of a list, tuple, range or 1-D integer numpy array (elements untouched)."""
