@@ -1,8 +1,20 @@
-"""Shared pytest fixtures. Keep fixtures self-contained; prefix them by area (``kernel_*``, ...)."""
+"""Shared pytest fixtures. Keep fixtures self-contained; prefix them by area (``kernel_*``, ...).
+
+``benchmarks/`` goes on ``sys.path``: the tests share its float64 reference model
+(``reference_model``), TVM's native cache (``native_baseline``) and the state machine
+(``state_machine_model``). Benchmarks never import from ``tests/``.
+"""
 
 from __future__ import annotations
 
+import pathlib
+import sys
+
 import pytest
+
+BENCHMARKS = str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks")
+if BENCHMARKS not in sys.path:
+    sys.path.append(BENCHMARKS)
 
 
 @pytest.fixture(scope="session")

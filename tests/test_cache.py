@@ -18,7 +18,7 @@ import tvm
 
 import relax_kvcache as rk
 from relax_kvcache.reference import attention, merge_states
-from reference_cache import ReferenceCache
+from reference_model import ReferenceCache
 
 TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 8e-2}
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}

@@ -18,7 +18,7 @@ import tvm
 
 import relax_kvcache as rk
 
-import tvm_baseline as tb
+import native_baseline as tb
 from cache_snapshot import assert_same, snapshot
 
 pytestmark = pytest.mark.tvm_native

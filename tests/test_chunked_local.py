@@ -180,8 +180,8 @@ def test_chunked_layers_need_the_windowed_ragged_kernel():
 def test_relax_program_with_chunked_layers_matches_float64():
     """A compiled Relax program (``relax_kvcache.frontend``, creation through TVM's argument
     convention with the 7th ``cache_config`` entry) over a chunked and a plain layer."""
-    import tvm_baseline as tb
-    from cache_model import CacheModel
+    import native_baseline as tb
+    from reference_model import CacheModel
     from frontend_program import create, fused_vm
     from relax_kvcache import frontend
 

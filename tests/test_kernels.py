@@ -354,7 +354,7 @@ def test_split_rotary_variants(kernel_build, name, pad):
     cos / sin scaled. A partial rotary dim: the first ``rope_rotary_dim`` features rotate (at
     their own frequencies; GPT-J style pairs with ``rope_interleaved``), the others are copied
     bit for bit. v is copied."""
-    from cache_model import longrope, rope
+    from reference_model import longrope, rope
 
     cfg = {**LONGROPE_CONFIGS, **ROTARY_CONFIGS}[name]
     mod = kernel_build(cfg)

@@ -1,7 +1,7 @@
 """LongRoPE (Phi-3 RoPE extension factors): config, split_rotary kernel, cache, creation, frontend.
 
-References: ``cache_model.longrope`` (numpy float64, written from the LongRoPE formula) and
-TVM's native cache fed TVM's own LongRoPE ``split_rotary`` (``tvm_baseline``, test-only).
+References: ``reference_model.longrope`` (numpy float64, written from the LongRoPE formula) and
+TVM's native cache fed TVM's own LongRoPE ``split_rotary`` (``native_baseline``, test-only).
 TVM's kernel picks the long factors for a whole step when the step (all its sequences
 together) has more tokens than ``original_max_position_embeddings``; ours per token by position (a token at position
 ``>= original`` uses them). The two agree where both pick the same factors: every step in the
@@ -19,8 +19,8 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.runtime import default_target
 
-import tvm_baseline as tb
-from cache_model import CacheModel, longrope
+import native_baseline as tb
+from reference_model import CacheModel, longrope
 
 HQ, HKV, D = 4, 2, 32
 ORIGINAL, MAXIMUM = 24, 96  # original / extended max_position_embeddings (scaled down)

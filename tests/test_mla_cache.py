@@ -1,4 +1,4 @@
-"""MLA caches (``attn_kinds`` all ``AttnKind.MLA``) against the float64 MLA model (``mla_model``).
+"""MLA caches (``attn_kinds`` all ``AttnKind.MLA``) against the float64 MLA model (``reference_model.MLAModel``).
 
 DeepSeek-V3's dimensions (kv_lora_rank 512, rope 64, nope 128, v 128) with 4 query heads. Every
 step checks both ways of computing MLA against direct attention over decompressed K/V:
@@ -25,7 +25,7 @@ import pytest
 import tvm
 import tvm_ffi
 
-from mla_model import MLAModel, MLAWeights
+from reference_model import MLAModel, MLAWeights
 from relax_kvcache import AttnKind, KVCacheConfig, PagedAttentionKVCache, RopeMode
 from relax_kvcache.errors import ConfigError, ForwardError, KVCacheError
 from relax_kvcache.kernel_set import KernelSet

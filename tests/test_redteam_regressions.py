@@ -242,7 +242,7 @@ def test_shared_kv_is_refused_when_slid_out_pages_hold_new_tokens():
     overwrites what attention_with_shared_kv (and a second call of the same layer) would read:
     they returned wrong attention silently. Now they raise; steps without such pages still work
     and match the layer's own attention."""
-    from reference_cache import ReferenceCache
+    from reference_model import ReferenceCache
 
     cfg = rk.KVCacheConfig(num_layers=2, num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=4, max_num_seqs=4,
                            max_total_seq_len=84, prefill_chunk_size=32, rope_mode=rk.RopeMode.NONE,
@@ -629,7 +629,7 @@ def test_longrope_with_a_partial_rotary_dim_works():
     rotary dim (factors of the rotary dim, TVM's layout) could not be created; through TVM's
     creation arguments the probe then refused the right kernels (only the rotated features
     carry the attention factor)."""
-    from cache_model import longrope
+    from reference_model import longrope
 
     factors = tuple(float(x) for x in np.r_[np.linspace(1, 9, 4), np.linspace(1, 1.5, 4)])
     cache = _ckpt_cache(rope_rotary_dim=8, rope_ext_factors=factors, rope_original_max_position_embeddings=3,
@@ -694,7 +694,7 @@ def test_caches_without_checkpoints_refuse_every_checkpoint_call():
 @pytest.mark.tvm_native
 def test_checkpoint_float_format_is_tvms_for_large_whole_numbers():
     """Round 19: a whole theta in [2**53, 1e17) was written with a trailing .0 (TVM: none)."""
-    import tvm_baseline as tb
+    import native_baseline as tb
 
     shape = tb.Shape(rope_mode=1, rope_theta=1.2345678901234568e16, rope_scale=2.0 ** 60)
     caches = [tb.create_native(shape), tb.create_ours_direct(shape)]
