@@ -59,3 +59,17 @@ def kernel_build(request):
         return built[config]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def cache_factory():
+    """``make(config) -> PagedAttentionKVCache`` on the CPU; kernels are built once per config
+    (disk cache)."""
+    import tvm
+
+    import relax_kvcache as rk
+
+    def make(config):
+        return rk.PagedAttentionKVCache(config, tvm.cpu())
+
+    return make

@@ -22,7 +22,7 @@ import tvm
 import relax_kvcache as rk
 import gpu_kernel_libs
 from reference_model import CacheModel, longrope
-from test_kernels import LONGROPE_CONFIGS
+from support.kernel_cases import LONGROPE_CONFIGS
 
 ORIGINAL = 2048  # LONGROPE_CONFIGS' rope_original_max_position_embeddings
 OUT_TOL, K_TOL = 2e-2, 3e-2  # float16 outputs / stored keys (unit-variance inputs)

@@ -4,7 +4,7 @@ Against TVM's native cache: the layout hash and the metadata string are TVM's ex
 checkpoints move both ways (TVM -> ours, ours -> TVM) with the contents intact; after an import
 the sequence decodes as the original does. Beyond TVM: any sequence id, sequences whose blocks
 come from forks at positions inside pages, imports while other sequences keep stepping.
-Every refused call leaves the cache unchanged (``cache_snapshot``).
+Every refused call leaves the cache unchanged (``support.snapshot``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tvm
 import relax_kvcache as rk
 
 import native_baseline as tb
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
 
 pytestmark = pytest.mark.tvm_native
 

@@ -12,11 +12,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-import tvm
 
 import relax_kvcache as rk
 from relax_kvcache.cache import step as step_module
-from test_cache import CONFIGS, Harness, cache_factory  # noqa: F401 (fixture)
+from support.harness import CONFIGS, Harness
 
 # (caches with support_sliding_window attend before appending: always planned in full)
 CHECKED = ["fp32-gqa-normal", "fp32-mqa-inline-d128", "fp32-d96-page8"]

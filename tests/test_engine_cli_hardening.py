@@ -22,7 +22,7 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
 from relax_kvcache import deploy, model_demo
 from relax_kvcache.cli import main
 from relax_kvcache.generate import Engine

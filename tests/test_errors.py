@@ -10,7 +10,7 @@ import pytest
 import tvm
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same as _assert_same, snapshot as _snapshot
+from support.snapshot import assert_same as _assert_same, snapshot as _snapshot
 
 CFG = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8, max_num_seqs=8,
                        max_total_seq_len=200, prefill_chunk_size=64, rope_mode=rk.RopeMode.NORMAL, dtype="float32")

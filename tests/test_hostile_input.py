@@ -19,7 +19,7 @@ replaces one argument by a value drawn at random from a catalogue of hostile val
 Every case must raise a ``relax_kvcache.errors.KVCacheError`` (``NotImplementedError`` for
 the builtins the cache does not support) whose message names the argument or the bad value,
 and leave the cache exactly as it was (paging state, forward step, K/V of every sequence and
-the raw page tensors, see ``cache_snapshot``). A call that succeeds is a failure (silent
+the raw page tensors, see ``support.snapshot``). A call that succeeds is a failure (silent
 acceptance): the catalogue holds no valid value. Through ``vm.builtin.*`` the exception crosses
 tvm_ffi and arrives with its class (``ffi_registry.register`` registers our classes) and message.
 
@@ -53,7 +53,7 @@ import tvm_ffi
 from tvm.runtime import ShapeTuple
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
 from relax_kvcache.args import describe
 from relax_kvcache.ffi_registry import BUILTINS
 from relax_kvcache.ffi_registry.builtins import _arity

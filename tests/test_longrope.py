@@ -332,7 +332,7 @@ def test_frontend_model_with_longrope_matches_float64():
     """A Relax program whose layout has LongRoPE factors: the module holds them as a constant,
     the created cache passes them to our LongRoPE split_rotary; attention across ``original``
     matches float64."""
-    from frontend_program import create, fused_vm
+    from support.frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=2, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=8,

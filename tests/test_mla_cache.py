@@ -29,21 +29,19 @@ from reference_model import MLAModel, MLAWeights
 from relax_kvcache import AttnKind, KVCacheConfig, PagedAttentionKVCache, RopeMode
 from relax_kvcache.errors import ConfigError, ForwardError, KVCacheError
 from relax_kvcache.kernel_set import KernelSet
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
+from support.mla_kernel_cases import cache_config
 
 ON_GPU = os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda"
 DEV = tvm.cuda() if ON_GPU else tvm.cpu()
 DTYPE = "float16" if ON_GPU else "float32"
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[DTYPE]
 TOL = {"float32": 2e-3, "float16": 2e-2}[DTYPE]
-LORA, ROPE, NOPE, VDIM, HEADS, LAYERS = 512, 64, 128, 128, 4, 2
+CONFIG = cache_config(DTYPE)
+LORA, ROPE = CONFIG.v_head_dim, CONFIG.head_dim - CONFIG.v_head_dim
+NOPE, VDIM = CONFIG.mla_original_qk_head_dim - ROPE, CONFIG.mla_original_v_head_dim
+HEADS, LAYERS = CONFIG.num_qo_heads, CONFIG.num_layers
 SM_SCALE = (NOPE + ROPE) ** -0.5
-
-CONFIG = KVCacheConfig(
-    num_layers=LAYERS, num_qo_heads=HEADS, num_kv_heads=1, head_dim=LORA + ROPE, v_head_dim=LORA,
-    mla_original_qk_head_dim=NOPE + ROPE, mla_original_v_head_dim=VDIM, page_size=16, max_num_seqs=16,
-    max_total_seq_len=2048, prefill_chunk_size=256, rope_mode=RopeMode.NONE, dtype=DTYPE,
-    attn_kinds=[AttnKind.MLA] * LAYERS, context_chunk_size=40)
 
 
 @pytest.fixture(scope="module")

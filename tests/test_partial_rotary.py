@@ -117,7 +117,7 @@ def test_partial_rotary_matches_tvms_native_cache_and_float64(interleaved):
 def test_frontend_layout_with_partial_rotary():
     """``frontend.CacheLayout(rope_rotary_dim=...)``: the model's kernels rotate the first
     features only (checked through a compiled program against float64)."""
-    from frontend_program import create, fused_vm
+    from support.frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=16,

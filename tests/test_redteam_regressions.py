@@ -17,7 +17,7 @@ import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
 from relax_kvcache.kernel_set import KernelSet
 from test_errors import CFG, _step, _t
 

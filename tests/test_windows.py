@@ -12,7 +12,7 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.reference import attention
 
-from test_cache import Harness, _config
+from support.harness import Harness, make_config
 
 
 def _layer_window_config(**overrides) -> rk.KVCacheConfig:
@@ -20,7 +20,7 @@ def _layer_window_config(**overrides) -> rk.KVCacheConfig:
                 prefill_chunk_size=128,
                 attn_kinds=[rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING])
     base.update(overrides)
-    return _config(**base)
+    return make_config(**base)
 
 
 class WindowHarness(Harness):
@@ -70,7 +70,7 @@ def test_layer_window_longer_than_everything_is_plain_attention():
 def test_attention_with_shared_kv(kind):
     """A layer attending with its own queries over the KV another layer wrote this step."""
     window = 6
-    cfg = _config(num_layers=2, rope_mode=rk.RopeMode.NONE, layer_sliding_window_size=window,
+    cfg = make_config(num_layers=2, rope_mode=rk.RopeMode.NONE, layer_sliding_window_size=window,
                   attn_kinds=[kind, rk.AttnKind.MHA], page_size=8)
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
     rng = np.random.default_rng(1)
@@ -101,7 +101,7 @@ def _seq_window_config(**overrides) -> rk.KVCacheConfig:
     base = dict(support_sliding_window=True, rope_mode=rk.RopeMode.INLINE, page_size=8, max_num_seqs=8,
                 max_total_seq_len=512, prefill_chunk_size=96)
     base.update(overrides)
-    return _config(**base)
+    return make_config(**base)
 
 
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.INLINE])
@@ -184,7 +184,7 @@ def test_fork_outside_sink_and_windows_without_support_raise():
         cache.fork_sequence(0, 1, 7)
     assert cache._paging.debug_snapshot() == before
     cache.fork_sequence(0, 1, 6)
-    plain = rk.PagedAttentionKVCache(_config(), tvm.cpu())
+    plain = rk.PagedAttentionKVCache(make_config(), tvm.cpu())
     plain.add_sequence(0)
     with pytest.raises(rk.KVCacheError, match="support_sliding_window"):
         plain.enable_sliding_window_for_seq(0, 20, 6)
