@@ -73,3 +73,16 @@ def cache_factory():
         return rk.PagedAttentionKVCache(config, tvm.cpu())
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kernel_library(tmp_path_factory):
+    """A kernel library exported for llvm (1 layer, 4 query / 2 KV heads of 32, float32), with its
+    checksum file (``test_deploy``, ``test_cli``)."""
+    import tvm
+
+    import relax_kvcache as rk
+
+    config = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+                              max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
+    return rk.export_kernels(config, tvm.target.Target("llvm"), tmp_path_factory.mktemp("lib") / "kernels.so")

@@ -11,6 +11,7 @@ from relax_kvcache.token_tree import MAX_TREE_SIZE, TokenTree
 
 from support.snapshot import assert_same, snapshot
 from support.harness import Harness, make_config
+from support.small_cache import CFG, run_step
 
 
 class TreeHarness(Harness):
@@ -208,3 +209,20 @@ def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
     h.commit({0: -1})  # drops the whole tree
     assert h.cache.get_sequence_length(0) == 12
     h.check_contents()
+
+
+# ---------------------------------------------------------------------------- commits after pops
+
+
+def test_commit_minus_one_after_a_popn_into_a_shared_prefix():
+    """popn into tokens a fork shares re-forks the sequence; the count of its last step's tokens
+    that a commit with leaf -1 pops must survive that (it was reset to 0: nothing popped)."""
+    cache = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    cache.add_sequence(0)
+    run_step(cache, np.random.default_rng(0), [0], [21])
+    rng = np.random.default_rng(7)
+    run_step(cache, rng, [0], [5])  # length 26, last step 5
+    cache.fork_sequence(0, 1)
+    cache.popn(0, 2)  # into the shared tokens: a re-fork
+    cache.commit_accepted_token_tree_nodes([0], [-1])
+    assert cache.get_sequence_length(0) == 21 and cache.get_sequence_length(1) == 26

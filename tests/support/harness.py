@@ -105,3 +105,12 @@ class Harness:
             np.testing.assert_allclose(k.numpy().astype(np.float64), k_ref, atol=self.tol, rtol=0)
             np.testing.assert_allclose(v.numpy().astype(np.float64), v_ref, atol=self.tol, rtol=0)
         assert self.cache.get_total_sequence_length() == sum(self.ref.length(s) for s in self.ref.k)
+
+
+def layer_window_config(**overrides) -> rk.KVCacheConfig:
+    """``make_config`` with per-layer windows: layers 0 and 2 ``MHA_SLIDING`` (window 20), 3 layers."""
+    base = dict(num_layers=3, page_size=8, layer_sliding_window_size=20, max_total_seq_len=2048,
+                prefill_chunk_size=128,
+                attn_kinds=[rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING])
+    base.update(overrides)
+    return make_config(**base)
