@@ -11,7 +11,7 @@ import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
-from support.small_cache import CFG, assert_refused, create_with, random_tensor, run_step
+from support.small_cache import CFG, assert_refused, create_with, rand, run_step
 from support.snapshot import assert_same as _assert_same, snapshot as _snapshot
 
 
@@ -54,19 +54,19 @@ FORWARD_ERRORS = {
     "begin non-int length": (lambda c: c.begin_forward([0], [1.5]), rk.KVCacheError, "1.5"),
     "cache full": (lambda c: c.begin_forward([0, 1], [60, 2]) if False else c.begin_forward([0], [64]),
                    None, None),  # placeholder replaced below
-    "attention without begin": (lambda c: c.attention_with_fused_qkv(0, random_tensor((1, 8, 32)), random_tensor((1, 4, 32)), 0.1),
+    "attention without begin": (lambda c: c.attention_with_fused_qkv(0, rand((1, 8, 32)), rand((1, 4, 32)), 0.1),
                                 rk.ForwardError, "begin_forward"),
     "query positions without begin": (lambda c: c.get_query_positions(), rk.ForwardError, "begin_forward"),
-    "self attention without begin": (lambda c: c.self_attention(0, random_tensor((1, 4, 32)), random_tensor((1, 2, 32)), random_tensor((1, 2, 32)),
-                                                                random_tensor((1, 4, 32)), random_tensor((1, 4)), 0.1),
+    "self attention without begin": (lambda c: c.self_attention(0, rand((1, 4, 32)), rand((1, 2, 32)), rand((1, 2, 32)),
+                                                                rand((1, 4, 32)), rand((1, 4)), 0.1),
                                      rk.ForwardError, "begin_forward"),
-    "debug_get_kv range": (lambda c: c.debug_get_kv(0, 5, 30, random_tensor((2, 25, 2, 32)), random_tensor((2, 25, 2, 32))),
+    "debug_get_kv range": (lambda c: c.debug_get_kv(0, 5, 30, rand((2, 25, 2, 32)), rand((2, 25, 2, 32))),
                            rk.KVCacheError, "30"),
-    "debug_get_kv empty range": (lambda c: c.debug_get_kv(0, 5, 5, random_tensor((2, 0, 2, 32)), random_tensor((2, 0, 2, 32))),
+    "debug_get_kv empty range": (lambda c: c.debug_get_kv(0, 5, 5, rand((2, 0, 2, 32)), rand((2, 0, 2, 32))),
                                  rk.KVCacheError, "[5, 5)"),
-    "debug_get_kv wrong shape": (lambda c: c.debug_get_kv(0, 0, 4, random_tensor((2, 4, 2, 16)), random_tensor((2, 4, 2, 32))),
+    "debug_get_kv wrong shape": (lambda c: c.debug_get_kv(0, 0, 4, rand((2, 4, 2, 16)), rand((2, 4, 2, 32))),
                                  rk.ForwardError, "k_data"),
-    "debug_get_kv wrong dtype": (lambda c: c.debug_get_kv(0, 0, 4, random_tensor((2, 4, 2, 32), "float16"), random_tensor((2, 4, 2, 32))),
+    "debug_get_kv wrong dtype": (lambda c: c.debug_get_kv(0, 0, 4, rand((2, 4, 2, 32), "float16"), rand((2, 4, 2, 32))),
                                  rk.ForwardError, "float16"),
 }
 del FORWARD_ERRORS["cache full"]
@@ -97,21 +97,21 @@ def _in_step(cache, action):
 
 
 STEP_ERRORS = {
-    "qkv wrong head count": (lambda c: c.attention_with_fused_qkv(0, random_tensor((2, 9, 32)), random_tensor((2, 4, 32)), 0.1), "(*, 8, 32)"),
-    "qkv wrong head_dim": (lambda c: c.attention_with_fused_qkv(0, random_tensor((2, 8, 16)), random_tensor((2, 4, 32)), 0.1), "16"),
-    "qkv wrong dtype": (lambda c: c.attention_with_fused_qkv(0, random_tensor((2, 8, 32), "float16"), random_tensor((2, 4, 32)), 0.1),
+    "qkv wrong head count": (lambda c: c.attention_with_fused_qkv(0, rand((2, 9, 32)), rand((2, 4, 32)), 0.1), "(*, 8, 32)"),
+    "qkv wrong head_dim": (lambda c: c.attention_with_fused_qkv(0, rand((2, 8, 16)), rand((2, 4, 32)), 0.1), "16"),
+    "qkv wrong dtype": (lambda c: c.attention_with_fused_qkv(0, rand((2, 8, 32), "float16"), rand((2, 4, 32)), 0.1),
                         "float16"),
-    "qkv wrong rank": (lambda c: c.attention_with_fused_qkv(0, random_tensor((2, 256)), random_tensor((2, 4, 32)), 0.1), "(2, 256)"),
-    "qkv too few rows": (lambda c: c.attention_with_fused_qkv(0, random_tensor((1, 8, 32)), random_tensor((1, 4, 32)), 0.1), "1 rows"),
-    "qkv not a tensor": (lambda c: c.attention_with_fused_qkv(0, np.zeros((2, 8, 32), "float32"), random_tensor((2, 4, 32)), 0.1),
+    "qkv wrong rank": (lambda c: c.attention_with_fused_qkv(0, rand((2, 256)), rand((2, 4, 32)), 0.1), "(2, 256)"),
+    "qkv too few rows": (lambda c: c.attention_with_fused_qkv(0, rand((1, 8, 32)), rand((1, 4, 32)), 0.1), "1 rows"),
+    "qkv not a tensor": (lambda c: c.attention_with_fused_qkv(0, np.zeros((2, 8, 32), "float32"), rand((2, 4, 32)), 0.1),
                          "ndarray"),
-    "o rows differ from qkv": (lambda c: c.attention_with_fused_qkv(0, random_tensor((3, 8, 32)), random_tensor((2, 4, 32)), 0.1), "(2, 4, 32)"),
-    "layer out of range": (lambda c: c.attention_with_fused_qkv(2, random_tensor((2, 8, 32)), random_tensor((2, 4, 32)), 0.1), "layer_id 2"),
-    "negative layer": (lambda c: c.attention_with_fused_qkv(-1, random_tensor((2, 8, 32)), random_tensor((2, 4, 32)), 0.1), "layer_id -1"),
-    "sm_scale not a number": (lambda c: c.attention_with_fused_qkv(0, random_tensor((2, 8, 32)), random_tensor((2, 4, 32)), "x"), "'x'"),
-    "self attention wrong k": (lambda c: c.self_attention(0, random_tensor((2, 4, 32)), random_tensor((2, 4, 32)), random_tensor((2, 2, 32)),
-                                                          random_tensor((2, 4, 32)), random_tensor((2, 4)), 0.1), "k has shape"),
-    "cross attention lse dtype": (lambda c: c.cross_attention(0, random_tensor((2, 4, 32)), random_tensor((2, 4, 32)), random_tensor((2, 4), "float16"),
+    "o rows differ from qkv": (lambda c: c.attention_with_fused_qkv(0, rand((3, 8, 32)), rand((2, 4, 32)), 0.1), "(2, 4, 32)"),
+    "layer out of range": (lambda c: c.attention_with_fused_qkv(2, rand((2, 8, 32)), rand((2, 4, 32)), 0.1), "layer_id 2"),
+    "negative layer": (lambda c: c.attention_with_fused_qkv(-1, rand((2, 8, 32)), rand((2, 4, 32)), 0.1), "layer_id -1"),
+    "sm_scale not a number": (lambda c: c.attention_with_fused_qkv(0, rand((2, 8, 32)), rand((2, 4, 32)), "x"), "'x'"),
+    "self attention wrong k": (lambda c: c.self_attention(0, rand((2, 4, 32)), rand((2, 4, 32)), rand((2, 2, 32)),
+                                                          rand((2, 4, 32)), rand((2, 4)), 0.1), "k has shape"),
+    "cross attention lse dtype": (lambda c: c.cross_attention(0, rand((2, 4, 32)), rand((2, 4, 32)), rand((2, 4), "float16"),
                                                               0.1), "lse has dtype"),
     "begin while active": (lambda c: c.begin_forward([0], [1]), "active"),
     "remove while active": (lambda c: c.remove_sequence(0), "active"),
@@ -136,7 +136,7 @@ def test_errors_inside_a_step_leave_state_unchanged(cache, name):
     rng = np.random.default_rng(5)
     for layer in range(CFG.num_layers):
         o = tvm.runtime.tensor(np.full((2, 4, 32), np.nan, "float32"))
-        cache.attention_with_fused_qkv(layer, random_tensor((2, 8, 32)), o, 0.1)
+        cache.attention_with_fused_qkv(layer, rand((2, 8, 32)), o, 0.1)
         assert np.isfinite(o.numpy()).all()
     cache.end_forward()
 
@@ -281,7 +281,7 @@ def test_commit_failing_on_a_later_sequence_changes_nothing(cache):
     _assert_same(before, _snapshot(cache, pages=True))
     # A tree with a non-chain accepted path (compaction) followed by a failing sequence: no move either.
     _step_tree = lambda seq, parents: (cache.begin_forward([seq], [len(parents)], parents),  # noqa: E731
-                                       [cache.attention_with_fused_qkv(l, random_tensor((len(parents), 8, 32)),
+                                       [cache.attention_with_fused_qkv(l, rand((len(parents), 8, 32)),
                                                                        tvm.runtime.empty((len(parents), 4, 32), "float32"),
                                                                        0.2) for l in range(CFG.num_layers)],
                                        cache.end_forward())
@@ -319,7 +319,7 @@ def test_commit_minus_one_pops_only_what_the_last_step_left():
     assert c.get_sequence_length(0) == 20
     c.begin_forward([0], [4], [-1, 0, 0, 1])
     for layer in range(CFG.num_layers):
-        c.attention_with_fused_qkv(layer, random_tensor((4, 8, 32)), tvm.runtime.empty((4, 4, 32), "float32"), 0.2)
+        c.attention_with_fused_qkv(layer, rand((4, 8, 32)), tvm.runtime.empty((4, 4, 32), "float32"), 0.2)
     c.end_forward()
     c.commit_accepted_token_tree_nodes([0], [1])  # path [0, 1]
     c.commit_accepted_token_tree_nodes([0], [-1])
@@ -353,7 +353,7 @@ def test_commit_with_moves_next_to_a_sequence_with_nothing_to_move(cache):
     def tree_step(seq, parents):
         cache.begin_forward([seq], [len(parents)], parents)
         for layer in range(CFG.num_layers):
-            cache.attention_with_fused_qkv(layer, random_tensor((len(parents), 8, 32)),
+            cache.attention_with_fused_qkv(layer, rand((len(parents), 8, 32)),
                                            tvm.runtime.empty((len(parents), 4, 32), "float32"), 0.2)
         cache.end_forward()
 
@@ -376,68 +376,78 @@ def test_commit_with_moves_next_to_a_sequence_with_nothing_to_move(cache):
 # ---------------------------------------------------------------------------- tensors, scales, ids and ranges
 
 
-def test_tensors_that_share_memory_are_refused(cache):
+@pytest.fixture()
+def one_seq():
+    """A cache holding only sequence 0 (21 tokens)."""
+    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    c.add_sequence(0)
+    run_step(c, np.random.default_rng(0), [0], [21])
+    return c
+
+
+def test_tensors_that_share_memory_are_refused(one_seq):
     n = 2
-    cache.begin_forward([0], [n])
-    q = random_tensor((n, 4, 32))
+    one_seq.begin_forward([0], [n])
+    q = rand((n, 4, 32))
     for call, what in [
-        (lambda: cache.cross_attention(0, q, q, random_tensor((n, 4)), 0.2), "o shares memory with q"),
-        (lambda: cache.self_attention(0, q, random_tensor((n, 2, 32)), random_tensor((n, 2, 32)), q, random_tensor((n, 4)), 0.2),
+        (lambda: one_seq.cross_attention(0, q, q, rand((n, 4)), 0.2), "o shares memory with q"),
+        (lambda: one_seq.self_attention(0, q, rand((n, 2, 32)), rand((n, 2, 32)), q, rand((n, 4)), 0.2),
          "o shares memory with q"),
     ]:
-        assert_refused(cache, call, rk.ForwardError, what)
+        assert_refused(one_seq, call, rk.ForwardError, what)
     o = tvm.runtime.empty((n, 4, 32), "float32")
     lse_over_o = tvm.runtime._ffi_api.TVMTensorCreateView(o, (n, 4), o.dtype, 0)
-    assert_refused(cache, lambda: cache.cross_attention(0, q, o, lse_over_o, 0.2), rk.ForwardError,
+    assert_refused(one_seq, lambda: one_seq.cross_attention(0, q, o, lse_over_o, 0.2), rk.ForwardError,
                "o shares memory with lse")
-    cache.end_forward()
+    one_seq.end_forward()
     k = tvm.runtime.empty((2, 5, 2, 32), "float32")
-    assert_refused(cache, lambda: cache.debug_get_kv(0, 0, 5, k, k), rk.ForwardError, "k_data shares memory with v_data")
+    assert_refused(one_seq, lambda: one_seq.debug_get_kv(0, 0, 5, k, k), rk.ForwardError,
+                   "k_data shares memory with v_data")
 
 
-def test_float32_overflowing_scales(cache):
-    cache.begin_forward([0], [1])
+def test_float32_overflowing_scales(one_seq):
+    one_seq.begin_forward([0], [1])
     for scale in (1e39, -1e39):
-        assert_refused(cache, lambda: cache.attention_with_fused_qkv(0, random_tensor((1, 8, 32)), random_tensor((1, 4, 32)), scale),
+        assert_refused(one_seq, lambda: one_seq.attention_with_fused_qkv(0, rand((1, 8, 32)), rand((1, 4, 32)), scale),
                    rk.ForwardError, "float32")
-    cache.end_forward()
+    one_seq.end_forward()
 
 
-def test_shared_kv_needs_the_source_layer_appended_first(cache):
+def test_shared_kv_needs_the_source_layer_appended_first(one_seq):
     """Before the source layer's attention a decode step read the stale slot of its new token."""
-    cache.begin_forward([0], [1])
-    args = (random_tensor((1, 4, 32)), random_tensor((1, 2, 32)), random_tensor((1, 2, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
-    assert_refused(cache, lambda: cache.attention_with_shared_kv(1, *args), rk.ForwardError, "not appended yet")
-    cache.attention_with_fused_qkv(1, random_tensor((1, 8, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
-    cache.attention_with_shared_kv(1, *args)
+    one_seq.begin_forward([0], [1])
+    args = (rand((1, 4, 32)), rand((1, 2, 32)), rand((1, 2, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
+    assert_refused(one_seq, lambda: one_seq.attention_with_shared_kv(1, *args), rk.ForwardError, "not appended yet")
+    one_seq.attention_with_fused_qkv(1, rand((1, 8, 32)), tvm.runtime.empty((1, 4, 32), "float32"), 0.2)
+    one_seq.attention_with_shared_kv(1, *args)
 
 
-def test_merge_with_itself_still_checks_o_against_lse(cache):
+def test_merge_with_itself_still_checks_o_against_lse(one_seq):
     o = tvm.runtime.tensor(np.random.default_rng(2).standard_normal((8, 4, 32)).astype("float32"))
     lse = tvm.runtime._ffi_api.TVMTensorCreateView(o, (8, 4), o.dtype, 0)
     with pytest.raises(rk.ForwardError, match="o_self_attn shares memory with lse_self_attn"):
-        cache.merge_attn_output_inplace(o, lse, o, lse)
+        one_seq.merge_attn_output_inplace(o, lse, o, lse)
 
 
-def test_sequence_ids_beyond_int64_raise_sequence_error(cache):
+def test_sequence_ids_beyond_int64_raise_sequence_error(one_seq):
     for bad in (2**63, -(2**63) - 1):
-        assert_refused(cache, lambda: cache.add_sequence(bad), rk.SequenceError, "outside the int64 range")
+        assert_refused(one_seq, lambda: one_seq.add_sequence(bad), rk.SequenceError, "outside the int64 range")
 
 
-def test_huge_ranges_are_refused_before_they_are_expanded(cache):
+def test_huge_ranges_are_refused_before_they_are_expanded(one_seq):
     """``range`` is an accepted id / length container; a huge one was expanded first (MemoryError
     or OverflowError, not a KVCacheError; gigabytes for range(10**8))."""
-    assert_refused(cache, lambda: cache.begin_forward(range(10**15), [1]), rk.SequenceError,
+    assert_refused(one_seq, lambda: one_seq.begin_forward(range(10**15), [1]), rk.SequenceError,
                r"seq_ids has 1000000000000000 entries, more than 1 \(the number of sequences")
-    assert_refused(cache, lambda: cache.begin_forward([0], range(2**70)), rk.SequenceError, "append_lengths has")
-    assert_refused(cache, lambda: cache.commit_accepted_token_tree_nodes(range(10**15), [0]), rk.SequenceError,
+    assert_refused(one_seq, lambda: one_seq.begin_forward([0], range(2**70)), rk.SequenceError, "append_lengths has")
+    assert_refused(one_seq, lambda: one_seq.commit_accepted_token_tree_nodes(range(10**15), [0]), rk.SequenceError,
                "seq_ids has")
     begin = tvm_ffi.get_global_func("vm.builtin.kv_state_begin_forward")
-    assert_refused(cache, lambda: begin(cache, range(10**15), [1]), rk.SequenceError, "seq_ids has")
+    assert_refused(one_seq, lambda: begin(one_seq, range(10**15), [1]), rk.SequenceError, "seq_ids has")
     with pytest.raises(rk.ConfigError, match="attn_kinds .argument 6. has 1000000000000000 entries"):
-        create_with(cache._kernels, a6=range(10**15))
-    cache.begin_forward(range(1), range(4, 5))  # small ranges still work
-    cache.end_forward()
+        create_with(one_seq._kernels, a6=range(10**15))
+    one_seq.begin_forward(range(1), range(4, 5))  # small ranges still work
+    one_seq.end_forward()
 
 
 def test_negative_device_index_is_refused():
@@ -461,7 +471,7 @@ def test_constructor_arguments_of_the_wrong_type_or_device_kind():
             rk.PagedAttentionKVCache(CFG, absent, target=target)
 
 
-def test_valid_inputs_of_numpy_and_container_types(cache):
+def test_valid_inputs_of_numpy_and_container_types(one_seq):
     """Valid inputs: numpy scalar types as dtypes, list / tuple subclasses and
     memmaps as attn_kinds, 0-d arrays as scales were refused after the exact-type checks came
     in. (A rope_ext_factors that is not a tensor is refused unless it carries no factors: TVM's
@@ -479,14 +489,14 @@ def test_valid_inputs_of_numpy_and_container_types(cache):
         cfg = rk.KVCacheConfig(**base, attn_kinds=kinds, layer_sliding_window_size=8)
         assert cfg.attn_kinds == (rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING)
     assert rk.KVCacheConfig(**base, rope_theta=np.array(5e5)).rope_theta == 5e5
-    cache.begin_forward([0], [1])
-    cache.attention_with_fused_qkv(0, random_tensor((1, 8, 32)), random_tensor((1, 4, 32)), np.array(0.2))
-    cache.end_forward()
+    one_seq.begin_forward([0], [1])
+    one_seq.attention_with_fused_qkv(0, rand((1, 8, 32)), rand((1, 4, 32)), np.array(0.2))
+    one_seq.end_forward()
     for factors in (0, [1.0]):
-        assert create_with(cache._kernels, a11=factors).config.rope_ext_factors is None
+        assert create_with(one_seq._kernels, a11=factors).config.rope_ext_factors is None
     for factors in ([], [2.0], 1):
         with pytest.raises(rk.ArgumentError, match="rope_ext_factors .argument 11. must be None, 0 .TVM's null value."):
-            create_with(cache._kernels, a11=factors)
+            create_with(one_seq._kernels, a11=factors)
 
 
 # ---------------------------------------------------------------------------- config values

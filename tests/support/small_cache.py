@@ -28,7 +28,8 @@ def run_step(cache, rng, seq_ids, lengths):
     cache.end_forward()
 
 
-def random_tensor(shape, dtype="float32"):
+def rand(shape, dtype="float32"):
+    """A random (standard normal) tensor of ``shape``, the same values on every call."""
     return tvm.runtime.tensor(np.random.default_rng(1).standard_normal(shape).astype(dtype))
 
 
