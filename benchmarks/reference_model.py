@@ -7,9 +7,6 @@
   from :func:`relax_kvcache.reference.attention`); the cache tests and ``gpu_check.py`` use it.
 * :class:`MLAModel` and :class:`MLAWeights`: DeepSeek's multi-head latent attention.
 
-Lives in ``benchmarks/`` so that the benchmarks and the tests share it (tests import benchmarks,
-never the other way round).
-
 :class:`CacheModel` keeps every sequence's K/V as the
 cache should store them (K rotated in RoPE NORMAL mode, raw otherwise), the fork ancestry of each
 sequence (to aim forks / pops into shared prefixes) and computes expected attention outputs in
