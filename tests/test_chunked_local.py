@@ -207,7 +207,7 @@ def test_relax_program_with_chunked_layers_matches_float64():
             np.testing.assert_allclose(got[layer].numpy()[0], expected[layer], atol=2e-3, rtol=0)
 
 
-# ------------------------------------------------------------------ red-team round 20 regressions
+# ------------------------------------------------------------------ regressions
 
 def _creation_args(cache_config, kinds, k, indptr=(0, 2)):
     """TVM's creation arguments (29, the windowed ragged kernel last) for a 4 / 2-head, D 16 cache."""

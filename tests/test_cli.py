@@ -39,7 +39,7 @@ def test_cli_demo_and_deploy_errors_are_one_line(tmp_path):
 
 
 def test_cli_paths_that_cannot_be_written_or_are_empty(tmp_path):
-    """Regression (red-team): ``~unknown_user`` paths and over-long names gave tracebacks; empty
+    """Regression: ``~unknown_user`` paths and over-long names gave tracebacks; empty
     ``--export`` / ``--load`` values counted as absent (``--cache-only --export ""`` ran)."""
     long_name = str(tmp_path / ("x" * 300 + ".so"))
     for argv, message in [(("demo", "--cache-only", "--export", ""), "--export '' is empty"),

@@ -260,7 +260,7 @@ def test_capturable_step_only_for_repeated_decode(cache_factory):
 
 
 def test_capturable_step_changes_with_the_batch(cache_factory):
-    """Regression (red-team): another batch of the same structure reused the fixed slots and
+    """Regression: another batch of the same structure reused the fixed slots and
     returned the same object, so DecodeGraphs replayed the old batch's captured forward (its
     buffers) instead of running the new one's. The slots are reused; the object is new."""
     h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(9))

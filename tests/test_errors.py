@@ -302,7 +302,7 @@ def test_commit_failing_on_a_later_sequence_changes_nothing(cache):
 
 
 def test_commit_minus_one_pops_only_what_the_last_step_left():
-    """Regression (red-team round 2): leaf -1 on a sequence without a tree popped the remembered
+    """Regression: leaf -1 on a sequence without a tree popped the remembered
     last-step length again and again (a second commit, or one after popn, ate committed tokens)."""
     c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
     rng = np.random.default_rng(5)

@@ -242,7 +242,7 @@ def test_bad_input_leaves_the_cache_unchanged(mla_cache):
 
 
 def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
-    """Regression (red-team): a ``decompress`` callback that ends the step and begins another, or
+    """Regression: a ``decompress`` callback that ends the step and begins another, or
     calls ``mla_context_attention`` again, made the outer call run kernels over the new step's
     metadata (a crash) or clobber its workspace (wrong results). Calls from inside the callback
     raise; the outer call then raises that error and the cache is as before; after it the same
@@ -262,7 +262,7 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
                                                                      h.decompress),
         "append_mla_kv": lambda: cache.append_mla_kv(0, _t(np.ones((2, LORA + ROPE)))),
         "popn": lambda: cache.popn(0, 1),
-        "add_sequence": lambda: cache.add_sequence(77),  # seventh red-team round: was accepted
+        "add_sequence": lambda: cache.add_sequence(77),  # was accepted
         "fork_sequence": lambda: cache.fork_sequence(0, 78, 10),
         "remove_sequence": lambda: cache.remove_sequence(0),
         "commit_accepted_token_tree_nodes": lambda: cache.commit_accepted_token_tree_nodes([0], [-1]),
@@ -335,7 +335,7 @@ def test_latent_rows_holding_nan_are_used_as_given(mla_cache):
 
 
 def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
-    """Regression (red-team): the workspace was allocated at the first mla_context_attention;
+    """Regression: the workspace was allocated at the first mla_context_attention;
     an absurd context_chunk_size then raised TVM's bad_alloc mid-step. It is sized at
     construction (never beyond the pages' rows) and checked with the config."""
     import dataclasses
@@ -349,7 +349,7 @@ def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
 
 
 def test_context_longer_than_the_pages_is_chunked_by_the_workspace(mla_kernels):
-    """Regression (red-team): a step's context counts a shared prefix once per sequence, so it
+    """Regression: a step's context counts a shared prefix once per sequence, so it
     can be longer than the pool's rows, which cap the workspace; the step was chunked by the
     uncapped context_chunk_size and viewed rows beyond the workspace (TVM's ValueError)."""
     import dataclasses
@@ -378,7 +378,7 @@ def _creation_args(f, *, ragged="attention_prefill_ragged", merges=("merge_inpla
 
 
 def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel_build):
-    """Regression (red-team): TVM's creation arguments carry no decompressed head dims, so a
+    """Regression: TVM's creation arguments carry no decompressed head dims, so a
     created cache accepted any in self_attention, merge_attn_output_inplace and
     mla_context_attention (its callback ran), and the kernel raised TVM's ValueError. It reads
     them off the ragged and merge kernels, and refuses other dims before anything runs."""
@@ -415,7 +415,7 @@ def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel
 
 @pytest.mark.parametrize("swap", ["ragged", "merges"])
 def test_created_caches_refuse_kernels_in_the_wrong_role(kernel_build, swap):
-    """Regression (red-team): the ragged and merge kernels of created MLA caches were not
+    """Regression: the ragged and merge kernels of created MLA caches were not
     probed, so the absorbed kernel passed as the ragged one, or the two merges swapped, were
     accepted and failed in a later step."""
     f = kernel_build(CONFIG).get_function

@@ -58,7 +58,7 @@ def test_model_compiles_for_cuda():
 
 
 def test_model_compiles_for_ampere_cuda(tmp_path):
-    """Regression (red-team): ``demo --target cuda`` for sm_80 / sm_89 segfaulted in TVM's
+    """Regression: ``demo --target cuda`` for sm_80 / sm_89 segfaulted in TVM's
     ``Tensorize`` (dlight's tensor-core matmul rule on the model's fp16 matmuls). Compiled in a
     subprocess so a regression cannot take pytest down."""
     import subprocess
@@ -100,7 +100,7 @@ def test_engine_refuses_bad_requests_without_touching_the_cache():
 
 
 def test_engine_refuses_token_ids_outside_the_vocabulary():
-    """Regression (red-team): out-of-vocabulary ids reached the model's embedding gather (a
+    """Regression: out-of-vocabulary ids reached the model's embedding gather (a
     segfault); strings and fractional budgets were accepted."""
     import relax_kvcache as rk
     from relax_kvcache.generate import Engine
@@ -130,7 +130,7 @@ class _FailingVM:
 
 
 def test_engine_rolls_back_the_step_when_the_model_raises():
-    """Regression (red-team): begin_forward had grown the sequences by the step's tokens, the
+    """Regression: begin_forward had grown the sequences by the step's tokens, the
     model raised, and the cache kept those tokens (garbage K/V) while the request did not count
     them; the next step appended at the wrong positions."""
     import relax_kvcache as rk

@@ -186,7 +186,7 @@ def test_trees_rejected_with_inline_rope_or_windows(config):
 
 
 def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
-    """Regressions (red-team): popn into an uncommitted tree is refused (a later commit would move
+    """Regressions: popn into an uncommitted tree is refused (a later commit would move
     K/V of positions that no longer belong to the tree, even of another sequence's shared page);
     a commit of a tree grown over two steps keeps exactly the accepted path (TVM resolves it
     against the last step's tokens and keeps earlier steps' rejected nodes)."""
