@@ -24,9 +24,6 @@ import sys
 import time
 from typing import Callable, List, Optional, Tuple
 
-# TVM's native cache + TVM's CPU kernels (the baseline) come from the test-suite helper.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
-
 import numpy as np  # noqa: E402
 import tvm  # noqa: E402
 from tvm.runtime import ShapeTuple  # noqa: E402
@@ -34,7 +31,7 @@ from tvm.script import tirx as T  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
 from relax_kvcache.ffi_registry import original  # noqa: E402
-from tvm_baseline import Shape, create_native  # noqa: E402
+from native_baseline import Shape, create_native  # noqa: E402  (TVM's native cache + TVM's CPU kernels)
 
 HQ, HKV, D, PAGE, DTYPE = 32, 8, 128, 16, "float32"
 

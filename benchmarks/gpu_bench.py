@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import gpu_prepare as gp  # noqa: E402  (also puts python/ and tests/ on sys.path)
+import gpu_prepare as gp  # noqa: E402  (also puts python/ on sys.path)
 
 import tvm  # noqa: E402
 from tvm.runtime import ShapeTuple  # noqa: E402
@@ -49,7 +49,7 @@ from tvm.runtime import ShapeTuple  # noqa: E402
 import relax_kvcache as rk  # noqa: E402
 from relax_kvcache import reference  # noqa: E402
 from relax_kvcache.ffi_registry import original  # noqa: E402
-from tvm_baseline import CREATE_NATIVE, Shape, create_args  # noqa: E402
+from native_baseline import CREATE_NATIVE, Shape, create_args  # noqa: E402
 
 DIFF_WARN = 2e-2  # ours vs native outputs (fp16) beyond this are flagged
 

@@ -1,7 +1,7 @@
 """Correctness of every cache feature on a device, against the float64 reference model.
 
 Runs random workloads on ``PagedAttentionKVCache`` with the kernels ``gpu_prepare.py`` built
-and compares every output with the numpy float64 ``ReferenceCache`` of ``tests/reference_cache.py``:
+and compares every output with the numpy float64 ``ReferenceCache`` of ``reference_model.py``:
 chunked prefill mixed with decode over several sequences, forks at arbitrary positions (mid-page
 included), popn, remove, per-sequence sliding windows with attention sinks, per-layer windows
 (``MHA_SLIDING``), token trees (``begin_forward`` with parent pointers,
@@ -38,13 +38,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import gpu_prepare as gp  # noqa: E402  (also puts python/ and tests/ on sys.path)
+import gpu_prepare as gp  # noqa: E402  (also puts python/ on sys.path)
 
 import tvm  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
 from relax_kvcache.reference import attention, merge_states, rope  # noqa: E402
-from reference_cache import ReferenceCache  # noqa: E402  (tests/)
+from reference_model import ReferenceCache  # noqa: E402  (tests/)
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16}
 DEFAULT_TOLERANCE = {"float32": 2e-3, "float16": 2e-2}
@@ -616,7 +616,7 @@ def cases_from_libs(libs: pathlib.Path, device: tvm.runtime.Device) -> List[Case
 def case_with_tvm_kernels(libs: Optional[pathlib.Path], device: tvm.runtime.Device) -> Case:
     """Our cache with TVM's kernels of the benchmark shape (8 layers, as TVM's ``debug_get_kv``
     was built): tells harness or cache-logic problems on a device apart from kernel problems."""
-    from tvm_baseline import create_args
+    from native_baseline import create_args
 
     shape = gp.BENCH_SHAPE
     workloads = ["random", "prefix_chain", "token_tree", "self_cross_merge"]

@@ -39,12 +39,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))  # native_baseline, also when imported from elsewhere
 
 import tvm  # noqa: E402
 
 import relax_kvcache as rk  # noqa: E402
-from tvm_baseline import KERNEL_NAMES, Shape  # noqa: E402
+from native_baseline import KERNEL_NAMES, Shape  # noqa: E402
 
 MANIFEST = "manifest.json"
 SIZE_LIMIT = 64 << 20  # bytes the device tool carries, bundle included
@@ -164,11 +164,11 @@ def export_ours(config: rk.KVCacheConfig, target: tvm.target.Target, path: pathl
 
 
 def tvm_kernel_funcs(shape: Shape, target: tvm.target.Target) -> Dict[str, Any]:
-    """TVM's kernels for ``shape`` as PrimFuncs, by :data:`tvm_baseline.KERNEL_NAMES` name.
+    """TVM's kernels for ``shape`` as PrimFuncs, by :data:`native_baseline.KERNEL_NAMES` name.
 
     GPU targets get the kernels TVM's ``TIRPagedKVCache`` uses for them (already scheduled,
     except the elementwise ones, which get dlight's fallback schedule in :func:`build_tvm`);
-    ``llvm`` gets TVM's CPU kernels (the set ``tests/tvm_baseline.py`` uses).
+    ``llvm`` gets TVM's CPU kernels (the set ``native_baseline.py`` uses).
     """
     from tvm.relax.frontend.nn.llm import kv_cache as kc
 
@@ -241,7 +241,7 @@ def _short_error(err: Exception) -> str:
 
 def build_tvm(shape: Shape, target: tvm.target.Target):
     """Compile TVM's kernels for ``shape`` into one module whose functions are named by
-    :data:`tvm_baseline.KERNEL_NAMES` (as TVM's own test suite builds them, one module)."""
+    :data:`native_baseline.KERNEL_NAMES` (as TVM's own test suite builds them, one module)."""
     from tvm.s_tir import dlight as dl
 
     funcs = tvm_kernel_funcs(shape, target)
@@ -286,7 +286,7 @@ def load_library(path: pathlib.Path, device: tvm.runtime.Device) -> tvm.runtime.
 
 
 def tvm_kernel_dict(mod: tvm.runtime.Module) -> Dict[str, Any]:
-    """TVM's kernels by :data:`tvm_baseline.KERNEL_NAMES` name from a :func:`build_tvm` library."""
+    """TVM's kernels by :data:`native_baseline.KERNEL_NAMES` name from a :func:`build_tvm` library."""
     return {name: mod.get_function(name, query_imports=True) for name in KERNEL_NAMES}
 
 

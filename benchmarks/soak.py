@@ -3,7 +3,7 @@
     python benchmarks/soak.py --ops 100000 [--seed N]
 
 Drives small caches (one without and one with per-sequence sliding windows) with the operation mix
-of ``tests/state_machine_model.py`` from a numpy RNG: adds, removes, forks at any position, pops,
+of ``state_machine_model.py`` from a numpy RNG: adds, removes, forks at any position, pops,
 forward steps (attention on every layer), repeated decode steps, windows, token-tree steps and
 commits of accepted nodes (speculative decoding), and requests that must
 fail (unknown or duplicate ids, bad positions and lengths, batches and forks that run out of pages).
@@ -24,7 +24,7 @@ import time
 import traceback
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-for path in (ROOT / "python", ROOT / "tests"):
+for path in (ROOT / "python", ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

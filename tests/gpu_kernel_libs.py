@@ -58,11 +58,9 @@ def mla_has_attention(dtype) -> bool:
 
 def mla_cache_config():
     """``test_mla_cache``'s configuration as it is on a GPU host (float16)."""
-    import dataclasses
+    from support.mla_kernel_cases import cache_config
 
-    import test_mla_cache
-
-    return dataclasses.replace(test_mla_cache.CONFIG, dtype="float16")
+    return cache_config("float16")
 
 
 def _export(executable, path: pathlib.Path, arch: str) -> None:
@@ -89,8 +87,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str(pathlib.Path(args.directory) / "cache"))
     from relax_kvcache import build
     from relax_kvcache.targets import make_target
-    from test_kernels import CONFIGS, LONGROPE_CONFIGS, ROTARY_CONFIGS
-    from test_prefill_tiles import TILE_CONFIGS
+    from support.kernel_cases import CONFIGS, LONGROPE_CONFIGS, ROTARY_CONFIGS, TILE_CONFIGS
 
     target = make_target("cuda", arch=args.arch)
     pathlib.Path(args.directory).mkdir(parents=True, exist_ok=True)
@@ -103,8 +100,8 @@ def main(argv=None) -> int:
         print(f"{name}: {_file(config, args.directory)}", flush=True)
     if args.only_rope or args.only_tiles:
         return 0
-    import test_mla_kernels as mla
     from relax_kvcache.tir_kernels import schedule_for
+    from support import mla_kernel_cases as mla
 
     for dtype in mla.DTYPES:
         funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=mla_has_attention(dtype))

@@ -4,7 +4,7 @@ Against TVM's native cache: the layout hash and the metadata string are TVM's ex
 checkpoints move both ways (TVM -> ours, ours -> TVM) with the contents intact; after an import
 the sequence decodes as the original does. Beyond TVM: any sequence id, sequences whose blocks
 come from forks at positions inside pages, imports while other sequences keep stepping.
-Every refused call leaves the cache unchanged (``cache_snapshot``).
+Every refused call leaves the cache unchanged (``support.snapshot``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import tvm
 
 import relax_kvcache as rk
 
-import tvm_baseline as tb
-from cache_snapshot import assert_same, snapshot
+import native_baseline as tb
+from support.snapshot import assert_same, snapshot
+from support.small_cache import tiny_cache
 
 pytestmark = pytest.mark.tvm_native
 
@@ -384,3 +385,118 @@ def test_layouts_without_checkpoints():
     cache.add_sequence(0)
     with pytest.raises(NotImplementedError, match="checkpoints of caches with MLA layers"):
         cache.get_checkpoint_metadata(0)
+
+
+# ---------------------------------------------------------------------------- refused metadata, other layouts
+
+
+def _filled(cache, n=6):
+    cfg, rng = cache.config, np.random.default_rng(19)
+    cache.add_sequence(0)
+    cache.begin_forward([0], [n])
+    for layer in range(cfg.num_layers):
+        qkv = rng.standard_normal((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)).astype("float32")
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv), tvm.runtime.empty((n, 4, cfg.head_dim)), 0.3)
+    cache.end_forward()
+    return cache
+
+
+def test_checkpoint_metadata_sizes_are_bounded_before_anything_is_built():
+    """A huge seq_length made prepare_import build its expected page lists first
+    (seconds and gigabytes, a hang at 2**40); it is now refused at once."""
+    import time
+
+    cache = _filled(tiny_cache())
+    meta = cache.get_checkpoint_metadata(0)
+    target = tiny_cache()
+    start = time.perf_counter()
+    for length, error, match in ((2**40, rk.ArgumentError, r"seq_length must be in \[0, 2147483647\]"),
+                                 (10**7, rk.ArgumentError, "more than its num_total_pages"),
+                                 (4 * 17 + 1, rk.CacheFullError, "this cache holds 17 in all")):
+        pages = -(-length // 4)
+        edited = _with(meta, seq_length=length, num_total_pages=max(pages, 17) if length == 69 else 17)
+        _refused(target, lambda: target.prepare_import(1, edited), error, match)
+    assert time.perf_counter() - start < 5
+
+
+def test_checkpoint_groups_name_global_layers():
+    """A cache whose layers start past 0 named its groups' layers from 0 (TVM: the
+    global ids); each side then refused the other's checkpoint."""
+    import json
+
+    config = rk.KVCacheConfig(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
+                              max_total_seq_len=64, prefill_chunk_size=32, dtype="float32")
+    src = rk.PagedAttentionKVCache(config, tvm.cpu(), layer_offset=1)
+    src.add_sequence(0)
+    meta = json.loads(src.get_checkpoint_metadata(0))
+    assert [(g["layer_begin"], g["layer_end"]) for g in meta["groups"]] == [(1, 2), (2, 3)]
+    dst = rk.PagedAttentionKVCache(config, tvm.cpu(), layer_offset=1)
+    dst.prepare_import(0, json.dumps(meta))
+    for group in range(2):
+        dst.import_page_group(0, group, tvm.runtime.empty((1, 0, 2, 2, 4, 16), "float32"))
+    dst.finish_import(0)
+
+
+def test_checkpoint_json_edge_cases_are_refused_as_argument_errors():
+    """Deeply nested JSON raised RecursionError; floats where TVM requires ints or
+    bools were accepted (Python's 1.0 == 1)."""
+    cache = _filled(tiny_cache())
+    meta = cache.get_checkpoint_metadata(0)
+    target = tiny_cache()
+    deep = meta[:-1] + ',"x":' + "[" * 100000 + "]" * 100000 + "}"
+    _refused(target, lambda: target.prepare_import(1, deep), rk.ArgumentError, "not valid JSON: RecursionError")
+    import json
+
+    data = json.loads(meta)
+    for field, value, error in (("page_size", 4.0, rk.ConfigError), ("support_sliding_window", 0.0, rk.ConfigError),
+                                ("num_layers", 2.0, rk.ConfigError)):
+        _refused(target, lambda: target.prepare_import(1, _with(meta, **{field: value})), error, field)
+    pages = [dict(p) for p in data["logical_pages"]]
+    pages[0]["length"] = 4.0
+    _refused(target, lambda: target.prepare_import(1, _with(meta, logical_pages=pages)), rk.ArgumentError,
+               "logical_pages")
+    target.prepare_import(1, _with(meta, has_rope_ext_factors=False))  # the values TVM writes pass
+
+
+def test_caches_without_checkpoints_refuse_every_checkpoint_call():
+    """Get_layout_hash answered on LongRoPE and MLA caches (TVM refuses), and
+    import_page_group / finish_import raised SequenceError there."""
+    cache = tiny_cache(rope_ext_factors=(1.0,) * 16, rope_original_max_position_embeddings=8)
+    cache.add_sequence(0)
+    group = tvm.runtime.empty((1, 0, 2, 2, 4, 16), "float32")
+    for call in (cache.get_layout_hash, lambda: cache.import_page_group(0, 0, group), lambda: cache.finish_import(0),
+                 lambda: cache.get_checkpoint_metadata(0), lambda: cache.prepare_import(0, "{}")):
+        with pytest.raises(NotImplementedError, match="RoPE extension factors"):
+            call()
+
+
+@pytest.mark.tvm_native
+def test_checkpoint_float_format_is_tvms_for_large_whole_numbers():
+    """A whole theta in [2**53, 1e17) was written with a trailing .0 (TVM: none)."""
+    shape = tb.Shape(rope_mode=1, rope_theta=1.2345678901234568e16, rope_scale=2.0 ** 60)
+    caches = [tb.create_native(shape), tb.create_ours_direct(shape)]
+    for c in caches:
+        tb.Builtins().add(c, 0)
+    metadata = tvm.get_global_func("vm.builtin.attention_kv_cache_get_checkpoint_metadata")
+    assert metadata(caches[0], 0) == metadata(caches[1], 0)
+
+
+def test_checkpoints_of_another_rotary_dim_are_refused():
+    """The layout hash (TVM's) has no rotary dim, so a partial-rotary checkpoint moved
+    silently into a full-rotary cache (keys stored rotated differently); partial-rotary
+    checkpoints now carry the dim in an extra field (TVM ignores unknown fields)."""
+    import json
+
+    src = _filled(tiny_cache(rope_rotary_dim=8))
+    meta = src.get_checkpoint_metadata(0)
+    assert json.loads(meta)["rope_rotary_dim"] == 8
+    target = tiny_cache()
+    _refused(target, lambda: target.prepare_import(0, meta), rk.ConfigError, "rope_rotary_dim is 8, this cache's 16")
+    partial = tiny_cache(rope_rotary_dim=8)
+    _refused(partial, lambda: partial.prepare_import(0, _filled(tiny_cache()).get_checkpoint_metadata(0)),
+               rk.ConfigError, "rope_rotary_dim is 16, this cache's 8")
+    partial.prepare_import(0, meta)
+    gptj = _filled(tiny_cache(rope_interleaved=True)).get_checkpoint_metadata(0)
+    assert json.loads(gptj)["rope_interleaved"] is True
+    _refused(target, lambda: target.prepare_import(0, gptj), rk.ConfigError, "rope_interleaved is true")
+    tiny_cache(rope_interleaved=True).prepare_import(0, gptj)

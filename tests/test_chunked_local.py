@@ -14,7 +14,7 @@ import relax_kvcache as rk
 from relax_kvcache import metadata as md
 from relax_kvcache.reference import attention
 
-from test_cache import Harness, _config
+from support.harness import Harness, make_config
 
 CHUNKED, MHA = rk.AttnKind.MHA_CHUNKED_LOCAL, rk.AttnKind.MHA
 
@@ -23,7 +23,7 @@ def _chunked_config(**overrides) -> rk.KVCacheConfig:
     base = dict(num_layers=3, page_size=8, attention_chunk_size=20, max_total_seq_len=2048, prefill_chunk_size=128,
                 attn_kinds=[CHUNKED, MHA, CHUNKED])
     base.update(overrides)
-    return _config(**base)
+    return make_config(**base)
 
 
 class ChunkHarness(Harness):
@@ -116,7 +116,7 @@ def test_window_pages_skip_earlier_chunks():
 def test_attention_with_shared_kv_on_a_chunked_source():
     """A layer attending with its own queries over the KV a chunked layer wrote this step."""
     chunk = 6
-    cfg = _config(num_layers=2, rope_mode=rk.RopeMode.NONE, attention_chunk_size=chunk,
+    cfg = make_config(num_layers=2, rope_mode=rk.RopeMode.NONE, attention_chunk_size=chunk,
                   attn_kinds=[CHUNKED, MHA], page_size=8)
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
     rng = np.random.default_rng(1)
@@ -180,9 +180,9 @@ def test_chunked_layers_need_the_windowed_ragged_kernel():
 def test_relax_program_with_chunked_layers_matches_float64():
     """A compiled Relax program (``relax_kvcache.frontend``, creation through TVM's argument
     convention with the 7th ``cache_config`` entry) over a chunked and a plain layer."""
-    import tvm_baseline as tb
-    from cache_model import CacheModel
-    from frontend_program import create, fused_vm
+    import native_baseline as tb
+    from reference_model import CacheModel
+    from support.frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     hq, hkv, d, chunk = 4, 2, 32, 12
@@ -207,7 +207,7 @@ def test_relax_program_with_chunked_layers_matches_float64():
             np.testing.assert_allclose(got[layer].numpy()[0], expected[layer], atol=2e-3, rtol=0)
 
 
-# ------------------------------------------------------------------ red-team round 20 regressions
+# ------------------------------------------------------------------ regressions
 
 def _creation_args(cache_config, kinds, k, indptr=(0, 2)):
     """TVM's creation arguments (29, the windowed ragged kernel last) for a 4 / 2-head, D 16 cache."""

@@ -12,11 +12,10 @@ import dataclasses
 
 import numpy as np
 import pytest
-import tvm
 
 import relax_kvcache as rk
 from relax_kvcache.cache import step as step_module
-from test_cache import CONFIGS, Harness, cache_factory  # noqa: F401 (fixture)
+from support.harness import CONFIGS, Harness
 
 # (caches with support_sliding_window attend before appending: always planned in full)
 CHECKED = ["fp32-gqa-normal", "fp32-mqa-inline-d128", "fp32-d96-page8"]
@@ -261,7 +260,7 @@ def test_capturable_step_only_for_repeated_decode(cache_factory):
 
 
 def test_capturable_step_changes_with_the_batch(cache_factory):
-    """Regression (red-team): another batch of the same structure reused the fixed slots and
+    """Regression: another batch of the same structure reused the fixed slots and
     returned the same object, so DecodeGraphs replayed the old batch's captured forward (its
     buffers) instead of running the new one's. The slots are reused; the object is new."""
     h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(9))

@@ -379,3 +379,43 @@ def test_our_callback_replaces_tvms_nvrtc_without_cuda_bindings(restore_callback
     monkeypatch.setattr(tvm.base, "_RUNTIME_ONLY", False)
     monkeypatch.delenv("TVM_CUDA_COMPILE_MODE", raising=False)
     assert deploy.install_cuda_compile_callback()
+
+
+# ---------------------------------------------------------------------------- damaged and replaced libraries
+
+
+def _load_in_subprocess(path):
+    """deploy.load in a child process (a regression would kill it, not pytest)."""
+    code = "import sys; from relax_kvcache import deploy; deploy.load(sys.argv[1]); print('loaded')"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_load_refuses_a_truncated_library_by_its_checksum(kernel_library, tmp_path):
+    """dlopen of a truncated library can crash the process (SIGBUS); its checksum refuses it first."""
+    data = kernel_library.read_bytes()
+    assert len(data) > 100000
+    bad = tmp_path / "bad.so"
+    bad.write_bytes(data[:100000])
+    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(bad))
+    run = _load_in_subprocess(bad)
+    assert run.returncode == 1 and "DeployError: could not load" in run.stderr and str(bad) in run.stderr, run.stderr
+    assert "the library is damaged" in run.stderr
+
+
+def test_load_of_a_replaced_library_gets_the_new_one(kernel_library, tmp_path):
+    """Dlopen returns the library first loaded under a path, so a rebuilt library
+    at the same path was ignored."""
+    path = tmp_path / "k.so"
+    shutil.copyfile(kernel_library, path)
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
+    other = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=16,
+                             dtype="float32")
+    rk.export_kernels(other, tvm.target.Target("llvm"), path)
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1  # again (still not the first file)
+    shutil.copyfile(kernel_library, tmp_path / "new.so")
+    os.replace(tmp_path / "new.so", path)  # back to (a copy of) the first one, as a new file
+    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(path))  # with its checksum
+    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2

@@ -20,8 +20,8 @@ from tvm.relax.frontend import nn
 
 import relax_kvcache as rk  # noqa: F401  (before any VirtualMachine: the VM binds vm.builtin.* when made)
 from relax_kvcache import frontend
-from reference_cache import ReferenceCache
-from tvm_baseline import Builtins, Shape, create_native
+from reference_model import ReferenceCache
+from native_baseline import Builtins, Shape, create_native
 
 LAYOUT = frontend.CacheLayout(num_layers=3, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                               rope_mode=rk.RopeMode.NORMAL, rope_theta=1e4, dtype="float32")

@@ -19,7 +19,7 @@ replaces one argument by a value drawn at random from a catalogue of hostile val
 Every case must raise a ``relax_kvcache.errors.KVCacheError`` (``NotImplementedError`` for
 the builtins the cache does not support) whose message names the argument or the bad value,
 and leave the cache exactly as it was (paging state, forward step, K/V of every sequence and
-the raw page tensors, see ``cache_snapshot``). A call that succeeds is a failure (silent
+the raw page tensors, see ``support.snapshot``). A call that succeeds is a failure (silent
 acceptance): the catalogue holds no valid value. Through ``vm.builtin.*`` the exception crosses
 tvm_ffi and arrives with its class (``ffi_registry.register`` registers our classes) and message.
 
@@ -53,7 +53,8 @@ import tvm_ffi
 from tvm.runtime import ShapeTuple
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same, snapshot
+from support.small_cache import create_args
+from support.snapshot import assert_same, snapshot
 from relax_kvcache.args import describe
 from relax_kvcache.ffi_registry import BUILTINS
 from relax_kvcache.ffi_registry.builtins import _arity
@@ -68,7 +69,7 @@ STATS: Dict[str, collections.Counter] = collections.defaultdict(collections.Coun
 _BASE = dict(num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=8, max_num_seqs=8,
              max_total_seq_len=200, prefill_chunk_size=64, rope_mode=rk.RopeMode.NORMAL, dtype="float32")
 CONFIGS = {
-    "mha": rk.KVCacheConfig(**_BASE),  # test_errors.CFG: the kernel build is shared
+    "mha": rk.KVCacheConfig(**_BASE),  # support.small_cache.CFG: the kernel build is shared
     "window": rk.KVCacheConfig(**_BASE, support_sliding_window=True),
     "mla": rk.KVCacheConfig(**dict(_BASE, num_qo_heads=2, num_kv_heads=1, head_dim=48, v_head_dim=32,
                                    rope_mode=rk.RopeMode.NONE),
@@ -764,15 +765,6 @@ def test_byte_offset_reads_the_views_offset():
 # ---------------------------------------------------------------------------- creation
 
 
-def _create_args(kernels: KernelSet) -> list:
-    """Valid arguments of ``relax_kvcache.paged_attention_kv_cache_create`` for the mha config."""
-    k = kernels
-    return [ShapeTuple([8, 200, 64, 8, 0]), ShapeTuple([0, 2]), 4, 2, 32, 32, ShapeTuple([0, 0]), False, 1, 1.0, 1e4,
-            None, tvm.runtime.empty((), "float32"), k.transpose_append, None, ["tirx", k.attention_prefill_ragged],
-            ["tirx", k.attention_prefill], ["tirx", k.attention_decode], [], [], [], [], [], [k.merge_inplace],
-            k.split_rotary, k.copy_single_page, k.debug_get_kv, k.compact_copy]
-
-
 def _creation_hostiles(kernels: KernelSet) -> Dict[int, Tuple[Tuple[str, ...], List[Hostile]]]:
     """Per creation argument: words its error messages may use, and hostile values."""
     ints = [Hostile(c, v) for c, v in (("zero", 0), ("negative", -1), ("huge", 2**31), ("huge", 2**62),
@@ -837,12 +829,12 @@ def test_hostile_creation_arguments(kernel_sets):
     NotImplementedError for what relax_kvcache lacks) naming the argument or the value."""
     kernels = kernel_sets("mha")
     create = tvm_ffi.get_global_func("relax_kvcache.paged_attention_kv_cache_create")
-    assert isinstance(create(*_create_args(kernels)), rk.PagedAttentionKVCache)  # control
+    assert isinstance(create(*create_args(kernels)), rk.PagedAttentionKVCache)  # control
     table = _creation_hostiles(kernels)
     rng = np.random.default_rng([SEED, 28])
     failures = []
     for _ in range(CASES * 6):
-        args = _create_args(kernels)
+        args = create_args(kernels)
         if rng.random() < 0.05:
             n = int(rng.choice([0, 27, 30]))
             args, index, words, hostile = (args + [None, None])[:n], None, ("28 or 29",), Hostile("arity", n)
@@ -916,3 +908,24 @@ def test_hostile_config_and_constructor_arguments(kernel_sets):
             else:
                 failures.append(f"PagedAttentionKVCache({name}={value!r:.40}): accepted")
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------- not a cache
+
+
+@pytest.mark.parametrize("name, args", [("vm.builtin.kv_state_begin_forward", ([0], [1])),
+                                        ("vm.builtin.attention_kv_cache_attention_with_fused_qkv", (0, 1.0, None, None)),
+                                        ("vm.builtin.kv_state_add_sequence", (0,))])
+def test_builtins_refuse_a_none_cache(name, args):
+    """TVM's own builtins dereference a None cache (a segfault); the dispatcher refuses it."""
+    with pytest.raises(rk.ArgumentError, match="the cache is None"):
+        tvm.get_global_func(name)(None, *args)
+
+
+def test_builtins_refuse_ffi_objects_that_are_not_caches():
+    """Any tvm_ffi.Object went to TVM's function (TypeError / InternalError from TVM)."""
+    for obj in (tvm_ffi.Array([1]), tvm_ffi.Map({"a": 1}), tvm_ffi.convert(lambda: 1), tvm_ffi.Shape([1])):
+        for name, args in (("vm.builtin.kv_state_clear", ()), ("vm.builtin.kv_state_begin_forward", ([0], [1])),
+                           ("vm.builtin.attention_kv_cache_get_num_available_pages", ())):
+            with pytest.raises(rk.ArgumentError, match="expected a relax_kvcache.PagedAttentionKVCache or a TVM KV"):
+                tvm_ffi.get_global_func(name)(obj, *args)

@@ -1,7 +1,7 @@
 """LongRoPE (Phi-3 RoPE extension factors): config, split_rotary kernel, cache, creation, frontend.
 
-References: ``cache_model.longrope`` (numpy float64, written from the LongRoPE formula) and
-TVM's native cache fed TVM's own LongRoPE ``split_rotary`` (``tvm_baseline``, test-only).
+References: ``reference_model.longrope`` (numpy float64, written from the LongRoPE formula) and
+TVM's native cache fed TVM's own LongRoPE ``split_rotary`` (``native_baseline``, test-only).
 TVM's kernel picks the long factors for a whole step when the step (all its sequences
 together) has more tokens than ``original_max_position_embeddings``; ours per token by position (a token at position
 ``>= original`` uses them). The two agree where both pick the same factors: every step in the
@@ -19,8 +19,9 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.runtime import default_target
 
-import tvm_baseline as tb
-from cache_model import CacheModel, longrope
+import native_baseline as tb
+from support.small_cache import tiny_cache
+from reference_model import CacheModel, longrope
 
 HQ, HKV, D = 4, 2, 32
 ORIGINAL, MAXIMUM = 24, 96  # original / extended max_position_embeddings (scaled down)
@@ -332,7 +333,7 @@ def test_frontend_model_with_longrope_matches_float64():
     """A Relax program whose layout has LongRoPE factors: the module holds them as a constant,
     the created cache passes them to our LongRoPE split_rotary; attention across ``original``
     matches float64."""
-    from frontend_program import create, fused_vm
+    from support.frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=2, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=8,
@@ -355,3 +356,40 @@ def test_frontend_model_with_longrope_matches_float64():
         want = model.step(batch, [qkv[layer, 0] for layer in range(2)], 0.25)
         for layer in range(2):
             np.testing.assert_allclose(got[layer], want[layer], atol=2e-3, err_msg=f"batch {batch} layer {layer}")
+
+
+# ---------------------------------------------------------------------------- partial rotary dims
+
+
+def test_longrope_with_a_partial_rotary_dim_works():
+    """The factors tensor was allocated at head_dim, so a LongRoPE cache with a partial
+    rotary dim (factors of the rotary dim, TVM's layout) could not be created; through TVM's
+    creation arguments the probe then refused the right kernels (only the rotated features
+    carry the attention factor)."""
+    from reference_model import longrope
+
+    factors = tuple(float(x) for x in np.r_[np.linspace(1, 9, 4), np.linspace(1, 1.5, 4)])
+    cache = tiny_cache(rope_rotary_dim=8, rope_ext_factors=factors, rope_original_max_position_embeddings=3,
+                        rope_attention_factor=1.2)
+    cache.add_sequence(0)
+    rng = np.random.default_rng(5)
+    qkv = [rng.standard_normal((6, 8, 16)).astype("float32") for _ in range(2)]
+    cache.begin_forward([0], [6])
+    for layer in range(2):
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv[layer]), tvm.runtime.empty((6, 4, 16)), 0.25)
+    cache.end_forward()
+    k, v = tvm.runtime.empty((2, 6, 2, 16)), tvm.runtime.empty((2, 6, 2, 16))
+    cache.debug_get_kv(0, 0, 6, k, v)
+    want = longrope(qkv[1][:, 4:6], np.arange(6), 1e4, 1.0, factors, 3, 1.2)
+    np.testing.assert_allclose(k.numpy()[1], want, atol=1e-5)
+    import relax_kvcache.ffi_registry.create as create_module  # creation through TVM's arguments
+
+    kernels = cache._kernels
+    args = [tvm.runtime.ShapeTuple([4, 64, 32, 4, 0]), tvm.runtime.ShapeTuple([0, 2]), 4, 2, 16, 16,
+            tvm.runtime.ShapeTuple([0, 0]), False, 1, 1.0, 1e4, tvm.runtime.tensor(np.array(factors, np.float32)),
+            tvm.runtime.empty((), "float32"), kernels.transpose_append, None, ["tirx", kernels.attention_prefill_ragged],
+            ["tirx", kernels.attention_prefill], ["tirx", kernels.attention_decode], [], [], [], [], [],
+            [kernels.merge_inplace], kernels.split_rotary, kernels.copy_single_page, kernels.debug_get_kv,
+            kernels.compact_copy]
+    created = create_module.paged_attention_kv_cache_create(*args)
+    assert created.config.rotary_dim == 8

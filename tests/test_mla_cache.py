@@ -1,4 +1,4 @@
-"""MLA caches (``attn_kinds`` all ``AttnKind.MLA``) against the float64 MLA model (``mla_model``).
+"""MLA caches (``attn_kinds`` all ``AttnKind.MLA``) against the float64 MLA model (``reference_model.MLAModel``).
 
 DeepSeek-V3's dimensions (kv_lora_rank 512, rope 64, nope 128, v 128) with 4 query heads. Every
 step checks both ways of computing MLA against direct attention over decompressed K/V:
@@ -25,25 +25,23 @@ import pytest
 import tvm
 import tvm_ffi
 
-from mla_model import MLAModel, MLAWeights
+from reference_model import MLAModel, MLAWeights
 from relax_kvcache import AttnKind, KVCacheConfig, PagedAttentionKVCache, RopeMode
 from relax_kvcache.errors import ConfigError, ForwardError, KVCacheError
 from relax_kvcache.kernel_set import KernelSet
-from cache_snapshot import assert_same, snapshot
+from support.snapshot import assert_same, snapshot
+from support.mla_kernel_cases import cache_config
 
 ON_GPU = os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda"
 DEV = tvm.cuda() if ON_GPU else tvm.cpu()
 DTYPE = "float16" if ON_GPU else "float32"
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[DTYPE]
 TOL = {"float32": 2e-3, "float16": 2e-2}[DTYPE]
-LORA, ROPE, NOPE, VDIM, HEADS, LAYERS = 512, 64, 128, 128, 4, 2
+CONFIG = cache_config(DTYPE)
+LORA, ROPE = CONFIG.v_head_dim, CONFIG.head_dim - CONFIG.v_head_dim
+NOPE, VDIM = CONFIG.mla_original_qk_head_dim - ROPE, CONFIG.mla_original_v_head_dim
+HEADS, LAYERS = CONFIG.num_qo_heads, CONFIG.num_layers
 SM_SCALE = (NOPE + ROPE) ** -0.5
-
-CONFIG = KVCacheConfig(
-    num_layers=LAYERS, num_qo_heads=HEADS, num_kv_heads=1, head_dim=LORA + ROPE, v_head_dim=LORA,
-    mla_original_qk_head_dim=NOPE + ROPE, mla_original_v_head_dim=VDIM, page_size=16, max_num_seqs=16,
-    max_total_seq_len=2048, prefill_chunk_size=256, rope_mode=RopeMode.NONE, dtype=DTYPE,
-    attn_kinds=[AttnKind.MLA] * LAYERS, context_chunk_size=40)
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +242,7 @@ def test_bad_input_leaves_the_cache_unchanged(mla_cache):
 
 
 def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
-    """Regression (red-team): a ``decompress`` callback that ends the step and begins another, or
+    """Regression: a ``decompress`` callback that ends the step and begins another, or
     calls ``mla_context_attention`` again, made the outer call run kernels over the new step's
     metadata (a crash) or clobber its workspace (wrong results). Calls from inside the callback
     raise; the outer call then raises that error and the cache is as before; after it the same
@@ -264,7 +262,7 @@ def test_decompress_callback_cannot_reenter_the_cache(mla_cache):
                                                                      h.decompress),
         "append_mla_kv": lambda: cache.append_mla_kv(0, _t(np.ones((2, LORA + ROPE)))),
         "popn": lambda: cache.popn(0, 1),
-        "add_sequence": lambda: cache.add_sequence(77),  # seventh red-team round: was accepted
+        "add_sequence": lambda: cache.add_sequence(77),  # was accepted
         "fork_sequence": lambda: cache.fork_sequence(0, 78, 10),
         "remove_sequence": lambda: cache.remove_sequence(0),
         "commit_accepted_token_tree_nodes": lambda: cache.commit_accepted_token_tree_nodes([0], [-1]),
@@ -337,7 +335,7 @@ def test_latent_rows_holding_nan_are_used_as_given(mla_cache):
 
 
 def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
-    """Regression (red-team): the workspace was allocated at the first mla_context_attention;
+    """Regression: the workspace was allocated at the first mla_context_attention;
     an absurd context_chunk_size then raised TVM's bad_alloc mid-step. It is sized at
     construction (never beyond the pages' rows) and checked with the config."""
     import dataclasses
@@ -351,7 +349,7 @@ def test_context_workspace_is_allocated_with_the_cache(mla_kernels):
 
 
 def test_context_longer_than_the_pages_is_chunked_by_the_workspace(mla_kernels):
-    """Regression (red-team): a step's context counts a shared prefix once per sequence, so it
+    """Regression: a step's context counts a shared prefix once per sequence, so it
     can be longer than the pool's rows, which cap the workspace; the step was chunked by the
     uncapped context_chunk_size and viewed rows beyond the workspace (TVM's ValueError)."""
     import dataclasses
@@ -380,7 +378,7 @@ def _creation_args(f, *, ragged="attention_prefill_ragged", merges=("merge_inpla
 
 
 def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel_build):
-    """Regression (red-team): TVM's creation arguments carry no decompressed head dims, so a
+    """Regression: TVM's creation arguments carry no decompressed head dims, so a
     created cache accepted any in self_attention, merge_attn_output_inplace and
     mla_context_attention (its callback ran), and the kernel raised TVM's ValueError. It reads
     them off the ragged and merge kernels, and refuses other dims before anything runs."""
@@ -417,7 +415,7 @@ def test_created_caches_read_the_decompressed_head_dims_off_their_kernels(kernel
 
 @pytest.mark.parametrize("swap", ["ragged", "merges"])
 def test_created_caches_refuse_kernels_in_the_wrong_role(kernel_build, swap):
-    """Regression (red-team): the ragged and merge kernels of created MLA caches were not
+    """Regression: the ragged and merge kernels of created MLA caches were not
     probed, so the absorbed kernel passed as the ragged one, or the two merges swapped, were
     accepted and failed in a later step."""
     f = kernel_build(CONFIG).get_function

@@ -9,7 +9,6 @@ output = softmax @ latent[:, :kv_lora_rank], base-2 LSE. Outputs are poisoned wi
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import ml_dtypes
@@ -19,42 +18,16 @@ import pytest
 import tvm
 
 from relax_kvcache import reference as ref
+from support.mla_kernel_cases import DTYPES, HEADS, LORA, MANY_HEADS, PAGE, ROPE, WIDTH, kernel_funcs
 
 #: ``RELAX_KVCACHE_TEST_DEVICE=cuda`` runs the tests on a GPU with the libraries
 #: ``tests/gpu_kernel_libs.py`` prepared (``RELAX_KVCACHE_TEST_LIBS``); GPU attention runs on
 #: tensor cores, so float32 attention is skipped there.
 DEV = tvm.cuda() if os.environ.get("RELAX_KVCACHE_TEST_DEVICE") == "cuda" else tvm.cpu()
-LORA, ROPE, HEADS, PAGE = 512, 64, 8, 16
-#: query heads of the ``attention_h32`` variant (on CUDA: two 16-head groups per token)
-MANY_HEADS = 32
-WIDTH = LORA + ROPE
-DTYPES = ["float32", "float16", "bfloat16"]
 NP_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 #: bfloat16 keeps 8 bits: P and the output are rounded to 2^-9 relative
 O_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 3e-2}
-SMALL_SHARED = 99 * 1024
 LSE_ATOL = 1e-3
-
-
-def kernel_funcs(dtype: str, sched, *, attention: bool = True):
-    """The MLA kernels of these tests as PrimFuncs, by name."""
-    from relax_kvcache import tir_kernels as tk  # TVMScript: not on a runtime-only TVM
-
-    page = tk.LatentPageSpec(width=WIDTH, page_size=PAGE, dtype=dtype)
-    funcs = {
-        "append": tk.make_transpose_append_mla(page, sched),
-        "copy": tk.make_copy_single_page_mla(page, sched),
-        "gather": tk.make_debug_get_kv_mla(page, sched),
-    }
-    if attention:
-        attn = tk.AttentionSpec(num_qo_heads=HEADS, num_kv_heads=1, qk_head_dim=WIDTH, v_head_dim=LORA,
-                                dtype=dtype, page_size=PAGE)
-        funcs["attention"] = tk.make_paged_mla(attn, sched)
-        funcs["attention_h32"] = tk.make_paged_mla(dataclasses.replace(attn, num_qo_heads=MANY_HEADS), sched)
-        if getattr(sched, "dynamic_shared_bytes", 0) > SMALL_SHARED:
-            # the 32-row tile that GPUs with less shared memory get (sm_86 / sm_89: 99 KiB)
-            funcs["attention_kc32"] = tk.make_paged_mla(attn, dataclasses.replace(sched, dynamic_shared_bytes=SMALL_SHARED))
-    return {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
 
 
 @pytest.fixture(scope="module", params=DTYPES)

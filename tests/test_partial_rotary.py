@@ -1,8 +1,8 @@
 """Partial rotary dims (``KVCacheConfig.rope_rotary_dim``: GPT-NeoX / Phi-2 style RoPE on the
 first features of each head only).
 
-References: ``cache_model.rope(..., rotary_dim=R)`` (numpy float64) and TVM's native cache fed
-TVM's own ``llama_rope_with_position_map(..., rotary_dim=R)`` (``tvm_baseline``, test-only). The
+References: ``reference_model.rope(..., rotary_dim=R)`` (numpy float64) and TVM's native cache fed
+TVM's own ``llama_rope_with_position_map(..., rotary_dim=R)`` (``native_baseline``, test-only). The
 kernel alone, in float16 / bfloat16 and on GPUs: ``test_kernels.test_split_rotary_variants``.
 """
 
@@ -14,8 +14,8 @@ import tvm
 
 import relax_kvcache as rk
 
-import tvm_baseline as tb
-from cache_model import CacheModel, rope
+import native_baseline as tb
+from reference_model import CacheModel, rope
 
 HQ, HKV, D, R = 4, 2, 80, 32  # Phi-2's head: 80 features, 32 rotated
 THETA = 1e4
@@ -117,7 +117,7 @@ def test_partial_rotary_matches_tvms_native_cache_and_float64(interleaved):
 def test_frontend_layout_with_partial_rotary():
     """``frontend.CacheLayout(rope_rotary_dim=...)``: the model's kernels rotate the first
     features only (checked through a compiled program against float64)."""
-    from frontend_program import create, fused_vm
+    from support.frontend_program import create, fused_vm
     from relax_kvcache import frontend
 
     layout = frontend.CacheLayout(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=16,

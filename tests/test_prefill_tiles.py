@@ -16,16 +16,9 @@ import math
 import numpy as np
 import pytest
 
-from relax_kvcache import KVCacheConfig
-from test_kernels import (PagedBatch, check_attention_outputs, nan_like, plain_layout, randn, reference_attention,
-                          rope_args, seed_of, tensor)
+from support.kernel_cases import (TILE_CONFIGS, PagedBatch, check_attention_outputs, nan_like, plain_layout, randn,
+                                  reference_attention, rope_args, seed_of, tensor)
 
-TILE_CONFIGS = {
-    "bf16_gqa128": KVCacheConfig(num_layers=1, num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16,
-                                 dtype="bfloat16"),
-    "f16_gqa64_sw": KVCacheConfig(num_layers=1, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
-                                  dtype="float16", support_sliding_window=True),
-}
 #: (q_len, kv_len): kv_len >= q_len (the cache's causal steps); a sequence without queries and
 #: one decode row among them
 SHAPES = [(200, 333), (1, 700), (129, 129), (0, 50), (70, 300), (300, 300), (33, 161)]

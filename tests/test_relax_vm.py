@@ -20,7 +20,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache
 
 import relax_kvcache  # noqa: F401  (before any VirtualMachine: the VM binds vm.builtin.* when made)
-from tvm_baseline import Builtins, Shape, create_native, create_ours_packed
+from native_baseline import Builtins, Shape, create_native, create_ours_packed
 
 SHAPE = Shape(num_layers=3, num_qo_heads=8, num_kv_heads=2, head_dim=64, rope_mode=1, rope_theta=1e4,
               dtype="float32", max_num_seqs=8, max_total_seq_len=512, prefill_chunk_size=64)

@@ -1,4 +1,5 @@
-"""The package's shape: small modules, imports in one direction, a paging layer without TVM.
+"""The package's shape: small modules, imports in one direction, a paging layer without TVM;
+and benchmarks that import nothing from the tests.
 
 Reads the sources with ``ast``; counts function-level imports as well as module-level ones
 (a function-level import only hides a cycle, it does not break it).
@@ -13,7 +14,8 @@ import subprocess
 import sys
 from typing import Dict, List, Set
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "python" / "relax_kvcache"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "python" / "relax_kvcache"
 MAX_LINES = 600
 
 
@@ -184,3 +186,48 @@ def test_kernel_set_fields_are_the_catalogue_roles():
 
     fields = [field.name for field in dataclasses.fields(KernelSet) if field.init]
     assert sorted(fields) == sorted(role.name for role in CATALOGUE)
+
+
+def _test_modules() -> Set[str]:
+    """Names a module in tests/ can be imported by (its files and packages)."""
+    tests = REPO / "tests"
+    return {path.stem for path in tests.glob("*.py")} | {path.name for path in tests.iterdir()
+                                                         if (path / "__init__.py").exists()}
+
+
+def _reaches_into_tests(source: str, test_modules: Set[str]) -> List[str]:
+    """What in ``source`` imports a module of tests/ or names tests/ as a path: imports of those
+    names, and string constants (docstrings aside) with a ``tests`` path component."""
+    tree = ast.parse(source)
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node)
+                  for node in node.body[:1]}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"import {a.name}" for a in node.names if a.name.split(".")[0] in test_modules | {"tests"}]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] in test_modules | {"tests"}:
+                found.append(f"from {node.module} import ...")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if "tests" in node.value.replace("\\", "/").split("/"):
+                found.append(f"path {node.value!r} (line {node.lineno})")
+    return found
+
+
+def test_tests_into_benchmarks_check_finds_imports_and_paths():
+    """The check itself: an import of a test module, a ``tests`` path in a sys.path line."""
+    source = ('"""Docstring naming tests/ is fine."""\nimport sys\nimport reference_model\n'
+              'from test_cache import Harness\nsys.path.insert(0, str(ROOT / "tests"))\n'
+              'sys.path.append("../tests/support")\n')
+    found = _reaches_into_tests(source, {"test_cache"})
+    assert sorted(found) == ["from test_cache import ...", "path '../tests/support' (line 6)", "path 'tests' (line 5)"]
+
+
+def test_benchmarks_import_nothing_from_tests():
+    """No file in benchmarks/ imports a module of tests/ or puts tests/ on sys.path (the tests
+    may import the benchmarks' modules, not the other way round)."""
+    test_modules = _test_modules()
+    offences = {path.name: found for path in sorted((REPO / "benchmarks").glob("*.py"))
+                if (found := _reaches_into_tests(path.read_text(), test_modules))}
+    assert not offences, f"benchmarks reaching into tests/: {offences}"

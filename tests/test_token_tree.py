@@ -9,8 +9,9 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.token_tree import MAX_TREE_SIZE, TokenTree
 
-from cache_snapshot import assert_same, snapshot
-from test_cache import Harness, _config
+from support.snapshot import assert_same, snapshot
+from support.harness import Harness, make_config
+from support.small_cache import CFG, run_step
 
 
 class TreeHarness(Harness):
@@ -53,7 +54,7 @@ def _random_tree(rng, size, shape):
 
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL])
 def test_random_trees_commit_and_continue(rope_mode):
-    cfg = _config(rope_mode=rope_mode, page_size=8, max_total_seq_len=2048)
+    cfg = make_config(rope_mode=rope_mode, page_size=8, max_total_seq_len=2048)
     h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(int(rope_mode)))
     rng = h.rng
     for seq in range(4):
@@ -82,7 +83,7 @@ def test_random_trees_commit_and_continue(rope_mode):
 
 def test_tree_grown_over_steps_then_committed():
     """A tree extended over several steps (previous nodes in the pages: the paged tree kernel)."""
-    cfg = _config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
+    cfg = make_config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
     h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(9))
     for seq in range(3):
         h.add(seq)
@@ -101,7 +102,7 @@ def test_tree_grown_over_steps_then_committed():
 
 def test_chain_tree_uses_causal_path_and_decode_after():
     """A chain is plain causal attention; committing its leaf 3 keeps the prefix + 4 nodes."""
-    cfg = _config(rope_mode=rk.RopeMode.NORMAL)
+    cfg = make_config(rope_mode=rk.RopeMode.NORMAL)
     h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(2))
     h.add(0)
     h.step([(0, 20)])
@@ -141,7 +142,7 @@ TREE_ERRORS = {
 
 @pytest.mark.parametrize("name", list(TREE_ERRORS))
 def test_tree_errors_leave_state_unchanged(name):
-    cache = rk.PagedAttentionKVCache(_config(rope_mode=rk.RopeMode.NORMAL, prefill_chunk_size=512), tvm.cpu())
+    cache = rk.PagedAttentionKVCache(make_config(rope_mode=rk.RopeMode.NORMAL, prefill_chunk_size=512), tvm.cpu())
     h = TreeHarness(cache, np.random.default_rng(1))
     h.add(0)
     h.add(1)
@@ -155,7 +156,7 @@ def test_tree_errors_leave_state_unchanged(name):
 
 
 def test_uncommitted_tree_rules():
-    cache = rk.PagedAttentionKVCache(_config(rope_mode=rk.RopeMode.NORMAL), tvm.cpu())
+    cache = rk.PagedAttentionKVCache(make_config(rope_mode=rk.RopeMode.NORMAL), tvm.cpu())
     h = TreeHarness(cache, np.random.default_rng(4))
     h.add(0)
     h.step([(0, 5)])
@@ -177,7 +178,7 @@ def test_uncommitted_tree_rules():
 @pytest.mark.parametrize("config", [dict(rope_mode=rk.RopeMode.INLINE), dict(support_sliding_window=True),
                                     dict(attn_kinds=[rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA])])
 def test_trees_rejected_with_inline_rope_or_windows(config):
-    cache = rk.PagedAttentionKVCache(_config(**config), tvm.cpu())
+    cache = rk.PagedAttentionKVCache(make_config(**config), tvm.cpu())
     cache.add_sequence(0)
     with pytest.raises(rk.ForwardError):
         cache.begin_forward([0], [2], [-1, 0])
@@ -185,11 +186,11 @@ def test_trees_rejected_with_inline_rope_or_windows(config):
 
 
 def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
-    """Regressions (red-team): popn into an uncommitted tree is refused (a later commit would move
+    """Regressions: popn into an uncommitted tree is refused (a later commit would move
     K/V of positions that no longer belong to the tree, even of another sequence's shared page);
     a commit of a tree grown over two steps keeps exactly the accepted path (TVM resolves it
     against the last step's tokens and keeps earlier steps' rejected nodes)."""
-    cfg = _config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
+    cfg = make_config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
     h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(11))
     h.add(1)
     h.step([(1, 8)])
@@ -208,3 +209,20 @@ def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
     h.commit({0: -1})  # drops the whole tree
     assert h.cache.get_sequence_length(0) == 12
     h.check_contents()
+
+
+# ---------------------------------------------------------------------------- commits after pops
+
+
+def test_commit_minus_one_after_a_popn_into_a_shared_prefix():
+    """popn into tokens a fork shares re-forks the sequence; the count of its last step's tokens
+    that a commit with leaf -1 pops must survive that (it was reset to 0: nothing popped)."""
+    cache = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    cache.add_sequence(0)
+    run_step(cache, np.random.default_rng(0), [0], [21])
+    rng = np.random.default_rng(7)
+    run_step(cache, rng, [0], [5])  # length 26, last step 5
+    cache.fork_sequence(0, 1)
+    cache.popn(0, 2)  # into the shared tokens: a re-fork
+    cache.commit_accepted_token_tree_nodes([0], [-1])
+    assert cache.get_sequence_length(0) == 21 and cache.get_sequence_length(1) == 26

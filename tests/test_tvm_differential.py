@@ -14,7 +14,7 @@ test:
 After every operation the counters (free pages -- exactly TVM's --, total length, ``empty``)
 are compared, after every step/fork/popn/remove the ``debug_get_kv`` contents of every live
 sequence, and every attention output; everything is also checked against an independent numpy
-model (``cache_model.py``). Tolerance: max abs error < 2e-3 (float32).
+model (``benchmarks/reference_model.py``). Tolerance: max abs error < 2e-3 (float32).
 
 Invalid operations (``ERROR_CASES``) must be rejected by TVM's cache and by ours; ours must raise
 a ``KVCacheError`` (a ``ValueError``) and keep its state exactly, after which the next valid
@@ -34,9 +34,9 @@ import tvm
 
 import relax_kvcache as rk
 
-import tvm_baseline as tb
-from cache_model import CacheModel, attend, rope
-from cache_model import tree_depths as cm_tree_depths
+import native_baseline as tb
+from reference_model import CacheModel, attend, rope
+from reference_model import tree_depths as cm_tree_depths
 
 pytestmark = pytest.mark.tvm_native
 

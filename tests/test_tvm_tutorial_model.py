@@ -28,7 +28,7 @@ from tvm.relax.utils import copy_with_new_vars
 
 import relax_kvcache as rk  # noqa: F401  (before any VirtualMachine: the VM binds vm.builtin.* when made)
 from relax_kvcache import frontend
-from tvm_baseline import CREATE_NATIVE, CREATE_OURS, Builtins, Shape, create_args, tvm_kernels
+from native_baseline import CREATE_NATIVE, CREATE_OURS, Builtins, Shape, create_args, tvm_kernels
 
 HIDDEN, LAYERS, HQ, HKV, D, INTER, VOCAB = 128, 2, 4, 2, 32, 192, 96
 OURS = "create_relax_kvcache"  # the renamed copy of create_tir_paged_kv_cache

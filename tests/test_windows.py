@@ -3,6 +3,7 @@ and shared-KV attention, against the float64 reference model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,15 +13,8 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.reference import attention
 
-from test_cache import Harness, _config
-
-
-def _layer_window_config(**overrides) -> rk.KVCacheConfig:
-    base = dict(num_layers=3, page_size=8, layer_sliding_window_size=20, max_total_seq_len=2048,
-                prefill_chunk_size=128,
-                attn_kinds=[rk.AttnKind.MHA_SLIDING, rk.AttnKind.MHA, rk.AttnKind.MHA_SLIDING])
-    base.update(overrides)
-    return _config(**base)
+from support.harness import Harness, layer_window_config, make_config
+from support.small_cache import CFG, assert_refused
 
 
 class WindowHarness(Harness):
@@ -36,7 +30,7 @@ class WindowHarness(Harness):
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL, rk.RopeMode.INLINE])
 def test_layer_windows_match_reference(rope_mode):
     """Chunks longer than the window, decode, forks (prefixes at several depths), popn."""
-    cache = rk.PagedAttentionKVCache(_layer_window_config(rope_mode=rope_mode), tvm.cpu())
+    cache = rk.PagedAttentionKVCache(layer_window_config(rope_mode=rope_mode), tvm.cpu())
     h = WindowHarness(cache, np.random.default_rng(int(rope_mode) + 10))
     h.add(0)
     h.add(1)
@@ -56,7 +50,7 @@ def test_layer_windows_match_reference(rope_mode):
 
 def test_layer_window_longer_than_everything_is_plain_attention():
     """A window longer than every sequence sees everything: equal to plain MHA layers."""
-    cfg = _layer_window_config(layer_sliding_window_size=4096, rope_mode=rk.RopeMode.NORMAL)
+    cfg = layer_window_config(layer_sliding_window_size=4096, rope_mode=rk.RopeMode.NORMAL)
     h = WindowHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(3))
     h.ref.layer_windows = [0, 0, 0]
     h.add(0)
@@ -70,7 +64,7 @@ def test_layer_window_longer_than_everything_is_plain_attention():
 def test_attention_with_shared_kv(kind):
     """A layer attending with its own queries over the KV another layer wrote this step."""
     window = 6
-    cfg = _config(num_layers=2, rope_mode=rk.RopeMode.NONE, layer_sliding_window_size=window,
+    cfg = make_config(num_layers=2, rope_mode=rk.RopeMode.NONE, layer_sliding_window_size=window,
                   attn_kinds=[kind, rk.AttnKind.MHA], page_size=8)
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
     rng = np.random.default_rng(1)
@@ -101,7 +95,7 @@ def _seq_window_config(**overrides) -> rk.KVCacheConfig:
     base = dict(support_sliding_window=True, rope_mode=rk.RopeMode.INLINE, page_size=8, max_num_seqs=8,
                 max_total_seq_len=512, prefill_chunk_size=96)
     base.update(overrides)
-    return _config(**base)
+    return make_config(**base)
 
 
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.INLINE])
@@ -184,7 +178,7 @@ def test_fork_outside_sink_and_windows_without_support_raise():
         cache.fork_sequence(0, 1, 7)
     assert cache._paging.debug_snapshot() == before
     cache.fork_sequence(0, 1, 6)
-    plain = rk.PagedAttentionKVCache(_config(), tvm.cpu())
+    plain = rk.PagedAttentionKVCache(make_config(), tvm.cpu())
     plain.add_sequence(0)
     with pytest.raises(rk.KVCacheError, match="support_sliding_window"):
         plain.enable_sliding_window_for_seq(0, 20, 6)
@@ -277,3 +271,126 @@ def test_popn_into_a_shared_prefix_keeps_the_window(child_alive):
     h.step([(0, 2)] + ([(1, 1)] if child_alive else []))
     h.check_contents()
     assert h.cache.get_sequence_length(0) == 10
+
+
+# ---------------------------------------------------------------------------- refusals around windows
+
+
+def test_window_changes_and_partial_merges_are_refused_mid_step():
+    win_cfg = dataclasses.replace(CFG, support_sliding_window=True, rope_mode=rk.RopeMode.INLINE)
+    c = rk.PagedAttentionKVCache(win_cfg, tvm.cpu())
+    c.add_sequence(0)
+    c.begin_forward([0], [4])
+    assert_refused(c, lambda: c.enable_sliding_window_for_seq(0, 16, 4), rk.ForwardError, "step is active")
+    c.end_forward()
+    o = tvm.runtime.tensor(np.random.default_rng(2).standard_normal((8, 4, 32)).astype("float32"))
+    lse = tvm.runtime.tensor(np.zeros((4, 4), "float32"))
+    view = tvm.runtime._ffi_api.TVMTensorCreateView
+    o_self, o_cross = view(o, (4, 4, 32), o.dtype, 0), view(o, (4, 4, 32), o.dtype, 0)
+    with pytest.raises(rk.ForwardError, match="shares memory"):  # lse_cross is a different tensor
+        c.merge_attn_output_inplace(o_self, lse, o_cross, tvm.runtime.tensor(np.zeros((4, 4), "float32")))
+
+
+def test_layer_windows_without_the_windowed_ragged_kernel_limit_the_chunk():
+    """TVM's creation arguments have no windowed ragged kernel: the new tokens of a chunk longer
+    than the window would see each other unwindowed. Such steps are refused; the frontend passes
+    ours as a 29th creation argument."""
+
+    cfg = layer_window_config()
+    full = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu(), kernels=dataclasses.replace(
+        full._kernels, attention_prefill_ragged_sliding_window=None))
+    c.add_sequence(0)
+    window = cfg.layer_sliding_window_size
+    assert_refused(c, lambda: c.begin_forward([0], [window + 1]), rk.ForwardError, "windowed ragged kernel")
+    c.begin_forward([0], [window])
+    c.end_forward()
+    full.add_sequence(0)
+    full.begin_forward([0], [min(window + 1, cfg.prefill_chunk_size)])
+
+
+def test_shared_kv_is_refused_when_slid_out_pages_hold_new_tokens():
+    """Steps where windows slide attend before appending. When a page slides out of one sequence's
+    window and takes another sequence's new tokens in the same step, the source layer's append
+    overwrites what attention_with_shared_kv (and a second call of the same layer) would read:
+    they returned wrong attention silently. Now they raise; steps without such pages still work
+    and match the layer's own attention."""
+    from reference_model import ReferenceCache
+
+    cfg = rk.KVCacheConfig(num_layers=2, num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=4, max_num_seqs=4,
+                           max_total_seq_len=84, prefill_chunk_size=32, rope_mode=rk.RopeMode.NONE,
+                           dtype="float32", support_sliding_window=True)
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    ref = ReferenceCache(2, 2, 1, 16, 0)
+    rng = np.random.default_rng(0)
+    for s in (0, 1):
+        c.add_sequence(s)
+        ref.add(s)
+    c.enable_sliding_window_for_seq(0, 8, 0)
+    ref.enable_window(0, 8, 0)
+    T = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a))  # noqa: E731
+    out = lambda n: tvm.runtime.tensor(np.full((n, 2, 16), np.nan, np.float32))  # noqa: E731
+    for ids, lens, reused in [([0, 1], [8, 4], False), ([0, 1], [4, 1], True)]:
+        n = sum(lens)
+        qkv = rng.standard_normal((n, 4, 16)).astype(np.float32)
+        c.begin_forward(ids, lens)
+        assert bool(c._step.meta.reused_pages) == reused
+        own = out(n)
+        c.attention_with_fused_qkv(0, T(qkv), own, 0.3)
+        shared_args = (T(qkv[:, :2].copy()), T(qkv[:, 2:3].copy()), T(qkv[:, 3:4].copy()), out(n), 0.3)
+        if reused:
+            assert_refused(c, lambda: c.attention_with_shared_kv(0, *shared_args), rk.ForwardError, "overwrote page")
+            assert_refused(c, lambda: c.attention_with_fused_qkv(0, T(qkv), out(n), 0.3), rk.ForwardError,
+                       "a second time")
+        else:
+            c.attention_with_shared_kv(0, *shared_args)
+            np.testing.assert_allclose(shared_args[3].numpy(), own.numpy(), atol=1e-5)
+        c.attention_with_fused_qkv(1, T(qkv), out(n), 0.3)
+        c.end_forward()
+        expected = ref.step(list(zip(ids, lens)), [qkv, qkv], 0.3)[0]
+        np.testing.assert_allclose(own.numpy(), expected, atol=1e-4)
+
+
+def test_cross_attention_after_an_append_that_reused_a_slid_page_is_refused():
+    """A page that slid out of a window took new tokens in the step; cross_attention after the
+    layer's fused append read them as the window's old tokens (wrong output, no error)."""
+    cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=4, max_num_seqs=8,
+                           max_total_seq_len=128, prefill_chunk_size=32, support_sliding_window=True,
+                           dtype="float32")
+    c = rk.PagedAttentionKVCache(cfg, tvm.cpu())
+    for seq in (0, 1, 2):
+        c.add_sequence(seq)
+    c.enable_sliding_window_for_seq(0, 10, 0)
+    rng = np.random.default_rng(3)
+    refused = 0
+    for lens in ([4, 3, 2], [2, 5, 2], [1, 2, 4], [2, 5, 4], [2, 2, 2], [5, 4, 5], [5, 1, 1], [4, 3, 3], [4, 1, 4]):
+        n = sum(lens)
+        c.begin_forward([0, 1, 2], lens)
+        q = tvm.runtime.tensor(rng.standard_normal((n, 4, 16)).astype("float32"))
+        o, lse = tvm.runtime.empty((n, 4, 16), "float32"), tvm.runtime.empty((n, 4), "float32")
+        c.cross_attention(0, q, o, lse, 0.3)  # before the append: allowed
+        qkv = tvm.runtime.tensor(rng.standard_normal((n, 8, 16)).astype("float32"))
+        c.attention_with_fused_qkv(0, qkv, tvm.runtime.empty((n, 4, 16), "float32"), 0.3)
+        if c._step.meta.reused_pages:
+            assert_refused(c, lambda: c.cross_attention(0, q, o, lse, 0.3), rk.ForwardError,
+                       r"cross_attention\(0\) would read layer 0's KV after its append overwrote page")
+            refused += 1
+        else:
+            c.cross_attention(0, q, o, lse, 0.3)
+        c.end_forward()
+    assert refused
+
+
+def test_reserve_append_reports_slid_out_pages_handed_to_new_tokens():
+    from relax_kvcache.paging import PagingState
+
+    state = PagingState(4, 4, slide_windows=True)
+    state.add_sequence(0)
+    state.add_sequence(1)
+    state.enable_sliding_window(0, 8, 0)
+    assert state.reserve_append([0, 1], [8, 4]) == ()  # pages 0, 1 | 2
+    assert state.reserve_append([0], [4]) == ()  # page 3 allocated, page 0 slides out: nobody takes it
+    assert state.num_free_pages == 1
+    # seq 0 needs a page (none free but page 0): it takes page 0, then page 1 slides out and is
+    # handed to seq 1's new token
+    assert state.reserve_append([0, 1], [4, 1]) == (1,)

@@ -3,11 +3,11 @@
 On the development machine: ``python tests/gpu_kernel_libs.py .gpu/klr --only-rope``. On the
 GPU host (runtime-only TVM, ``PYTHONPATH=python:tests:benchmarks``)::
 
-    python benchmarks/gpu_longrope_check.py [--seed S] [--libs .gpu/klr]
+    python tests/gpu_longrope_check.py [--seed S] [--libs .gpu/klr]
 
 Prefill chunks that cross ``rope_original_max_position_embeddings`` (2048), decode beyond it, a
 fork before it whose prefill crosses it again, a popn back across it: every attention output and
-the stored K of every sequence are compared with ``cache_model`` (float64). The kernel alone is
+the stored K of every sequence are compared with ``reference_model`` (float64). The kernel alone is
 checked by ``tests/test_kernels.py -k longrope`` (float16 / bfloat16).
 """
 
@@ -21,8 +21,8 @@ import tvm
 
 import relax_kvcache as rk
 import gpu_kernel_libs
-from cache_model import CacheModel, longrope
-from test_kernels import LONGROPE_CONFIGS
+from reference_model import CacheModel, longrope
+from support.kernel_cases import LONGROPE_CONFIGS
 
 ORIGINAL = 2048  # LONGROPE_CONFIGS' rope_original_max_position_embeddings
 OUT_TOL, K_TOL = 2e-2, 3e-2  # float16 outputs / stored keys (unit-variance inputs)

@@ -1,20 +1,14 @@
-"""Regressions of a red-team round on the generation engine, ``deploy.load`` and the CLI.
+"""The generation engine (``relax_kvcache.generate.Engine``): what it refuses and how it recovers.
 
-Engine: ``vocab_size`` is required; requests of another engine (or finished ones) are refused;
-a request that can never fit the cache is refused, ``cancel`` frees a request after a
-``CacheFullError``; prompts must be ordered sequences; speculation stays within the token budget.
-deploy.load: truncated libraries are refused before dlopen (it died of SIGBUS), a replaced
-library is loaded anew (dlopen caches by path). CLI: one-line errors, exit code 2.
+Requests: ``vocab_size`` and ``prefill_chunk_size`` are checked; a request that can never fit the
+cache, an unordered or odd prompt, or a request of another engine (or a finished one) is refused;
+requests are read-only handles. Steps: a ``CacheFullError`` changes nothing and ``cancel`` frees a
+request; speculation stays within the token budget; more decoding requests than a step holds take
+turns; a failed model step or reference check rolls the step back. Tokens are compared with the
+float64 numpy model's greedy ones.
 """
 
 from __future__ import annotations
-
-import contextlib
-import io
-import os
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,11 +16,10 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 import relax_kvcache as rk
-from cache_snapshot import assert_same, snapshot
-from relax_kvcache import deploy, model_demo
-from relax_kvcache.cli import main
+from relax_kvcache import model_demo
 from relax_kvcache.generate import Engine
 from relax_kvcache.models import LlamaConfig, LlamaNumpy, random_weights
+from support.snapshot import assert_same, snapshot
 
 SMALL = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
                          max_num_seqs=4, max_total_seq_len=256, prefill_chunk_size=64, dtype="float32")
@@ -39,18 +32,6 @@ class _NoVM:
 def _engine(cache=None, **kwargs):
     cache = rk.PagedAttentionKVCache(SMALL, tvm.cpu()) if cache is None else cache
     return Engine(_NoVM(), [], cache, tvm.cpu(), **{"prefill_chunk_size": 64, "vocab_size": 100, **kwargs})
-
-
-def run_cli(*argv: str):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return code, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(code, out, err, message):
-    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and message in err, (code, err)
-    assert out == ""  # refused before compiling or running anything
 
 
 # ---------------------------------------------------------------------------- engine, no model
@@ -135,6 +116,37 @@ def test_engine_takes_ndarray_subclass_prompts_and_refuses_float_ids():
         engine.add_request([1, 2.0], 4)
 
 
+def test_requests_are_read_only_handles():
+    """``add_request`` returned the engine's live state: ``r.tokens[1] = 10**9`` fed an unchecked id
+    to the model (a segfault) and ``r.cached = 0`` desynchronised the engine from the cache."""
+    engine = _engine()
+    req = engine.add_request([1, 2, 3], 4)
+    req.tokens[1] = 10**9  # a copy
+    assert req.tokens == [1, 2, 3] and engine.requests[req.seq_id].tokens == [1, 2, 3]
+    for name in ("cached", "tokens", "seq_id", "max_new_tokens", "prompt_len"):
+        with pytest.raises(AttributeError):
+            setattr(req, name, 0)
+    assert "Request(seq_id=0" in repr(req)
+
+
+@pytest.mark.parametrize("budget", [np.uint64(2**64 - 1), np.int16(32762), np.int32(2**31 - 5)])
+def test_numpy_token_budgets_do_not_overflow_the_capacity_check(budget):
+    engine = _engine()
+    with pytest.raises(ValueError, match="expected at most the cache's capacity"):
+        engine.add_request([1, 2, 3], budget)
+    assert not engine.requests and engine.cache.empty()
+
+
+def test_huge_prompts_are_refused_by_length_first():
+    """A 10**7-token prompt was converted element by element before the capacity check (10 s);
+    ``range(10**12)`` raised an empty MemoryError."""
+    engine = _engine()
+    for prompt in (range(10**12), np.zeros(10**7, dtype=np.int64), range(0, 2**70, 1)):
+        with pytest.raises(ValueError, match="plus max_new_tokens"):
+            engine.add_request(prompt, 1)
+    assert not engine.requests
+
+
 # ---------------------------------------------------------------------------- engine with the model
 
 
@@ -164,7 +176,7 @@ def _greedy(numpy_model, prompt, n):
 
 
 def test_cache_full_step_leaves_state_and_cancel_unblocks(model):
-    """Regression: a full cache wedged the engine (every step failed). Two requests that fit alone
+    """A full cache wedged the engine (every step failed). Two requests that fit alone
     but not together: the step that runs out of pages raises CacheFullError and changes nothing;
     cancelling one lets the other finish with the right tokens."""
     engine = _model_engine(model, max_total=128)  # 9 pages of 16 tokens
@@ -202,7 +214,7 @@ def test_speculate_stays_within_max_new_tokens(model):
 
 
 def test_a_reference_check_that_raises_rolls_the_step_back(model):
-    """Regression (red-team): end_forward had committed the step before the reference check ran;
+    """End_forward had committed the step before the reference check ran;
     a check that raised (or Ctrl-C in the slow float64 model) left the cache a step ahead of the
     request, and the next step fed the tokens again (wrong tokens, silently)."""
     engine = _model_engine(model, max_total=256)
@@ -226,155 +238,6 @@ def test_a_reference_check_that_raises_rolls_the_step_back(model):
         engine.step()
     assert a.tokens[4:] == _greedy(numpy_model, [7, 8, 9, 10], 3)
     assert b.tokens[3:] == _greedy(numpy_model, [11, 12, 13], 3)
-
-
-def test_cli_paths_that_cannot_be_written_or_are_empty(tmp_path):
-    """Regression (red-team): ``~unknown_user`` paths and over-long names gave tracebacks; empty
-    ``--export`` / ``--load`` values counted as absent (``--cache-only --export ""`` ran)."""
-    long_name = str(tmp_path / ("x" * 300 + ".so"))
-    for argv, message in [(("demo", "--cache-only", "--export", ""), "--export '' is empty"),
-                          (("demo", "--load", ""), "--load '' is empty"),
-                          (("demo", "--export", "~no_such_user_here/m.so"), "cannot be written"),
-                          (("demo", "--export", long_name), "longer than 255 bytes"),
-                          (("demo", "--load", "~no_such_user_here/m.so"), "cannot be opened"),
-                          (("build", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32",
-                            "--output", "~no_such_user_here/k.so"), "cannot be written")]:
-        assert_one_line_error(*run_cli(*argv), message)
-
-
-# ---------------------------------------------------------------------------- deploy.load
-
-
-@pytest.fixture(scope="module")
-def kernel_library(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lib") / "kernels.so"
-    return rk.export_kernels(SMALL, tvm.target.Target("llvm"), path)
-
-
-def _load_in_subprocess(path):
-    """deploy.load in a child process (a regression would kill it, not pytest)."""
-    code = "import sys; from relax_kvcache import deploy; deploy.load(sys.argv[1]); print('loaded')"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env,
-                          timeout=120)
-
-
-def test_load_refuses_a_truncated_library_by_its_checksum(kernel_library, tmp_path):
-    """dlopen of a truncated library can crash the process (SIGBUS); its checksum refuses it first."""
-    data = kernel_library.read_bytes()
-    assert len(data) > 100000
-    bad = tmp_path / "bad.so"
-    bad.write_bytes(data[:100000])
-    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(bad))
-    run = _load_in_subprocess(bad)
-    assert run.returncode == 1 and "DeployError: could not load" in run.stderr and str(bad) in run.stderr, run.stderr
-    assert "the library is damaged" in run.stderr
-
-
-def test_load_of_a_replaced_library_gets_the_new_one(kernel_library, tmp_path):
-    """Regression: dlopen returns the library first loaded under a path, so a rebuilt library
-    at the same path was ignored."""
-    path = tmp_path / "k.so"
-    shutil.copyfile(kernel_library, path)
-    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
-    other = rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=32, page_size=16,
-                             dtype="float32")
-    rk.export_kernels(other, tvm.target.Target("llvm"), path)
-    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1
-    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 1  # again (still not the first file)
-    shutil.copyfile(kernel_library, tmp_path / "new.so")
-    os.replace(tmp_path / "new.so", path)  # back to (a copy of) the first one, as a new file
-    shutil.copyfile(deploy.checksum_path(kernel_library), deploy.checksum_path(path))  # with its checksum
-    assert deploy.load(path)["kernel_spec_num_kv_heads"]() == 2
-
-
-# ---------------------------------------------------------------------------- CLI
-
-
-def test_cli_demo_load_of_a_kernel_library_is_one_line(kernel_library):
-    assert_one_line_error(*run_cli("demo", "--load", str(kernel_library)), "holds no Relax model")
-
-
-@pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")
-def test_cli_demo_cuda_load_without_cuda_is_one_line(kernel_library):
-    code, out, err = run_cli("demo", "--target", "cuda", "--load", str(kernel_library))
-    assert_one_line_error(code, out, err, "relax-kvcache demo: error:")
-
-
-def test_cli_demo_export_destination_checked_before_compiling(tmp_path):
-    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "missing" / "m.so")), "does not exist")
-    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path)), "is a folder")
-    assert_one_line_error(*run_cli("demo", "--export", str(tmp_path / "m.so") + os.sep), "ends with a path separator")
-    # ninth round: a path without .so (/dev/null was "written") and --load with --export
-    assert_one_line_error(*run_cli("demo", "--export", os.devnull), "does not end in .so")
-    assert_one_line_error(*run_cli("demo", "--load", str(tmp_path / "a.so"), "--export", str(tmp_path / "b.so")),
-                          "expected one of them")
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("option", ["--load", "--export"])
-def test_cli_demo_cache_only_refuses_load_and_export(tmp_path, option):
-    assert_one_line_error(*run_cli("demo", "--cache-only", option, str(tmp_path / "m.so")),
-                          f"cannot be combined with {option}")
-
-
-def test_cli_build_output_ending_in_a_separator(tmp_path):
-    output = str(tmp_path / "k.so") + os.sep
-    code, out, err = run_cli("build", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32",
-                             "--output", output)
-    assert_one_line_error(code, out, err, "ends with a path separator")
-    assert list(tmp_path.iterdir()) == []
-
-
-# ---------------------------------------------------------------------------- bfloat16 demo
-
-
-def test_demo_tolerance_scales_with_the_dtype():
-    assert model_demo.TOLERANCE["float16"] == pytest.approx(40 * 2.0**-11)
-    assert model_demo.TOLERANCE["bfloat16"] == pytest.approx(40 * 2.0**-8)
-    assert model_demo.TOLERANCE["float32"] == 1e-3
-
-
-def test_bfloat16_demo_passes_its_accuracy_check():
-    """Regression: `relax-kvcache demo --dtype bfloat16` failed its own check (7.7e-2 relative
-    against 5e-2); the error is bfloat16 rounding, 8x float16's."""
-    result = model_demo.run_model_demo(target="llvm", dtype="bfloat16", seed=0, log=lambda _: None)
-    assert result.ok and result.checked_rows > 0, result
-    assert 1e-3 < result.max_rel_error < model_demo.TOLERANCE["bfloat16"]  # bfloat16 really rounds
-
-
-# ---------------------------------------------------------------------------- ninth red-team round
-
-
-def test_requests_are_read_only_handles():
-    """``add_request`` returned the engine's live state: ``r.tokens[1] = 10**9`` fed an unchecked id
-    to the model (a segfault) and ``r.cached = 0`` desynchronised the engine from the cache."""
-    engine = _engine()
-    req = engine.add_request([1, 2, 3], 4)
-    req.tokens[1] = 10**9  # a copy
-    assert req.tokens == [1, 2, 3] and engine.requests[req.seq_id].tokens == [1, 2, 3]
-    for name in ("cached", "tokens", "seq_id", "max_new_tokens", "prompt_len"):
-        with pytest.raises(AttributeError):
-            setattr(req, name, 0)
-    assert "Request(seq_id=0" in repr(req)
-
-
-@pytest.mark.parametrize("budget", [np.uint64(2**64 - 1), np.int16(32762), np.int32(2**31 - 5)])
-def test_numpy_token_budgets_do_not_overflow_the_capacity_check(budget):
-    engine = _engine()
-    with pytest.raises(ValueError, match="expected at most the cache's capacity"):
-        engine.add_request([1, 2, 3], budget)
-    assert not engine.requests and engine.cache.empty()
-
-
-def test_huge_prompts_are_refused_by_length_first():
-    """A 10**7-token prompt was converted element by element before the capacity check (10 s);
-    ``range(10**12)`` raised an empty MemoryError."""
-    engine = _engine()
-    for prompt in (range(10**12), np.zeros(10**7, dtype=np.int64), range(0, 2**70, 1)):
-        with pytest.raises(ValueError, match="plus max_new_tokens"):
-            engine.add_request(prompt, 1)
-    assert not engine.requests
 
 
 def test_failed_adds_and_forks_do_not_consume_ids(model):
@@ -408,45 +271,7 @@ def test_forks_beyond_the_step_size_take_turns(model):
     assert cache.empty()
 
 
-@pytest.mark.parametrize("name, args", [("vm.builtin.kv_state_begin_forward", ([0], [1])),
-                                        ("vm.builtin.attention_kv_cache_attention_with_fused_qkv", (0, 1.0, None, None)),
-                                        ("vm.builtin.kv_state_add_sequence", (0,))])
-def test_builtins_refuse_a_none_cache(name, args):
-    """TVM's own builtins dereference a None cache (a segfault); the dispatcher refuses it."""
-    with pytest.raises(rk.ArgumentError, match="the cache is None"):
-        tvm.get_global_func(name)(None, *args)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--target", "cuda", "--arch", "sm80"], "CUDA arch must look like 'sm_80'"),
-    (["--export", "m.so", "--arch", "notacpu"], "'notacpu' is not a CPU LLVM knows"),
-    (["--arch", "sm_90a"], "--arch 'sm_90a' is used where the demo compiles its model"),
-    (["--cache-only", "--arch", "sm_90a"], "would be ignored"),
-    (["--cache-only", "--target", "cuda"], "--target cuda would be ignored"),
-])
-def test_cli_demo_arch_is_checked_before_compiling(argv, message, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert_one_line_error(*run_cli("demo", *argv), message)
-    assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")
-def test_cli_demo_cuda_without_a_gpu_is_refused_before_compiling():
-    assert_one_line_error(*run_cli("demo", "--target", "cuda"), "there is none")
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--page-size", "1000000000"], "one page would hold 16000000000 elements"),
-    (["--num-qo-heads", "2147483647"], "a step's fused q / k / v would hold"),
-])
-def test_cli_build_of_sizes_the_kernels_cannot_index(argv, message, tmp_path):
-    base = {"--num-qo-heads": "2", "--num-kv-heads": "1", "--head-dim": "8"}
-    base.update(dict(zip(argv[::2], argv[1::2])))
-    args = [x for kv in base.items() for x in kv]
-    assert_one_line_error(*run_cli("build", "-o", str(tmp_path / "a.so"), "--no-cache", *args), message)
-
-
-# ---------------------------------------------------------------------------- seventeenth round
+# ---------------------------------------------------------------------------- a failing model
 
 
 def _python_model(fail, vocab):
@@ -467,7 +292,7 @@ def _python_model(fail, vocab):
 
 
 def test_a_failed_model_step_returns_the_pages_in_their_order():
-    """Regression (code audit): the rollback popped the step's tokens in batch order, so the
+    """The rollback popped the step's tokens in batch order, so the
     pages went back to the free list reversed; and a VM without the step's function raised after
     begin_forward, leaving the step active (every later step failed)."""
     fail = {"on": False}

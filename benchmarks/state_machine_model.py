@@ -10,7 +10,7 @@ tell exactly, see below) either. Then it runs the operation and checks:
   exactly as it was: the paging state (``debug_snapshot``), every page's bytes in every layer, the
   K/V of every sequence read with ``debug_get_kv``, the free page count and whether a step is active;
 * an operation that succeeds changes the model the same way; a forward step's attention outputs
-  match a float64 reference (``cache_model.attend``) over the model's tokens;
+  match a float64 reference (``reference_model.attend``) over the model's tokens;
 * after every operation, `check_paging_invariants` and `check_against_model` hold.
 
 The model, per sequence: its K/V tokens as stored (RoPE NONE, so K is stored as given), the start
@@ -41,7 +41,7 @@ the sequence keeps every token, and a window smaller than its prefix is accepted
 
 Token trees (``tree_step`` with ``token_tree_parent_ptr``, plain cache only: caches with sliding
 windows or chunked layers raise `ForwardError`) and ``commit`` (``commit_accepted_token_tree_nodes``), with
-``cache_model``'s semantics: a sequence's uncommitted tree nodes follow its tokens; a node attends to
+``reference_model``'s semantics: a sequence's uncommitted tree nodes follow its tokens; a node attends to
 the tokens before its tree, its ancestors and itself; a commit keeps, after the tokens before the
 tree, the accepted path's nodes (indices in the whole tree, over all its steps) and pops the rest
 (``popn`` rules; leaf -1 drops the tree, and on a committed sequence pops its last step). While a
@@ -64,7 +64,7 @@ from relax_kvcache.errors import CacheFullError, ForwardError, KVCacheError, Seq
 from relax_kvcache.kernel_set import KernelSet
 from relax_kvcache.runtime import default_target
 
-from cache_model import attend, tree_path, tree_visible
+from reference_model import attend, tree_path, tree_visible
 
 PAGE_SIZE = 4
 NUM_LAYERS = 2
@@ -370,7 +370,7 @@ class Model:
         return len(s.tree) if s.tree is not None else s.last_append
 
     def commit(self, seq_id: int, leaf: int) -> None:
-        """``cache_model.commit``: keep, after the tokens before the tree, the accepted path's
+        """``reference_model.commit``: keep, after the tokens before the tree, the accepted path's
         nodes; the rest is popped (``popn`` rules)."""
         s = self.seqs[seq_id]
         pop, path = self.commit_pop(seq_id, leaf)

@@ -1,6 +1,7 @@
-"""TVM's native paged KV cache (C++ runtime + TVM's CPU TIR kernels) as a test baseline.
+"""TVM's native paged KV cache (C++ runtime + TVM's CPU TIR kernels): the baseline of the benchmarks
+and the differential tests.
 
-Test-only: relax_kvcache itself never imports TVM's ``nn.llm`` kernels or its native cache.
+Benchmarks and tests only: relax_kvcache itself never imports TVM's ``nn.llm`` kernels or its native cache.
 
 * :func:`tvm_kernels` builds TVM's CPU kernels for a :class:`Shape` (memoized per process).
 * :func:`create_args` assembles the 28 positional arguments of
