@@ -29,6 +29,7 @@ Usage::
     python benchmarks/e2e_bench.py --prepare .gpu/e2e --arch sm_90a [--models 1b] [--bundle]  # here
     python benchmarks/e2e_bench.py --libs .gpu/e2e [--models 1b 8b] [--json FILE]   # GPU host (PyTorch)
     python benchmarks/e2e_bench.py --cpu-smoke   # here: a tiny model on llvm, the same code path
+    python benchmarks/e2e_bench.py --libs .gpu/e2e --soak 5   # GPU host: generate.Engine under load
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -134,6 +136,13 @@ class Device:
 
     def free_bytes(self) -> Optional[int]:
         return int(self.torch.cuda.mem_get_info()[0]) if self.cuda else None
+
+    def used_bytes(self) -> Optional[int]:
+        """Device memory in use by every process (CUDA), or None (CPU: host memory is sampled)."""
+        if not self.cuda:
+            return None
+        free, total = self.torch.cuda.mem_get_info()
+        return int(total - free)
 
     def describe(self) -> str:
         if not self.cuda:
@@ -565,6 +574,14 @@ def _plan(plan: Plan, args) -> Plan:
     return dataclasses.replace(plan, chunk=max([plan.chunk, *plan.ttft]))
 
 
+@functools.lru_cache(maxsize=None)
+def _smoke_executable(side: str):
+    """``--cpu-smoke``'s tiny model for one side, compiled once per process."""
+    import e2e_models
+
+    return e2e_models.compile_model(side, SMOKE_MODEL, tvm.target.Target("llvm"))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prepare", type=pathlib.Path, help="compile the libraries into this folder (here)")
@@ -581,6 +598,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "no TTFT)")
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
+    parser.add_argument("--soak", type=float, metavar="MINUTES", help="only serve random traffic with "
+                        "generate.Engine on ours for this long (the 1b model unless one is named)")
     parser.add_argument("--same-process", action="store_true", help="native decode configurations in this "
                         "process (default: a process each)")
     parser.add_argument("--native-decode", type=int, nargs=2, metavar=("CONTEXT", "BATCH"),
@@ -592,11 +611,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return e2e_models.prepare(args.prepare, args.arch, {m: MODELS[m] for m in args.models}, MANIFEST,
                                   args.bundle)
     if args.cpu_smoke:
-        import e2e_models
+        import e2e_soak
 
         plan = _plan(SMOKE_PLAN, args)
-        target = tvm.target.Target("llvm")
-        return run(lambda _name: {side: e2e_models.compile_model(side, SMOKE_MODEL, target) for side in SIDES},
+        if args.soak is not None:
+            return run_soak(_smoke_executable("ours"), SMOKE_MODEL, Device(cuda=False), plan, args.soak,
+                            e2e_soak.SMOKE_LOAD, args.json)
+        return run(lambda _name: {side: _smoke_executable(side) for side in SIDES},
                    {"tiny": SMOKE_MODEL}, Device(cuda=False), plan, False, args.json)
     if args.libs is None:
         parser.error("one of --prepare DIR (here), --libs DIR (GPU host) or --cpu-smoke")
@@ -616,12 +637,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         return {side: deploy.load(str(args.libs / manifest["models"][name][side]), device=device.dev)
                 for side in SIDES}
 
+    if args.soak is not None:
+        import e2e_soak
+
+        name = args.models[0] if len(args.models) == 1 else "1b"
+        return run_soak(executables_for(name)["ours"], MODELS[name], device, plan, args.soak, e2e_soak.GPU_LOAD,
+                        args.json)
     if args.native_decode:
         return native_child(args.models[0], executables_for(args.models[0])["native"], device, plan,
                             *args.native_decode)
     print(f"e2e benchmark on {device.describe()}, TVM {tvm.__version__}", flush=True)
     return run(executables_for, {m: MODELS[m] for m in args.models}, device, plan, not args.no_graph, args.json,
                libs=None if args.same_process else args.libs)
+
+
+def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: float, load,
+             json_path: Optional[pathlib.Path]) -> int:
+    """``--soak``: ``generate.Engine`` on ours for ``minutes`` (``e2e_soak.soak``), on a cache
+    sized to run near full; exit status 1 unless it passed."""
+    import e2e_soak
+    from relax_kvcache.generate import Engine
+
+    weights = device.weights(cfg, SEED)
+    vm = make_vm("ours", executable, device)
+    mean = (sum(load.prompt) + sum(load.output)) / 2
+    total = _round_up(max(int(0.6 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE))
+    cache = Runner("ours", vm, weights).create(2 * load.max_live, total, plan.chunk)
+    functions = {"prefill": vm["prefill_all"], "decode": vm["decode"]}  # every token's logits
+    engine = Engine(functions, weights, cache, device.dev, prefill_chunk_size=plan.chunk,
+                    vocab_size=cfg.vocab_size)
+    print(f"soak on {device.describe()}: {minutes} min, up to {load.max_live} requests, prompts "
+          f"{load.prompt[0]}-{load.prompt[1]}, outputs {load.output[0]}-{load.output[1]} tokens, a cache of "
+          f"{total} tokens, CUDA graphs {'on' if engine._graphs else 'off'}", flush=True)
+    try:
+        result = e2e_soak.soak(engine, minutes * 60, load, device.used_bytes)
+    finally:
+        engine.close()
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0 if result["ok"] else 1
 
 
 def native_child(name: str, executable, device: Device, plan: Plan, context: int, batch: int) -> int:

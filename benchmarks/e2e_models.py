@@ -48,13 +48,22 @@ def _last_token(x: nn.Tensor) -> nn.Tensor:
 
 
 class OursLlama(Llama):
-    """The library's Llama; ``prefill`` returns the last token's logits."""
+    """The library's Llama; ``prefill`` returns the last token's logits, ``prefill_all`` every
+    token's (what ``generate.Engine`` takes, for the soak)."""
 
     def prefill(self, input_ids: nn.Tensor, cache) -> nn.Tensor:
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cache)
         return self.lm_head(self.norm(_last_token(x))).astype("float32")
+
+    def prefill_all(self, input_ids: nn.Tensor, cache) -> nn.Tensor:
+        return self._logits(input_ids, cache)
+
+    def export_spec(self) -> dict:
+        spec = super().export_spec()
+        spec["prefill_all"] = dict(spec["prefill"])
+        return spec
 
 
 class NativeLlama(OursLlama):
@@ -74,6 +83,7 @@ class NativeLlama(OursLlama):
 
     def export_spec(self) -> dict:
         spec = super().export_spec()
+        del spec["prefill_all"]
         cache = nn.spec.Object(object_type=tvm_kv.PagedKVCache)
         spec["prefill"]["cache"] = cache
         spec["decode"]["cache"] = cache

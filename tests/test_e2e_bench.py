@@ -122,7 +122,8 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
 
     matmuls = {name: f for name, f in model.items() if "matmul" in name}
     rows = sorted(name for name, f in matmuls.items() if dynamic(f))
-    assert len(rows) == 9, sorted(matmuls)  # decode: 4 per layer + vocab; prefill: 4 per layer
+    # decode: 4 per layer + vocab; prefill: 4 per layer; prefill_all (the soak's): its vocab projection
+    assert len(rows) == 10, sorted(matmuls)
     for name in rows:
         limits = re.findall(r"tvm_thread_invariant\([bn] <= T\.int64\((\d+)\)\)", matmuls[name].script())
         assert tuple(map(int, limits)) == frontend.LOW_BATCH_BUCKETS, (name, limits)
@@ -130,3 +131,15 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
     kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)
     assert not [k for k in kernels if "transpose" in k and not k.startswith("relax_kvcache_")]
     assert {"NT_matmul_kernel", "fused_NT_matmul1_add_kernel"} <= set(kernels), kernels
+
+
+def test_cpu_smoke_soak_serves_requests_and_gives_every_page_back(tmp_path):
+    """``--soak``: generate.Engine under random arrivals, forks, speculative rollbacks,
+    cancellations and preemption on a cache sized to run full; every page back at the end."""
+    out = tmp_path / "soak.json"
+    assert e2e_bench.main(["--cpu-smoke", "--soak", "0.15", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["pages_back"] and result["free_pages"][0] == result["free_pages"][1]
+    assert result["served"] >= 1 and result["arrived"] >= result["served"]
+    assert result["steps"] > 0 and result["tokens_per_s"] > 0 and result["latency_s"]["p50"] > 0
+    assert len(result["samples"]) >= 4
