@@ -9,7 +9,10 @@ Three PNGs, ours against TVM's native cache and the roofline measured in the sam
 * ``step_latency.png``: a whole 8-layer decode step against batch size: ours, ours replaying a
   CUDA graph, native.
 
-Usage: ``python benchmarks/plot_bench.py RESULTS.json [--out docs/img]`` (needs matplotlib).
+From an ``e2e_bench.py --json FILE`` run (``--e2e``): ``e2e_tokens_<model>.png``, decode tokens/s of
+the whole model against batch size, per context: ours eager, ours with CUDA graphs, native.
+
+Usage: ``python benchmarks/plot_bench.py RESULTS.json [--e2e] [--out docs/img]`` (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def _plot(path: pathlib.Path, series: dict, *, title: str, xlabel: str, ylabel: 
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for name, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="o", color=COLORS.get(name), label=LABELS.get(name, name))
+        base, _, context = name.partition(", ")  # e2e series: "<side>, <context>"
+        ax.plot(xs, ys, marker="o", color=COLORS.get(base), linestyle=":" if context == "4096" else "-",
+                label=LABELS.get(base, base) + (f", context {context}" if context else ""))
     if roof:
         ax.axhline(roof, color="gray", linestyle="--", label=roof_label)
     ax.set_xscale("log", base=2)
@@ -60,13 +65,43 @@ def _plot(path: pathlib.Path, series: dict, *, title: str, xlabel: str, ylabel: 
     print(f"wrote {path}")
 
 
+def e2e_series(result: dict) -> dict:
+    """{label: (batches, tokens/s)} of one model of an ``e2e_bench.py`` run: per context, ours
+    eager, ours with graphs and native (configurations without a time are left out)."""
+    out: dict = {}
+    for context, sides in result["decode"].items():
+        for side, key, label in (("ours", "eager", "ours"), ("ours", "graph", "ours+graph"),
+                                 ("native", "eager", "native")):
+            for batch, row in sorted(sides[side]["rows"].items(), key=lambda kv: int(kv[0])):
+                step = (row.get(key) or {}).get("step")
+                if step:
+                    xs, ys = out.setdefault(f"{label}, {context}", ([], []))
+                    xs.append(int(batch))
+                    ys.append(int(batch) / step)
+    return out
+
+
+def plot_e2e(results: List[dict], out: pathlib.Path) -> None:
+    for result in results:
+        series = e2e_series(result)
+        cfg = result["config"]
+        _plot(out / f"e2e_tokens_{result['model']}.png", series,
+              title=f"Decode through the Relax VM, {result['model']} shape ({cfg['num_layers']} layers, "
+                    f"hidden {cfg['hidden_size']})\n{result['device']}", xlabel="batch size",
+              ylabel="tokens/s (higher is better)", logy=True)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=pathlib.Path, help="JSON written by gpu_bench.py --json")
+    parser.add_argument("--e2e", action="store_true", help="RESULTS is an e2e_bench.py --json file")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/img"))
     args = parser.parse_args(argv)
     data = json.loads(args.results.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.e2e:
+        plot_e2e(data, args.out)
+        return
     shape = data["shape"]
     where = f"{data['device']}\n{shape['dtype']}, {shape['num_qo_heads']}/{shape['num_kv_heads']} heads, " \
             f"head_dim {shape['head_dim']}, page {shape['page_size']}"

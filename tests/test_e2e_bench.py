@@ -143,3 +143,14 @@ def test_cpu_smoke_soak_serves_requests_and_gives_every_page_back(tmp_path):
     assert result["served"] >= 1 and result["arrived"] >= result["served"]
     assert result["steps"] > 0 and result["tokens_per_s"] > 0 and result["latency_s"]["p50"] > 0
     assert len(result["samples"]) >= 4
+
+
+def test_plot_series_of_an_e2e_run_are_tokens_per_second_per_side_and_context():
+    import plot_bench
+
+    row = lambda step, graph=None: {"eager": {"step": step}, **({"graph": {"step": graph}} if graph else {})}  # noqa: E731
+    result = {"decode": {"1024": {"ours": {"rows": {"8": row(0.01, 0.005), "1": row(0.002, 0.001)}},
+                                  "native": {"rows": {"1": row(0.004), "8": {"eager": {"error": "crash"}}}}}}}
+    series = plot_bench.e2e_series(result)
+    assert series == {"ours, 1024": ([1, 8], [500.0, 800.0]), "ours+graph, 1024": ([1, 8], [1000.0, 1600.0]),
+                      "native, 1024": ([1], [250.0])}
