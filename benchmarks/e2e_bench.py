@@ -670,9 +670,14 @@ def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: 
           f"{load.prompt[0]}-{load.prompt[1]}, outputs {load.output[0]}-{load.output[1]} tokens, a cache of "
           f"{total} tokens, CUDA graphs {'on' if engine._graphs else 'off'}", flush=True)
     try:
+        same = e2e_soak.graphs_agree(engine, lambda: Engine(functions, weights, cache, device.dev,
+                                                             prefill_chunk_size=plan.chunk, vocab_size=cfg.vocab_size,
+                                                             cuda_graphs=False)) if engine._graphs else None
         result = e2e_soak.soak(engine, minutes * 60, load, device.used_bytes)
     finally:
         engine.close()
+    result["graphs_agree"] = same
+    result["ok"] = result["ok"] and same is not False
     if json_path:
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return 0 if result["ok"] else 1

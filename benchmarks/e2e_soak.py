@@ -137,6 +137,29 @@ def soak(engine: Engine, seconds: float, load: Load, device_used: Callable[[], O
     return _result(stats, latencies, samples, elapsed, engine, pages, log)
 
 
+def graphs_agree(engine: Engine, eager: Callable[[], Engine], log=print, seed: int = 1) -> bool:
+    """Greedy generation of the same requests through ``engine`` (CUDA graphs) and through an
+    eager engine on the same cache (``eager()``): the same tokens (the replayed kernels are the
+    captured ones), and graphs replayed on the way."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, engine.vocab_size, int(n)).tolist() for n in rng.integers(8, 64, 4)]
+    outputs = []
+    for make in (eager, lambda: engine):
+        e = make()
+        reqs = [e.add_request(p, 16) for p in prompts]
+        tokens = {}
+        while e.requests:
+            for req in e.step():
+                tokens[req.seq_id] = req.tokens
+        outputs.append([tokens[r.seq_id] for r in reqs])
+        if e is not engine:
+            e.close()
+    same = outputs[0] == outputs[1] and engine.stats.graph_replays > 0
+    log(f"soak: greedy tokens with CUDA graphs ({engine.stats.graph_replays} replays) "
+        f"{'equal' if outputs[0] == outputs[1] else 'DIFFER from'} the eager ones ({len(prompts)} requests x 16 tokens)")
+    return same
+
+
 def _growth(values: List[Optional[int]]) -> Optional[int]:
     """Growth of a sampled quantity from the end of warm-up (the first quarter) to the end."""
     known = [v for v in values if v is not None]
@@ -166,7 +189,8 @@ def _result(stats: dict, latencies: List[float], samples: List[tuple], elapsed: 
     lat = result["latency_s"]
     log(f"soak: {elapsed:.0f} s, {stats['arrived']} requests arrived, {stats['served']} served ({stats['cancelled']} cancelled, "
         f"{stats['preempted']} preempted, {stats['forks']} forks, {stats['speculated']} speculative steps, "
-        f"{engine.stats.rolled_back} tokens rolled back), {engine.stats.steps} steps, "
+        f"{engine.stats.rolled_back} tokens rolled back), {engine.stats.steps} steps "
+        f"({engine.stats.graph_replays} replayed as CUDA graphs), "
         f"{result['tokens_per_s']:.0f} tokens/s")
     if lat:
         log("soak: request latency p50 / p90 / p99 " + " / ".join(f"{lat[k]:.2f}" for k in ("p50", "p90", "p99"))

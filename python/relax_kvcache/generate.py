@@ -72,6 +72,7 @@ class Stats:
     model_seconds: float = 0.0
     max_rel_error: float = 0.0
     checked_rows: int = 0
+    graph_replays: int = 0  # decode steps replayed as a CUDA graph
 
 
 class Engine:
@@ -294,7 +295,8 @@ class Engine:
         def forward() -> None:
             self._held = fn(inputs, self.cache, *self.weights)  # a replay writes into this one
 
-        self._graphs.run(forward)
+        if self._graphs.run(forward) == "replayed":
+            self.stats.graph_replays += 1
         self._graphs.synchronize()
         return self._held
 
