@@ -88,7 +88,7 @@ class PagedKVCache(nn.Object):
         max_batch_size, max_total_seq_len, prefill_chunk_size
             Capacities: ints, or symbolic ``tirx.Var`` given when the model's function runs.
         """
-        target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+        target = tvm.target.Target(target)
         bb = rx.BlockBuilder.current()
         if bb is None:
             raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function "
@@ -189,7 +189,7 @@ class PagedKVCache(nn.Object):
 def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kwargs):  # noqa: A001
     """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
     kernels need."""
-    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    target = tvm.target.Target(target)
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
