@@ -82,17 +82,11 @@ def export_kernels(config: KVCacheConfig, target: tvm.target.Target,
 
     Parameters
     ----------
-    config : KVCacheConfig
-        The cache configuration; only the fields in :class:`KernelSetSpec` matter.
-    target : tvm.target.Target
-        Compilation target (see :func:`relax_kvcache.make_target`).
+    config, target, use_cache, progress
+        As in :func:`build_kernels`.
     path : path-like
         Library file to write, ending in ``.so``, in an existing folder; replaced atomically,
         with its SHA-256 beside it (``<path>.sha256``, checked by ``deploy.load``).
-    use_cache : bool
-        Read and write the on-disk cache (default True).
-    progress : callable, optional
-        Called with a one-line message before compiling or copying.
 
     Returns
     -------

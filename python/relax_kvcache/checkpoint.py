@@ -372,7 +372,7 @@ class CheckpointIO:
 
     def check_not_importing(self, seq_id: int, what: str) -> None:
         """Refuse ``what`` on the sequence whose import is unfinished."""
-        if self.importing is not None and self.importing.seq_id == seq_id:
+        if self.importing_id == seq_id:
             raise SequenceError(f"{what}: sequence {seq_id} is importing a checkpoint; finish_import it (or remove "
                                 "it) first")
 

@@ -37,7 +37,7 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
                     "`--load model.so` there.")
     demo.add_argument("--target", default="llvm", choices=["llvm", "cuda"], help="where to run (default: llvm)")
     demo.add_argument("--arch", help="CUDA architecture (default: the local GPU's, else sm_80)")
-    demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+    demo.add_argument("--dtype", choices=SUPPORTED_DTYPES,
                       help="model and cache dtype (default: float32 on llvm, float16 on cuda)")
     demo.add_argument("--seed", type=_seed, default=0, help="random seed, a non-negative int (default 0)")
     demo.add_argument("--export", metavar="PATH", help="compile the model for --target and write the library; do not run")

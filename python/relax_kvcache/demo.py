@@ -101,9 +101,6 @@ class _Driver:
                 self.log(f"      request {seq_id} finished; "
                          f"{self.cache.get_num_available_pages()} pages free")
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return rope(x, positions, self.cfg.rope_theta, self.cfg.rope_scale)
-
     def step(self, batch: List[Tuple[int, int]], label: str) -> None:
         cfg, device = self.cfg, self.cache.device
         n, hq, hkv = sum(length for _, length in batch), cfg.num_qo_heads, cfg.num_kv_heads
@@ -127,12 +124,12 @@ class _Driver:
             rows = slice(offset, offset + length)
             cached = self.kv[seq_id][0].shape[1]
             positions = np.arange(cached, cached + length)
-            new_k = np.stack([self._rope(x[rows, hq:hq + hkv], positions) for x in qkv])
+            new_k = np.stack([rope(x[rows, hq:hq + hkv], positions, cfg.rope_theta, cfg.rope_scale) for x in qkv])
             k, v = (np.concatenate(pair, axis=1)
                     for pair in zip(self.kv[seq_id], (new_k, qkv[:, rows, hq + hkv:])))
             self.kv[seq_id] = [k, v]
             for layer in range(cfg.num_layers):
-                q = self._rope(qkv[layer, rows, :hq], positions)
+                q = rope(qkv[layer, rows, :hq], positions, cfg.rope_theta, cfg.rope_scale)
                 want, _ = attention(q, k[layer], v[layer], self.sm_scale, causal=True)
                 error = max(error, float(np.abs(got[layer, rows] - want).max()))
             offset += length

@@ -113,19 +113,17 @@ def _checked_library(path: Union[str, "os.PathLike[str]"]) -> pathlib.Path:
         raise FileNotFoundError(f"kernel library path {str(path)!r} is empty; expected a .so file")
     try:
         library = pathlib.Path(os.fsdecode(path)).expanduser()
-        is_file, exists = library.is_file(), library.exists()
+        if library.is_file():
+            return library
         what = ("is a folder" if library.is_dir() else
-                "is not a regular file (a device, a pipe or a socket)" if exists else
+                "is not a regular file (a device, a pipe or a socket)" if library.exists() else
                 "is a broken symbolic link (or a loop)" if library.is_symlink() else
                 "does not exist")
     except (RuntimeError, OSError, ValueError) as err:  # ~unknown_user, a name too long, a NUL byte
         raise FileNotFoundError(f"kernel library {str(path)!r} cannot be opened ({err}); expected "
                                 "a .so file") from None
-    if not is_file:
-        raise FileNotFoundError(
-            f"kernel library {str(path)!r} {what}; expected a .so file written by "
-            "`relax-kvcache build --output FILE.so` or relax_kvcache.build.export_kernels")
-    return library
+    raise FileNotFoundError(f"kernel library {str(path)!r} {what}; expected a .so file written by "
+                            "`relax-kvcache build --output FILE.so` or relax_kvcache.build.export_kernels")
 
 
 def library_holds_cuda(path: Union[str, "os.PathLike[str]"]) -> bool:

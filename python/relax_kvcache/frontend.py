@@ -29,33 +29,14 @@ IntOrVar = Union[int, tvm.tirx.Expr]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CacheLayout:
-    """What a model fixes about its cache at compile time (capacities are arguments of
-    :meth:`PagedKVCache.create`); fields as in :class:`~relax_kvcache.KVCacheConfig`.
+    """What a model fixes about its cache at compile time: the fields of
+    :class:`~relax_kvcache.KVCacheConfig` but its capacities (arguments of
+    :meth:`PagedKVCache.create`); the model's module holds ``rope_ext_factors`` as a constant.
 
     Parameters
     ----------
-    num_layers, num_qo_heads, num_kv_heads, head_dim : int
-        The model's attention shape.
-    v_head_dim : int, optional
-        Defaults to ``head_dim``.
-    page_size : int
-        Tokens per page (16).
-    rope_mode : RopeMode
-        ``NORMAL``: the cache rotates q/k (Llama); ``NONE``; ``INLINE``: inside the kernels.
-    rope_theta, rope_scale, rope_rotary_dim, rope_interleaved
-        RoPE base, position scale, partial rotary dim, GPT-J style pairs.
-    rope_ext_factors, rope_original_max_position_embeddings, rope_attention_factor
-        LongRoPE (Phi-3); the model's module holds the factors as a constant.
-    dtype : str
-        ``float32``, ``float16`` or ``bfloat16``.
-    attn_kinds : sequence of AttnKind, optional
-        Per layer (default all ``MHA``).
-    layer_sliding_window_size, attention_chunk_size : int
-        Window of ``MHA_SLIDING`` layers, chunk of ``MHA_CHUNKED_LOCAL`` layers.
     sliding_window : bool
-        Whether sequences may get sliding windows (``enable_sliding_window_for_seq``).
-    mla_original_qk_head_dim, mla_original_v_head_dim : int, optional
-        MLA layouts: the decompressed head dims of ``self_attention``.
+        Whether sequences may get sliding windows (``KVCacheConfig.support_sliding_window``).
     """
 
     num_layers: int
@@ -107,7 +88,7 @@ class PagedKVCache(nn.Object):
         max_batch_size, max_total_seq_len, prefill_chunk_size
             Capacities: ints, or symbolic ``tirx.Var`` given when the model's function runs.
         """
-        target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+        target = tvm.target.Target(target)
         bb = rx.BlockBuilder.current()
         if bb is None:
             raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function "
@@ -208,7 +189,7 @@ class PagedKVCache(nn.Object):
 def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kwargs):  # noqa: A001
     """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
     kernels need."""
-    target = tvm.target.Target(target) if not isinstance(target, tvm.target.Target) else target
+    target = tvm.target.Target(target)
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):

@@ -105,11 +105,8 @@ def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.ru
             for d in ((config.head_dim,) if mla else (config.head_dim, config.v_head_dim))]
     append_role = "transpose_append_mla" if mla else "transpose_append"
 
-    def ints(values: Any) -> tvm.runtime.Tensor:
-        return tvm.runtime.tensor(np.array(values, dtype=np.int32), device)
-
     def append() -> None:
-        getattr(kernels, append_role)(pages, *(_tensor(x, dtype, device) for x in rows), ints([0]))
+        getattr(kernels, append_role)(pages, *(_tensor(x, dtype, device) for x in rows), _ints([0], device))
         page_slot(want[0], 0, is_mla=mla)[...] = rows[0][0] if mla else np.stack([x[0] for x in rows])
 
     def copy_page() -> None:
@@ -119,7 +116,7 @@ def _probe_page_kernels(config: KVCacheConfig, kernels: KernelSet, pages: tvm.ru
     def compact_copy() -> None:
         want[1] = exact_random(rng, want[1].shape)
         _write(views[1], want[1])
-        kernels.compact_copy(pages, ints([0, 1]), ints([[2 * ps - 1], [0]]), 1)
+        kernels.compact_copy(pages, _ints([0, 1], device), _ints([[2 * ps - 1], [0]], device), 1)
         page_slot(want[0], 0, is_mla=mla)[...] = page_slot(want[1], ps - 1, is_mla=mla)
 
     table = [(append_role, append, "write one token's K/V to its position (and nothing else)"),
@@ -151,7 +148,7 @@ def _probe_split_rotary(config: KVCacheConfig, kernels: KernelSet, device: tvm.r
     hq, hkv, d, rotary = config.num_qo_heads, config.num_kv_heads, config.head_dim, config.rotary_dim
     qkv = exact_random(np.random.default_rng(0), (2, hq + 2 * hkv, d))
     outs = [tvm.runtime.empty((2, h, d), config.dtype, device) for h in (hq, hkv, hkv)]
-    positions = tvm.runtime.tensor(np.array([7, 1000], np.int32), device)  # rotations by different angles
+    positions = _ints([7, 1000], device)  # rotations by different angles
     kernels.split_rotary(_tensor(qkv, config.dtype, device), positions, *outs,
                          split_rotary_rope_argument(config, device))
     kernel = kernels.origin("split_rotary") + "the split_rotary kernel"
@@ -186,7 +183,7 @@ def _decompressed_head_dims(config: KVCacheConfig, kernels: KernelSet, device: t
     hq, dtype, widest = config.num_qo_heads, config.dtype, MAX_PROBED_HEAD_DIM
     wide = [_tensor(np.zeros((hq * widest,)), dtype, device) for _ in range(2)]
     lse = [_tensor(np.zeros((1, hq)), "float32", device) for _ in range(2)]
-    indptr, zero = (tvm.runtime.tensor(np.array(v, dtype=np.int32), device) for v in ((0, 1), (0,)))
+    indptr, zero = _ints([0, 1], device), _ints([0], device)
 
     def first_accepted(call: Callable[[Callable[[int], tvm.runtime.Tensor]], None]) -> Optional[int]:
         for dim in range(1, widest + 1):
@@ -234,6 +231,10 @@ def page_slot(page: np.ndarray, slot: int, *, is_mla: bool) -> np.ndarray:
 def exact_random(rng: np.random.Generator, shape: Tuple[int, ...]) -> np.ndarray:
     """Multiples of 1/8 in [-2, 2]: exact in every cache dtype."""
     return rng.integers(-16, 17, size=shape) / 8.0
+
+
+def _ints(values: Any, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(np.array(values, dtype=np.int32), device)
 
 
 def _nan(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device) -> tvm.runtime.Tensor:
