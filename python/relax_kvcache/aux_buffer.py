@@ -162,8 +162,9 @@ class AuxBuffer:
         """Write ``arrays`` at element ``offsets`` and copy them to the device."""
         if self._pinned is not None:
             self._pinned.ready_for_write()
+        host = self._host
         for array, offset in zip(arrays, offsets):
-            self._host[offset:offset + array.size] = array.ravel()
+            host[offset:offset + array.size] = array if array.ndim == 1 else array.ravel()
         count = offsets[len(arrays) - 1] + arrays[-1].size if arrays else 0
         if self._pinned is not None:
             self._pinned.copy(count)
@@ -184,16 +185,27 @@ class SlotBuffer:
         self._buffer = AuxBuffer(device, self._offsets[-1])
         self._shapes = [tuple(s) for s in shapes]
         self.views = [self._buffer.view(s, o) for s, o in zip(self._shapes, self._offsets)]
+        self._written: List[Optional[np.ndarray]] = [None] * len(self._shapes)  # what each slot holds
 
-    def fits(self, arrays: Sequence[np.ndarray]) -> bool:
-        """Whether ``arrays`` fit the slots (same count, each no larger than its slot)."""
-        return len(arrays) == len(self._shapes) and all(
-            a.shape == s or (p and a.ndim == 1 and a.size <= s[0])
-            for a, s, p in zip(arrays, self._shapes, self._partial))
-
-    def upload(self, arrays: Sequence[np.ndarray]) -> None:
-        """Write ``arrays`` (``fits(arrays)`` holds) into their slots and copy them to the device."""
-        self._buffer.write(arrays, self._offsets)
+    def upload(self, arrays: Sequence[np.ndarray]) -> bool:
+        """Write ``arrays`` into their slots and copy them to the device when they all fit (each
+        no larger than its slot); whether they did (else nothing changes). Arrays that are the
+        very objects the slots hold already (metadata arrays are never changed in place) are not
+        written again."""
+        written, shapes, partial = self._written, self._shapes, self._partial
+        if len(arrays) != len(shapes):
+            return False
+        changed = []
+        for i, a in enumerate(arrays):
+            if a is not written[i]:
+                if a.shape != shapes[i] and not (partial[i] and a.ndim == 1 and a.size <= shapes[i][0]):
+                    return False
+                changed.append(i)
+        if changed:
+            self._buffer.write([arrays[i] for i in changed], [self._offsets[i] for i in changed])
+            for i in changed:
+                written[i] = arrays[i]
+        return True
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""

@@ -1,16 +1,20 @@
-"""Repeated decode steps: update the previous step's metadata with numpy instead of planning
-again (the same `StepMetadata` as the full planner's; docs/architecture.md).
+"""Repeated decode steps: update the previous step's metadata instead of planning again (the
+same `StepMetadata` as the full planner's; docs/architecture.md).
 
 A step qualifies when the previous one was a plain decode step of the same batch (decode
 kernel at every depth, no token trees, no sliding sequences) and nothing changed the paging
 state since; growth adds the same pages to the coalesced and uncoalesced counts, so it cannot
 switch a depth to the coalesced prefill kernel.
+
+Each sequence's new token sits one position and one slot after its previous one, except where
+its last block took a page (then at the page's first slot); the last page of each page list at
+the sequences' last depth holds one more token (``len % page_size + 1``). A step where no block
+takes a page is a handful of numpy operations whatever the batch size.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 from tvm.runtime import ShapeTuple
@@ -18,6 +22,7 @@ from tvm.runtime import ShapeTuple
 from . import metadata as md
 from .config import LayerSpan
 from .paging import DecodeLane, PagingState
+from .paging.decode_lane import last_slots
 
 
 class DecodePlanner:
@@ -28,8 +33,12 @@ class DecodePlanner:
         self._span = layer_span
         self._lane: Optional[DecodeLane] = None
         self._step: Optional[md.StepMetadata] = None
-        self._last_depth_rows: tuple[np.ndarray, ...] = ()
-        self._ones: tuple[int, ...] = ()
+        # per depth: the rows (sequences) whose last block it attends, and whether that is all
+        self._last_depth_rows: Tuple[Tuple[np.ndarray, bool], ...] = ()
+        self._ones: Tuple[int, ...] = ()
+        self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
+        self._ones_like_tokens = self._tokens
+        self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it qualifies (then `next_step` can follow it)."""
@@ -41,7 +50,11 @@ class DecodePlanner:
         if lane is None:
             return False
         depth_of = np.asarray(last_depths, dtype=np.int64)
-        self._last_depth_rows = tuple(np.flatnonzero(depth_of == d) for d in range(len(step.depths)))
+        rows = [np.flatnonzero(depth_of == d) for d in range(len(step.depths))]
+        self._last_depth_rows = tuple((r, r.size == depth_of.size) for r in rows)
+        positions = step.q_rope_position.astype(np.int32)
+        self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
+        self._ones_like_tokens = np.ones_like(self._tokens)
         self._lane, self._step = lane, step
         self._ones = (1,) * len(step.seq_ids)
         return True
@@ -53,40 +66,45 @@ class DecodePlanner:
         if (lane is None or lane.version != paging.version or not _is_int_tuple(seq_ids, lane.seq_ids)
                 or not _is_int_tuple(append_lengths, self._ones)):
             return None
-        positions = lane.seq_length.astype(np.int32)
-        full = lane.block_length >= lane.page_capacity
-        paging.advance_lane(lane)
-        ps = self._page_size
-        append_position = (lane.last_page * ps + (lane.block_length - 1) % ps).astype(np.int32)
-        depths = tuple(self._grow_depth(depth, rows, full, lane, positions)
-                       for depth, rows in zip(prev.depths, self._last_depth_rows))
-        step = dataclasses.replace(prev, k_ragged_rope_pos_offset=positions, q_rope_position=positions,
-                                   append_position=append_position, depths=depths)
-        self._step = step
+        full, new_pages = paging.advance_lane(lane)
+        tokens = self._tokens + self._ones_like_tokens
+        b = len(lane.seq_ids)
+        page_of = None
+        if len(full):
+            tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
+            page_of = np.full(b, -1, dtype=np.int64)
+            page_of[full] = new_pages
+        positions = tokens[:b]
+        depths = tuple(self._grow_depth(depth, rows, every, page_of, positions)
+                       for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
+        step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
+                         append_position=tokens[2 * b:], depths=depths)
+        self._tokens, self._step = tokens, step
         return step
 
-    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, full: np.ndarray,
-                    lane: DecodeLane, positions: np.ndarray) -> md.DepthMetadata:
-        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one."""
+    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, page_of: Optional[np.ndarray],
+                    positions: np.ndarray) -> md.DepthMetadata:
+        """``depth`` after the sequences ``rows`` (whose last block it attends; ``every``: all of
+        them) grew by one token, taking the pages ``page_of[row]`` (>= 0) where not None."""
         if not rows.size:
             return self._with_window(depth, positions)
-        page_indptr, page_indices = depth.page_indptr, depth.page_indices
-        grown = rows[full[rows]]
-        if grown.size:
-            page_indices = np.insert(page_indices, page_indptr[grown + 1], lane.last_page[grown])
+        ps, length_info = self._ps, depth.length_info
+        if every and length_info.ndim == 1:
+            length_info = length_info % ps
+            length_info += _ONE
+        else:
+            length_info = length_info.copy()
+            last_page_len = length_info[0] if length_info.ndim == 2 else length_info
+            last_page_len[rows] = last_page_len[rows] % ps + 1
+        changes = {"length_info": length_info}
+        grown = None if page_of is None else rows[page_of[rows] >= 0]
+        if grown is not None and grown.size:
+            page_indptr = depth.page_indptr
+            changes["page_indices"] = np.insert(depth.page_indices, page_indptr[grown + 1], page_of[grown])
             added = np.zeros(page_indptr.size, dtype=np.int32)
             added[grown + 1] = 1
-            page_indptr = page_indptr + np.cumsum(added, dtype=np.int32)
-        length_info = depth.length_info.copy()
-        last_page_len = length_info[0] if length_info.ndim == 2 else length_info
-        if rows.size == last_page_len.size:  # every sequence ends at this depth
-            last_page_len[:] = (lane.seq_length - depth.k_rope_pos_offset - 1) % self._page_size + 1
-        else:
-            chain = lane.seq_length[rows] - depth.k_rope_pos_offset[rows]
-            last_page_len[rows] = (chain - 1) % self._page_size + 1
-        grown_depth = dataclasses.replace(depth, page_indptr=page_indptr, page_indices=page_indices,
-                                          length_info=length_info)
-        return self._with_window(grown_depth, positions)
+            changes["page_indptr"] = page_indptr + np.cumsum(added, dtype=np.int32)
+        return self._with_window(md.evolve(depth, **changes), positions)
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
         """``depth`` with the window pages of queries at ``positions`` (local layers only)."""
@@ -95,7 +113,7 @@ class DecodePlanner:
         last_page_len = depth.length_info[0] if depth.length_info.ndim == 2 else depth.length_info
         window = md.window_pages(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
                                  positions, self._span, self._page_size)
-        return dataclasses.replace(depth, window=window)
+        return md.evolve(depth, window=window)
 
     @property
     def current(self) -> Optional[md.StepMetadata]:
@@ -103,10 +121,13 @@ class DecodePlanner:
         return self._step
 
 
+_ONE = np.int32(1)
+
+
 def _is_int_tuple(values: Any, expected: tuple) -> bool:
     """Whether ``values`` holds exactly the ints ``expected`` (not bools or floats, which the full
     planner refuses)."""
     if isinstance(values, ShapeTuple):  # a tuple of Python ints
-        return tuple(values) == expected
+        return values == expected
     return (isinstance(values, (tuple, list)) and len(values) == len(expected)
             and all(type(v) is int for v in values) and tuple(values) == expected)

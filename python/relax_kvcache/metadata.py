@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from .config import LayerSpan
 from .paging import Block, PagingState
 from .token_tree import TokenTree
+
+_Record = TypeVar("_Record")
 
 #: Deepest block level attended separately; deeper blocks are concatenated into the last level.
 MAX_BLOCK_DEPTH = 2
@@ -328,6 +330,18 @@ def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
         plain = all(t.is_chain for t in present) and structure.use_decode_kernel[d]
         depth_trees.append(TreeMask.of(here) if present and not plain else None)
     return None, tuple(depth_trees)
+
+
+def evolve(record: _Record, **changes: object) -> _Record:
+    """``dataclasses.replace`` for the per-step hot path: a shallow copy of a metadata record
+    with ``changes`` (field names only; the records have no ``__post_init__``)."""
+    if not changes.keys() <= record.__dataclass_fields__.keys():  # type: ignore[attr-defined]
+        raise TypeError(f"{type(record).__name__} has no field(s) {sorted(changes.keys() - vars(type(record)))}")
+    new = object.__new__(type(record))
+    fields = new.__dict__
+    fields.update(record.__dict__)
+    fields.update(changes)
+    return new
 
 
 def indptr(lengths: Sequence[int]) -> np.ndarray:

@@ -153,16 +153,16 @@ class StepUploader:
         # lists fit the slots' headroom (a captured CUDA graph replays on them).
         has_pages = tuple((_has_pages(d), d.window and _has_pages(d.window)) for d in meta.depths)
         slots = self._slots
-        if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
+        if slots is None or slots[0] != has_pages or not slots[1].upload(arrays):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
             shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in packed]
             buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
+            buffer.upload(arrays)
             slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
         elif slots[3] != meta.seq_ids:
             # another batch of the same structure: new views, so no graph of the old one replays
             slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
         self._slots = slots
-        slots[1].upload(arrays)
         return Step(meta, slots[2], True, slots[1])
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:

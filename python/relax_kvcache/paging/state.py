@@ -265,15 +265,17 @@ class PagingState:
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
                                      seq_ids)
 
-    def advance_lane(self, lane: DecodeLane) -> None:
-        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1)."""
+    def advance_lane(self, lane: DecodeLane) -> tuple[np.ndarray, list[int]]:
+        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
+        the rows whose last block took a page and those pages."""
         if lane.version != self._version:
             raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
                                f"state is at version {self._version}; open a new lane")
-        full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks needing a page
-        self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        full = lane.full_rows()  # last blocks needing a page
+        if len(full):
+            self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
         self._version += 1
-        decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
+        return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the uncommitted token tree of ``seq_id`` (opaque here)."""
