@@ -70,11 +70,17 @@ class DeviceStep:
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv): a depth's partial output before it is merged
     tmp_lse: tvm.runtime.Tensor  # (n, Hq) float32
     merged_lse: tvm.runtime.Tensor  # (n, Hq) float32: LSE of attention_with_fused_qkv's output
+    # depths_with_pages(False), depths_with_pages(True)
+    _with_pages: Tuple[Any, Any] = dataclasses.field(default=((), ()), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        views = [tuple((d, p) for d, p in ((d, d.window if windowed else d.pages) for d in self.depths)
+                       if p is not None and p.has_pages) for windowed in (False, True)]
+        object.__setattr__(self, "_with_pages", tuple(views))
 
     def depths_with_pages(self, windowed: bool) -> Tuple[Tuple[DepthViews, PageViews], ...]:
         """(depth, the page views a layer reads) for the depths where it reads any page."""
-        views = ((d, d.window if windowed else d.pages) for d in self.depths)
-        return tuple((d, p) for d, p in views if p.has_pages)
+        return self._with_pages[windowed]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +91,9 @@ class Step:
     device: DeviceStep  # its device arrays and scratch views (repeated decode steps share one)
     fixed_slots: bool  # whether device lives in fixed slots (a CUDA graph may capture it)
     buffer: Any  # the AuxBuffer or SlotBuffer; buffer.wait() orders the compute stream after it
+    total_tokens: int  # meta.total_tokens
     # layers whose K/V the step has appended so far
     appended: Set[int] = dataclasses.field(default_factory=set)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.meta.total_tokens
 
     def check_not_overwritten(self, what: str, layer: int, layer_id: int) -> None:
         """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote slid-out pages."""
@@ -148,7 +151,7 @@ class StepUploader:
         packed = _packed_arrays(meta)
         arrays = [a for a, _ in packed]
         if not repeated_decode:
-            return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux)
+            return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux, meta.total_tokens)
         # Fixed slots: the views stay the same while the batch keeps its structure and its page
         # lists fit the slots' headroom (a captured CUDA graph replays on them).
         has_pages = tuple((_has_pages(d), d.window and _has_pages(d.window)) for d in meta.depths)
@@ -163,7 +166,7 @@ class StepUploader:
             # another batch of the same structure: new views, so no graph of the old one replays
             slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
         self._slots = slots
-        return Step(meta, slots[2], True, slots[1])
+        return Step(meta, slots[2], True, slots[1], meta.batch_size)
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
