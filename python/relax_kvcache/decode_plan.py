@@ -37,6 +37,7 @@ class DecodePlanner:
         self._last_depth_rows: Tuple[Tuple[np.ndarray, bool], ...] = ()
         self._ones: Tuple[int, ...] = ()
         self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
+        self._plain = False
         self._ones_like_tokens = self._tokens
         self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
 
@@ -52,6 +53,9 @@ class DecodePlanner:
         depth_of = np.asarray(last_depths, dtype=np.int64)
         rows = [np.flatnonzero(depth_of == d) for d in range(len(step.depths))]
         self._last_depth_rows = tuple((r, r.size == depth_of.size) for r in rows)
+        # one depth holding every sequence's last block, no window pages: the common case
+        self._plain = (len(step.depths) == 1 and self._last_depth_rows[0][1] and step.depths[0].window is None
+                       and step.depths[0].length_info.ndim == 1)
         positions = step.q_rope_position.astype(np.int32)
         self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
@@ -75,8 +79,13 @@ class DecodePlanner:
             page_of = np.full(b, -1, dtype=np.int64)
             page_of[full] = new_pages
         positions = tokens[:b]
-        depths = tuple(self._grow_depth(depth, rows, every, page_of, positions)
-                       for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
+        if self._plain and page_of is None:  # only the last page of each list fills
+            length_info = prev.depths[0].length_info % self._ps
+            length_info += _ONE
+            depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
+        else:
+            depths = tuple(self._grow_depth(depth, rows, every, page_of, positions)
+                           for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
         step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
                          append_position=tokens[2 * b:], depths=depths)
         self._tokens, self._step = tokens, step

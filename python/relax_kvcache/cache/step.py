@@ -148,18 +148,18 @@ class StepUploader:
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
         ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots."""
-        packed = _packed_arrays(meta)
-        arrays = [a for a, _ in packed]
+        arrays = _packed_arrays(meta)
         if not repeated_decode:
             return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux, meta.total_tokens)
         # Fixed slots: the views stay the same while the batch keeps its structure and its page
         # lists fit the slots' headroom (a captured CUDA graph replays on them).
-        has_pages = tuple((_has_pages(d), d.window and _has_pages(d.window)) for d in meta.depths)
+        has_pages = tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None])
         slots = self._slots
         if slots is None or slots[0] != has_pages or not slots[1].upload(arrays):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
-            shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in packed]
-            buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
+            page_lists = _page_lists(meta)
+            shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
+            buffer = SlotBuffer(self._device, shapes, page_lists)
             buffer.upload(arrays)
             slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
         elif slots[3] != meta.seq_ids:
@@ -199,20 +199,26 @@ def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
     return p.page_indices.size > 0
 
 
-def _packed_arrays(meta: md.StepMetadata) -> List[Tuple[np.ndarray, bool]]:
-    """A step's arrays in upload order, each with whether it is a page list (which may grow)."""
-    def page_set(p: Any) -> List[Tuple[np.ndarray, bool]]:  # a DepthMetadata or WindowPages
-        return [(p.page_indptr, False), (p.page_indices, True), (p.length_info, False),
-                (p.k_rope_pos_offset, False)]
-
-    heads = (meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)
-    arrays = [(a, False) for a in heads]
+def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
+    """A step's arrays in upload order."""
+    arrays = [meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position]
     for depth in meta.depths:
-        arrays += [(depth.qo_indptr, False), *page_set(depth)]
-        if depth.window is not None:
-            arrays += page_set(depth.window)
+        arrays += (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info, depth.k_rope_pos_offset)
+        window = depth.window
+        if window is not None:
+            arrays += (window.page_indptr, window.page_indices, window.length_info, window.k_rope_pos_offset)
         if depth.tree is not None:
-            arrays += [(depth.tree.mn_indptr, False), (depth.tree.mask, False)]
+            arrays += (depth.tree.mn_indptr, depth.tree.mask)
     if meta.ragged_tree is not None:
-        arrays += [(meta.ragged_tree.mn_indptr, False), (meta.ragged_tree.mask, False)]
+        arrays += (meta.ragged_tree.mn_indptr, meta.ragged_tree.mask)
     return arrays
+
+
+def _page_lists(meta: md.StepMetadata) -> List[bool]:
+    """Whether each of `_packed_arrays` is a page list (which may grow)."""
+    page_set = [False, True, False, False]
+    flags = [False] * 4
+    for depth in meta.depths:
+        flags += [False, *page_set, *(page_set if depth.window is not None else ()),
+                  *((False, False) if depth.tree is not None else ())]
+    return flags + ([False, False] if meta.ragged_tree is not None else [])
