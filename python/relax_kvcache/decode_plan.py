@@ -33,6 +33,7 @@ class DecodePlanner:
         self._span = layer_span
         self._lane: Optional[DecodeLane] = None
         self._step: Optional[md.StepMetadata] = None
+        self._opening: Optional[Tuple[int, Sequence[int]]] = None  # (paging version, last depths) of _step
         # per depth: the rows (sequences) whose last block it attends, and whether that is all
         self._last_depth_rows: Tuple[Tuple[np.ndarray, bool], ...] = ()
         self._ones: Tuple[int, ...] = ()
@@ -42,14 +43,23 @@ class DecodePlanner:
         self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
-        """Remember a fully planned step; whether it qualifies (then `next_step` can follow it)."""
-        self._lane, self._step = None, None
+        """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
+        whose sequences must qualify too, opens when the batch repeats)."""
+        self._lane, self._step, self._opening = None, None, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
                      and all(d.use_decode_kernel and d.tree is None for d in step.depths))
-        lane = paging.open_lane(step.seq_ids) if qualifies else None
+        if qualifies:
+            self._step, self._opening = step, (paging.version, last_depths)
+            self._ones = (1,) * len(step.seq_ids)
+        return qualifies
+
+    def _open(self, paging: PagingState, last_depths: Sequence[int]) -> Optional[DecodeLane]:
+        """The lane of the remembered step's batch (see `PagingState.open_lane`), or None."""
+        step = self._step
+        lane = paging.open_lane(step.seq_ids)
         if lane is None:
-            return False
+            return None
         depth_of = np.asarray(last_depths, dtype=np.int64)
         rows = [np.flatnonzero(depth_of == d) for d in range(len(step.depths))]
         self._last_depth_rows = tuple((r, r.size == depth_of.size) for r in rows)
@@ -59,16 +69,23 @@ class DecodePlanner:
         positions = step.q_rope_position.astype(np.int32)
         self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
-        self._lane, self._step = lane, step
-        self._ones = (1,) * len(step.seq_ids)
-        return True
+        self._lane = lane
+        return lane
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
         """The step ``begin_forward(seq_ids, append_lengths)``, its pages reserved, when it repeats
         the remembered batch with one token each; else None (the caller plans it in full)."""
         lane, prev = self._lane, self._step
-        if (lane is None or lane.version != paging.version or not _is_int_tuple(seq_ids, lane.seq_ids)
-                or not _is_int_tuple(append_lengths, self._ones)):
+        if prev is None or not _is_int_tuple(seq_ids, prev.seq_ids) or not _is_int_tuple(append_lengths, self._ones):
+            return None
+        if lane is None:  # the first repeat of a planned step
+            if self._opening is None or self._opening[0] != paging.version:
+                return None
+            lane = self._open(paging, self._opening[1])
+            self._opening = None
+            if lane is None:
+                return None
+        elif lane.version != paging.version:
             return None
         full, new_pages = paging.advance_lane(lane)
         tokens = self._tokens + self._ones_like_tokens

@@ -168,7 +168,7 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
         k_ragged_rope_pos_offset=np.asarray(structure.rope_offsets, dtype=np.int32),
         q_rope_position=q_rope_position,
         append_position=append_position,
-        depths=tuple(dataclasses.replace(d, tree=t) for d, t in zip(depths, depth_trees)),
+        depths=tuple(d if t is None else evolve(d, tree=t) for d, t in zip(depths, depth_trees)),
         append_before_attn=append_before_attn,
         ragged_tree=ragged_tree,
         reused_pages=tuple(reused),

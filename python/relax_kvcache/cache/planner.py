@@ -28,7 +28,8 @@ class StepPlanner:
                  tree_refusal: Callable[[], Optional[KVCacheError]]) -> None:
         self._config, self._paging, self._tree_refusal = config, paging, tree_refusal
         self._window_limit = unwindowed_chunk_limit(config, kernels)
-        self.decode = DecodePlanner(config.page_size, config.layer_span)
+        self._span, self._slides = config.layer_span, config.slides_sequences
+        self.decode = DecodePlanner(config.page_size, self._span)
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
@@ -40,9 +41,8 @@ class StepPlanner:
         if step is None:
             seq_ids, append_lengths = self._check_batch(seq_ids, append_lengths, importing)
             trees = self._check_trees(seq_ids, append_lengths, parent_ptr)
-            cfg = self._config
             step, last_depths = md.plan_step(self._paging, seq_ids, append_lengths, trees,
-                                             sliding_window=cfg.slides_sequences, layer_span=cfg.layer_span)
+                                             sliding_window=self._slides, layer_span=self._span)
             self.decode.start(self._paging, step, last_depths)
         return step
 
