@@ -90,28 +90,25 @@ class DecodePlanner:
         full, new_pages = paging.advance_lane(lane)
         tokens = self._tokens + self._ones_like_tokens
         b = len(lane.seq_ids)
-        page_of = None
         if len(full):
             tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
-            page_of = np.full(b, -1, dtype=np.int64)
-            page_of[full] = new_pages
         positions = tokens[:b]
-        if self._plain and page_of is None:  # only the last page of each list fills
+        if self._plain and not len(full):  # only the last page of each list fills
             length_info = prev.depths[0].length_info % self._ps
             length_info += _ONE
             depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
         else:
-            depths = tuple(self._grow_depth(depth, rows, every, page_of, positions)
+            depths = tuple(self._grow_depth(depth, rows, every, full, new_pages, positions)
                            for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
         step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
                          append_position=tokens[2 * b:], depths=depths)
         self._tokens, self._step = tokens, step
         return step
 
-    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, page_of: Optional[np.ndarray],
-                    positions: np.ndarray) -> md.DepthMetadata:
+    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
+                    new_pages: Sequence[int], positions: np.ndarray) -> md.DepthMetadata:
         """``depth`` after the sequences ``rows`` (whose last block it attends; ``every``: all of
-        them) grew by one token, taking the pages ``page_of[row]`` (>= 0) where not None."""
+        them) grew by one token, the last blocks of the sequences ``full`` taking ``new_pages``."""
         if not rows.size:
             return self._with_window(depth, positions)
         ps, length_info = self._ps, depth.length_info
@@ -123,13 +120,20 @@ class DecodePlanner:
             last_page_len = length_info[0] if length_info.ndim == 2 else length_info
             last_page_len[rows] = last_page_len[rows] % ps + 1
         changes = {"length_info": length_info}
-        grown = None if page_of is None else rows[page_of[rows] >= 0]
-        if grown is not None and grown.size:
-            page_indptr = depth.page_indptr
-            changes["page_indices"] = np.insert(depth.page_indices, page_indptr[grown + 1], page_of[grown])
-            added = np.zeros(page_indptr.size, dtype=np.int32)
-            added[grown + 1] = 1
-            changes["page_indptr"] = page_indptr + np.cumsum(added, dtype=np.int32)
+        if len(full):
+            if every:
+                grown, pages = full, new_pages
+            else:
+                page_of = np.full(len(self._ones), -1, dtype=np.int64)
+                page_of[full] = new_pages
+                grown = rows[page_of[rows] >= 0]
+                pages = page_of[grown]
+            if len(grown):
+                page_indptr = depth.page_indptr
+                changes["page_indices"] = np.insert(depth.page_indices, page_indptr[grown + 1], pages)
+                added = np.zeros(page_indptr.size, dtype=np.int32)
+                added[grown + 1] = 1
+                changes["page_indptr"] = page_indptr + np.cumsum(added, dtype=np.int32)
         return self._with_window(md.evolve(depth, **changes), positions)
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:

@@ -142,8 +142,8 @@ class StepUploader:
         self._config, self._device, self._scratch = config, device, scratch
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * config.prefill_chunk_size)
-        # repeated decode steps' fixed slots: (depths' has_pages, slots, the step's views, batch)
-        self._slots: Optional[Tuple[Tuple[Any, ...], SlotBuffer, DeviceStep, Tuple[int, ...]]] = None
+        # repeated decode steps' fixed slots: (depths' has_pages, slots, a step on their views, batch)
+        self._slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, Step, Tuple[int, ...]]] = None
 
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
@@ -155,18 +155,20 @@ class StepUploader:
         # lists fit the slots' headroom (a captured CUDA graph replays on them).
         has_pages = tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None])
         slots = self._slots
-        if slots is None or slots[0] != has_pages or not slots[1].upload(arrays):
+        if slots is not None and slots[0] == has_pages and slots[1].upload(arrays):
+            if slots[3] == meta.seq_ids:  # the step before's views (a captured CUDA graph replays on them)
+                return md.evolve(slots[2], meta=meta, appended=set())
+            # another batch of the same structure: new views, so no graph of the old one replays
+            buffer = slots[1]
+        else:
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
             page_lists = _page_lists(meta)
             shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
             buffer = SlotBuffer(self._device, shapes, page_lists)
             buffer.upload(arrays)
-            slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
-        elif slots[3] != meta.seq_ids:
-            # another batch of the same structure: new views, so no graph of the old one replays
-            slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
-        self._slots = slots
-        return Step(meta, slots[2], True, slots[1], meta.batch_size)
+        step = Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size)
+        self._slots = (has_pages, buffer, step, meta.seq_ids)
+        return step
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
