@@ -14,7 +14,7 @@ takes a page is a handful of numpy operations whatever the batch size.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from tvm.runtime import ShapeTuple
@@ -40,12 +40,15 @@ class DecodePlanner:
         self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
         self._plain = False
         self._ones_like_tokens = self._tokens
+        # window pages of the step before, by its page lists: id -> (page_indices, WindowPages, drop)
+        self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
+        self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
         whose sequences must qualify too, opens when the batch repeats)."""
-        self._lane, self._step, self._opening = None, None, None
+        self._lane, self._step, self._opening, self._windows = None, None, None, {}
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
                      and all(d.use_decode_kernel and d.tree is None for d in step.depths))
@@ -93,6 +96,7 @@ class DecodePlanner:
         if len(full):
             tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
         positions = tokens[:b]
+        self._next_windows = {}
         if self._plain and not len(full):  # only the last page of each list fills
             length_info = prev.depths[0].length_info % self._ps
             length_info += _ONE
@@ -102,7 +106,7 @@ class DecodePlanner:
                            for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
         step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
                          append_position=tokens[2 * b:], depths=depths)
-        self._tokens, self._step = tokens, step
+        self._tokens, self._step, self._windows = tokens, step, self._next_windows
         return step
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
@@ -137,12 +141,16 @@ class DecodePlanner:
         return self._with_window(md.evolve(depth, **changes), positions)
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
-        """``depth`` with the window pages of queries at ``positions`` (local layers only)."""
+        """``depth`` with the window pages of queries at ``positions`` (local layers only); the
+        kept page lists of the step before stand while the same pages drop from the same lists."""
         if depth.window is None:
             return depth
         last_page_len = depth.length_info[0] if depth.length_info.ndim == 2 else depth.length_info
-        window = md.window_pages(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
-                                 positions, self._span, self._page_size)
+        before = self._windows.get(id(depth.page_indices))
+        reuse = before[1:] if before is not None and before[0] is depth.page_indices else None
+        window, drop = md.windowed(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
+                                   positions, self._span, self._page_size, reuse)
+        self._next_windows[id(depth.page_indices)] = (depth.page_indices, window, drop)
         return md.evolve(depth, window=window)
 
     @property

@@ -251,22 +251,51 @@ def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_le
                  starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
     """The `WindowPages` of chunks whose earliest queries are at ``min_positions``, from their
     full page lists whose first keys are at ``starts``."""
-    npages = np.diff(page_indptr).astype(np.int64)
-    last = np.asarray(last_page_len, dtype=np.int64)
-    lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
-    starts = np.asarray(starts, dtype=np.int64)
-    skip = np.maximum(span.first_visible(np.asarray(min_positions, dtype=np.int64)) - starts, 0)
+    return windowed(page_indptr, page_indices, last_page_len, starts, min_positions, span, page_size)[0]
+
+
+def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray, starts: np.ndarray,
+             min_positions: np.ndarray, span: LayerSpan, page_size: int,
+             reuse: Optional[Tuple[WindowPages, np.ndarray]] = None) -> Tuple[WindowPages, np.ndarray]:
+    """`window_pages` and the whole pages dropped from each list. ``reuse``: the result for the
+    same page lists and earlier queries, whose kept pages stand where the same pages drop.
+    int32 throughout: positions and slots fit it, and a first visible position is above -2**31."""
+    i32 = np.int32
+    page_indptr = np.asarray(page_indptr, dtype=i32)
+    npages = page_indptr[1:] - page_indptr[:-1]
+    last = np.asarray(last_page_len, dtype=i32)
+    starts = np.asarray(starts, dtype=i32)
+    lengths = npages * i32(page_size)
+    lengths += last
+    lengths -= i32(page_size)
+    skip = span.first_visible(np.asarray(min_positions, dtype=i32))
+    skip -= starts
+    np.maximum(skip, 0, out=skip)
     empty = skip >= lengths  # no key of the chunk is visible
-    drop = np.where(empty, npages, skip // page_size)  # whole pages no query sees
-    local = np.arange(page_indices.size) - np.repeat(page_indptr[:-1].astype(np.int64), npages)
-    kept = page_indices[local >= np.repeat(drop, npages)]
-    zero = np.zeros_like(skip)
-    return WindowPages(
-        page_indptr=np.concatenate([[0], np.cumsum(npages - drop)]).astype(np.int32),
-        page_indices=kept.astype(np.int32, copy=False),
-        length_info=np.array([np.where(empty, 0, last), np.where(empty, 0, skip % page_size), zero], dtype=np.int32),
-        k_rope_pos_offset=np.where(empty, 0, starts + skip).astype(np.int32),
-    )
+    empty |= npages == 0
+    any_empty = empty.any()
+    drop = skip // i32(page_size)  # whole pages no query sees
+    if any_empty:
+        drop[empty] = npages[empty]
+    if reuse is not None and (drop == reuse[1]).all():
+        new_indptr, kept = reuse[0].page_indptr, reuse[0].page_indices
+    elif drop.any():
+        new_indptr = np.zeros(npages.size + 1, dtype=i32)
+        np.cumsum(npages - drop, out=new_indptr[1:])
+        first_kept = np.repeat(page_indptr[:-1] + drop, npages)
+        kept = page_indices[np.arange(page_indices.size, dtype=i32) >= first_kept]
+    else:
+        new_indptr = page_indptr - page_indptr[0]
+        kept = page_indices
+    length_info = np.zeros((3, npages.size), dtype=i32)
+    length_info[0] = last
+    np.remainder(skip, i32(page_size), out=length_info[1])
+    k_rope_pos_offset = starts + skip
+    if any_empty:
+        length_info[:2, empty] = 0
+        k_rope_pos_offset[empty] = 0
+    return WindowPages(page_indptr=new_indptr, page_indices=np.asarray(kept, dtype=i32), length_info=length_info,
+                       k_rope_pos_offset=k_rope_pos_offset), drop
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
