@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
@@ -127,6 +127,7 @@ class AuxBuffer:
 
     def _allocate(self, capacity: int) -> None:
         self._capacity = capacity
+        self._views: Dict[Tuple[Tuple[int, ...], int], tvm.runtime.Tensor] = {}
         if self._on_cuda:
             if self._pinned is not None:
                 self._pinned.ready_for_write()
@@ -155,8 +156,15 @@ class AuxBuffer:
         return [self.view(array.shape, offset) for array, offset in zip(arrays, offsets)]
 
     def view(self, shape: Tuple[int, ...], offset: int) -> tvm.runtime.Tensor:
-        """A device view of ``shape`` at element ``offset`` of the buffer."""
-        return view(self._device_buffer, shape, 4 * offset, self._dtype)
+        """A device view of ``shape`` at element ``offset`` of the buffer (made once per shape and
+        offset while the buffer stays)."""
+        key = (shape, offset)
+        made = self._views.get(key)
+        if made is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            made = self._views[key] = view(self._device_buffer, shape, 4 * offset, self._dtype)
+        return made
 
     def write(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
         """Write ``arrays`` at element ``offsets`` and copy them to the device."""
@@ -206,6 +214,18 @@ class SlotBuffer:
             for i in changed:
                 written[i] = arrays[i]
         return True
+
+    def holds(self, i: int, array: np.ndarray) -> bool:
+        """Whether slot ``i`` holds ``array`` (the object last written there)."""
+        return self._written[i] is array
+
+    def rewrite(self, runs: Sequence[Tuple[int, np.ndarray, Sequence[np.ndarray]]]) -> None:
+        """Write each run ``(i, block, arrays)``: ``block`` (1-D) over the slots from ``i``, which
+        then hold ``arrays``, as many as the slots it fills exactly (the caller's promise: each
+        array is as large as its slot and ``block`` is their concatenation)."""
+        self._buffer.write([block for _, block, _ in runs], [self._offsets[i] for i, _, _ in runs])
+        for i, _, arrays in runs:
+            self._written[i:i + len(arrays)] = arrays
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""

@@ -39,6 +39,7 @@ class DecodePlanner:
         self._ones: Tuple[int, ...] = ()
         self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
         self._plain = False
+        self._plain_step: Optional[md.StepMetadata] = None
         self._ones_like_tokens = self._tokens
         # window pages of the step before, by its page lists: id -> (page_indices, WindowPages, drop)
         self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
@@ -48,7 +49,7 @@ class DecodePlanner:
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
         whose sequences must qualify too, opens when the batch repeats)."""
-        self._lane, self._step, self._opening, self._windows = None, None, None, {}
+        self._lane, self._step, self._opening, self._windows, self._plain_step = None, None, None, {}, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
                      and all(d.use_decode_kernel and d.tree is None for d in step.depths))
@@ -97,7 +98,8 @@ class DecodePlanner:
             tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
         positions = tokens[:b]
         self._next_windows = {}
-        if self._plain and not len(full):  # only the last page of each list fills
+        plain = self._plain and not len(full)
+        if plain:  # only the last page of each list fills
             length_info = prev.depths[0].length_info % self._ps
             length_info += _ONE
             depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
@@ -107,7 +109,14 @@ class DecodePlanner:
         step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
                          append_position=tokens[2 * b:], depths=depths)
         self._tokens, self._step, self._windows = tokens, step, self._next_windows
+        self._plain_step = step if plain else None
         return step
+
+    def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
+        """For ``step``, the last one derived, when it changed only its token arrays (RoPE offsets,
+        positions and append slots: the thirds of the array returned, in that order) and the
+        last-page lengths of its only depth; else None."""
+        return self._tokens if step is self._plain_step and step is not None else None
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
                     new_pages: Sequence[int], positions: np.ndarray) -> md.DepthMetadata:

@@ -255,7 +255,8 @@ class PagedAttentionKVCache:
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
         meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
-        self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta))
+        self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
+                                          tokens=self._planner.decode.plain_tokens(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""

@@ -8,7 +8,7 @@ keeps the result, one :class:`Step`, until ``end_forward``. Shapes as in :mod:`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tvm
@@ -142,12 +142,20 @@ class StepUploader:
         self._config, self._device, self._scratch = config, device, scratch
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * config.prefill_chunk_size)
+        self._scratch_views: Dict[int, Tuple[Optional[tvm.runtime.Tensor], ...]] = {}  # by row count
         # repeated decode steps' fixed slots: (depths' has_pages, slots, a step on their views, batch)
         self._slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, Step, Tuple[int, ...]]] = None
 
-    def place(self, meta: md.StepMetadata, *, repeated_decode: bool) -> Step:
+    def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
-        ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots."""
+        ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots.
+        ``tokens``: ``meta`` is the step before's with new RoPE positions and append slots, the
+        concatenation ``tokens`` of its three token arrays, and new last-page lengths of its
+        only depth (`DecodePlanner.plain_tokens`)."""
+        if tokens is not None:
+            step = self._place_plain(meta, tokens)
+            if step is not None:
+                return step
         arrays = _packed_arrays(meta)
         if not repeated_decode:
             return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux, meta.total_tokens)
@@ -170,6 +178,22 @@ class StepUploader:
         self._slots = (has_pages, buffer, step, meta.seq_ids)
         return step
 
+    def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
+        """``place`` of a step whose token arrays and last-page lengths alone changed, when the
+        slots hold the step before (else None): two writes, the same views."""
+        slots = self._slots
+        if slots is None or slots[3] != meta.seq_ids or len(meta.depths) != 1:
+            return None
+        buffer, depth = slots[1], meta.depths[0]
+        if not (buffer.holds(0, meta.append_indptr) and buffer.holds(4, depth.qo_indptr)
+                and buffer.holds(5, depth.page_indptr) and buffer.holds(6, depth.page_indices)
+                and buffer.holds(8, depth.k_rope_pos_offset) and depth.window is None and depth.tree is None
+                and meta.ragged_tree is None):
+            return None
+        buffer.rewrite([(1, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)),
+                        (7, depth.length_info, (depth.length_info,))])
+        return md.evolve(slots[2], meta=meta, appended=set())
+
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
         views = iter(views)
@@ -183,18 +207,30 @@ class StepUploader:
             tree = TreeViews(next(views), next(views)) if depth.tree is not None else None
             depths.append(DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
         ragged_tree = TreeViews(next(views), next(views)) if meta.ragged_tree is not None else None
-        n, s = meta.total_tokens, self._scratch
-        dt, f32 = s.o.dtype, s.lse.dtype
-
-        def rows(tensor: Optional[tvm.runtime.Tensor], dtype: Any) -> Optional[tvm.runtime.Tensor]:
-            return None if tensor is None else view(tensor, (n,) + tuple(tensor.shape[1:]), 0, dtype)
-
+        q, k, v, tmp_o, tmp_lse, merged_lse = self._scratch_rows(meta.total_tokens)
         return DeviceStep(
             append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
             append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
-            q=rows(s.q, dt), k=rows(s.k, dt), v=rows(s.v, dt), tmp_o=rows(s.o, dt), tmp_lse=rows(s.lse, f32),
-            merged_lse=rows(s.merged_lse, f32),
+            q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse,
         )
+
+    def _scratch_rows(self, n: int) -> Tuple[Optional[tvm.runtime.Tensor], ...]:
+        """Views of the first ``n`` rows of the scratch tensors (q, k, v, o, lse, merged_lse),
+        made once per ``n``."""
+        views = self._scratch_views.get(n)
+        if views is None:
+            s = self._scratch
+            dt, f32 = s.o.dtype, s.lse.dtype
+
+            def rows(tensor: Optional[tvm.runtime.Tensor], dtype: Any) -> Optional[tvm.runtime.Tensor]:
+                return None if tensor is None else view(tensor, (n,) + tuple(tensor.shape[1:]), 0, dtype)
+
+            views = (rows(s.q, dt), rows(s.k, dt), rows(s.v, dt), rows(s.o, dt), rows(s.lse, f32),
+                     rows(s.merged_lse, f32))
+            if len(self._scratch_views) >= 4096:
+                self._scratch_views.clear()
+            self._scratch_views[n] = views
+        return views
 
 
 def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
