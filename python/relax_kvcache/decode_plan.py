@@ -40,7 +40,7 @@ class DecodePlanner:
         self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
         self._plain = False
         self._plain_step: Optional[md.StepMetadata] = None
-        self._ones_like_tokens = self._tokens
+        self._ones_like_tokens = self._ones_like_rows = self._ps_like_rows = self._tokens
         # window pages of the step before, by its page lists: id -> (page_indices, WindowPages, drop)
         self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
@@ -73,6 +73,8 @@ class DecodePlanner:
         positions = step.q_rope_position.astype(np.int32)
         self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
+        rows = len(step.seq_ids)
+        self._ones_like_rows, self._ps_like_rows = self._ones_like_tokens[:rows], np.full(rows, self._page_size, np.int32)
         self._lane = lane
         return lane
 
@@ -100,8 +102,8 @@ class DecodePlanner:
         self._next_windows = {}
         plain = self._plain and not len(full)
         if plain:  # only the last page of each list fills
-            length_info = prev.depths[0].length_info % self._ps
-            length_info += _ONE
+            length_info = np.remainder(prev.depths[0].length_info, self._ps_like_rows)  # arrays of one shape:
+            length_info += self._ones_like_rows  # cheaper operands than scalars
             depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
         else:
             depths = tuple(self._grow_depth(depth, rows, every, full, new_pages, positions)
