@@ -112,8 +112,7 @@ class BatchStructure:
     @classmethod
     def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],
                 trees: Optional[Sequence[TokenTree]] = None) -> "BatchStructure":
-        traces = [paging.trace_blocks(s) for s in seq_ids]
-        positions = tuple(paging.sequence_length(s) for s in seq_ids)
+        traces, positions = paging.trace_batch(seq_ids)
         if trees is None:
             rope_offsets = positions
         else:  # an uncommitted tree's nodes sit at the root's position + depth
@@ -148,9 +147,10 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
               ) -> Tuple[StepMetadata, Tuple[int, ...]]:
     """Plan a checked step in full (its pages reserved); the step and the depth each
     sequence's last block is attended at. Depth arrays are built after the reservation when
-    the step appends before attention, else before it."""
+    the step appends before attention, else before it. Without ``trees`` every sequence's token
+    tree is committed (the planner checks)."""
     structure = BatchStructure.collect(paging, seq_ids, append_lengths, trees)
-    extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
+    extends_tree = trees is not None and any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
     append_before_attn = (not sliding_window and structure.use_decode_kernel[-1]) or extends_tree
     reused = paging.reserve_append(seq_ids, append_lengths) if append_before_attn else None
     depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)

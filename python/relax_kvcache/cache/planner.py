@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+from tvm.runtime import ShapeTuple
+
 from .. import metadata as md
 from ..args import as_int_list
 from ..config import KVCacheConfig
@@ -52,8 +54,11 @@ class StepPlanner:
 
     def _check_batch(self, seq_ids: Any, append_lengths: Any, importing: Optional[int]):
         most, why = max(self._paging.num_sequences, 1), "the number of sequences in the cache"
-        seq_ids = as_int_list("seq_ids", seq_ids, max_len=most, why=why)
-        append_lengths = as_int_list("append_lengths", append_lengths, max_len=most, why=why)
+        # a ShapeTuple (what vm.builtin passes) holds ints only
+        seq_ids = (list(seq_ids) if isinstance(seq_ids, ShapeTuple)
+                   else as_int_list("seq_ids", seq_ids, max_len=most, why=why))
+        append_lengths = (list(append_lengths) if isinstance(append_lengths, ShapeTuple)
+                          else as_int_list("append_lengths", append_lengths, max_len=most, why=why))
         if len(seq_ids) != len(append_lengths):
             raise ForwardError(f"seq_ids has {len(seq_ids)} entries but append_lengths has "
                                f"{len(append_lengths)}; expected equal lengths")

@@ -107,6 +107,12 @@ class PagingState:
         """The blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
         return self._tree.trace_blocks(self._seq(seq_id).last_block)
 
+    def trace_batch(self, seq_ids: collections.abc.Sequence[int]) -> tuple[list[list[Block]], tuple[int, ...]]:
+        """`trace_blocks` and the length of each sequence of ``seq_ids``."""
+        seqs = [self._seq(seq_id) for seq_id in seq_ids]
+        trace = self._tree.trace_blocks
+        return [trace(seq.last_block) for seq in seqs], tuple(seq.seq_length for seq in seqs)
+
     def empty(self) -> bool:
         """Whether no sequence, block or page is in use (TVM's ``Empty``)."""
         return not self._seqs and self._blocks.all_free() and self._pages.num_free == self.num_pages
