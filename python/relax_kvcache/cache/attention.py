@@ -98,10 +98,11 @@ class MHAAttention(Attention):
         k, dev = self.kernels, step.device
         k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
         pages = self.pages[layer]
-        if step.meta.append_before_attn:
+        if step.meta.append_before_attn:  # then attention reads the new K/V from the pages
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
-        self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
-        if not step.meta.append_before_attn:
+            self.paged(step, layer, dev.q, o, dev.merged_lse, sm_scale, first=True)
+        else:
+            self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
 
     def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:

@@ -265,11 +265,12 @@ class PagedAttentionKVCache:
         self._tensor_checks.forget()
 
     def _active_step(self, what: str) -> Step:
-        self._check_not_busy(what)
-        if self._step is None:
+        step = self._step
+        if self._busy is not None or step is None:
+            self._check_not_busy(what)
             raise ForwardError(f"{what} called without an active step; call begin_forward first")
-        self._step.buffer.wait()
-        return self._step
+        step.buffer.wait()
+        return step
 
     def capturable_step(self) -> Optional[object]:
         """The current step's kernel arguments when a CUDA graph may capture them, else None.
@@ -305,7 +306,9 @@ class PagedAttentionKVCache:
         sm_scale : float
             Softmax scale (usually ``head_dim ** -0.5``).
         """
-        mha = self._component("attention_with_fused_qkv", MHAAttention)
+        mha = self._attention
+        if not isinstance(mha, MHAAttention):
+            self._component("attention_with_fused_qkv", MHAAttention)  # raises
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("attention_with_fused_qkv")
@@ -319,7 +322,8 @@ class PagedAttentionKVCache:
             qkv, o = view(qkv, (n, width, d), 0, self._dtype), view(o, (n, hq, d), 0, self._dtype)
         if type(sm_scale) is not float or not -FLOAT32_MAX <= sm_scale <= FLOAT32_MAX:  # fast path of as_float
             sm_scale = as_float("sm_scale", sm_scale)
-        step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
+        if step.meta.reused_pages:
+            step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         mha.fused_qkv(step, layer, qkv, o, sm_scale)
         step.appended.add(layer)
 
