@@ -231,9 +231,11 @@ def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int) -> None:
                   f"{repeated / native:15.2f}x {full / native:11.1f}x")
 
 
-def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float]:
+def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float, float]:
     """Python cost of one ``attention_with_fused_qkv`` decode call with every kernel replaced by
-    a no-op (what the cache adds on top of its kernel launches): (direct, via vm.builtin)."""
+    a no-op (what the cache adds on top of its kernel launches): (direct, via vm.builtin, via
+    vm.builtin with new tensor objects every call, as a Relax VM passes them). The first two
+    pass the same qkv / o every call (checked once per step)."""
     import types
 
     cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
@@ -250,20 +252,25 @@ def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float]:
     attn = tvm.get_global_func("vm.builtin.attention_kv_cache_attention_with_fused_qkv")
     direct = statistics.median(_timeit(lambda: cache.attention_with_fused_qkv(0, qkv, out, 0.1), repeat))
     builtin = statistics.median(_timeit(lambda: attn(cache, 0, 0.1, qkv, out), repeat))
+    views = iter([(tvm.runtime.tensor(np.ones((1, HQ + 2 * HKV, D), DTYPE)), tvm.runtime.empty((1, HQ, D), DTYPE))
+                  for _ in range(repeat)])
+    fresh = statistics.median(_timeit(lambda: attn(cache, 0, 0.1, *next(views)), repeat))
     cache._attention.kernels = kernels
     cache.end_forward()
-    return direct, builtin
+    return direct, builtin, fresh
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer shapes (the issue's 8 x 512 decode only)")
     parser.add_argument("--host-only", action="store_true",
-                        help="only the host begin_forward tables (plain and MHA_SLIDING layers)")
+                        help="only the host work: begin_forward tables (plain and MHA_SLIDING layers) and the "
+                             "per-layer Python cost")
     args = parser.parse_args()
     if args.host_only:
         print(f"relax_kvcache CPU host benchmark, TVM {tvm.__version__}", flush=True)
         print_host_tables((1, 8, 32, 64, 128, 256), repeat=20)
+        print_layer_overhead(bench_layer_overhead())
         return
     rng = np.random.default_rng(0)
     print(f"relax_kvcache CPU benchmark, TVM {tvm.__version__}, TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS')}, "
@@ -307,10 +314,15 @@ def main() -> None:
                   f"{f_ours:13.1f} {f_native:15.2f} {r['native'] / r['ours']:7.1f}x "
                   f"{100 * f_ours * 1e9 / matmul:16.1f}%")
     print_host_tables(host_sizes, repeat=20)
+    print_layer_overhead(layer_overhead)
+
+
+def print_layer_overhead(layer_overhead: Tuple[float, float, float]) -> None:
     print()
     print(f"Per-layer Python cost of attention_with_fused_qkv (kernels replaced by no-ops, decode of 1): "
           f"{layer_overhead[0] * 1e6:.1f} us called directly, {layer_overhead[1] * 1e6:.1f} us through "
-          f"vm.builtin from Python")
+          f"vm.builtin from Python, {layer_overhead[2] * 1e6:.1f} us through vm.builtin with new qkv / o "
+          "tensors every call")
 
 
 if __name__ == "__main__":

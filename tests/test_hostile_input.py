@@ -762,6 +762,36 @@ def test_byte_offset_reads_the_views_offset():
         assert byte_offset(v) == offset and v.data_ptr() == base.data_ptr() + offset
 
 
+def test_checked_tensors_vouch_for_no_other_tensor(kernel_sets):
+    """The tensors a step has checked are remembered (and a new one is first checked on its raw
+    fields): tensors of the same shape with another dtype, device, layout or offset are still
+    refused, whether they come before or after the valid ones, directly or through vm.builtin."""
+    ctx = Ctx("mha", kernel_sets("mha"), np.random.default_rng(5))
+    c = ctx.cache
+    builtin = _builtin("attention_kv_cache_attention_with_fused_qkv")
+    base = tvm.runtime.empty((2 * 8 * 32 + 64,), "float32")
+    bad = {"float16": tvm.runtime.empty((2, 8, 32), "float16"),
+           "device": tvm.runtime.empty((2, 8, 32), "float32", tvm.cpu(1)),
+           "offset": view(base, (2, 8, 32), 64),
+           "align": tvm_ffi.from_dlpack(_aligned_numpy((2, 8, 32), "float32", 16), require_alignment=0),
+           "contiguous": tvm_ffi.from_dlpack(_aligned_numpy((2, 8, 64), "float32")[..., ::2],
+                                             require_contiguous=False)}
+    for _ in range(2):
+        c.begin_forward([0, 1], [1, 1])
+        qkv, o = _data(ctx.rng, (2, 8, 32)), tvm.runtime.empty((2, 4, 32), "float32")
+        for word, tensor in bad.items():
+            with pytest.raises(rk.KVCacheError, match=word):
+                c.attention_with_fused_qkv(0, tensor, o, 0.1)
+        c.attention_with_fused_qkv(0, qkv, o, 0.1)
+        builtin(c, 1, 0.1, qkv, o)
+        for word, tensor in bad.items():
+            for call in (lambda: c.attention_with_fused_qkv(1, tensor, o, 0.1), lambda: builtin(c, 1, 0.1, tensor, o)):
+                with pytest.raises(rk.KVCacheError, match=word):
+                    call()
+        c.end_forward()
+    ctx.usable()
+
+
 # ---------------------------------------------------------------------------- creation
 
 

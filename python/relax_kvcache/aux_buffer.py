@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
@@ -127,6 +127,7 @@ class AuxBuffer:
 
     def _allocate(self, capacity: int) -> None:
         self._capacity = capacity
+        self._views: Dict[Tuple[Tuple[int, ...], int], tvm.runtime.Tensor] = {}
         if self._on_cuda:
             if self._pinned is not None:
                 self._pinned.ready_for_write()
@@ -155,15 +156,23 @@ class AuxBuffer:
         return [self.view(array.shape, offset) for array, offset in zip(arrays, offsets)]
 
     def view(self, shape: Tuple[int, ...], offset: int) -> tvm.runtime.Tensor:
-        """A device view of ``shape`` at element ``offset`` of the buffer."""
-        return view(self._device_buffer, shape, 4 * offset, self._dtype)
+        """A device view of ``shape`` at element ``offset`` of the buffer (made once per shape and
+        offset while the buffer stays)."""
+        key = (shape, offset)
+        made = self._views.get(key)
+        if made is None:
+            if len(self._views) >= 4096:
+                self._views.clear()
+            made = self._views[key] = view(self._device_buffer, shape, 4 * offset, self._dtype)
+        return made
 
     def write(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
         """Write ``arrays`` at element ``offsets`` and copy them to the device."""
         if self._pinned is not None:
             self._pinned.ready_for_write()
+        host = self._host
         for array, offset in zip(arrays, offsets):
-            self._host[offset:offset + array.size] = array.ravel()
+            host[offset:offset + array.size] = array if array.ndim == 1 else array.ravel()
         count = offsets[len(arrays) - 1] + arrays[-1].size if arrays else 0
         if self._pinned is not None:
             self._pinned.copy(count)
@@ -184,16 +193,39 @@ class SlotBuffer:
         self._buffer = AuxBuffer(device, self._offsets[-1])
         self._shapes = [tuple(s) for s in shapes]
         self.views = [self._buffer.view(s, o) for s, o in zip(self._shapes, self._offsets)]
+        self._written: List[Optional[np.ndarray]] = [None] * len(self._shapes)  # what each slot holds
 
-    def fits(self, arrays: Sequence[np.ndarray]) -> bool:
-        """Whether ``arrays`` fit the slots (same count, each no larger than its slot)."""
-        return len(arrays) == len(self._shapes) and all(
-            a.shape == s or (p and a.ndim == 1 and a.size <= s[0])
-            for a, s, p in zip(arrays, self._shapes, self._partial))
+    def upload(self, arrays: Sequence[np.ndarray]) -> bool:
+        """Write ``arrays`` into their slots and copy them to the device when they all fit (each
+        no larger than its slot); whether they did (else nothing changes). Arrays that are the
+        very objects the slots hold already (metadata arrays are never changed in place) are not
+        written again."""
+        written, shapes, partial = self._written, self._shapes, self._partial
+        if len(arrays) != len(shapes):
+            return False
+        changed = []
+        for i, a in enumerate(arrays):
+            if a is not written[i]:
+                if a.shape != shapes[i] and not (partial[i] and a.ndim == 1 and a.size <= shapes[i][0]):
+                    return False
+                changed.append(i)
+        if changed:
+            self._buffer.write([arrays[i] for i in changed], [self._offsets[i] for i in changed])
+            for i in changed:
+                written[i] = arrays[i]
+        return True
 
-    def upload(self, arrays: Sequence[np.ndarray]) -> None:
-        """Write ``arrays`` (``fits(arrays)`` holds) into their slots and copy them to the device."""
-        self._buffer.write(arrays, self._offsets)
+    def holds(self, i: int, array: np.ndarray) -> bool:
+        """Whether slot ``i`` holds ``array`` (the object last written there)."""
+        return self._written[i] is array
+
+    def rewrite(self, runs: Sequence[Tuple[int, np.ndarray, Sequence[np.ndarray]]]) -> None:
+        """Write each run ``(i, block, arrays)``: ``block`` (1-D) over the slots from ``i``, which
+        then hold ``arrays``, as many as the slots it fills exactly (the caller's promise: each
+        array is as large as its slot and ``block`` is their concatenation)."""
+        self._buffer.write([block for _, block, _ in runs], [self._offsets[i] for i, _, _ in runs])
+        for i, _, arrays in runs:
+            self._written[i:i + len(arrays)] = arrays
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""

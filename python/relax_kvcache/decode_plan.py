@@ -1,16 +1,20 @@
-"""Repeated decode steps: update the previous step's metadata with numpy instead of planning
-again (the same `StepMetadata` as the full planner's; docs/architecture.md).
+"""Repeated decode steps: update the previous step's metadata instead of planning again (the
+same `StepMetadata` as the full planner's; docs/architecture.md).
 
 A step qualifies when the previous one was a plain decode step of the same batch (decode
 kernel at every depth, no token trees, no sliding sequences) and nothing changed the paging
 state since; growth adds the same pages to the coalesced and uncoalesced counts, so it cannot
 switch a depth to the coalesced prefill kernel.
+
+Each sequence's new token sits one position and one slot after its previous one, except where
+its last block took a page (then at the page's first slot); the last page of each page list at
+the sequences' last depth holds one more token (``len % page_size + 1``). A step where no block
+takes a page is a handful of numpy operations whatever the batch size.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 from tvm.runtime import ShapeTuple
@@ -18,6 +22,7 @@ from tvm.runtime import ShapeTuple
 from . import metadata as md
 from .config import LayerSpan
 from .paging import DecodeLane, PagingState
+from .paging.decode_lane import last_slots
 
 
 class DecodePlanner:
@@ -28,74 +33,136 @@ class DecodePlanner:
         self._span = layer_span
         self._lane: Optional[DecodeLane] = None
         self._step: Optional[md.StepMetadata] = None
-        self._last_depth_rows: tuple[np.ndarray, ...] = ()
-        self._ones: tuple[int, ...] = ()
+        self._opening: Optional[Tuple[int, Sequence[int]]] = None  # (paging version, last depths) of _step
+        # per depth: the rows (sequences) whose last block it attends, and whether that is all
+        self._last_depth_rows: Tuple[Tuple[np.ndarray, bool], ...] = ()
+        self._ones: Tuple[int, ...] = ()
+        self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
+        self._plain = False
+        self._plain_step: Optional[md.StepMetadata] = None
+        self._ones_like_tokens = self._ones_like_rows = self._ps_like_rows = self._tokens
+        # window pages of the step before, by its page lists: id -> (page_indices, WindowPages, drop)
+        self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
+        self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
+        self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
-        """Remember a fully planned step; whether it qualifies (then `next_step` can follow it)."""
-        self._lane, self._step = None, None
+        """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
+        whose sequences must qualify too, opens when the batch repeats)."""
+        self._lane, self._step, self._opening, self._windows, self._plain_step = None, None, None, {}, None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
                      and all(d.use_decode_kernel and d.tree is None for d in step.depths))
-        lane = paging.open_lane(step.seq_ids) if qualifies else None
+        if qualifies:
+            self._step, self._opening = step, (paging.version, last_depths)
+            self._ones = (1,) * len(step.seq_ids)
+        return qualifies
+
+    def _open(self, paging: PagingState, last_depths: Sequence[int]) -> Optional[DecodeLane]:
+        """The lane of the remembered step's batch (see `PagingState.open_lane`), or None."""
+        step = self._step
+        lane = paging.open_lane(step.seq_ids)
         if lane is None:
-            return False
+            return None
         depth_of = np.asarray(last_depths, dtype=np.int64)
-        self._last_depth_rows = tuple(np.flatnonzero(depth_of == d) for d in range(len(step.depths)))
-        self._lane, self._step = lane, step
-        self._ones = (1,) * len(step.seq_ids)
-        return True
+        rows = [np.flatnonzero(depth_of == d) for d in range(len(step.depths))]
+        self._last_depth_rows = tuple((r, r.size == depth_of.size) for r in rows)
+        # one depth holding every sequence's last block, no window pages: the common case
+        self._plain = (len(step.depths) == 1 and self._last_depth_rows[0][1] and step.depths[0].window is None
+                       and step.depths[0].length_info.ndim == 1)
+        positions = step.q_rope_position.astype(np.int32)
+        self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
+        self._ones_like_tokens = np.ones_like(self._tokens)
+        rows = len(step.seq_ids)
+        self._ones_like_rows, self._ps_like_rows = self._ones_like_tokens[:rows], np.full(rows, self._page_size, np.int32)
+        self._lane = lane
+        return lane
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
         """The step ``begin_forward(seq_ids, append_lengths)``, its pages reserved, when it repeats
         the remembered batch with one token each; else None (the caller plans it in full)."""
         lane, prev = self._lane, self._step
-        if (lane is None or lane.version != paging.version or not _is_int_tuple(seq_ids, lane.seq_ids)
-                or not _is_int_tuple(append_lengths, self._ones)):
+        if prev is None or not _is_int_tuple(seq_ids, prev.seq_ids) or not _is_int_tuple(append_lengths, self._ones):
             return None
-        positions = lane.seq_length.astype(np.int32)
-        full = lane.block_length >= lane.page_capacity
-        paging.advance_lane(lane)
-        ps = self._page_size
-        append_position = (lane.last_page * ps + (lane.block_length - 1) % ps).astype(np.int32)
-        depths = tuple(self._grow_depth(depth, rows, full, lane, positions)
-                       for depth, rows in zip(prev.depths, self._last_depth_rows))
-        step = dataclasses.replace(prev, k_ragged_rope_pos_offset=positions, q_rope_position=positions,
-                                   append_position=append_position, depths=depths)
-        self._step = step
+        if lane is None:  # the first repeat of a planned step
+            if self._opening is None or self._opening[0] != paging.version:
+                return None
+            lane = self._open(paging, self._opening[1])
+            self._opening = None
+            if lane is None:
+                return None
+        elif lane.version != paging.version:
+            return None
+        full, new_pages = paging.advance_lane(lane)
+        tokens = self._tokens + self._ones_like_tokens
+        b = len(lane.seq_ids)
+        if len(full):
+            tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
+        positions = tokens[:b]
+        self._next_windows = {}
+        plain = self._plain and not len(full)
+        if plain:  # only the last page of each list fills
+            length_info = np.remainder(prev.depths[0].length_info, self._ps_like_rows)  # arrays of one shape:
+            length_info += self._ones_like_rows  # cheaper operands than scalars
+            depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
+        else:
+            depths = tuple(self._grow_depth(depth, rows, every, full, new_pages, positions)
+                           for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
+        step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
+                         append_position=tokens[2 * b:], depths=depths)
+        self._tokens, self._step, self._windows = tokens, step, self._next_windows
+        self._plain_step = step if plain else None
         return step
 
-    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, full: np.ndarray,
-                    lane: DecodeLane, positions: np.ndarray) -> md.DepthMetadata:
-        """``depth`` after the sequences ``rows`` (whose last block it attends) grew by one."""
+    def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
+        """For ``step``, the last one derived, when it changed only its token arrays (RoPE offsets,
+        positions and append slots: the thirds of the array returned, in that order) and the
+        last-page lengths of its only depth; else None."""
+        return self._tokens if step is self._plain_step and step is not None else None
+
+    def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
+                    new_pages: Sequence[int], positions: np.ndarray) -> md.DepthMetadata:
+        """``depth`` after the sequences ``rows`` (whose last block it attends; ``every``: all of
+        them) grew by one token, the last blocks of the sequences ``full`` taking ``new_pages``."""
         if not rows.size:
             return self._with_window(depth, positions)
-        page_indptr, page_indices = depth.page_indptr, depth.page_indices
-        grown = rows[full[rows]]
-        if grown.size:
-            page_indices = np.insert(page_indices, page_indptr[grown + 1], lane.last_page[grown])
-            added = np.zeros(page_indptr.size, dtype=np.int32)
-            added[grown + 1] = 1
-            page_indptr = page_indptr + np.cumsum(added, dtype=np.int32)
-        length_info = depth.length_info.copy()
-        last_page_len = length_info[0] if length_info.ndim == 2 else length_info
-        if rows.size == last_page_len.size:  # every sequence ends at this depth
-            last_page_len[:] = (lane.seq_length - depth.k_rope_pos_offset - 1) % self._page_size + 1
+        ps, length_info = self._ps, depth.length_info
+        if every and length_info.ndim == 1:
+            length_info = length_info % ps
+            length_info += _ONE
         else:
-            chain = lane.seq_length[rows] - depth.k_rope_pos_offset[rows]
-            last_page_len[rows] = (chain - 1) % self._page_size + 1
-        grown_depth = dataclasses.replace(depth, page_indptr=page_indptr, page_indices=page_indices,
-                                          length_info=length_info)
-        return self._with_window(grown_depth, positions)
+            length_info = length_info.copy()
+            last_page_len = length_info[0] if length_info.ndim == 2 else length_info
+            last_page_len[rows] = last_page_len[rows] % ps + 1
+        changes = {"length_info": length_info}
+        if len(full):
+            if every:
+                grown, pages = full, new_pages
+            else:
+                page_of = np.full(len(self._ones), -1, dtype=np.int64)
+                page_of[full] = new_pages
+                grown = rows[page_of[rows] >= 0]
+                pages = page_of[grown]
+            if len(grown):
+                page_indptr = depth.page_indptr
+                changes["page_indices"] = np.insert(depth.page_indices, page_indptr[grown + 1], pages)
+                added = np.zeros(page_indptr.size, dtype=np.int32)
+                added[grown + 1] = 1
+                changes["page_indptr"] = page_indptr + np.cumsum(added, dtype=np.int32)
+        return self._with_window(md.evolve(depth, **changes), positions)
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
-        """``depth`` with the window pages of queries at ``positions`` (local layers only)."""
+        """``depth`` with the window pages of queries at ``positions`` (local layers only); the
+        kept page lists of the step before stand while the same pages drop from the same lists."""
         if depth.window is None:
             return depth
         last_page_len = depth.length_info[0] if depth.length_info.ndim == 2 else depth.length_info
-        window = md.window_pages(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
-                                 positions, self._span, self._page_size)
-        return dataclasses.replace(depth, window=window)
+        before = self._windows.get(id(depth.page_indices))
+        reuse = before[1:] if before is not None and before[0] is depth.page_indices else None
+        window, drop = md.windowed(depth.page_indptr, depth.page_indices, last_page_len, depth.k_rope_pos_offset,
+                                   positions, self._span, self._page_size, reuse)
+        self._next_windows[id(depth.page_indices)] = (depth.page_indices, window, drop)
+        return md.evolve(depth, window=window)
 
     @property
     def current(self) -> Optional[md.StepMetadata]:
@@ -103,10 +170,13 @@ class DecodePlanner:
         return self._step
 
 
+_ONE = np.int32(1)
+
+
 def _is_int_tuple(values: Any, expected: tuple) -> bool:
     """Whether ``values`` holds exactly the ints ``expected`` (not bools or floats, which the full
     planner refuses)."""
     if isinstance(values, ShapeTuple):  # a tuple of Python ints
-        return tuple(values) == expected
+        return values == expected
     return (isinstance(values, (tuple, list)) and len(values) == len(expected)
             and all(type(v) is int for v in values) and tuple(values) == expected)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from .config import LayerSpan
 from .paging import Block, PagingState
 from .token_tree import TokenTree
+
+_Record = TypeVar("_Record")
 
 #: Deepest block level attended separately; deeper blocks are concatenated into the last level.
 MAX_BLOCK_DEPTH = 2
@@ -110,8 +112,7 @@ class BatchStructure:
     @classmethod
     def collect(cls, paging: PagingState, seq_ids: Sequence[int], append_lengths: Sequence[int],
                 trees: Optional[Sequence[TokenTree]] = None) -> "BatchStructure":
-        traces = [paging.trace_blocks(s) for s in seq_ids]
-        positions = tuple(paging.sequence_length(s) for s in seq_ids)
+        traces, positions = paging.trace_batch(seq_ids)
         if trees is None:
             rope_offsets = positions
         else:  # an uncommitted tree's nodes sit at the root's position + depth
@@ -146,9 +147,10 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
               ) -> Tuple[StepMetadata, Tuple[int, ...]]:
     """Plan a checked step in full (its pages reserved); the step and the depth each
     sequence's last block is attended at. Depth arrays are built after the reservation when
-    the step appends before attention, else before it."""
+    the step appends before attention, else before it. Without ``trees`` every sequence's token
+    tree is committed (the planner checks)."""
     structure = BatchStructure.collect(paging, seq_ids, append_lengths, trees)
-    extends_tree = any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
+    extends_tree = trees is not None and any(not paging.sequence(s).accepted_indices_committed for s in seq_ids)
     append_before_attn = (not sliding_window and structure.use_decode_kernel[-1]) or extends_tree
     reused = paging.reserve_append(seq_ids, append_lengths) if append_before_attn else None
     depths = build_depths(paging, structure, sliding_window=sliding_window, layer_span=layer_span)
@@ -166,7 +168,7 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
         k_ragged_rope_pos_offset=np.asarray(structure.rope_offsets, dtype=np.int32),
         q_rope_position=q_rope_position,
         append_position=append_position,
-        depths=tuple(dataclasses.replace(d, tree=t) for d, t in zip(depths, depth_trees)),
+        depths=tuple(d if t is None else evolve(d, tree=t) for d, t in zip(depths, depth_trees)),
         append_before_attn=append_before_attn,
         ragged_tree=ragged_tree,
         reused_pages=tuple(reused),
@@ -249,22 +251,51 @@ def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_le
                  starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
     """The `WindowPages` of chunks whose earliest queries are at ``min_positions``, from their
     full page lists whose first keys are at ``starts``."""
-    npages = np.diff(page_indptr).astype(np.int64)
-    last = np.asarray(last_page_len, dtype=np.int64)
-    lengths = np.where(npages > 0, (npages - 1) * page_size + last, 0)
-    starts = np.asarray(starts, dtype=np.int64)
-    skip = np.maximum(span.first_visible(np.asarray(min_positions, dtype=np.int64)) - starts, 0)
+    return windowed(page_indptr, page_indices, last_page_len, starts, min_positions, span, page_size)[0]
+
+
+def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray, starts: np.ndarray,
+             min_positions: np.ndarray, span: LayerSpan, page_size: int,
+             reuse: Optional[Tuple[WindowPages, np.ndarray]] = None) -> Tuple[WindowPages, np.ndarray]:
+    """`window_pages` and the whole pages dropped from each list. ``reuse``: the result for the
+    same page lists and earlier queries, whose kept pages stand where the same pages drop.
+    int32 throughout: positions and slots fit it, and a first visible position is above -2**31."""
+    i32 = np.int32
+    page_indptr = np.asarray(page_indptr, dtype=i32)
+    npages = page_indptr[1:] - page_indptr[:-1]
+    last = np.asarray(last_page_len, dtype=i32)
+    starts = np.asarray(starts, dtype=i32)
+    lengths = npages * i32(page_size)
+    lengths += last
+    lengths -= i32(page_size)
+    skip = span.first_visible(np.asarray(min_positions, dtype=i32))
+    skip -= starts
+    np.maximum(skip, 0, out=skip)
     empty = skip >= lengths  # no key of the chunk is visible
-    drop = np.where(empty, npages, skip // page_size)  # whole pages no query sees
-    local = np.arange(page_indices.size) - np.repeat(page_indptr[:-1].astype(np.int64), npages)
-    kept = page_indices[local >= np.repeat(drop, npages)]
-    zero = np.zeros_like(skip)
-    return WindowPages(
-        page_indptr=np.concatenate([[0], np.cumsum(npages - drop)]).astype(np.int32),
-        page_indices=kept.astype(np.int32, copy=False),
-        length_info=np.array([np.where(empty, 0, last), np.where(empty, 0, skip % page_size), zero], dtype=np.int32),
-        k_rope_pos_offset=np.where(empty, 0, starts + skip).astype(np.int32),
-    )
+    empty |= npages == 0
+    any_empty = empty.any()
+    drop = skip // i32(page_size)  # whole pages no query sees
+    if any_empty:
+        drop[empty] = npages[empty]
+    if reuse is not None and (drop == reuse[1]).all():
+        new_indptr, kept = reuse[0].page_indptr, reuse[0].page_indices
+    elif drop.any():
+        new_indptr = np.zeros(npages.size + 1, dtype=i32)
+        np.cumsum(npages - drop, out=new_indptr[1:])
+        first_kept = np.repeat(page_indptr[:-1] + drop, npages)
+        kept = page_indices[np.arange(page_indices.size, dtype=i32) >= first_kept]
+    else:
+        new_indptr = page_indptr - page_indptr[0]
+        kept = page_indices
+    length_info = np.zeros((3, npages.size), dtype=i32)
+    length_info[0] = last
+    np.remainder(skip, i32(page_size), out=length_info[1])
+    k_rope_pos_offset = starts + skip
+    if any_empty:
+        length_info[:2, empty] = 0
+        k_rope_pos_offset[empty] = 0
+    return WindowPages(page_indptr=new_indptr, page_indices=np.asarray(kept, dtype=i32), length_info=length_info,
+                       k_rope_pos_offset=k_rope_pos_offset), drop
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
@@ -328,6 +359,16 @@ def build_tree_masks(structure: BatchStructure, *, append_before_attn: bool
         plain = all(t.is_chain for t in present) and structure.use_decode_kernel[d]
         depth_trees.append(TreeMask.of(here) if present and not plain else None)
     return None, tuple(depth_trees)
+
+
+def evolve(record: _Record, **changes: object) -> _Record:
+    """``dataclasses.replace`` for the per-step hot path: a shallow copy of a metadata record
+    with ``changes`` (names of its fields; the records have no ``__post_init__``)."""
+    new = object.__new__(type(record))
+    fields = new.__dict__
+    fields.update(record.__dict__)
+    fields.update(changes)
+    return new
 
 
 def indptr(lengths: Sequence[int]) -> np.ndarray:

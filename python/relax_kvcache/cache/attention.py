@@ -76,6 +76,8 @@ class MHAAttention(Attention):
         super().__init__(config, kernels, pages)
         self.rotary_mode = int(config.effective_rope_mode == RopeMode.INLINE)
         self._split_rope_argument = split_rotary_rope_argument(config, device)
+        self._rope = (self.rotary_mode, config.rope_scale, config.rope_theta)  # kernel arguments before sm_scale
+        self._sliding = tuple(windowed or config.slides_sequences for windowed in self.windowed)
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         cfg = self.config
@@ -96,10 +98,11 @@ class MHAAttention(Attention):
         k, dev = self.kernels, step.device
         k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
         pages = self.pages[layer]
-        if step.meta.append_before_attn:
+        if step.meta.append_before_attn:  # then attention reads the new K/V from the pages
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
-        self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
-        if not step.meta.append_before_attn:
+            self.paged(step, layer, dev.q, o, dev.merged_lse, sm_scale, first=True)
+        else:
+            self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
 
     def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
@@ -131,21 +134,21 @@ class MHAAttention(Attention):
     def run_depth(self, step: Step, layer: int, depth: DepthViews, views: PageViews, q, o, lse,
                   sm_scale: float) -> None:
         """Kernel choice and ``causal`` as in TVM (sliding-window variants where windows apply)."""
-        cfg, k, dev = self.config, self.kernels, step.device
-        windowed = self.windowed[layer]
-        sliding = windowed or cfg.slides_sequences
+        k, dev = self.kernels, step.device
+        sliding = self._sliding[layer]
         pages = self.pages[layer]
-        rope: Tuple[Any, ...] = (self.rotary_mode, cfg.rope_scale, cfg.rope_theta, sm_scale)
+        if depth.use_decode_kernel and depth.tree is None:
+            f = k.attention_decode_sliding_window if sliding else k.attention_decode
+            f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
+              dev.q_rope_position, o, lse, *self._rope, sm_scale)
+            return
+        rope: Tuple[Any, ...] = (*self._rope, sm_scale)
         if depth.tree is not None:
             k.attention_prefill_tree(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices,
                                      views.length_info, views.k_rope_pos_offset, dev.q_rope_position, o, lse,
                                      *rope, depth.tree.mn_indptr, depth.tree.mask)
-        elif depth.use_decode_kernel:
-            f = k.attention_decode_sliding_window if sliding else k.attention_decode
-            f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
-              dev.q_rope_position, o, lse, *rope)
         else:
             f = k.attention_prefill_sliding_window if sliding else k.attention_prefill
-            causal = int(windowed and not step.meta.append_before_attn)
+            causal = int(self.windowed[layer] and not step.meta.append_before_attn)
             f(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
               views.k_rope_pos_offset, dev.q_rope_position, o, lse, causal, *rope)

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import tvm
 
-from ..args import as_float, as_int, as_int32, as_int_list, describe
+from ..args import FLOAT32_MAX, as_float, as_int, as_int32, as_int_list, describe
 from ..cache_args import check_cache_args
 from ..build import build_kernels
 from ..checkpoint import CheckpointIO
@@ -26,6 +26,7 @@ from .debug import DebugReader
 from .mla import MLAAttention
 from .planner import StepPlanner, unwindowed_chunk_limit
 from .step import Scratch, Step, StepUploader
+from .tensor_checks import TensorChecks
 
 
 class PagedAttentionKVCache:
@@ -98,6 +99,7 @@ class PagedAttentionKVCache:
         self._planner = StepPlanner(config, kernels, self._paging, self._attention.tree_refusal)
         self._uploader = StepUploader(config, device, self._scratch)
         self._step: Optional[Step] = None
+        self._tensor_checks = TensorChecks(config.dtype, device)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
                                          self._require_no_step)
@@ -212,6 +214,7 @@ class PagedAttentionKVCache:
         self._check_not_busy("clear")
         self._paging.clear()
         self._step = None
+        self._tensor_checks.forget()
         self._checkpoints.importing = None
 
     def empty(self) -> bool:
@@ -252,19 +255,22 @@ class PagedAttentionKVCache:
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
         meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
-        self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta))
+        self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
+                                          tokens=self._planner.decode.plain_tokens(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
         self._check_not_busy("end_forward")
         self._step = None
+        self._tensor_checks.forget()
 
     def _active_step(self, what: str) -> Step:
-        self._check_not_busy(what)
-        if self._step is None:
+        step = self._step
+        if self._busy is not None or step is None:
+            self._check_not_busy(what)
             raise ForwardError(f"{what} called without an active step; call begin_forward first")
-        self._step.buffer.wait()
-        return self._step
+        step.buffer.wait()
+        return step
 
     def capturable_step(self) -> Optional[object]:
         """The current step's kernel arguments when a CUDA graph may capture them, else None.
@@ -300,19 +306,24 @@ class PagedAttentionKVCache:
         sm_scale : float
             Softmax scale (usually ``head_dim ** -0.5``).
         """
-        mha = self._component("attention_with_fused_qkv", MHAAttention)
+        mha = self._attention
+        if not isinstance(mha, MHAAttention):
+            self._component("attention_with_fused_qkv", MHAAttention)  # raises
         cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("attention_with_fused_qkv")
-        n, hq, d, width = step.total_tokens, cfg.num_qo_heads, cfg.head_dim, cfg.num_qo_heads + 2 * cfg.num_kv_heads
-        rows = check_tensor("qkv", qkv, shape=(None, width, d), dtype=cfg.dtype, device=self.device)[0]
-        self._check("o", o, (rows, hq, d))
+        n, hq, d = step.total_tokens, cfg.num_qo_heads, cfg.head_dim
+        rows = self._tensor_checks.rows("qkv", qkv, (hq + 2 * cfg.num_kv_heads, d))
+        self._tensor_checks.shape("o", o, (rows, hq, d))
         if rows < n:
             raise ForwardError(f"qkv has {rows} rows, fewer than the {n} tokens of the step")
         if rows != n:
+            width = hq + 2 * cfg.num_kv_heads
             qkv, o = view(qkv, (n, width, d), 0, self._dtype), view(o, (n, hq, d), 0, self._dtype)
-        sm_scale = as_float("sm_scale", sm_scale)
-        step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
+        if type(sm_scale) is not float or not -FLOAT32_MAX <= sm_scale <= FLOAT32_MAX:  # fast path of as_float
+            sm_scale = as_float("sm_scale", sm_scale)
+        if step.meta.reused_pages:
+            step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
         mha.fused_qkv(step, layer, qkv, o, sm_scale)
         step.appended.add(layer)
 
@@ -532,7 +543,7 @@ class PagedAttentionKVCache:
         return name, value, math.prod(got) * DTYPE_BYTES[dtype]
 
     def _local_layer(self, layer_id: int) -> int:
-        layer = as_int("layer_id", layer_id) - self.layer_offset
+        layer = (layer_id if type(layer_id) is int else as_int("layer_id", layer_id)) - self.layer_offset
         if not 0 <= layer < self.config.num_layers:
             raise ForwardError(f"layer_id {layer_id} is out of range [{self.layer_offset}, "
                                f"{self.layer_offset + self.config.num_layers})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence
 
+from tvm.runtime import ShapeTuple
+
 from .. import metadata as md
 from ..args import as_int_list
 from ..config import KVCacheConfig
@@ -28,7 +30,8 @@ class StepPlanner:
                  tree_refusal: Callable[[], Optional[KVCacheError]]) -> None:
         self._config, self._paging, self._tree_refusal = config, paging, tree_refusal
         self._window_limit = unwindowed_chunk_limit(config, kernels)
-        self.decode = DecodePlanner(config.page_size, config.layer_span)
+        self._span, self._slides = config.layer_span, config.slides_sequences
+        self.decode = DecodePlanner(config.page_size, self._span)
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
@@ -40,9 +43,8 @@ class StepPlanner:
         if step is None:
             seq_ids, append_lengths = self._check_batch(seq_ids, append_lengths, importing)
             trees = self._check_trees(seq_ids, append_lengths, parent_ptr)
-            cfg = self._config
             step, last_depths = md.plan_step(self._paging, seq_ids, append_lengths, trees,
-                                             sliding_window=cfg.slides_sequences, layer_span=cfg.layer_span)
+                                             sliding_window=self._slides, layer_span=self._span)
             self.decode.start(self._paging, step, last_depths)
         return step
 
@@ -52,8 +54,11 @@ class StepPlanner:
 
     def _check_batch(self, seq_ids: Any, append_lengths: Any, importing: Optional[int]):
         most, why = max(self._paging.num_sequences, 1), "the number of sequences in the cache"
-        seq_ids = as_int_list("seq_ids", seq_ids, max_len=most, why=why)
-        append_lengths = as_int_list("append_lengths", append_lengths, max_len=most, why=why)
+        # a ShapeTuple (what vm.builtin passes) holds ints only
+        seq_ids = (list(seq_ids) if isinstance(seq_ids, ShapeTuple)
+                   else as_int_list("seq_ids", seq_ids, max_len=most, why=why))
+        append_lengths = (list(append_lengths) if isinstance(append_lengths, ShapeTuple)
+                          else as_int_list("append_lengths", append_lengths, max_len=most, why=why))
         if len(seq_ids) != len(append_lengths):
             raise ForwardError(f"seq_ids has {len(seq_ids)} entries but append_lengths has "
                                f"{len(append_lengths)}; expected equal lengths")

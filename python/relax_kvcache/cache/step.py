@@ -8,7 +8,7 @@ keeps the result, one :class:`Step`, until ``end_forward``. Shapes as in :mod:`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tvm
@@ -70,11 +70,17 @@ class DeviceStep:
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv): a depth's partial output before it is merged
     tmp_lse: tvm.runtime.Tensor  # (n, Hq) float32
     merged_lse: tvm.runtime.Tensor  # (n, Hq) float32: LSE of attention_with_fused_qkv's output
+    # depths_with_pages(False), depths_with_pages(True)
+    _with_pages: Tuple[Any, Any] = dataclasses.field(default=((), ()), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        views = [tuple((d, p) for d, p in ((d, d.window if windowed else d.pages) for d in self.depths)
+                       if p is not None and p.has_pages) for windowed in (False, True)]
+        object.__setattr__(self, "_with_pages", tuple(views))
 
     def depths_with_pages(self, windowed: bool) -> Tuple[Tuple[DepthViews, PageViews], ...]:
         """(depth, the page views a layer reads) for the depths where it reads any page."""
-        views = ((d, d.window if windowed else d.pages) for d in self.depths)
-        return tuple((d, p) for d, p in views if p.has_pages)
+        return self._with_pages[windowed]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +91,9 @@ class Step:
     device: DeviceStep  # its device arrays and scratch views (repeated decode steps share one)
     fixed_slots: bool  # whether device lives in fixed slots (a CUDA graph may capture it)
     buffer: Any  # the AuxBuffer or SlotBuffer; buffer.wait() orders the compute stream after it
+    total_tokens: int  # meta.total_tokens
     # layers whose K/V the step has appended so far
     appended: Set[int] = dataclasses.field(default_factory=set)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.meta.total_tokens
 
     def check_not_overwritten(self, what: str, layer: int, layer_id: int) -> None:
         """Refuse ``what``, a read of ``layer``'s KV, once its append overwrote slid-out pages."""
@@ -139,31 +142,57 @@ class StepUploader:
         self._config, self._device, self._scratch = config, device, scratch
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * config.prefill_chunk_size)
-        # repeated decode steps' fixed slots: (depths' has_pages, slots, the step's views, batch)
-        self._slots: Optional[Tuple[Tuple[Any, ...], SlotBuffer, DeviceStep, Tuple[int, ...]]] = None
+        self._scratch_views: Dict[int, Tuple[Optional[tvm.runtime.Tensor], ...]] = {}  # by row count
+        # repeated decode steps' fixed slots: (depths' has_pages, slots, a step on their views, batch)
+        self._slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, Step, Tuple[int, ...]]] = None
 
-    def place(self, meta: md.StepMetadata, *, repeated_decode: bool) -> Step:
+    def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
-        ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots."""
-        packed = _packed_arrays(meta)
-        arrays = [a for a, _ in packed]
+        ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots.
+        ``tokens``: ``meta`` is the step before's with new RoPE positions and append slots, the
+        concatenation ``tokens`` of its three token arrays, and new last-page lengths of its
+        only depth (`DecodePlanner.plain_tokens`)."""
+        if tokens is not None:
+            step = self._place_plain(meta, tokens)
+            if step is not None:
+                return step
+        arrays = _packed_arrays(meta)
         if not repeated_decode:
-            return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux)
+            return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux, meta.total_tokens)
         # Fixed slots: the views stay the same while the batch keeps its structure and its page
         # lists fit the slots' headroom (a captured CUDA graph replays on them).
-        has_pages = tuple((_has_pages(d), d.window and _has_pages(d.window)) for d in meta.depths)
+        has_pages = tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None])
         slots = self._slots
-        if slots is None or slots[0] != has_pages or not slots[1].fits(arrays):
-            headroom = DECODE_PAGE_HEADROOM * meta.batch_size
-            shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in packed]
-            buffer = SlotBuffer(self._device, shapes, [page_list for _, page_list in packed])
-            slots = (has_pages, buffer, self._device_views(meta, buffer.views), meta.seq_ids)
-        elif slots[3] != meta.seq_ids:
+        if slots is not None and slots[0] == has_pages and slots[1].upload(arrays):
+            if slots[3] == meta.seq_ids:  # the step before's views (a captured CUDA graph replays on them)
+                return md.evolve(slots[2], meta=meta, appended=set())
             # another batch of the same structure: new views, so no graph of the old one replays
-            slots = (has_pages, slots[1], self._device_views(meta, slots[1].views), meta.seq_ids)
-        self._slots = slots
-        slots[1].upload(arrays)
-        return Step(meta, slots[2], True, slots[1])
+            buffer = slots[1]
+        else:
+            headroom = DECODE_PAGE_HEADROOM * meta.batch_size
+            page_lists = _page_lists(meta)
+            shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
+            buffer = SlotBuffer(self._device, shapes, page_lists)
+            buffer.upload(arrays)
+        step = Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size)
+        self._slots = (has_pages, buffer, step, meta.seq_ids)
+        return step
+
+    def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
+        """``place`` of a step whose token arrays and last-page lengths alone changed, when the
+        slots hold the step before (else None): two writes, the same views."""
+        slots = self._slots
+        if slots is None or slots[3] != meta.seq_ids or len(meta.depths) != 1:
+            return None
+        buffer, depth = slots[1], meta.depths[0]
+        if not (buffer.holds(0, meta.append_indptr) and buffer.holds(4, depth.qo_indptr)
+                and buffer.holds(5, depth.page_indptr) and buffer.holds(6, depth.page_indices)
+                and buffer.holds(8, depth.k_rope_pos_offset) and depth.window is None and depth.tree is None
+                and meta.ragged_tree is None):
+            return None
+        buffer.rewrite([(1, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)),
+                        (7, depth.length_info, (depth.length_info,))])
+        return md.evolve(slots[2], meta=meta, appended=set())
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
@@ -178,38 +207,56 @@ class StepUploader:
             tree = TreeViews(next(views), next(views)) if depth.tree is not None else None
             depths.append(DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
         ragged_tree = TreeViews(next(views), next(views)) if meta.ragged_tree is not None else None
-        n, s = meta.total_tokens, self._scratch
-        dt, f32 = s.o.dtype, s.lse.dtype
-
-        def rows(tensor: Optional[tvm.runtime.Tensor], dtype: Any) -> Optional[tvm.runtime.Tensor]:
-            return None if tensor is None else view(tensor, (n,) + tuple(tensor.shape[1:]), 0, dtype)
-
+        q, k, v, tmp_o, tmp_lse, merged_lse = self._scratch_rows(meta.total_tokens)
         return DeviceStep(
             append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
             append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
-            q=rows(s.q, dt), k=rows(s.k, dt), v=rows(s.v, dt), tmp_o=rows(s.o, dt), tmp_lse=rows(s.lse, f32),
-            merged_lse=rows(s.merged_lse, f32),
+            q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse,
         )
+
+    def _scratch_rows(self, n: int) -> Tuple[Optional[tvm.runtime.Tensor], ...]:
+        """Views of the first ``n`` rows of the scratch tensors (q, k, v, o, lse, merged_lse),
+        made once per ``n``."""
+        views = self._scratch_views.get(n)
+        if views is None:
+            s = self._scratch
+            dt, f32 = s.o.dtype, s.lse.dtype
+
+            def rows(tensor: Optional[tvm.runtime.Tensor], dtype: Any) -> Optional[tvm.runtime.Tensor]:
+                return None if tensor is None else view(tensor, (n,) + tuple(tensor.shape[1:]), 0, dtype)
+
+            views = (rows(s.q, dt), rows(s.k, dt), rows(s.v, dt), rows(s.o, dt), rows(s.lse, f32),
+                     rows(s.merged_lse, f32))
+            if len(self._scratch_views) >= 4096:
+                self._scratch_views.clear()
+            self._scratch_views[n] = views
+        return views
 
 
 def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
     return p.page_indices.size > 0
 
 
-def _packed_arrays(meta: md.StepMetadata) -> List[Tuple[np.ndarray, bool]]:
-    """A step's arrays in upload order, each with whether it is a page list (which may grow)."""
-    def page_set(p: Any) -> List[Tuple[np.ndarray, bool]]:  # a DepthMetadata or WindowPages
-        return [(p.page_indptr, False), (p.page_indices, True), (p.length_info, False),
-                (p.k_rope_pos_offset, False)]
-
-    heads = (meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)
-    arrays = [(a, False) for a in heads]
+def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
+    """A step's arrays in upload order."""
+    arrays = [meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position]
     for depth in meta.depths:
-        arrays += [(depth.qo_indptr, False), *page_set(depth)]
-        if depth.window is not None:
-            arrays += page_set(depth.window)
+        arrays += (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info, depth.k_rope_pos_offset)
+        window = depth.window
+        if window is not None:
+            arrays += (window.page_indptr, window.page_indices, window.length_info, window.k_rope_pos_offset)
         if depth.tree is not None:
-            arrays += [(depth.tree.mn_indptr, False), (depth.tree.mask, False)]
+            arrays += (depth.tree.mn_indptr, depth.tree.mask)
     if meta.ragged_tree is not None:
-        arrays += [(meta.ragged_tree.mn_indptr, False), (meta.ragged_tree.mask, False)]
+        arrays += (meta.ragged_tree.mn_indptr, meta.ragged_tree.mask)
     return arrays
+
+
+def _page_lists(meta: md.StepMetadata) -> List[bool]:
+    """Whether each of `_packed_arrays` is a page list (which may grow)."""
+    page_set = [False, True, False, False]
+    flags = [False] * 4
+    for depth in meta.depths:
+        flags += [False, *page_set, *(page_set if depth.window is not None else ()),
+                  *((False, False) if depth.tree is not None else ())]
+    return flags + ([False, False] if meta.ragged_tree is not None else [])

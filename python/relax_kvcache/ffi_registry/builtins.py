@@ -22,6 +22,7 @@ def _method(name: str) -> Callable[..., Any]:
         return getattr(cache, name)(*args)
     call.__signature__ = inspect.signature(  # type: ignore[attr-defined]
         getattr(PagedAttentionKVCache, name))
+    call.method = name  # type: ignore[attr-defined]  # the dispatcher calls it without this frame
     return call
 
 
@@ -90,13 +91,14 @@ def _arity(name: str, ours: Callable[..., Any]) -> Optional[Tuple[int, int, str]
 def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any]) -> Callable[..., Any]:
     arity = _arity(name, ours)
     fewest, most, signature = arity if arity is not None else (0, 1 << 30, name)
+    method = getattr(ours, "method", None)
 
     def dispatch(cache: Any, *args: Any) -> Any:
         if isinstance(cache, PagedAttentionKVCache):
             if not fewest <= len(args) <= most:
                 raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "
                                     f"argument(s) after the cache, got {len(args)}")
-            return ours(cache, *args)
+            return getattr(cache, method)(*args) if method is not None else ours(cache, *args)
         if not _is_tvm_state(cache):  # None reaches TVM's functions as a null cache: a crash
             raise ArgumentError(f"{name}: the cache is {describe(cache)} of type {type(cache).__name__}; expected a "
                                 "relax_kvcache.PagedAttentionKVCache or a TVM KV cache object")

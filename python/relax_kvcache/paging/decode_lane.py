@@ -1,5 +1,5 @@
-"""`DecodeLane`: a batch of sequences that grows by one token per step, as flat arrays that
-`advance` updates with numpy; valid while the paging state is at its version."""
+"""`DecodeLane`: a batch of sequences that grows by one token per step, advanced without
+re-reading its blocks; valid while the paging state is at its version."""
 
 from __future__ import annotations
 
@@ -16,15 +16,26 @@ from .sequences import Sequence
 
 @dataclasses.dataclass(eq=False)
 class DecodeLane:
-    """Flat view of a decode batch of B sequences (int64 [B] arrays), advanced by `PagingState`."""
+    """A decode batch of B sequences, advanced by `PagingState`. The free token slots of each
+    last block's pages are ``room - pending`` (``room`` int64 [B] is brought up to date only
+    when some block fills up: a step where ``min_room > pending`` appends without a page)."""
 
-    version: int  # the PagingState.version the arrays describe
+    version: int  # the PagingState.version the lane describes
     seq_ids: tuple[int, ...]
-    seq_length: np.ndarray
-    block_length: np.ndarray  # tokens in each last block
-    page_capacity: np.ndarray  # token slots of the pages each last block holds
-    last_page: np.ndarray  # id of each last block's last page (-1: none)
+    room: np.ndarray  # free slots of each last block's pages, ``pending`` steps ago
+    min_room: int  # room.min()
+    pending: int  # steps advanced since ``room`` was updated
     _pairs: tuple[tuple[Sequence, Block], ...] = dataclasses.field(repr=False)
+
+    def full_rows(self) -> np.ndarray:
+        """The rows whose last block needs a page for the next token (sorted)."""
+        if self.min_room > self.pending:
+            return _NO_ROWS
+        return np.flatnonzero(self.room == self.pending)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ROWS.flags.writeable = False
 
 
 def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
@@ -45,33 +56,35 @@ def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, vers
         lane_blocks.append(block)
     if len(set(map(id, lane_seqs))) != len(lane_seqs):
         return None
-    def array(values: list[int]) -> np.ndarray:
-        return np.array(values, dtype=np.int64)
-
-    return DecodeLane(
-        version=version,
-        seq_ids=tuple(seq_ids),
-        seq_length=array([s.seq_length for s in lane_seqs]),
-        block_length=array([b.seq_length for b in lane_blocks]),
-        page_capacity=array([len(b.page_ids) * page_size for b in lane_blocks]),
-        last_page=array([b.page_ids[-1] if b.page_ids else -1 for b in lane_blocks]),
-        _pairs=tuple(zip(lane_seqs, lane_blocks)),
-    )
+    room = np.array([len(b.page_ids) * page_size - b.seq_length for b in lane_blocks], dtype=np.int64)
+    return DecodeLane(version=version, seq_ids=tuple(seq_ids), room=room, min_room=int(room.min()) if room.size else 0, pending=0,
+                      _pairs=tuple(zip(lane_seqs, lane_blocks)))
 
 
-def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int
-            ) -> None:
-    """Append one token to every sequence of ``lane``, a page to the last blocks at ``full``."""
+def last_slots(lane: DecodeLane, page_size: int) -> np.ndarray:
+    """int64 [B]: the KV slot of each sequence's last token (page * page_size + offset)."""
+    return np.array([b.page_ids[-1] * page_size + (b.seq_length - 1) % page_size if b.page_ids else -1
+                     for _, b in lane._pairs], dtype=np.int64)
+
+
+def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int) -> list[int]:
+    """Append one token to every sequence of ``lane``, a page to the last blocks at ``full``
+    (`DecodeLane.full_rows`); the pages, in the order of ``full``."""
+    new_pages: list[int] = []
     if len(full):
         new_pages = pages.allocate(len(full))
         pairs = lane._pairs
         for i, page in zip(full.tolist(), new_pages):
             pairs[i][1].page_ids.append(page)
-        lane.page_capacity[full] += page_size
-        lane.last_page[full] = new_pages
+        room = lane.room
+        room -= lane.pending
+        room[full] += page_size
+        room -= 1
+        lane.pending, lane.min_room = 0, int(room.min())
+    else:
+        lane.pending += 1
     for seq, block in lane._pairs:  # last_append_length is 1 already (see open_lane)
         seq.seq_length += 1
         block.seq_length += 1
-    lane.seq_length += 1
-    lane.block_length += 1
     lane.version = version
+    return new_pages

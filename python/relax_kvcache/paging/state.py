@@ -107,6 +107,12 @@ class PagingState:
         """The blocks of sequence ``seq_id``, root first (live objects: read, do not modify)."""
         return self._tree.trace_blocks(self._seq(seq_id).last_block)
 
+    def trace_batch(self, seq_ids: collections.abc.Sequence[int]) -> tuple[list[list[Block]], tuple[int, ...]]:
+        """`trace_blocks` and the length of each sequence of ``seq_ids``."""
+        seqs = [self._seq(seq_id) for seq_id in seq_ids]
+        trace = self._tree.trace_blocks
+        return [trace(seq.last_block) for seq in seqs], tuple(seq.seq_length for seq in seqs)
+
     def empty(self) -> bool:
         """Whether no sequence, block or page is in use (TVM's ``Empty``)."""
         return not self._seqs and self._blocks.all_free() and self._pages.num_free == self.num_pages
@@ -265,15 +271,17 @@ class PagingState:
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
                                      seq_ids)
 
-    def advance_lane(self, lane: DecodeLane) -> None:
-        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1)."""
+    def advance_lane(self, lane: DecodeLane) -> tuple[np.ndarray, list[int]]:
+        """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
+        the rows whose last block took a page and those pages."""
         if lane.version != self._version:
             raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
                                f"state is at version {self._version}; open a new lane")
-        full = np.flatnonzero(lane.block_length >= lane.page_capacity)  # last blocks needing a page
-        self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        full = lane.full_rows()  # last blocks needing a page
+        if len(full):
+            self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
         self._version += 1
-        decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
+        return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the uncommitted token tree of ``seq_id`` (opaque here)."""

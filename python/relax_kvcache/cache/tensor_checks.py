@@ -1,0 +1,108 @@
+"""Tensor argument checks of the per-layer calls, remembered per tensor object.
+
+A tensor's shape, dtype, device, strides and data pointer never change, so a tensor object that
+passed `check_tensor` once needs only its shape compared again. Tensors are recognised by their
+FFI handle (a `vm.builtin` call wraps the same tensor in a new Python object every time); the
+remembered ones are kept referenced, so a handle cannot be reused by another tensor while it is
+remembered. The cache forgets them at the end of every step (so that it never keeps a model's
+activations alive) and beyond ``limit`` tensors.
+
+A tensor not seen before (a Relax VM passes new tensor objects every call) is first checked on
+its raw ``DLTensor`` fields (read once, as `tensors.byte_offset` does; the layout is verified at
+import): the dtype and device words of a tensor that passed `check_tensor` before, offset 0, an
+aligned data pointer and contiguity. Anything else goes to `check_tensor`, which raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import tvm
+
+from ..tensors import DATA_ALIGNMENT, TENSOR_TYPES, check_tensor
+
+#: ``DLTensor`` as six 64-bit words after the tvm-ffi object header: data, device (type, id),
+#: ndim and dtype, shape, strides, byte_offset.
+_WORDS = ctypes.c_uint64 * 6
+_DLTENSOR_AT = 24
+
+
+def _raw(value: Any) -> Tuple[int, ...]:
+    return tuple(_WORDS.from_address(value.__chandle__() + _DLTENSOR_AT)[:])
+
+
+def _layout_verified() -> bool:
+    base = tvm.runtime.tensor(np.zeros((2, 32), dtype=np.float32))
+    probe = tvm.runtime._ffi_api.TVMTensorCreateView(base, (2, 3), base.dtype, 12)
+    data, device, ndim_dtype, _, _, offset = _raw(probe)
+    return (data == base.data_ptr() and device == 1 and ndim_dtype == 2 | 0x12002 << 32 and offset == 12
+            and _raw(base)[5] == 0)
+
+
+_READABLE = _layout_verified()
+
+
+class TensorChecks:
+    """`check_tensor` for one dtype and device, remembering the tensors that passed."""
+
+    def __init__(self, dtype: str, device: tvm.runtime.Device, limit: int = 256) -> None:
+        self._dtype, self._device, self._limit = dtype, device, limit
+        self._passed: Dict[int, Tuple[Any, Tuple[int, ...]]] = {}  # handle -> (tensor, shape)
+        self._words: Optional[Tuple[int, int]] = None  # raw device and dtype words of a valid tensor
+
+    def shape(self, name: str, value: Any, expected: Sequence[Optional[int]]) -> Tuple[int, ...]:
+        """``check_tensor(name, value, shape=expected, ...)``: the shape of a valid tensor, else
+        the error `check_tensor` raises."""
+        got = self._known(value)
+        if got is not None and (got == expected or (len(got) == len(expected) and all(
+                e is None or g == e for g, e in zip(got, expected)))):
+            return got
+        got = check_tensor(name, value, shape=expected, dtype=self._dtype, device=self._device)
+        self._remember(value, got)
+        if self._words is None and _READABLE and value.__chandle__():
+            raw = _raw(value)
+            self._words = (raw[1], raw[2] >> 32)
+        return got
+
+    def rows(self, name: str, value: Any, tail: Tuple[int, ...]) -> int:
+        """The leading extent of a valid tensor of shape ``(rows, *tail)`` (see `shape`)."""
+        got = self._known(value)
+        if got is not None and got[1:] == tail:
+            return got[0]
+        return self.shape(name, value, (None, *tail))[0]
+
+    def _known(self, value: Any) -> Optional[Tuple[int, ...]]:
+        """The shape of a tensor remembered, or whose raw fields pass (then remembered); else None."""
+        if not isinstance(value, TENSOR_TYPES):
+            return None
+        handle = value.__chandle__()
+        known = self._passed.get(handle)
+        if known is not None:
+            return known[1]
+        words = self._words
+        if words is None or not handle:
+            return None
+        data, device, ndim_dtype, _, _, offset = _WORDS.from_address(handle + _DLTENSOR_AT)[:]
+        if (device != words[0] or ndim_dtype >> 32 != words[1] or offset or data % DATA_ALIGNMENT
+                or not value.is_contiguous()):
+            return None
+        shape = tuple(value.shape)
+        self._remember(value, shape)
+        return shape
+
+    def forget(self) -> None:
+        """Forget every tensor (the end of a step)."""
+        if self._passed:
+            self._passed.clear()
+
+    def _remember(self, value: Any, shape: Tuple[int, ...]) -> None:
+        handle = value.__chandle__()
+        if not handle:
+            return
+        passed = self._passed
+        if len(passed) >= self._limit:
+            for old in list(passed)[: self._limit // 2]:
+                del passed[old]
+        passed[handle] = (value, shape)
