@@ -661,7 +661,7 @@ def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: 
     weights = device.weights(cfg, SEED)
     vm = make_vm("ours", executable, device)
     mean = (sum(load.prompt) + sum(load.output)) / 2
-    total = _round_up(max(int(0.6 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE))
+    total = _round_up(max(int(0.9 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE))
     cache = Runner("ours", vm, weights).create(2 * load.max_live, total, plan.chunk)
     functions = {"prefill": vm["prefill_all"], "decode": vm["decode"]}  # every token's logits
     engine = Engine(functions, weights, cache, device.dev, prefill_chunk_size=plan.chunk,

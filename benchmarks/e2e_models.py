@@ -102,9 +102,13 @@ def build_module(side: str, cfg: LlamaConfig, target: tvm.target.Target) -> tvm.
     return mod
 
 
+#: largest prefill step (tokens) and decode batch the builds plan their activations for
+UPPER_BOUNDS = {"n": 8192, "b": 128}
+
+
 def compile_model(side: str, cfg: LlamaConfig, target: tvm.target.Target):
     """The relax executable of one side for ``target``."""
-    return frontend.compile(build_module(side, cfg, target), target)
+    return frontend.compile(build_module(side, cfg, target), target, upper_bounds=UPPER_BOUNDS)
 
 
 def cuda_sources(module: tvm.runtime.Module) -> List[str]:

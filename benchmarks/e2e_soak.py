@@ -161,12 +161,14 @@ def graphs_agree(engine: Engine, eager: Callable[[], Engine], log=print, seed: i
 
 
 def _growth(values: List[Optional[int]]) -> Optional[int]:
-    """Growth of a sampled quantity from the end of warm-up (the first quarter) to the end."""
+    """Growth of a sampled quantity's floor: its least value over the last quarter of the run
+    against its least over the second (the first is warm-up). Memory that a step allocates and
+    frees (a prefill's logits on the host) comes and goes; a leak raises the floor."""
     known = [v for v in values if v is not None]
     if len(known) < 4:
         return None
-    warm = known[len(known) // 4]
-    return max(known[len(known) // 4:]) - warm
+    q = len(known) // 4
+    return min(known[3 * q:]) - min(known[q:2 * q])
 
 
 def _result(stats: dict, latencies: List[float], samples: List[tuple], elapsed: float, engine: Engine,

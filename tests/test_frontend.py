@@ -132,3 +132,29 @@ def test_every_method_matches_native_cache(vm):
         assert a.dtype == b.dtype and a.shape == b.shape, i
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"output {i}")
     np.testing.assert_array_equal(results["ours"][-1], [18, 19, 20, 21, 12, 13, 14])  # seq 1, then seq 0
+
+
+def test_compile_plans_activations_for_the_upper_bounds_given():
+    """``upper_bounds`` become each Relax function's ``tir_var_upper_bound``: the VM then
+    allocates a function's activations once, at the bound, and the results are unchanged."""
+    import e2e_models
+    from relax_kvcache.models import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, rope_theta=1e4, dtype="float32")
+    mod = e2e_models.build_module("ours", cfg, tvm.target.Target("llvm"))
+    seen = {}
+    real = tvm.compile
+
+    def spy(m, **kw):
+        seen.update({gv.name_hint: f.attrs["tir_var_upper_bound"] for gv, f in m.functions_items()
+                     if isinstance(f, tvm.relax.Function) and f.attrs and "tir_var_upper_bound" in f.attrs})
+        return real(m, **kw)
+
+    tvm.compile, saved = spy, tvm.compile
+    try:
+        rk.frontend.compile(mod, "llvm", upper_bounds={"n": 64, "b": 4})
+    finally:
+        tvm.compile = saved
+    assert {"prefill", "decode"} <= set(seen)
+    assert {k: int(v) for k, v in seen["decode"].items()} == {"n": 64, "b": 4}

@@ -9,7 +9,7 @@ example: docs/getting-started.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tvm
@@ -186,13 +186,22 @@ class PagedKVCache(nn.Object):
             ty_args=rx.TensorType((total_length,), "int32"))))
 
 
-def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target], **kwargs):  # noqa: A001
+def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # noqa: A001
+            upper_bounds: Optional[Dict[str, int]] = None, **kwargs):
     """``tvm.compile`` of a model holding the cache's kernels, with the pass configuration the GPU
-    kernels need."""
+    kernels need. ``upper_bounds`` (e.g. ``{"n": prefill_chunk_size, "b": max_batch_size}``):
+    the largest values of the entry points' symbolic dimensions, by name, so that TVM plans their
+    activations once at those sizes (``tir_var_upper_bound``, as MLC-LLM does) instead of
+    allocating per shape at run time; function outputs are still allocated per call."""
     target = tvm.target.Target(target)
+    config = _pass_config(target)
+    if upper_bounds:
+        bounds = {str(k): int(v) for k, v in upper_bounds.items()}
+        mod = tvm.IRModule({gv: f.with_attr("tir_var_upper_bound", bounds) if isinstance(f, rx.Function) else f
+                            for gv, f in mod.functions_items()}, attrs=mod.attrs)
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
-    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+    with tvm.transform.PassContext(opt_level=3, config=config):
         return tvm.compile(mod, target=target, **kwargs)
 
 
