@@ -11,7 +11,7 @@ import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
-from support.small_cache import CFG, assert_refused, create_with, rand, run_step
+from support.small_cache import CFG, assert_refused, create_with, one_sequence_cache, rand, run_step
 from support.snapshot import assert_same as _assert_same, snapshot as _snapshot
 
 
@@ -379,10 +379,7 @@ def test_commit_with_moves_next_to_a_sequence_with_nothing_to_move(cache):
 @pytest.fixture()
 def one_seq():
     """A cache holding only sequence 0 (21 tokens)."""
-    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
-    c.add_sequence(0)
-    run_step(c, np.random.default_rng(0), [0], [21])
-    return c
+    return one_sequence_cache()
 
 
 def test_tensors_that_share_memory_are_refused(one_seq):

@@ -22,6 +22,7 @@ import relax_kvcache as rk  # noqa: F401  (before any VirtualMachine: the VM bin
 from relax_kvcache import frontend
 from reference_model import ReferenceCache
 from native_baseline import Builtins, Shape, create_native
+from support.frontend_program import create
 
 LAYOUT = frontend.CacheLayout(num_layers=3, num_qo_heads=8, num_kv_heads=2, head_dim=64,
                               rope_mode=rk.RopeMode.NORMAL, rope_theta=1e4, dtype="float32")
@@ -47,12 +48,6 @@ class Program(nn.Module):
         o_cross, lse_cross = cache.cross_attention(1, q, D, SCALE)
         o, lse = cache.merge_attn_output_inplace(o_self, lse_self, o_cross, lse_cross)
         return o, lse, cache.get_query_positions(q.shape[1])
-
-
-def create(vm, max_batch_size: int, max_total_seq_len: int, prefill_chunk_size: int):
-    """Call the compiled ``create_kv_cache`` (nn's int arguments arrive as 1-element shapes)."""
-    shape = tvm.runtime.ShapeTuple
-    return vm["create_kv_cache"](shape([max_batch_size]), shape([max_total_seq_len]), shape([prefill_chunk_size]))
 
 
 @pytest.fixture(scope="module")

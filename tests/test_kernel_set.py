@@ -11,23 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
 from support.harness import layer_window_config
-from support.small_cache import CFG, assert_refused, create_args, create_with, run_step
+from support.small_cache import CFG, assert_refused, create_args, create_with, one_sequence_cache
 
 
 @pytest.fixture()
 def cache():
     """A cache of ``CFG`` holding sequence 0 (21 tokens)."""
-    c = rk.PagedAttentionKVCache(CFG, tvm.cpu())
-    c.add_sequence(0)
-    run_step(c, np.random.default_rng(0), [0], [21])
-    return c
+    return one_sequence_cache()
 
 
 def test_kernels_built_for_another_config_are_refused(cache):

@@ -28,6 +28,14 @@ def run_step(cache, rng, seq_ids, lengths):
     cache.end_forward()
 
 
+def one_sequence_cache() -> rk.PagedAttentionKVCache:
+    """A cache of ``CFG`` holding sequence 0 (21 tokens of random K/V)."""
+    cache = rk.PagedAttentionKVCache(CFG, tvm.cpu())
+    cache.add_sequence(0)
+    run_step(cache, np.random.default_rng(0), [0], [21])
+    return cache
+
+
 def rand(shape, dtype="float32"):
     """A random (standard normal) tensor of ``shape``, the same values on every call."""
     return tvm.runtime.tensor(np.random.default_rng(1).standard_normal(shape).astype(dtype))
