@@ -665,14 +665,14 @@ def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: 
     cache = Runner("ours", vm, weights).create(2 * load.max_live, total, plan.chunk)
     functions = {"prefill": vm["prefill_all"], "decode": vm["decode"]}  # every token's logits
     engine = Engine(functions, weights, cache, device.dev, prefill_chunk_size=plan.chunk,
-                    vocab_size=cfg.vocab_size)
+                    vocab_size=cfg.vocab_size, cuda_graphs=device.cuda)
     print(f"soak on {device.describe()}: {minutes} min, up to {load.max_live} requests, prompts "
           f"{load.prompt[0]}-{load.prompt[1]}, outputs {load.output[0]}-{load.output[1]} tokens, a cache of "
-          f"{total} tokens, CUDA graphs {'on' if engine._graphs else 'off'}", flush=True)
+          f"{total} tokens, CUDA graphs {'on' if device.cuda else 'off'}", flush=True)
     try:
         same = e2e_soak.graphs_agree(engine, lambda: Engine(functions, weights, cache, device.dev,
                                                              prefill_chunk_size=plan.chunk, vocab_size=cfg.vocab_size,
-                                                             cuda_graphs=False)) if engine._graphs else None
+                                                             cuda_graphs=False)) if device.cuda else None
         result = e2e_soak.soak(engine, minutes * 60, load, device.used_bytes)
     finally:
         engine.close()

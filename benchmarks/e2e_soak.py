@@ -45,13 +45,13 @@ GPU_LOAD = Load(max_live=48, prompt=(16, 2048), output=(8, 512))
 SMOKE_LOAD = Load(max_live=6, prompt=(2, 60), output=(2, 24))
 
 
-def _rss() -> int:
-    """Resident host memory of this process, in bytes (Linux: from /proc)."""
+def _rss() -> Optional[int]:
+    """Resident host memory of this process, in bytes (None where /proc is missing)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
     except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return None
 
 
 def soak(engine: Engine, seconds: float, load: Load, device_used: Callable[[], Optional[int]],
@@ -199,7 +199,8 @@ def _result(stats: dict, latencies: List[float], samples: List[tuple], elapsed: 
             + " s")
     log(f"{'t s':>8} {'device MiB':>11} {'host MiB':>9} {'free pages':>11} {'live':>5} {'tokens/s':>9}")
     for t, dev, rss, free, n, rate in samples[::max(1, len(samples) // 10)]:
-        log(f"{t:8.1f} {dev / 2**20 if dev is not None else float('nan'):11.0f} {rss / 2**20:9.0f} {free:11d} "
+        mib = [float("nan") if v is None else v / 2**20 for v in (dev, rss)]
+        log(f"{t:8.1f} {mib[0]:11.0f} {mib[1]:9.0f} {free:11d} "
             f"{n:5d} {rate:9.0f}")
     mib = lambda v: "n/a" if v is None else f"{v / 2**20:.1f} MiB"  # noqa: E731
     log(f"soak: pages back {engine.free_pages()} / {pages}; growth after warm-up: device {mib(device_growth)}, "

@@ -194,14 +194,13 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # n
     activations once at those sizes (``tir_var_upper_bound``, as MLC-LLM does) instead of
     allocating per shape at run time; function outputs are still allocated per call."""
     target = tvm.target.Target(target)
-    config = _pass_config(target)
     if upper_bounds:
         bounds = {str(k): int(v) for k, v in upper_bounds.items()}
         mod = tvm.IRModule({gv: f.with_attr("tir_var_upper_bound", bounds) if isinstance(f, rx.Function) else f
                             for gv, f in mod.functions_items()}, attrs=mod.attrs)
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
-    with tvm.transform.PassContext(opt_level=3, config=config):
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
         return tvm.compile(mod, target=target, **kwargs)
 
 
