@@ -663,16 +663,16 @@ def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: 
     mean = (sum(load.prompt) + sum(load.output)) / 2
     total = _round_up(max(int(0.9 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE))
     cache = Runner("ours", vm, weights).create(2 * load.max_live, total, plan.chunk)
-    functions = {"prefill": vm["prefill_all"], "decode": vm["decode"]}  # every token's logits
+    functions = {"prefill_rows": vm["prefill_rows"], "decode": vm["decode"]}  # the sampled rows' logits
     engine = Engine(functions, weights, cache, device.dev, prefill_chunk_size=plan.chunk,
-                    vocab_size=cfg.vocab_size, cuda_graphs=device.cuda)
+                    vocab_size=cfg.vocab_size, cuda_graphs=device.cuda, prefill_rows=True)
     print(f"soak on {device.describe()}: {minutes} min, up to {load.max_live} requests, prompts "
           f"{load.prompt[0]}-{load.prompt[1]}, outputs {load.output[0]}-{load.output[1]} tokens, a cache of "
           f"{total} tokens, CUDA graphs {'on' if device.cuda else 'off'}", flush=True)
     try:
         same = e2e_soak.graphs_agree(engine, lambda: Engine(functions, weights, cache, device.dev,
                                                              prefill_chunk_size=plan.chunk, vocab_size=cfg.vocab_size,
-                                                             cuda_graphs=False)) if device.cuda else None
+                                                             cuda_graphs=False, prefill_rows=True)) if device.cuda else None
         result = e2e_soak.soak(engine, minutes * 60, load, device.used_bytes)
     finally:
         engine.close()

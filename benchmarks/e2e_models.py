@@ -48,21 +48,14 @@ def _last_token(x: nn.Tensor) -> nn.Tensor:
 
 
 class OursLlama(Llama):
-    """The library's Llama; ``prefill`` returns the last token's logits, ``prefill_all`` every
-    token's (what ``generate.Engine`` takes, for the soak)."""
+    """The library's Llama; ``prefill`` returns the last token's logits (``prefill_rows``, the
+    library's, is what ``generate.Engine`` calls in the soak)."""
 
     def prefill(self, input_ids: nn.Tensor, cache) -> nn.Tensor:
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cache)
         return self.lm_head(self.norm(_last_token(x))).astype("float32")
-
-    prefill_all = Llama.prefill
-
-    def export_spec(self) -> dict:
-        spec = super().export_spec()
-        spec["prefill_all"] = dict(spec["prefill"])
-        return spec
 
 
 class NativeLlama(OursLlama):
@@ -82,7 +75,7 @@ class NativeLlama(OursLlama):
 
     def export_spec(self) -> dict:
         spec = super().export_spec()
-        del spec["prefill_all"]
+        del spec["prefill_rows"]
         cache = nn.spec.Object(object_type=tvm_kv.PagedKVCache)
         spec["prefill"]["cache"] = cache
         spec["decode"]["cache"] = cache

@@ -122,10 +122,10 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
 
     matmuls = {name: f for name, f in model.items() if "matmul" in name}
     rows = sorted(name for name, f in matmuls.items() if dynamic(f))
-    # decode: 4 per layer + vocab; prefill: 4 per layer; prefill_all (the soak's): its vocab projection
+    # decode: 4 per layer + vocab; prefill: 4 per layer; prefill_rows (the soak's): its vocab projection
     assert len(rows) == 10, sorted(matmuls)
     for name in rows:
-        limits = re.findall(r"tvm_thread_invariant\([bn] <= T\.int64\((\d+)\)\)", matmuls[name].script())
+        limits = re.findall(r"tvm_thread_invariant\([bnk] <= T\.int64\((\d+)\)\)", matmuls[name].script())
         assert tuple(map(int, limits)) == frontend.LOW_BATCH_BUCKETS, (name, limits)
     [source] = e2e_models.cuda_sources(frontend.compile(mod, target).mod)
     kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)

@@ -240,6 +240,43 @@ def test_a_reference_check_that_raises_rolls_the_step_back(model):
     assert b.tokens[3:] == _greedy(numpy_model, [11, 12, 13], 3)
 
 
+def test_prefill_rows_asks_for_the_sampled_rows_only(model):
+    """``prefill_rows``: a prefill step asks the model for each request's last row (a speculative
+    step for all of its rows), the count padded to a power of two; tokens and last logits are the
+    float64 model's, as with every row's logits."""
+    executable, cfg, weights, numpy_model = model
+    vm = VirtualMachine(executable, tvm.cpu())
+    shape = tvm.runtime.ShapeTuple
+    cache = vm["create_kv_cache"](shape([8]), shape([256]), shape([64]))
+    asked = []
+
+    def prefill_rows(ids, rows, *rest):
+        asked.append(rows.numpy().tolist())
+        return vm["prefill_rows"](ids, rows, *rest)
+
+    with pytest.raises(ValueError, match="prefill_rows leaves rows out"):
+        Engine(vm, [], cache, tvm.cpu(), prefill_chunk_size=64, vocab_size=cfg.vocab_size,
+               reference=numpy_model.logits, prefill_rows=True)
+    engine = Engine({"prefill_rows": prefill_rows, "decode": vm["decode"]},
+                    [tvm.runtime.tensor(w.astype("float32")) for w in weights.values()], cache, tvm.cpu(),
+                    prefill_chunk_size=64, vocab_size=cfg.vocab_size, prefill_rows=True)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 9, 3)]
+    reqs = [engine.add_request(p, 4) for p in prompts]
+    engine.step()
+    assert asked == [[4, 13, 16, 16]]  # three last rows, padded to four
+    for req, prompt in zip(reqs, prompts):
+        want = numpy_model.logits(prompt)[-1]
+        np.testing.assert_allclose(req.last_logits, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    expected = _greedy(numpy_model, prompts[0], 4)
+    assert reqs[0].tokens[len(prompts[0]):] == expected[:1]
+    assert engine.speculate(reqs[0], expected[1:3]) == 2  # the model's own tokens: all kept
+    assert asked[-1] == [0, 1, 2, 2]  # every row of the speculative step
+    while engine.requests:
+        engine.step()
+    assert [r.tokens[len(p):] for r, p in zip(reqs, prompts)] == [_greedy(numpy_model, p, 4) for p in prompts]
+
+
 def test_failed_adds_and_forks_do_not_consume_ids(model):
     engine = _model_engine(model, max_total=128)
     other = Engine(engine.vm, engine.weights, engine.cache, tvm.cpu(), prefill_chunk_size=64,

@@ -83,11 +83,19 @@ class Engine:
     ``cuda_graphs`` (default: whenever ``cache`` is our cache on a CUDA device): decode steps run
     through :class:`relax_kvcache.cuda_graph.DecodeGraphs`, so that a batch repeated from the
     step before replays the whole model call as one CUDA graph; prefill steps and changed
-    batches run eagerly."""
+    batches run eagerly.
+
+    ``prefill_rows``: prefill steps call ``vm["prefill_rows"](input_ids, rows, cache, *weights)``
+    (logits of the rows ``rows`` only, ``(1, k, vocab)``) instead of ``vm["prefill"]``, asking
+    for the rows the step samples from (each request's last, every row of a speculative step),
+    their count padded to a power of two: the model's output takes a few sizes, not one per
+    prompt length (a device allocator that caches by size then stops growing). Not with
+    ``reference``, which checks every row."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache,
                  device: tvm.runtime.Device, *, prefill_chunk_size: int, vocab_size: int,
-                 reference: Optional[Reference] = None, cuda_graphs: Optional[bool] = None) -> None:
+                 reference: Optional[Reference] = None, cuda_graphs: Optional[bool] = None,
+                 prefill_rows: bool = False) -> None:
         vocab, chunk = exact_int(vocab_size), exact_int(prefill_chunk_size)
         if vocab is None or not 1 <= vocab <= 2**31:
             raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in "
@@ -103,7 +111,11 @@ class Engine:
             raise ValueError(f"Engine: prefill_chunk_size is {chunk}; expected at most the cache's "
                              f"prefill_chunk_size {config.prefill_chunk_size} (a step feeds that "
                              "many tokens)")
+        if prefill_rows and reference is not None:
+            raise ValueError("Engine: prefill_rows leaves rows out; the reference check needs every row "
+                             "(pass one of the two)")
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
+        self.prefill_rows = bool(prefill_rows)
         self.vocab_size, self.chunk, self.reference = vocab, chunk, reference
         #: the most tokens one sequence can hold (None: unknown, not checked)
         self.max_seq_tokens = None if config is None else int(config.max_total_seq_len)
@@ -244,16 +256,24 @@ class Engine:
         ids = np.concatenate([r._tokens[r.cached:r.cached + n] for r, n in batch]).astype("int32")
         decode = all(n == 1 for _, n in batch)
         start = time.perf_counter()
-        fn = self.vm["decode"] if decode else self.vm["prefill"]  # before the step: it may raise
-        inputs = self._inputs(ids, decode)
+        rows_of = self._rows(batch, sample) if self.prefill_rows and not decode else None
+        # the functions before the step: a missing one raises
+        fn = self.vm["decode"] if decode else self.vm["prefill" if rows_of is None else "prefill_rows"]
+        inputs = [self._inputs(ids, decode)]
+        if rows_of is not None:
+            picked = np.concatenate(rows_of)
+            padded = np.full(1 << (len(picked) - 1).bit_length(), picked[-1], dtype="int32")
+            padded[:len(picked)] = picked
+            inputs.append(tvm.runtime.tensor(padded, self.device))
         with self._graphs.stream_context() if self._graphs else contextlib.nullcontext():
             self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
                         tvm.runtime.ShapeTuple([n for _, n in batch]))
             try:
                 logits = self._call(fn, inputs, decode).numpy()
                 self._end(self.cache)
-                logits = logits.reshape(len(ids), -1)
-                per_request = np.split(logits, np.cumsum([n for _, n in batch])[:-1])
+                logits = logits.reshape(-1, logits.shape[-1])
+                counts = [n for _, n in batch] if rows_of is None else [len(r) for r in rows_of]
+                per_request = np.split(logits[:sum(counts)], np.cumsum(counts)[:-1])
                 for (req, n), rows in zip(batch, per_request):  # the reference check may raise
                     self._check(req._tokens[:req.cached + n], rows)
             except BaseException:  # the model or a check raised (or Ctrl-C): the step never happened
@@ -276,6 +296,14 @@ class Engine:
                 req._tokens.append(int(rows[-1].argmax()))
         return per_request
 
+    @staticmethod
+    def _rows(batch, sample: bool) -> List[np.ndarray]:
+        """Per request, the rows of the step's tokens whose logits it uses: its last (and with
+        ``sample`` off, a speculative step, all of its)."""
+        ends = np.cumsum([n for _, n in batch])
+        return [np.arange(end - n, end) if not sample else np.array([end - 1])
+                for (_, n), end in zip(batch, ends)]
+
     def _inputs(self, ids: np.ndarray, decode: bool) -> tvm.runtime.Tensor:
         """The step's token ids on the device; with graphs, a decode batch's in the tensor its
         graph reads (one per batch size)."""
@@ -287,13 +315,14 @@ class Engine:
         held.copyfrom(ids.reshape(-1, 1))
         return held
 
-    def _call(self, fn, inputs: tvm.runtime.Tensor, decode: bool) -> tvm.runtime.Tensor:
-        """The model call: a decode step through the graphs where there are any."""
+    def _call(self, fn, inputs: List[tvm.runtime.Tensor], decode: bool) -> tvm.runtime.Tensor:
+        """The model call (``inputs``: the arguments before the cache): a decode step through
+        the graphs where there are any."""
         if not (decode and self._graphs):
-            return fn(inputs, self.cache, *self.weights)
+            return fn(*inputs, self.cache, *self.weights)
 
         def forward() -> None:
-            self._held = fn(inputs, self.cache, *self.weights)  # a replay writes into this one
+            self._held = fn(*inputs, self.cache, *self.weights)  # a replay writes into this one
 
         if self._graphs.run(forward) == "replayed":
             self.stats.graph_replays += 1

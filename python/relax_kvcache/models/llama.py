@@ -1,8 +1,9 @@
 """A small Llama decoder (RMSNorm, GQA with RoPE applied by the cache, SwiGLU) written with
 ``tvm.relax.frontend.nn`` and our frontend. Entry points: ``create_kv_cache(max_batch_size,
 max_total_seq_len, prefill_chunk_size)``, ``prefill(input_ids (1, n), cache, *weights)`` ->
-logits ``(1, n, vocab)`` (the step's sequences concatenated), ``decode(input_ids (b, 1), cache,
-*weights)`` -> ``(b, 1, vocab)``."""
+logits ``(1, n, vocab)`` (the step's sequences concatenated), ``prefill_rows(input_ids (1, n),
+rows (k,), cache, *weights)`` -> ``(1, k, vocab)`` (only the logits of the rows ``rows``: what a
+serving engine samples from), ``decode(input_ids (b, 1), cache, *weights)`` -> ``(b, 1, vocab)``."""
 
 from __future__ import annotations
 
@@ -79,6 +80,12 @@ class Llama(nn.Module):
 
     decode = prefill  # the same computation; the two entry points differ in their input shapes
 
+    def prefill_rows(self, input_ids: nn.Tensor, rows: nn.Tensor, cache: PagedKVCache) -> nn.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cache)
+        return self.lm_head(self.norm(nn.op.take(x, rows, axis=1))).astype("float32")
+
     def create_kv_cache(self, max_batch_size: tvm.tirx.Var, max_total_seq_len: tvm.tirx.Var,
                         prefill_chunk_size: tvm.tirx.Var) -> PagedKVCache:
         return PagedKVCache.create(cache_layout(self.cfg, self.page_size), self.target,
@@ -91,6 +98,8 @@ class Llama(nn.Module):
             "create_kv_cache": {"max_batch_size": int, "max_total_seq_len": int, "prefill_chunk_size": int,
                                 "$": {"param_mode": "none", "effect_mode": "none"}},
             "prefill": {"input_ids": nn.spec.Tensor([1, "n"], "int32"), "cache": cache},
+            "prefill_rows": {"input_ids": nn.spec.Tensor([1, "n"], "int32"), "rows": nn.spec.Tensor(["k"], "int32"),
+                             "cache": cache},
             "decode": {"input_ids": nn.spec.Tensor(["b", 1], "int32"), "cache": cache},
         }
 
