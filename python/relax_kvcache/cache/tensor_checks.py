@@ -15,33 +15,11 @@ aligned data pointer and contiguity. Anything else goes to `check_tensor`, which
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import numpy as np
 import tvm
 
-from ..tensors import DATA_ALIGNMENT, TENSOR_TYPES, check_tensor
-
-#: ``DLTensor`` as six 64-bit words after the tvm-ffi object header: data, device (type, id),
-#: ndim and dtype, shape, strides, byte_offset.
-_WORDS = ctypes.c_uint64 * 6
-_DLTENSOR_AT = 24
-
-
-def _raw(value: Any) -> Tuple[int, ...]:
-    return tuple(_WORDS.from_address(value.__chandle__() + _DLTENSOR_AT)[:])
-
-
-def _layout_verified() -> bool:
-    base = tvm.runtime.tensor(np.zeros((2, 32), dtype=np.float32))
-    probe = tvm.runtime._ffi_api.TVMTensorCreateView(base, (2, 3), base.dtype, 12)
-    data, device, ndim_dtype, _, _, offset = _raw(probe)
-    return (data == base.data_ptr() and device == 1 and ndim_dtype == 2 | 0x12002 << 32 and offset == 12
-            and _raw(base)[5] == 0)
-
-
-_READABLE = _layout_verified()
+from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields
 
 
 class TensorChecks:
@@ -61,8 +39,8 @@ class TensorChecks:
             return got
         got = check_tensor(name, value, shape=expected, dtype=self._dtype, device=self._device)
         self._remember(value, got)
-        if self._words is None and _READABLE and value.__chandle__():
-            raw = _raw(value)
+        if self._words is None and RAW_READABLE and value.__chandle__():
+            raw = raw_fields(value)
             self._words = (raw[1], raw[2] >> 32)
         return got
 
@@ -84,7 +62,7 @@ class TensorChecks:
         words = self._words
         if words is None or not handle:
             return None
-        data, device, ndim_dtype, _, _, offset = _WORDS.from_address(handle + _DLTENSOR_AT)[:]
+        data, device, ndim_dtype, _, _, offset = raw_fields(value)
         if (device != words[0] or ndim_dtype >> 32 != words[1] or offset or data % DATA_ALIGNMENT
                 or not value.is_contiguous()):
             return None
