@@ -1,17 +1,8 @@
-"""Tensor argument checks of the per-layer calls, remembered per tensor object.
-
-A tensor's shape, dtype, device, strides and data pointer never change, so a tensor object that
-passed `check_tensor` once needs only its shape compared again. Tensors are recognised by their
-FFI handle (a `vm.builtin` call wraps the same tensor in a new Python object every time); the
-remembered ones are kept referenced, so a handle cannot be reused by another tensor while it is
-remembered. The cache forgets them at the end of every step (so that it never keeps a model's
-activations alive) and beyond ``limit`` tensors.
-
-A tensor not seen before (a Relax VM passes new tensor objects every call) is first checked on
-its raw ``DLTensor`` fields (read once, as `tensors.byte_offset` does; the layout is verified at
-import): the dtype and device words of a tensor that passed `check_tensor` before, offset 0, an
-aligned data pointer and contiguity. Anything else goes to `check_tensor`, which raises.
-"""
+"""Tensor argument checks of the per-layer calls, remembered per tensor (by FFI handle, kept
+referenced until the step ends or ``limit`` is reached: a tensor never changes, so it needs only
+its shape compared again). A new tensor is first checked on its raw ``DLTensor`` fields (dtype
+and device words of an earlier valid tensor, offset 0, alignment, contiguity); anything else goes
+to `check_tensor`, which raises."""
 
 from __future__ import annotations
 
