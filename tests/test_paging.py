@@ -118,7 +118,6 @@ def test_add_and_reserve():
     state.reserve_append([0], [40])
     assert blk(state, 0) == ([0, 1, 2], 40, 0, -1, 1)
     state.add_sequence(1)
-    assert state.pages_needed(0, 10) == 1 and state.pages_needed(0, 8) == 0
     state.reserve_append([0, 1], [10, 20])  # batch order: seq 0 gets page 3, seq 1 pages 4, 5
     assert blk(state, 0) == ([0, 1, 2, 3], 50, 0, -1, 1)
     assert blk(state, 1) == ([4, 5], 20, 0, -1, 1)
@@ -395,7 +394,6 @@ def test_error_messages_and_state_unchanged():
     check(SequenceError, "append length -2", state.reserve_append, [0], [-2])
     check(CacheFullError, "2 page.*needed, 0 free", state.reserve_append, [0, 3], [9, 9])
     check(KVCacheError, "2 sequence ids but 1 append lengths", state.reserve_append, [0, 3], [1])
-    check(SequenceError, "append length 0", state.pages_needed, 0, 0)
     check(SequenceError, r"position range \[5, 41\) is invalid", state.position_map, 0, 5, 41)
     check(SequenceError, r"position range \[6, 5\)", state.position_map, 0, 6, 5)
     check(SequenceError, r"position range \[-1, 5\)", state.position_map, 0, -1, 5)

@@ -1,11 +1,7 @@
-"""One int32 buffer that carries a step's metadata arrays to the device in one copy.
-
-``upload(arrays)`` packs the arrays back to back into a host buffer, copies the used prefix to
-the device once, and returns a device view per array. On CPU the host buffer *is* the device
-buffer; on CUDA it is pinned and copied on a side stream through the CUDA runtime (ctypes:
-TVM's Python API copies synchronously), and ``wait()`` makes the compute stream wait for it,
-once, before the first kernel that reads the metadata. Other GPUs copy synchronously.
-"""
+"""One int32 buffer that carries a step's metadata arrays to the device in one copy. On CPU the
+host buffer is the device buffer; on CUDA it is pinned and copied on a side stream (ctypes: TVM's
+Python API copies synchronously), which ``wait()`` orders the compute stream after; other GPUs
+copy synchronously."""
 
 from __future__ import annotations
 

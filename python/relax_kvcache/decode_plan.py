@@ -1,15 +1,10 @@
 """Repeated decode steps: update the previous step's metadata instead of planning again (the
 same `StepMetadata` as the full planner's; docs/architecture.md).
 
-A step qualifies when the previous one was a plain decode step of the same batch (decode
-kernel at every depth, no token trees, no sliding sequences) and nothing changed the paging
-state since; growth adds the same pages to the coalesced and uncoalesced counts, so it cannot
-switch a depth to the coalesced prefill kernel.
-
-Each sequence's new token sits one position and one slot after its previous one, except where
-its last block took a page (then at the page's first slot); the last page of each page list at
-the sequences' last depth holds one more token (``len % page_size + 1``). A step where no block
-takes a page is a handful of numpy operations whatever the batch size.
+A step qualifies when the previous one was a plain decode step of the same batch (decode kernel
+at every depth, no token trees, no sliding sequences) and nothing changed the paging state since.
+Each new token sits one position and slot after the previous one (a page's first slot where the
+last block took a page); each last page at the sequences' last depth holds one more token.
 """
 
 from __future__ import annotations

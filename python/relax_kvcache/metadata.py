@@ -222,8 +222,8 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
         k_rope_pos_offset = np.array([h.start_pos for h in heads], dtype=np.int32)
         window = None
         if layer_span:
-            window = window_pages(page_indptr, page_indices, np.asarray(last_page_len), k_rope_pos_offset,
-                                  np.array([p for _, _, p in chunks]), layer_span, page_size)
+            window = windowed(page_indptr, page_indices, np.asarray(last_page_len), k_rope_pos_offset,
+                              np.array([p for _, _, p in chunks]), layer_span, page_size)[0]
         depths.append(DepthMetadata(
             qo_indptr=indptr([n for _, n, _ in chunks]),
             page_indptr=page_indptr,
@@ -247,19 +247,13 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
     return offsets, sinks
 
 
-def window_pages(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
-                 starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int) -> WindowPages:
-    """The `WindowPages` of chunks whose earliest queries are at ``min_positions``, from their
-    full page lists whose first keys are at ``starts``."""
-    return windowed(page_indptr, page_indices, last_page_len, starts, min_positions, span, page_size)[0]
-
-
 def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray, starts: np.ndarray,
              min_positions: np.ndarray, span: LayerSpan, page_size: int,
              reuse: Optional[Tuple[WindowPages, np.ndarray]] = None) -> Tuple[WindowPages, np.ndarray]:
-    """`window_pages` and the whole pages dropped from each list. ``reuse``: the result for the
-    same page lists and earlier queries, whose kept pages stand where the same pages drop.
-    int32 throughout: positions and slots fit it, and a first visible position is above -2**31."""
+    """The `WindowPages` of chunks whose earliest queries are at ``min_positions``, from their full
+    page lists whose first keys are at ``starts``, and the whole pages dropped from each list.
+    ``reuse``: the result for the same page lists and earlier queries, whose kept pages stand where
+    the same pages drop. int32 throughout: positions and slots fit it (first visible > -2**31)."""
     i32 = np.int32
     page_indptr = np.asarray(page_indptr, dtype=i32)
     npages = page_indptr[1:] - page_indptr[:-1]

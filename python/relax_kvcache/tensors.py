@@ -20,10 +20,9 @@ _create_view = _ffi_api.TVMTensorCreateView
 #: Alignment (bytes) TVM's kernels assume for tensor data (TVM's ``kAllocAlignment``).
 DATA_ALIGNMENT = 64
 
-#: Where ``DLTensor.byte_offset`` lies from a tvm-ffi tensor handle (a 24-byte object header,
-#: then 40 bytes of DLTensor fields); verified once at import.
-_BYTE_OFFSET_AT = 24 + 40
-_UINT64 = ctypes.c_uint64
+#: ``DLTensor`` as six 64-bit words after the 24-byte tvm-ffi object header: data, device (type, id),
+#: ndim and dtype, shape, strides, byte_offset; the layout is verified once at import.
+_DLTENSOR_WORDS = ctypes.c_uint64 * 6
 
 
 def view(tensor: tvm.runtime.Tensor, shape: Tuple[int, ...], byte_offset: int = 0,
@@ -55,20 +54,24 @@ def allocate(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device, wha
         raise ConfigError(f"cannot allocate the {what} {tuple(shape)} {dtype} on {device}: {error}") from None
 
 
-def _raw_byte_offset(tensor: tvm.runtime.Tensor) -> int:
-    return _UINT64.from_address(tensor.__chandle__() + _BYTE_OFFSET_AT).value
+def raw_fields(tensor: tvm.runtime.Tensor) -> Tuple[int, ...]:
+    """The six ``DLTensor`` words of a tensor (read only where `RAW_READABLE`)."""
+    return tuple(_DLTENSOR_WORDS.from_address(tensor.__chandle__() + 24)[:])
+
+
+def _layout_verified() -> bool:
+    base = tvm.runtime.tensor(np.zeros((2, 32), dtype=np.float32))
+    data, device, ndim_dtype, _, _, offset = raw_fields(_create_view(base, (2, 3), base.dtype, 12))
+    return (data == base.data_ptr() and device == 1 and ndim_dtype == 2 | 0x12002 << 32 and offset == 12
+            and raw_fields(base)[5] == 0)
+
+
+RAW_READABLE = _layout_verified()
 
 
 def byte_offset(tensor: tvm.runtime.Tensor) -> int:
     """``DLTensor.byte_offset`` of ``tensor`` (0 where the field cannot be read safely)."""
-    return _raw_byte_offset(tensor) if _OFFSET_READABLE else 0
-
-
-_BASE = tvm.runtime.empty((64,), "int32", tvm.cpu())
-_PROBE = _create_view(_BASE, (8,), _BASE.dtype, 12)
-_OFFSET_READABLE = (_raw_byte_offset(_BASE) == 0 and _raw_byte_offset(_PROBE) == 12
-                    and _PROBE.data_ptr() == _BASE.data_ptr() + 12)
-del _BASE, _PROBE
+    return raw_fields(tensor)[5] if RAW_READABLE else 0
 
 
 def check_tensor(

@@ -1,9 +1,5 @@
-"""The forward step in progress, and the uploader that places a planned step on the device.
-
-:class:`StepUploader` copies a planned step's host arrays (`metadata.StepMetadata`) to the
-device in one transfer and makes the views the kernels read (:class:`DeviceStep`); the cache
-keeps the result, one :class:`Step`, until ``end_forward``. Shapes as in :mod:`..metadata`.
-"""
+"""The forward step in progress (:class:`Step`, kept until ``end_forward``), and the uploader
+that copies a planned step's host arrays to the device in one transfer (:class:`DeviceStep`)."""
 
 from __future__ import annotations
 

@@ -1,47 +1,16 @@
-"""Tensor argument checks of the per-layer calls, remembered per tensor object.
-
-A tensor's shape, dtype, device, strides and data pointer never change, so a tensor object that
-passed `check_tensor` once needs only its shape compared again. Tensors are recognised by their
-FFI handle (a `vm.builtin` call wraps the same tensor in a new Python object every time); the
-remembered ones are kept referenced, so a handle cannot be reused by another tensor while it is
-remembered. The cache forgets them at the end of every step (so that it never keeps a model's
-activations alive) and beyond ``limit`` tensors.
-
-A tensor not seen before (a Relax VM passes new tensor objects every call) is first checked on
-its raw ``DLTensor`` fields (read once, as `tensors.byte_offset` does; the layout is verified at
-import): the dtype and device words of a tensor that passed `check_tensor` before, offset 0, an
-aligned data pointer and contiguity. Anything else goes to `check_tensor`, which raises.
-"""
+"""Tensor argument checks of the per-layer calls, remembered per tensor (by FFI handle, kept
+referenced until the step ends or ``limit`` is reached: a tensor never changes, so it needs only
+its shape compared again). A new tensor is first checked on its raw ``DLTensor`` fields (dtype
+and device words of an earlier valid tensor, offset 0, alignment, contiguity); anything else goes
+to `check_tensor`, which raises."""
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-import numpy as np
 import tvm
 
-from ..tensors import DATA_ALIGNMENT, TENSOR_TYPES, check_tensor
-
-#: ``DLTensor`` as six 64-bit words after the tvm-ffi object header: data, device (type, id),
-#: ndim and dtype, shape, strides, byte_offset.
-_WORDS = ctypes.c_uint64 * 6
-_DLTENSOR_AT = 24
-
-
-def _raw(value: Any) -> Tuple[int, ...]:
-    return tuple(_WORDS.from_address(value.__chandle__() + _DLTENSOR_AT)[:])
-
-
-def _layout_verified() -> bool:
-    base = tvm.runtime.tensor(np.zeros((2, 32), dtype=np.float32))
-    probe = tvm.runtime._ffi_api.TVMTensorCreateView(base, (2, 3), base.dtype, 12)
-    data, device, ndim_dtype, _, _, offset = _raw(probe)
-    return (data == base.data_ptr() and device == 1 and ndim_dtype == 2 | 0x12002 << 32 and offset == 12
-            and _raw(base)[5] == 0)
-
-
-_READABLE = _layout_verified()
+from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields
 
 
 class TensorChecks:
@@ -61,8 +30,8 @@ class TensorChecks:
             return got
         got = check_tensor(name, value, shape=expected, dtype=self._dtype, device=self._device)
         self._remember(value, got)
-        if self._words is None and _READABLE and value.__chandle__():
-            raw = _raw(value)
+        if self._words is None and RAW_READABLE and value.__chandle__():
+            raw = raw_fields(value)
             self._words = (raw[1], raw[2] >> 32)
         return got
 
@@ -84,7 +53,7 @@ class TensorChecks:
         words = self._words
         if words is None or not handle:
             return None
-        data, device, ndim_dtype, _, _, offset = _WORDS.from_address(handle + _DLTENSOR_AT)[:]
+        data, device, ndim_dtype, _, _, offset = raw_fields(value)
         if (device != words[0] or ndim_dtype >> 32 != words[1] or offset or data % DATA_ALIGNMENT
                 or not value.is_contiguous()):
             return None

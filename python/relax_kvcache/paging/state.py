@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError, KVCacheError, SequenceError
 from . import appends, decode_lane
-from ._checks import as_int, as_seq_id, ceil_div, check_append_length, check_pop_length, check_range
+from ._checks import as_int, as_seq_id, ceil_div, check_pop_length, check_range
 from .block_pool import Block
 from .decode_lane import DecodeLane
 from .sequences import Sequence
@@ -116,12 +116,6 @@ class PagingState:
     def empty(self) -> bool:
         """Whether no sequence, block or page is in use (TVM's ``Empty``)."""
         return not self._seqs and self._blocks.all_free() and self._pages.num_free == self.num_pages
-
-    def pages_needed(self, seq_id: int, length: int) -> int:
-        """The pages `reserve_append` would allocate for ``length`` tokens (before any slide)."""
-        seq = self._seq(seq_id)
-        length = check_append_length(seq, length)
-        return self._tree.block_pages_needed(self._blocks[seq.last_block], length)
 
     def position_map(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
         """int32 KV slots of the positions ``[start, end)`` (TVM's ``DebugGetKV`` map)."""
