@@ -13,6 +13,7 @@ import dataclasses
 
 from tvm.script import tirx as T
 
+from .attention_gpu_decode_mma import CHUNK as MMA_CHUNK
 from .attention_gpu_decode_mma import decode_mma_applies, make_decode_mma_item
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row, rope_inv_freq_expr
 from .schedule import GpuSchedule
@@ -337,11 +338,14 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
     wave = sched.decode_mma_wave_blocks if tensor_cores else sched.decode_wave_blocks
     merge, copy = merge_splits(spec, sched, sched.decode_splits, True), copy_single_split(spec, sched)
 
+    # KV rows one step of a block covers: every warp's chunk (tensor cores) or every row group's rows
+    step_rows = sched.threads // 32 * MMA_CHUNK if tensor_cores else shape.bdy * shape.unroll
+
     def splits(batch, num_pages):
         """Blocks per (sequence, KV head), at most ``decode_splits``: as many as one wave of
-        ``wave`` blocks holds, none shorter than one step of the row groups over the mean
-        context (``num_pages`` per sequence)."""
-        by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, shape.bdy * shape.unroll)
+        ``wave`` blocks holds, none shorter than one step of the block over the mean context
+        (``num_pages`` per sequence)."""
+        by_rows = ceildiv(ceildiv(num_pages, T.max(batch, 1)) * spec.page_size, step_rows)
         return T.min(NS, T.max(1, T.min(wave // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
