@@ -318,8 +318,12 @@ class Engine:
     def _call(self, fn, inputs: List[tvm.runtime.Tensor], decode: bool) -> tvm.runtime.Tensor:
         """The model call (``inputs``: the arguments before the cache): a decode step through
         the graphs where there are any."""
-        if not (decode and self._graphs):
+        if not self._graphs:
             return fn(*inputs, self.cache, *self.weights)
+        if not decode:  # eager, on the graphs' stream (non-blocking): wait before reading the output
+            out = fn(*inputs, self.cache, *self.weights)
+            self._graphs.synchronize()
+            return out
 
         def forward() -> None:
             self._held = fn(*inputs, self.cache, *self.weights)  # a replay writes into this one
