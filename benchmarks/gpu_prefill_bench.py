@@ -159,19 +159,24 @@ class Case:
         self.q_pos = self._int(np.tile(np.arange(cached, length), batch))
         self.zeros = self._int(np.zeros(batch))
         if cached:
-            per_seq = -(-cached // PAGE)
-            order = rng.permutation(batch * per_seq)
-            pages = np.zeros((batch * per_seq, 2, HKV, PAGE, D), nd)
-            for b in range(batch):
-                for p in range(per_seq):
-                    rows = slice(p * PAGE, min(cached, (p + 1) * PAGE))
-                    span = rows.stop - rows.start
-                    pages[order[b * per_seq + p], 0, :, :span] = self.host["k"][b, rows].transpose(1, 0, 2)
-                    pages[order[b * per_seq + p], 1, :, :span] = self.host["v"][b, rows].transpose(1, 0, 2)
-            self.pages = tvm.runtime.tensor(pages, device)
-            self.page_indptr = self._int(np.arange(batch + 1) * per_seq)
-            self.page_indices = self._int(order)
-            self.last_page_len = self._int(np.full(batch, cached - (per_seq - 1) * PAGE))
+            self.pages, self.page_indptr, self.page_indices, self.last_page_len = self._paged(cached, rng)
+            # every row in pages (the step's own appended before attention): one paged causal pass
+            self.all_paged = self._paged(length, rng)
+
+    def _paged(self, rows: int, rng) -> tuple:
+        """The first ``rows`` K/V rows of every sequence in scattered pages: (pages, page_indptr,
+        page_indices, last_page_len) on the device."""
+        per_seq = -(-rows // PAGE)
+        order = rng.permutation(self.batch * per_seq)
+        pages = np.zeros((self.batch * per_seq, 2, HKV, PAGE, D), self.host["k"].dtype)
+        for b in range(self.batch):
+            for p in range(per_seq):
+                span = slice(p * PAGE, min(rows, (p + 1) * PAGE))
+                n = span.stop - span.start
+                pages[order[b * per_seq + p], 0, :, :n] = self.host["k"][b, span].transpose(1, 0, 2)
+                pages[order[b * per_seq + p], 1, :, :n] = self.host["v"][b, span].transpose(1, 0, 2)
+        return (tvm.runtime.tensor(pages, self.device), self._int(np.arange(self.batch + 1) * per_seq),
+                self._int(order), self._int(np.full(self.batch, rows - (per_seq - 1) * PAGE)))
 
     def _int(self, values) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(values, dtype="int32"), self.device)
@@ -208,6 +213,11 @@ class Case:
             prefixed = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
                         self.zeros, self.q_pos, self.k, self.v, o, lse, 1, 0, 1.0, 1e4, scale)
             self.parts["prefixed"] = lambda: kernels["attention_prefill_prefixed"](*prefixed)
+            o3, lse3 = self.outputs()
+            self.all_paged_out = o3
+            all_paged = (self.q, self.qo_indptr, *self.all_paged, self.zeros, self.q_pos, o3, lse3, 1, 0, 1.0, 1e4,
+                         scale)
+            self.parts["all-paged"] = lambda: kernels["attention_prefill"](*all_paged)
             return self.parts["prefixed"]
 
         def step():
@@ -282,6 +292,9 @@ def run_case(libs: Dict[str, Dict[str, object]], batch: int, length: int, cached
         outs[name] = case.out.numpy().astype(np.float32)
         if cached and name == "ours":  # where the step's time goes
             row["parts"] = {part: time_per_call(f, device.sync, min_time) for part, f in case.parts.items()}
+            # the paged kernel over every row in pages, causal (checked like the rest)
+            row["times"]["ours-all-paged"] = row["parts"]["all-paged"]
+            outs["ours-all-paged"] = case.all_paged_out.numpy().astype(np.float32)
     q, k, v = case.torch_inputs()
     for backend in ("fa2", "cudnn"):
         call, result = sdpa(q, k, v, backend, bool(cached))
