@@ -7,10 +7,10 @@ of 16. Two cases per (batch x length):
   K/V, ``attention_prefill_ragged``);
 * **paged**: the second half of each sequence attending to its first half, cached in pages
   scattered at random, and to itself causally: what a chunked prefill step does. Each side
-  runs the kernels its cache runs for such a step: ours ``attention_prefill_prefixed`` (one
-  kernel over the cached pages and the new rows), TVM's the ragged kernel over the new tokens,
-  the paged kernel over the cached half and the merge of the two states (ours' three-kernel
-  path is timed too, kernel by kernel).
+  runs the kernels its cache runs for such a step: ours ``attention_prefill``, one causal pass
+  over the pages (the cache appends the step's K/V first), TVM's the ragged kernel over the new
+  tokens, the paged kernel over the cached half and the merge of the two states (ours'
+  three-kernel path and ``attention_prefill_prefixed`` are timed too, kernel by kernel).
 
 PyTorch SDPA gets the same inputs with the KV heads repeated to 32 (outside the timing), causal
 with the diagonal aligned at the bottom right (``causal_lower_right``) for the paged case.
@@ -209,16 +209,17 @@ class Case:
         self.parts = {"ragged": lambda: kernels["attention_prefill_ragged"](*ragged),
                       "paged": lambda: kernels["attention_prefill"](*paged),
                       "merge": lambda: kernels["merge_inplace"](o, lse, o2, lse2)}
-        if "attention_prefill_prefixed" in kernels:  # ours: one kernel over prefix + new rows
-            prefixed = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
-                        self.zeros, self.q_pos, self.k, self.v, o, lse, 1, 0, 1.0, 1e4, scale)
-            self.parts["prefixed"] = lambda: kernels["attention_prefill_prefixed"](*prefixed)
-            o3, lse3 = self.outputs()
-            self.all_paged_out = o3
-            all_paged = (self.q, self.qo_indptr, *self.all_paged, self.zeros, self.q_pos, o3, lse3, 1, 0, 1.0, 1e4,
+        if "attention_prefill_prefixed" in kernels:  # ours
+            # what the cache runs: the step's K/V appended first, one causal pass over the pages
+            all_paged = (self.q, self.qo_indptr, *self.all_paged, self.zeros, self.q_pos, o, lse, 1, 0, 1.0, 1e4,
                          scale)
             self.parts["all-paged"] = lambda: kernels["attention_prefill"](*all_paged)
-            return self.parts["prefixed"]
+            # one kernel over the cached prefix and the new rows (attention_with_shared_kv's)
+            o3, lse3 = self.outputs()
+            prefixed = (self.q, self.qo_indptr, self.pages, self.page_indptr, self.page_indices, self.last_page_len,
+                        self.zeros, self.q_pos, self.k, self.v, o3, lse3, 1, 0, 1.0, 1e4, scale)
+            self.parts["prefixed"] = lambda: kernels["attention_prefill_prefixed"](*prefixed)
+            return self.parts["all-paged"]
 
         def step():
             for part in ("ragged", "paged", "merge"):
@@ -292,9 +293,6 @@ def run_case(libs: Dict[str, Dict[str, object]], batch: int, length: int, cached
         outs[name] = case.out.numpy().astype(np.float32)
         if cached and name == "ours":  # where the step's time goes
             row["parts"] = {part: time_per_call(f, device.sync, min_time) for part, f in case.parts.items()}
-            # the paged kernel over every row in pages, causal (checked like the rest)
-            row["times"]["ours-all-paged"] = row["parts"]["all-paged"]
-            outs["ours-all-paged"] = case.all_paged_out.numpy().astype(np.float32)
     q, k, v = case.torch_inputs()
     for backend in ("fa2", "cudnn"):
         call, result = sdpa(q, k, v, backend, bool(cached))
@@ -333,8 +331,8 @@ def report(results: List[tuple], matmul: Optional[float]) -> None:
               f"{_ratio(row, 'ours', 'tvm')} {row.get('diff_fa2', float('nan')):9.2e} "
               f"{err.get('ours', float('nan')):9.2e} {err.get('fa2', float('nan')):9.2e}")
     print("(paged: the second half of each sequence over its cached first half and itself, with the kernels the "
-          "caches run for such a step: ours attention_prefill_prefixed, native ragged + paged + merge; err: max abs "
-          "error against float64 on sampled rows)")
+          "caches run for such a step: ours attention_prefill over the pages, the step's K/V appended first; native "
+          "ragged + paged + merge; err: max abs error against float64 on sampled rows)")
     variants = sorted({n for *_, row in results for n in row["times"] if n.startswith("ours-")})
     if variants:
         print()
@@ -346,8 +344,9 @@ def report(results: List[tuple], matmul: Optional[float]) -> None:
     parts = [(dtype, batch, length, row["parts"]) for dtype, case, batch, length, row in results if "parts" in row]
     if parts:
         print()
-        print("Ours, paged case, per kernel (us): prefixed (what the cache runs); ragged causal over the new half, "
-              "paged over the cached half and merge (the three-kernel path)")
+        print("Ours, paged case, per kernel (us): ragged causal over the new half, paged over the cached half and "
+              "merge (the three-kernel path); all-paged (what the cache runs); prefixed (one kernel over the cached "
+              "prefix and the new rows, for attention_with_shared_kv)")
         for dtype, batch, length, p in parts:
             print(f"{dtype:>8} {batch:>4} x {length:<5} " + " ".join(f"{k} {v * 1e6:8.1f}" for k, v in p.items()))
 

@@ -91,6 +91,26 @@ def test_decode_uses_decode_path_and_long_chains(cache_factory):
     h.check_contents()
 
 
+def test_plain_prefill_appends_first_and_attends_over_its_pages(cache_factory):
+    """A prefill step whose sequences each have one plain page list appends its K/V first and
+    runs one causal paged kernel over the lists grown by its rows (prefixes ending mid-page, on
+    a page boundary and empty); outputs and stored K/V equal the float64 reference's."""
+    cache = cache_factory(CONFIGS["fp32-gqa-normal"])
+    h = Harness(cache, np.random.default_rng(11))
+    kernels = cache._attention.kernels
+    causal = []
+    paged = kernels.attention_prefill
+    object.__setattr__(kernels, "attention_prefill", lambda *args: (causal.append(args[10]), paged(*args)))
+    for seq in range(3):
+        h.add(seq)
+    h.step([(0, 37), (1, 16)])  # no prefix yet: the ragged kernel
+    assert causal == []
+    h.step([(0, 29), (1, 20), (2, 5)])
+    assert causal == [1] * cache.config.num_layers
+    h.step([(2, 1), (0, 3)])
+    h.check_contents()
+
+
 def test_self_cross_attention_and_merge(cache_factory):
     """cross_attention (cached) + self_attention (new tokens) merged == attention over both."""
     cfg = CONFIGS["fp16-mha-none"]

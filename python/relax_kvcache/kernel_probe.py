@@ -339,6 +339,16 @@ def _mha_step(probe: ProbeCache, rng: np.random.Generator, layer: int, visible: 
              else view(probe.scratch_q, (n,) + tuple(probe.scratch_q.shape[1:])).numpy())
         want = attention(q, k, v, scale, causal=False, mask=visible)[0]
     _check_output("attention_with_fused_qkv", o, want, cfg.dtype, "float64 attention over the stored K/V")
+    if n > 1 and not (windowed or cfg.slides_sequences) and probe.kernels.attention_prefill_prefixed is not None:
+        # a prefill step's attention_with_shared_kv reads the prefix from the pages and the given
+        # rows (the prefixed kernel; attention_with_fused_qkv attends over the grown page lists)
+        q = exact_random(rng, (n, hq, d))
+        o = _nan((n, hq, d), cfg.dtype, cache.device)
+        cache.attention_with_shared_kv(cache.layer_offset + layer, _tensor(q, cfg.dtype, cache.device),
+                                       _tensor(k[-n:], cfg.dtype, cache.device), _tensor(v[-n:], cfg.dtype, cache.device),
+                                       o, scale)
+        want = attention(q, k, v, scale, causal=False, mask=visible)[0] if rope != RopeMode.INLINE else None
+        _check_output("attention_with_shared_kv", o, want, cfg.dtype, "float64 attention over the stored K/V")
 
 
 def _mla_step(probe: ProbeCache, rng: np.random.Generator, layer: int, visible: np.ndarray) -> None:

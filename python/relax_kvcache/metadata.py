@@ -53,6 +53,16 @@ class WindowPages:
 
 
 @dataclasses.dataclass(frozen=True)
+class GrownPages:
+    """The only depth's page lists with the step's own rows (a prefill step of plain
+    sequences appends first, then attends over its pages causally in one kernel)."""
+
+    page_indptr: np.ndarray  # [B + 1]
+    page_indices: np.ndarray  # [nnz]
+    length_info: np.ndarray  # [B] last page length
+
+
+@dataclasses.dataclass(frozen=True)
 class DepthMetadata:
     """Paged KV of one block depth, laid out for the paged attention kernels."""
 
@@ -82,6 +92,7 @@ class StepMetadata:
     append_before_attn: bool
     ragged_tree: Optional[TreeMask] = None  # masks of the ragged kernel (non-chain trees)
     reused_pages: Tuple[int, ...] = ()
+    grown: Optional[GrownPages] = None  # see GrownPages (prefill steps of one plain depth)
 
     @property
     def batch_size(self) -> int:
@@ -173,7 +184,30 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
         ragged_tree=ragged_tree,
         reused_pages=tuple(reused),
     )
+    if not (append_before_attn or sliding_window or trees is not None):
+        step = evolve(step, grown=grown_pages(step, paging.page_size))
     return step, tuple(structure.last_depths)
+
+
+def grown_pages(step: StepMetadata, page_size: int) -> Optional[GrownPages]:
+    """``step``'s `GrownPages`, where its one depth has a chunk per sequence, in order, with
+    a plain page list (else None)."""
+    if len(step.depths) != 1:
+        return None
+    depth = step.depths[0]
+    if (depth.use_decode_kernel or depth.length_info.ndim != 1 or depth.page_indices.size == 0
+            or not np.array_equal(depth.qo_indptr, step.append_indptr)):
+        return None
+    pages_of, ends = step.append_position // page_size, step.append_indptr
+    lists = []
+    for i in range(len(ends) - 1):
+        own = depth.page_indices[depth.page_indptr[i]:depth.page_indptr[i + 1]]
+        new = pages_of[ends[i]:ends[i + 1]]
+        new = new[np.concatenate(([True], new[1:] != new[:-1]))]  # each page once (rows fill pages in order)
+        lists += (own, new[1:] if own.size and new[0] == own[-1] else new)
+    return GrownPages(page_indptr=indptr([len(a) + len(b) for a, b in zip(lists[::2], lists[1::2])]),
+                      page_indices=np.concatenate(lists).astype(np.int32),
+                      length_info=(step.append_position[ends[1:] - 1] % page_size + 1).astype(np.int32))
 
 
 def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], positions: Sequence[int],

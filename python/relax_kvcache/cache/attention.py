@@ -101,6 +101,11 @@ class MHAAttention(Attention):
         if step.meta.append_before_attn:  # then attention reads the new K/V from the pages
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
             self.paged(step, layer, dev.q, o, dev.merged_lse, sm_scale, first=True)
+        elif self._over_grown_pages(step, layer):  # plain prefill: one causal pass over the pages
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+            g = dev.grown
+            k.attention_prefill(dev.q, dev.append_indptr, pages, g.page_indptr, g.page_indices, g.length_info,
+                                g.k_rope_pos_offset, dev.q_rope_position, o, dev.merged_lse, 1, *self._rope, sm_scale)
         else:
             self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
             k.transpose_append(pages, dev.k, dev.v, dev.append_position)
@@ -119,6 +124,13 @@ class MHAAttention(Attention):
         else:
             self.ragged(step, layer, q, k, v, o, lse, sm_scale)
             self.paged(step, layer, q, o, lse, sm_scale, first=False)
+
+    def _over_grown_pages(self, step: Step, layer: int) -> bool:
+        """Whether a fused-QKV layer appends first and attends over ``step.device.grown``: a
+        plain prefill step (`metadata.GrownPages`), a global layer, our kernel set (with TVM's
+        kernels, which lack ``attention_prefill_prefixed``, the cache keeps TVM's sequence)."""
+        return (step.device.grown is not None and not self.windowed[layer]
+                and self.kernels.attention_prefill_prefixed is not None)
 
     def _prefixed(self, step: Step, layer: int) -> bool:
         """Whether ``attention_prefill_prefixed`` serves this step and layer (one plain page list

@@ -66,6 +66,7 @@ class DeviceStep:
     tmp_o: tvm.runtime.Tensor  # (n, Hq, Dv): a depth's partial output before it is merged
     tmp_lse: tvm.runtime.Tensor  # (n, Hq) float32
     merged_lse: tvm.runtime.Tensor  # (n, Hq) float32: LSE of attention_with_fused_qkv's output
+    grown: Optional[PageViews] = None  # `metadata.GrownPages` (with the depth's k_rope_pos_offset)
     # depths_with_pages(False), depths_with_pages(True)
     _with_pages: Tuple[Any, Any] = dataclasses.field(default=((), ()), repr=False, compare=False)
 
@@ -203,11 +204,13 @@ class StepUploader:
             tree = TreeViews(next(views), next(views)) if depth.tree is not None else None
             depths.append(DepthViews(qo_indptr, depth.use_decode_kernel, pages, window, tree))
         ragged_tree = TreeViews(next(views), next(views)) if meta.ragged_tree is not None else None
+        grown = (PageViews(next(views), next(views), next(views), depths[0].pages.k_rope_pos_offset, True)
+                 if meta.grown is not None else None)
         q, k, v, tmp_o, tmp_lse, merged_lse = self._scratch_rows(meta.total_tokens)
         return DeviceStep(
             append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
             append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
-            q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse,
+            q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse, grown=grown,
         )
 
     def _scratch_rows(self, n: int) -> Tuple[Optional[tvm.runtime.Tensor], ...]:
@@ -245,6 +248,8 @@ def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
             arrays += (depth.tree.mn_indptr, depth.tree.mask)
     if meta.ragged_tree is not None:
         arrays += (meta.ragged_tree.mn_indptr, meta.ragged_tree.mask)
+    if meta.grown is not None:
+        arrays += (meta.grown.page_indptr, meta.grown.page_indices, meta.grown.length_info)
     return arrays
 
 
@@ -255,4 +260,5 @@ def _page_lists(meta: md.StepMetadata) -> List[bool]:
     for depth in meta.depths:
         flags += [False, *page_set, *(page_set if depth.window is not None else ()),
                   *((False, False) if depth.tree is not None else ())]
-    return flags + ([False, False] if meta.ragged_tree is not None else [])
+    return (flags + ([False, False] if meta.ragged_tree is not None else [])
+            + ([False, True, False] if meta.grown is not None else []))
