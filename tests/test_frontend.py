@@ -71,6 +71,9 @@ def test_create_kv_cache_makes_our_cache(vm):
     cfg = cache.config
     assert (cfg.num_layers, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype) == (L, HQ, HKV, D, "float32")
     assert (cfg.max_num_seqs, cfg.prefill_chunk_size, cfg.page_size) == (4, 32, 16)
+    # the frontend passes the prefixed prefill kernel (30th argument): prefill steps of plain
+    # sequences take the cache's own path (append, then one causal paged pass)
+    assert callable(cache._kernels.attention_prefill_prefixed)
 
 
 def test_fused_attention_matches_float64_reference(vm):
@@ -94,6 +97,7 @@ def test_fused_attention_matches_float64_reference(vm):
         ref.add(seq)
     step([(0, 21), (1, 40)])
     step([(0, 1), (1, 1)])
+    step([(0, 9), (1, 14)])  # a chunked prefill step of plain sequences
     B.fork(cache, 1, 2, 17)
     ref.fork(1, 2, 17)
     step([(0, 1), (2, 6), (1, 1)])

@@ -126,8 +126,9 @@ class PagedKVCache(nn.Object):
             rx.Tuple(merges),
             function("split_rotary"), kernels["copy_single_page"], kernels["debug_get_kv"],
             function("compact_copy"),
-            # 29th argument (TVM's creation ignores it): the windowed ragged kernel of local layers
-            attention("attention_prefill_ragged_sliding_window"),
+            # 29th and 30th arguments (TVM's creation ignores them): the windowed ragged kernel of
+            # local layers, the prefixed prefill kernel
+            attention("attention_prefill_ragged_sliding_window"), attention("attention_prefill_prefixed"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
 

@@ -61,8 +61,10 @@ CATALOGUE: Tuple[Role, ...] = (
          mha=Factory("make_ragged_tree_prefill", "attention")),
     Role("attention_prefill_tree", 20, "f_attention_prefill_with_tree_mask_paged_kv", (16,),
          mha=Factory("make_paged_tree_prefill", "attention")),
-    #: ours only: attention over a cached prefix and the step's own K/V in one kernel
-    Role("attention_prefill_prefixed", None, None, (), mha=Factory("make_prefixed_prefill", "attention")),
+    #: ours only (a 30th creation argument, which TVM does not pass): attention over a cached
+    #: prefix and the step's own K/V in one kernel
+    Role("attention_prefill_prefixed", 29, "f_attention_prefill_prefixed", (17,),
+         mha=Factory("make_prefixed_prefill", "attention")),
     Role("attention_prefill_mla", 22, "f_mla_prefill", (10,), mla=Factory("make_paged_mla", "absorbed")),
 )
 

@@ -70,13 +70,13 @@ class KernelSet:
     @classmethod
     def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
         """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``
-        and the optional 29th (ours: the windowed ragged kernel); a kernel whose parameter count
-        is not its role's is refused, naming its argument."""
+        and the optional 29th and 30th (ours: the windowed ragged kernel, the prefixed prefill
+        kernel); a kernel whose parameter count is not its role's is refused, naming its argument."""
         merges = _list(args[23], 23)
         if not merges:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is "
                               "empty; at least one merge_inplace function is required")
-        kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index == 28 else
+        kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index >= 28 else
                            None if args[index] is None else _function(args[index], index))
                    for index in roles.CREATION_KERNELS if index != 23 and index < len(args)}
         kernels[25] = _function(args[25], 25)
