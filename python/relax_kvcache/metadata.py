@@ -154,8 +154,8 @@ class BatchStructure:
 
 
 def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int],
-              trees: Optional[List[TokenTree]], *, sliding_window: bool, layer_span: LayerSpan
-              ) -> Tuple[StepMetadata, Tuple[int, ...]]:
+              trees: Optional[List[TokenTree]], *, sliding_window: bool, layer_span: LayerSpan,
+              grow_pages: bool = False) -> Tuple[StepMetadata, Tuple[int, ...]]:
     """Plan a checked step in full (its pages reserved); the step and the depth each
     sequence's last block is attended at. Depth arrays are built after the reservation when
     the step appends before attention, else before it. Without ``trees`` every sequence's token
@@ -184,7 +184,7 @@ def plan_step(paging: PagingState, seq_ids: List[int], append_lengths: List[int]
         ragged_tree=ragged_tree,
         reused_pages=tuple(reused),
     )
-    if not (append_before_attn or sliding_window or trees is not None):
+    if grow_pages and not (append_before_attn or sliding_window or trees is not None):
         step = evolve(step, grown=grown_pages(step, paging.page_size))
     return step, tuple(structure.last_depths)
 
@@ -199,13 +199,13 @@ def grown_pages(step: StepMetadata, page_size: int) -> Optional[GrownPages]:
             or not np.array_equal(depth.qo_indptr, step.append_indptr)):
         return None
     pages_of, ends = step.append_position // page_size, step.append_indptr
-    lists = []
+    lists = []  # per sequence: its cached pages, then the pages its new rows fill
     for i in range(len(ends) - 1):
         own = depth.page_indices[depth.page_indptr[i]:depth.page_indptr[i + 1]]
         new = pages_of[ends[i]:ends[i + 1]]
         new = new[np.concatenate(([True], new[1:] != new[:-1]))]  # each page once (rows fill pages in order)
-        lists += (own, new[1:] if own.size and new[0] == own[-1] else new)
-    return GrownPages(page_indptr=indptr([len(a) + len(b) for a, b in zip(lists[::2], lists[1::2])]),
+        lists.append(np.concatenate((own, new[1:] if own.size and new[0] == own[-1] else new)))
+    return GrownPages(page_indptr=indptr([len(pages) for pages in lists]),
                       page_indices=np.concatenate(lists).astype(np.int32),
                       length_info=(step.append_position[ends[1:] - 1] % page_size + 1).astype(np.int32))
 

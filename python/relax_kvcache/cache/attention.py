@@ -126,11 +126,10 @@ class MHAAttention(Attention):
             self.paged(step, layer, q, o, lse, sm_scale, first=False)
 
     def _over_grown_pages(self, step: Step, layer: int) -> bool:
-        """Whether a fused-QKV layer appends first and attends over ``step.device.grown``: a
-        plain prefill step (`metadata.GrownPages`), a global layer, our kernel set (with TVM's
-        kernels, which lack ``attention_prefill_prefixed``, the cache keeps TVM's sequence)."""
-        return (step.device.grown is not None and not self.windowed[layer]
-                and self.kernels.attention_prefill_prefixed is not None)
+        """Whether a fused-QKV layer appends first and attends over ``step.device.grown`` (which
+        the planner makes for plain prefill steps on our kernels, `metadata.GrownPages`): a
+        global layer of such a step."""
+        return step.device.grown is not None and not self.windowed[layer]
 
     def _prefixed(self, step: Step, layer: int) -> bool:
         """Whether ``attention_prefill_prefixed`` serves this step and layer (one plain page list

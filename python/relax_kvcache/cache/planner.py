@@ -31,6 +31,9 @@ class StepPlanner:
         self._config, self._paging, self._tree_refusal = config, paging, tree_refusal
         self._window_limit = unwindowed_chunk_limit(config, kernels)
         self._span, self._slides = config.layer_span, config.slides_sequences
+        # prefill steps of plain sequences attend over grown page lists: MHA caches on our kernels
+        # (with TVM's, which lack the prefixed kernel, the cache keeps TVM's kernel sequence)
+        self._grow_pages = not config.is_mla and kernels.attention_prefill_prefixed is not None
         self.decode = DecodePlanner(config.page_size, self._span)
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
@@ -44,7 +47,8 @@ class StepPlanner:
             seq_ids, append_lengths = self._check_batch(seq_ids, append_lengths, importing)
             trees = self._check_trees(seq_ids, append_lengths, parent_ptr)
             step, last_depths = md.plan_step(self._paging, seq_ids, append_lengths, trees,
-                                             sliding_window=self._slides, layer_span=self._span)
+                                             sliding_window=self._slides, layer_span=self._span,
+                                             grow_pages=self._grow_pages)
             self.decode.start(self._paging, step, last_depths)
         return step
 
