@@ -182,6 +182,23 @@ def test_creation_attention_kernels_in_the_wrong_role_or_writing_nothing_are_ref
     assert fresh._paging._pages.free_page_ids() == tuple(range(CFG.num_total_pages - 1, -1, -1))
 
 
+def test_the_prefixed_kernel_as_30th_creation_argument_is_checked(cache):
+    """Our 30th creation argument (the prefixed prefill kernel, which the frontend passes): a
+    kernel of another role is refused naming the argument, one ignoring its sm_scale by the probe
+    (through attention_with_shared_kv); the right one is taken."""
+    from relax_kvcache.ffi_registry.create import paged_attention_kv_cache_create as create
+
+    k = cache._kernels
+    unscaled = tvm_ffi.convert(lambda *a: k.attention_prefill_prefixed(*a[:-1], 1.0))
+    for value, match in [(["tirx", k.attention_prefill], r"argument 29 \(f_attention_prefill_prefixed\) is a kernel "
+                                                         r"of 15 parameters"),
+                         (["tirx", unscaled], "attention_with_shared_kv does not return float64 attention")]:
+        with pytest.raises(rk.ConfigError, match=match):
+            create(*create_args(k), [], value)
+    fresh = create(*create_args(k), [], ["tirx", k.attention_prefill_prefixed])
+    assert fresh._kernels.attention_prefill_prefixed is not None and fresh.empty()
+
+
 def test_kernels_in_the_wrong_role_are_refused_at_creation(cache):
     """The paged tree kernel (used when a tree grows over a second step) and debug_get_kv were
     not probed: kernels of another role failed later, after K/V were appended."""
