@@ -62,7 +62,7 @@ class ContextWorkspace:
         self.v = allocate((rows, heads, v_head_dim), dtype, device, "MLA context V workspace")
         self.o = allocate((max_tokens, heads, v_head_dim), dtype, device, "MLA context output workspace")
 
-    def spans(self) -> Tuple[Tuple[str, tvm.runtime.Tensor, int], ...]:
-        """``(name, tensor, nbytes)`` of every buffer, for `tensors.check_disjoint`."""
-        return tuple((f"the context workspace's {name}", t, int(np.prod(t.shape)) * t.dtype.itemsize)
+    def spans(self) -> Tuple[Tuple[str, tvm.runtime.Tensor], ...]:
+        """``(name, tensor)`` of every buffer, for `tensors.check_disjoint`."""
+        return tuple((f"the context workspace's {name}", t)
                      for name, t in (("latent", self.latent), ("k", self.k), ("v", self.v), ("o", self.o)))

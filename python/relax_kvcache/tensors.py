@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -106,11 +107,11 @@ def check_tensor(
     return got
 
 
-def check_disjoint(outputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]],
-                   inputs: Sequence[Tuple[str, tvm.runtime.Tensor, int]] = ()) -> None:
-    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's;
-    entries are ``(name, tensor, nbytes)``."""
-    spans = [(name, t.data_ptr(), n) for name, t, n in (*outputs, *inputs)]
+def check_disjoint(outputs: Sequence[Tuple[str, tvm.runtime.Tensor]],
+                   inputs: Sequence[Tuple[str, tvm.runtime.Tensor]] = ()) -> None:
+    """Raise ``ForwardError`` when an output's memory overlaps another output's or an input's
+    (entries ``(name, tensor)``, contiguous tensors)."""
+    spans = [(name, t.data_ptr(), math.prod(t.shape) * t.dtype.itemsize) for name, t in (*outputs, *inputs)]
     for i in range(len(outputs)):
         name, lo, n = spans[i]
         for other, lo2, n2 in spans[i + 1:]:

@@ -4,7 +4,6 @@ planning, device placement, kernel launches, checkpoints and debug reads are com
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import tvm
@@ -13,7 +12,7 @@ from ..args import FLOAT32_MAX, as_float, as_int, as_int32, as_int_list, describ
 from ..cache_args import check_cache_args
 from ..build import build_kernels
 from ..checkpoint import CheckpointIO
-from ..config import DTYPE_BYTES, KVCacheConfig
+from ..config import KVCacheConfig
 from ..errors import ArgumentError, ForwardError, KVCacheError, SequenceError
 from ..kernel_probe import ProbeCache, check_kernels
 from ..kernel_set import KernelSet
@@ -536,11 +535,10 @@ class PagedAttentionKVCache:
         return self._attention
 
     def _check(self, name: str, value: Any, shape: Sequence[Optional[int]], dtype: Optional[str] = None
-               ) -> Tuple[str, Any, int]:
-        """Check a tensor argument on the cache's device; its ``(name, tensor, nbytes)``."""
-        dtype = dtype or self.config.dtype
-        got = check_tensor(name, value, shape=shape, dtype=dtype, device=self.device)
-        return name, value, math.prod(got) * DTYPE_BYTES[dtype]
+               ) -> Tuple[str, Any]:
+        """Check a tensor argument on the cache's device; its ``(name, tensor)``."""
+        check_tensor(name, value, shape=shape, dtype=dtype or self.config.dtype, device=self.device)
+        return name, value
 
     def _local_layer(self, layer_id: int) -> int:
         layer = (layer_id if type(layer_id) is int else as_int("layer_id", layer_id)) - self.layer_offset

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-import numpy as np
 import tvm
 
 from ..args import as_int
@@ -41,8 +40,7 @@ class DebugReader:
         shape = (cfg.num_layers, end_pos - start_pos, *rows)
         for name, tensor in outputs.items():
             check_tensor(name, tensor, shape=shape, dtype=cfg.dtype, device=self._device)
-        nbytes = int(np.prod(shape)) * self._pages[0].dtype.itemsize
-        check_disjoint([(name, tensor, nbytes) for name, tensor in outputs.items()])
+        check_disjoint(list(outputs.items()))
         positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self._device)
         for layer, pages in enumerate(self._pages):
             self._kernels.debug_get_kv(pages, positions, *outputs.values(), layer)

@@ -30,7 +30,7 @@ class MLAAttention(Attention):
         self.self_attention_dims = (config.num_qo_heads, config.mla_original_qk_head_dim,
                                     config.mla_original_v_head_dim)
         self._paging, self._device, self._callback = paging, device, callback
-        self._dtype, self._itemsize = pages[0].dtype, pages[0].dtype.itemsize
+        self._dtype = pages[0].dtype
         self._context: Optional[Tuple[Step, ContextPlan]] = None  # the chunked context of a step
         self.workspace: Optional[ContextWorkspace] = None
         if not lazy_workspace:
@@ -77,16 +77,15 @@ class MLAAttention(Attention):
 
     def _check_context_args(self, step: Step, q: Any, o: Any, lse: Any, decompress: Any) -> ContextWorkspace:
         """Check :meth:`context_attention`'s tensors and callback; the workspace for them."""
-        cfg, dev, size = self.config, self._device, self._itemsize
+        cfg, dev = self.config, self._device
         n, hq = step.total_tokens, cfg.num_qo_heads
         dqk = check_tensor("q", q, shape=(n, hq, cfg.mla_original_qk_head_dim), dtype=cfg.dtype, device=dev)[2]
         dv = check_tensor("o", o, shape=(n, hq, cfg.mla_original_v_head_dim), dtype=cfg.dtype, device=dev)[2]
         check_tensor("lse", lse, shape=(n, hq), dtype="float32", device=dev)
         ws = self.workspace
         ws_spans = ws.spans() if ws is not None else []
-        q_span = ("q", q, n * hq * dqk * size)
-        check_disjoint([("o", o, n * hq * dv * size), ("lse", lse, n * hq * 4)], [q_span, *ws_spans])
-        check_disjoint([q_span], ws_spans)  # the workspace is written
+        check_disjoint([("o", o), ("lse", lse)], [("q", q), *ws_spans])
+        check_disjoint([("q", q)], ws_spans)  # the workspace is written
         if not callable(decompress):
             raise ForwardError(f"decompress must be callable (latent, k, v), got {type(decompress).__name__}")
         if self.kernels.debug_get_kv is None:
