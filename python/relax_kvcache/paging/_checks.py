@@ -23,24 +23,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_range(seq: Sequence, start: object, end: object) -> tuple[int, int]:
-    """``(start, end)`` as ints within ``seq`` (``end`` None: its length)."""
-    start = as_int("start position", start)
-    end = seq.seq_length if end is None else as_int("end position", end)
-    if not 0 <= start <= end <= seq.seq_length:
-        raise SequenceError(f"position range [{start}, {end}) is invalid for sequence "
-                            f"{seq.seq_id}: expected 0 <= start <= end <= {seq.seq_length}")
-    return start, end
-
-
-def check_append_length(seq: Sequence, length: object) -> int:
-    length = as_int("append length", length)
-    if length < 1:
-        raise SequenceError(f"append length {length} for sequence {seq.seq_id} is invalid: "
-                            "expected >= 1")
-    return length
-
-
 def check_pop_length(seq: Sequence, n: object) -> int:
     n = as_int("pop length", n)
     if not 0 <= n <= seq.seq_length:

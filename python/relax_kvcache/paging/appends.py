@@ -9,7 +9,7 @@ import typing
 from typing import Callable
 
 from ..errors import CacheFullError, KVCacheError, SequenceError
-from ._checks import as_int, check_append_length
+from ._checks import as_int
 from .block_pool import Block
 from .page_pool import PagePool
 from .sequences import Sequence
@@ -212,7 +212,9 @@ def plan(seqs: dict[int, Sequence], tree: BlockTree, seq_ids: collections.abc.Se
             seq = lookup(raw_id)
             if seq.seq_id in seen:
                 raise SequenceError(f"sequence {seq.seq_id} appears more than once in the batch")
-            length = check_append_length(seq, length)
+            length = as_int("append length", length)
+            if length < 1:
+                raise SequenceError(f"append length {length} for sequence {seq.seq_id} is invalid: expected >= 1")
         block = blocks[seq.last_block]
         if block.ref_count != 1:
             tree.appendable_block(seq)  # raises

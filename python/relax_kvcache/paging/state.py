@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError, KVCacheError, SequenceError
 from . import appends, decode_lane
-from ._checks import as_int, as_seq_id, ceil_div, check_pop_length, check_range
+from ._checks import as_int, as_seq_id, ceil_div, check_pop_length
 from .block_pool import Block
 from .decode_lane import DecodeLane
 from .sequences import Sequence
@@ -120,7 +120,11 @@ class PagingState:
     def position_map(self, seq_id: int, start: int = 0, end: int | None = None) -> np.ndarray:
         """int32 KV slots of the positions ``[start, end)`` (TVM's ``DebugGetKV`` map)."""
         seq = self._seq(seq_id)
-        start, end = check_range(seq, start, end)
+        start = as_int("start position", start)
+        end = seq.seq_length if end is None else as_int("end position", end)
+        if not 0 <= start <= end <= seq.seq_length:
+            raise SequenceError(f"position range [{start}, {end}) is invalid for sequence "
+                                f"{seq.seq_id}: expected 0 <= start <= end <= {seq.seq_length}")
         return self._tree.slots(seq, start, end)
 
     def debug_snapshot(self) -> dict[str, object]:
