@@ -4,8 +4,11 @@ TVM's, kernel only, as a fraction of the GPU's copy bandwidth.
 Decode reads every cached K/V byte once, so its roofline is the copy bandwidth; the figure
 that matters is how close each batch x context gets to it. Float16, 32 query / 8 KV heads,
 head_dim 128, pages of 16 tokens scattered at random over the pool; each call runs the
-attention kernel and, where the KV is split across blocks, the merge of the splits. Every
-output is checked against float64 attention on sampled sequences.
+attention kernel and, where the KV is split across blocks, the merge of the splits. Where
+PyTorch is installed, SDPA's FlashAttention-2 and cuDNN backends run the same step over
+contiguous K/V as anchors, and every column is GPU time from CUDA events (PyTorch's host cost
+of ~50 us per SDPA call would otherwise hide its kernels). Every output is checked against float64 attention on sampled
+sequences.
 
     python benchmarks/gpu_decode_bench.py --prepare .gpu/decode [--variants NAME:knob=v,...]
     python benchmarks/gpu_decode_bench.py --libs .gpu/decode                 # GPU host
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 import sys
 import time
@@ -90,6 +94,14 @@ class Case:
         args = (*self.args, o, lse, 0, 1.0, 1e4, D ** -0.5)
         return (lambda: kernel(*args)), o
 
+    def contiguous_kv(self):
+        """K and V as contiguous (batch, HKV, context, D) torch tensors, for SDPA."""
+        import torch
+
+        rows = self.pages_host[self.order].reshape(self.batch, self.per_seq, 2, HKV, PAGE, D)
+        kv = rows.transpose(2, 0, 3, 1, 4, 5).reshape(2, self.batch, HKV, self.per_seq * PAGE, D)[..., :self.context, :]
+        return (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in kv)
+
     def reference(self, b: int) -> np.ndarray:
         """float64 attention of sequence b, (HQ, D)."""
         rows = self.pages_host[self.order[b * self.per_seq:(b + 1) * self.per_seq]].astype(np.float64)
@@ -101,6 +113,48 @@ class Case:
         return np.einsum("hgt,thd->hgd", p / p.sum(axis=2, keepdims=True), v).reshape(HQ, D)
 
 
+def event_time_per_call(fn, min_time: float) -> float:
+    """Seconds of GPU time per call: CUDA events around calls queued back to back on the legacy
+    default stream (TVM's and PyTorch's default), so host cost per call does not count."""
+    import torch
+
+    stream = torch.cuda.default_stream()
+    wall = gpb.time_per_call(fn, torch.cuda.synchronize, min_time / 4)  # warm-up; sizes the loop
+    reps = max(10, int(min_time / max(wall, 1e-6)))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(reps):
+        fn()
+    end.record(stream)
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3 / reps
+
+
+def sdpa_cells(case: Case, bandwidth: float, min_time: float):
+    """SDPA's FlashAttention-2 and cuDNN backends on the same queries over contiguous K/V (the
+    kernels a PyTorch user gets for one decode step; GQA by ``enable_gqa``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.from_numpy(case.q_host).cuda().unsqueeze(2)  # (batch, HQ, 1, D)
+    k, v = case.contiguous_kv()
+    cells = []
+    for kind in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel([kind]):  # entered once: its host cost is not the kernel's
+            call = lambda: F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True)  # noqa: E731
+            try:
+                out = call()
+            except RuntimeError:
+                cells.append("n/a")
+                continue
+            t = event_time_per_call(call, min_time)
+        got = out[:, :, 0].float().cpu().numpy()
+        err = max(float(np.abs(got[b] - case.reference(b)).max()) for b in sorted({0, case.batch - 1}))
+        cells.append(f"{t * 1e6:7.1f} {100 * case.bytes / t / bandwidth:5.1f}% {err:6.0e}")
+    return cells
+
+
 def run(libs: pathlib.Path, min_time: float, cases) -> None:
     import gpu_bench as gb
     import gpu_prepare as gp
@@ -109,9 +163,12 @@ def run(libs: pathlib.Path, min_time: float, cases) -> None:
     kernels = {p.stem: gp.load_library(p, device)["attention_decode"] for p in sorted(libs.glob("*.so"))}
     names = ["ours", "tvm"] + sorted(n for n in kernels if n.startswith("ours-"))
     bandwidth = gb.measure_copy_bandwidth(device, 1 << 30, min_time)
+    anchors = ["sdpa-fa2", "sdpa-cudnn"] if importlib.util.find_spec("torch") else []
+    timing = "GPU time by CUDA events" if anchors else "wall time per call"
     print(f"decode kernels on {gp.describe_device(device)}; {DTYPE}, {HQ}/{HKV} heads, head_dim {D}, page {PAGE}; "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s. Per kernel: us, % of copy bandwidth; max error vs float64")
-    print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in names if n in kernels))
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s. Per kernel ({timing}): us, % of copy bandwidth; "
+          "max error vs float64")
+    print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in [*(n for n in names if n in kernels), *anchors]))
     rng = np.random.default_rng(0)
     for batch, context in cases:
         case = Case(batch, context, device, rng)
@@ -120,10 +177,12 @@ def run(libs: pathlib.Path, min_time: float, cases) -> None:
             if name not in kernels:
                 continue
             fn, o = case.call(kernels[name])
-            t = gpb.time_per_call(fn, device.sync, min_time)
+            t = event_time_per_call(fn, min_time) if anchors else gpb.time_per_call(fn, device.sync, min_time)
             out = o.numpy().astype(np.float64)
             err = max(float(np.abs(out[b] - case.reference(b)).max()) for b in sorted({0, batch - 1}))
             cells.append(f"{t * 1e6:7.1f} {100 * case.bytes / t / bandwidth:5.1f}% {err:6.0e}")
+        if anchors:
+            cells += sdpa_cells(case, bandwidth, min_time)
         print(f"{batch:>6} x {context:<6} " + " ".join(f"{c:>20}" for c in cells), flush=True)
 
 
