@@ -22,6 +22,9 @@ from .macros import (
     paged_row_offset,
     prefetch,
     tree_mask_chunk,
+    refuse_quantized,
+    with_kv_scales,
+    without_param,
     init_state,
     load_q_tile,
     query_position_range,
@@ -57,13 +60,16 @@ def _causal_chunks(causal, first_row_limit, nq, kv_len, chunk: int):
 
 def _paged_seq_src(spec: AttentionSpec):
     """GPU grids: tile arguments of sequence b from ``(pages, page_indices, page_indptr,
-    length_info, k_rope_pos_offset[, tree_mask, mn_indptr])``."""
+    length_info, k_rope_pos_offset[, tree_mask, mn_indptr][, kv_scales])`` (``kv_scales``: 8-bit
+    pages)."""
     ps, sliding = spec.page_size, spec.sliding_window
+    scaled = int(spec.quantized)
 
     def seq_src(bufs, b):
         kv_len = paged_kv_len(bufs[2][b + 1] - bufs[2][b], ps, bufs[3], b, sliding)
-        tree_src = () if len(bufs) == 5 else (bufs[5], bufs[6][b], bufs[6][b + 1] - bufs[6][b])
-        return (bufs[0], bufs[1], bufs[2][b], bufs[3], b), kv_len, bufs[4][b], tree_src
+        tree_src = () if len(bufs) == 5 + scaled else (bufs[5], bufs[6][b], bufs[6][b + 1] - bufs[6][b])
+        scales = (bufs[-1],) if scaled else ()
+        return (bufs[0], bufs[1], bufs[2][b], bufs[3], b, *scales), kv_len, bufs[4][b], tree_src
 
     return seq_src
 
@@ -228,12 +234,15 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
         attend_sequence = make_attend_sequence(spec, sched, q_tile=1 if decode else sched.q_tile,
                                                 chunk=ps, kv_elem=paged_kv_access(spec))
 
+    scaled = spec.quantized  # 8-bit pages: kv_scales, the kernels' last argument
+
     @T.macro
     def attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
                      q_rope_position, b, h, qbeg, q_len, causal, rotary_mode, rope_scale, rope_theta,
-                     sm_scale):
+                     sm_scale, kv_scales):
         kv_len: T.let[T.int32] = paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, sliding)
-        attend_sequence(q, o, lse, q_rope_position, (pages, page_indices, page_indptr[b], length_info, b),
+        attend_sequence(q, o, lse, q_rope_position,
+                        with_kv_scales(spec, (pages, page_indices, page_indptr[b], length_info, b), kv_scales),
                         h, qbeg, q_len, kv_len, k_rope_pos_offset[b], causal, rotary_mode, rope_scale,
                         rope_theta, sm_scale, ())
 
@@ -244,7 +253,8 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
                          var_page_indices: T.handle, var_length_info: T.handle,
                          var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle,
                          var_o: T.handle, var_lse: T.handle, rotary_mode: T.int32,
-                         rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32):
+                         rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+                         var_kv_scales: T.handle):
             T.func_attr({"tirx.noalias": True})
             B = T.int32()
             P = T.int64()
@@ -255,7 +265,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
             off_krope = T.int32()
             off_qrope = T.int32()
             q = T.match_buffer(var_q, (B, Hq, D), dtype)
-            pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+            pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), spec.page_dtype)
             page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
             page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
             length_info = _length_info_buffer(var_length_info, B, off_len, sliding)
@@ -263,9 +273,11 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
             q_rope_position = T.match_buffer(var_q_rope_position, (B,), "int32", elem_offset=off_qrope)
             o = T.match_buffer(var_o, (B, Hq, D), dtype)
             lse = T.match_buffer(var_lse, (B, Hq), "float32")
+            kv_scales = T.match_buffer(var_kv_scales, (2, Hkv), "float32")
             if on_gpu:
                 run_gpu(q, o, lse, q_rope_position, B, nnz,
-                        (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
+                        with_kv_scales(spec, (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
+                                       kv_scales),
                         rotary_mode, rope_scale, rope_theta, sm_scale)
             else:
                 for bh in T.parallel(B * Hkv):
@@ -274,9 +286,9 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
                         T.writes()
                         attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info,
                                      k_rope_pos_offset, q_rope_position, bh // Hkv, bh % Hkv, bh // Hkv, 1,
-                                     0, rotary_mode, rope_scale, rope_theta, sm_scale)
+                                     0, rotary_mode, rope_scale, rope_theta, sm_scale, kv_scales)
 
-        return paged_decode
+        return paged_decode if scaled else without_param(paged_decode, 13)
 
     @T.prim_func(s_tir=True)
     def paged_prefill(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle,
@@ -284,7 +296,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
                       var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
                       var_q_rope_position: T.handle, var_o: T.handle, var_lse: T.handle,
                       causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32,
-                      rope_theta: T.float32, sm_scale: T.float32):
+                      rope_theta: T.float32, sm_scale: T.float32, var_kv_scales: T.handle):
         T.func_attr({"tirx.noalias": True})
         B = T.int32()
         total_q = T.int32()
@@ -298,7 +310,7 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
         off_qrope = T.int32()
         q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
         qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
-        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), spec.page_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
         page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
         length_info = _length_info_buffer(var_length_info, B, off_len, sliding)
@@ -306,9 +318,10 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
         q_rope_position = T.match_buffer(var_q_rope_position, (total_q,), "int32", elem_offset=off_qrope)
         o = T.match_buffer(var_o, (total_q, Hq, D), dtype)
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
+        kv_scales = T.match_buffer(var_kv_scales, (2, Hkv), "float32")
         if on_gpu:
             run_gpu(q, o, lse, q_rope_position, qo_indptr, B, total_q,
-                    (pages, page_indices, page_indptr, length_info, k_rope_pos_offset),
+                    with_kv_scales(spec, (pages, page_indices, page_indptr, length_info, k_rope_pos_offset), kv_scales),
                     causal, rotary_mode, rope_scale, rope_theta, sm_scale)
         else:
             for bh in T.parallel(B * Hkv):
@@ -318,9 +331,9 @@ def _make_paged(spec: AttentionSpec, sched: Schedule, *, decode: bool) -> tirx.P
                     attend_paged(q, o, lse, pages, page_indptr, page_indices, length_info, k_rope_pos_offset,
                                  q_rope_position, bh // Hkv, bh % Hkv, qo_indptr[bh // Hkv],
                                  qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv], causal, rotary_mode,
-                                 rope_scale, rope_theta, sm_scale)
+                                 rope_scale, rope_theta, sm_scale, kv_scales)
 
-    return paged_prefill
+    return paged_prefill if scaled else without_param(paged_prefill, 15)
 
 
 def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
@@ -380,6 +393,7 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
     """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention):
     the last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its tree's
     nodes (``tree_mask``: their DFS intervals), its queries the last nodes; ``rotary_mode`` 0."""
+    refuse_quantized(spec, "paged token-tree prefill")
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     on_gpu = isinstance(sched, GpuSchedule)
@@ -412,7 +426,7 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
         off_mask = T.int32()
         q = T.match_buffer(var_q, (total_q, Hq, D), dtype)
         qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
-        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, Hkv, ps, D), spec.page_dtype)
         page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
         page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
         length_info = _length_info_buffer(var_length_info, B, off_len, sliding)

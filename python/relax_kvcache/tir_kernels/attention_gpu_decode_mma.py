@@ -28,10 +28,11 @@ CHUNK = 16  # KV rows per warp step
 
 def decode_mma_applies(spec: AttentionSpec, sched: GpuSchedule) -> bool:
     """Whether the tensor-core decode item serves ``spec`` (mma on the target, float16 /
-    bfloat16, 4 to 8 query heads per KV head, head dims 64 or 128: whole 16-byte loads of a
-    lane's K and V slices, and fragments that fit in registers)."""
+    bfloat16 pages, 4 to 8 query heads per KV head, head dims 64 or 128: whole 16-byte loads of
+    a lane's K and V slices, and fragments that fit in registers)."""
     D, DV, G = spec.qk_head_dim, spec.v_head_dim, spec.group_size
-    return (sched.mma and spec.dtype in ("float16", "bfloat16") and 4 <= G <= 8 and D in (64, 128)
+    return (sched.mma and not spec.quantized and spec.dtype in ("float16", "bfloat16") and 4 <= G <= 8
+            and D in (64, 128)
             and DV in (64, 128) and sched.threads % 32 == 0)
 
 

@@ -52,10 +52,11 @@ class WgmmaTileShape:
     @staticmethod
     def choose(spec: AttentionSpec, sched: GpuSchedule) -> Optional["WgmmaTileShape"]:
         """The shape for ``spec``, or None where the ring tile does not apply (no tensor cores,
-        float32, head dims other than 64 / 128 / 256 or unequal, groups wider than the tile).
+        float32 or 8-bit pages, head dims other than 64 / 128 / 256 or unequal, groups wider
+        than the tile).
         Without ``wgmma`` (sm_80 - sm_89, sm_90 without ``a``) the tile runs ``mma.sync``."""
         G, D = spec.group_size, spec.qk_head_dim
-        if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16"):
+        if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16") or spec.quantized:
             return None
         if D != spec.v_head_dim or D not in (64, 128, 256):
             return None

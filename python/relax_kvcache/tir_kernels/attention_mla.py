@@ -8,7 +8,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .attention import make_attend_sequence
-from .macros import latent_kv_access, paged_kv_len
+from .macros import latent_kv_access, paged_kv_len, refuse_quantized
 from .schedule import GpuSchedule, Schedule
 from .spec import AttentionSpec
 
@@ -46,6 +46,7 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     the one latent head: score = q . latent row, output = probabilities @ latent[:, :v_head_dim].
     Serves decode (one query per sequence) and prefill alike, as in TVM.
     """
+    refuse_quantized(spec, "MLA attention")
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
     if spec.num_kv_heads != 1 or DV > W or spec.sliding_window or spec.span:
         raise ValueError(f"MLA attention needs one latent head, v_head_dim <= qk_head_dim and no windows; "

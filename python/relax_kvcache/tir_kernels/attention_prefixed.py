@@ -7,7 +7,7 @@ from tvm.script import tirx as T
 
 from . import attention_gpu as gpu
 from .attention import make_attend_sequence
-from .macros import paged_kv_len, prefixed_kv_access, prefixed_kv_rows
+from .macros import paged_kv_len, prefixed_kv_access, prefixed_kv_rows, refuse_quantized
 from .schedule import GpuSchedule, Schedule
 from .spec import AttentionSpec
 
@@ -31,6 +31,7 @@ def make_prefixed_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc
     ``k / v[qo_indptr[b]:qo_indptr[b + 1]]`` (as q), at RoPE positions ``k_rope_pos_offset[b]``
     onwards; with ``causal`` the queries are the last keys. Replaces ragged prefill + paged
     prefill + merge for steps whose sequences each have one page list."""
+    refuse_quantized(spec, "prefixed prefill")
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype = spec.qk_head_dim, spec.page_size, spec.dtype
     if spec.sliding_window or spec.v_head_dim != D:

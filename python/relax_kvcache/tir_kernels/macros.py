@@ -17,6 +17,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .spec import FP8_MAX
+
 LOG2E = math.log2(math.e)
 NEG_INF = tirx.const(float("-inf"), "float32")
 ZERO = tirx.const(0.0, "float32")
@@ -53,8 +55,88 @@ def paged_row_offset(j, length_info, b, sliding_window: bool):
 
 
 # KV row sources. ``kv_src`` tuples: paged ``(pages, page_indices, first page of the sequence,
-# length_info, sequence)``, ragged ``(k, v, first KV row of the sequence)``. The accessors read
-# element d of the sequence's KV row j (kv 0 = K, 1 = V); CPU and GPU kernels share them.
+# length_info, sequence[, kv_scales])`` (``kv_scales`` for 8-bit pages), ragged ``(k, v, first KV
+# row of the sequence)``. The accessors read element d of the sequence's KV row j (kv 0 = K,
+# 1 = V) in the model dtype; CPU and GPU kernels share them.
+
+
+def dequantized(spec, stored, kv_src, kv: int, h):
+    """A page element ``stored`` in the model dtype: as it is, or for 8-bit pages times the
+    scale of (kv, h) (``kv_src[5]``, ``kv_scales (2, Hkv) float32``)."""
+    if not spec.quantized:
+        return stored
+    return T.Cast(spec.dtype, T.Cast("float32", fp8_to_half(spec.kv_dtype, stored)) * kv_src[5][kv, h])
+
+
+def fp8_to_half(kv_dtype: str, stored):
+    """An 8-bit float as float16, exactly, by moving its bits (both formats' values are float16
+    values; TVM's software conversion flushes their subnormals): e5m2 is float16's upper byte;
+    e4m3's exponent and mantissa shift into float16's, whose bias (15 against 7) a factor 2^8
+    corrects."""
+    bits = T.Cast("uint16", T.reinterpret("uint8", stored))
+    if kv_dtype == "float8_e5m2":
+        return T.reinterpret("float16", T.shift_left(bits, T.uint16(8)))
+    moved = T.bitwise_or(T.shift_left(T.bitwise_and(bits, T.uint16(0x80)), T.uint16(8)),
+                         T.shift_left(T.bitwise_and(bits, T.uint16(0x7F)), T.uint16(7)))
+    return T.reinterpret("float16", moved) * T.float16(256)
+
+
+#: mantissa bits, smallest normal exponent and exponent bias of the 8-bit formats
+FP8_GRID = {"float8_e4m3fn": (3, -6, 7), "float8_e5m2": (2, -14, 15)}
+
+
+def _let(name: str, value, body):
+    """``body(var)`` with ``var`` bound to ``value`` (a float32 let expression)."""
+    var = tirx.Var(name, "float32")
+    return tirx.Let(var, value, body(var))
+
+
+def _exponent(mag, emin: int):
+    """``max(floor(log2(mag)), emin)`` exactly (log2 corrected where it rounds across a power of
+    two; ``mag = 0`` gives ``emin``)."""
+    one, zero = T.float32(1), T.float32(0)
+    return _let("fl", T.floor(T.log2(mag)), lambda fl: T.max(
+        fl - T.Select(T.exp2(fl) > mag, one, zero) + T.Select(T.exp2(fl + one) <= mag, one, zero), T.float32(emin)))
+
+
+def quantized(spec, value, scale):
+    """``value / scale`` in the page dtype: saturated to the format's finite range (never Inf /
+    NaN from a finite value) and rounded to nearest even on its grid, subnormals included. The
+    byte is assembled here (float32 arithmetic, exact on the grid): TVM's software conversion
+    flushes subnormals."""
+    mant, emin, bias = FP8_GRID[spec.kv_dtype]
+    fmax, one, zero = T.float32(FP8_MAX[spec.kv_dtype]), T.float32(1), T.float32(0)
+
+    def encode(q):  # q on the grid
+        return _let("a", T.abs(q), lambda a: _let("e", _exponent(a, emin), lambda e: _let(
+            "normal", T.Select(a >= T.float32(2.0 ** emin), one, zero), lambda normal:
+            T.Select(q < zero, T.float32(128), zero) + normal * (e + T.float32(bias - 1)) * T.float32(2 ** mant)
+            + a * T.exp2(T.float32(mant) - e))))
+
+    def round_to_grid(x):
+        return _let("step", T.exp2(_exponent(T.abs(x), emin) - T.float32(mant)),
+                    lambda step: encode(T.nearbyint(x / step) * step))
+
+    byte = _let("x", T.max(T.min(T.Cast("float32", value) / scale, fmax), -fmax), round_to_grid)
+    return T.reinterpret(spec.kv_dtype, T.Cast("uint8", byte))
+
+
+def refuse_quantized(spec, kernel: str) -> None:
+    """Raise for an 8-bit ``kv_dtype`` in a kernel that reads the model dtype only."""
+    if spec.quantized:
+        raise ValueError(f"{kernel} reads pages of the model dtype only, got kv_dtype={spec.kv_dtype!r}")
+
+
+def with_kv_scales(spec, kv_src, kv_scales):
+    """``kv_src`` with ``kv_scales`` after it where pages are 8-bit (:func:`dequantized`)."""
+    return (*kv_src, kv_scales) if spec.quantized else kv_src
+
+
+def without_param(func: tirx.PrimFunc, index: int) -> tirx.PrimFunc:
+    """``func`` without its parameter ``index``, one the body does not use (the ``kv_scales`` of
+    a kernel over pages of the model dtype)."""
+    params = [p for i, p in enumerate(func.params) if i != index]
+    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
 
 
 def paged_kv_access(spec):
@@ -63,7 +145,7 @@ def paged_kv_access(spec):
 
     def elem(kv_src, h, j, kv: int, d):
         off = paged_row_offset(j, kv_src[3], kv_src[4], sliding)
-        return kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d]
+        return dequantized(spec, kv_src[0][kv_src[1][kv_src[2] + off // ps], kv, h, off % ps, d], kv_src, kv, h)
 
     return elem
 
@@ -91,7 +173,7 @@ def paged_kv_rows(spec):
         return kv_src[1][kv_src[2] + off // ps] * ps + off % ps
 
     def elem_at(kv_src, h, slot, kv: int, d):
-        return kv_src[0][slot // ps, kv, h, slot % ps, d]
+        return dequantized(spec, kv_src[0][slot // ps, kv, h, slot % ps, d], kv_src, kv, h)
 
     return locate, elem_at, None
 
@@ -153,7 +235,11 @@ def latent_kv_access(spec):
 
 
 def prefetch(elem_expr, locality: int = 3):
-    """Hint the CPU to fetch the cache line holding the element ``elem_expr`` (a buffer load)."""
+    """Hint the CPU to fetch the cache line holding the element ``elem_expr`` (a buffer load, or
+    a dequantized one: :func:`dequantized`)."""
+    while not hasattr(elem_expr, "indices"):  # down to the load: casts' values, calls' and products' first operands
+        elem_expr = (elem_expr.value if hasattr(elem_expr, "value") else
+                     elem_expr.args[0] if hasattr(elem_expr, "args") else elem_expr.a)
     return T.evaluate(T.call_intrin("void", "tirx.prefetch", T.address_of(elem_expr), 0, locality, 1))
 
 

@@ -13,19 +13,41 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .schedule import GpuSchedule, Schedule
+from .macros import dequantized, quantized, without_param
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
-@T.macro
-def store_span(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32):
-    for d in T.vectorized(lanes):
-        pages[pos // ps, kv, h, pos % ps, d0 + d] = src[row, h, d0 + d]
+def store_span(spec: PageLayoutSpec):
+    """Macro storing one span of row ``row`` of ``src`` at pool position ``pos``; 8-bit pages:
+    quantized by the head's scale in ``scales``, element by element (TVM's software conversion
+    to 8-bit floats does not vectorize)."""
+    if spec.quantized:
+        @T.macro
+        def store_quantized(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32, scales):
+            for d in T.serial(lanes):
+                pages[pos // ps, kv, h, pos % ps, d0 + d] = quantized(spec, src[row, h, d0 + d], scales[kv, h])
+
+        return store_quantized
+
+    @T.macro
+    def store(pages, pos, kv: T.int32, h, src, row, d0, lanes: T.int32, ps: T.int32, scales):
+        for d in T.vectorized(lanes):
+            pages[pos // ps, kv, h, pos % ps, d0 + d] = src[row, h, d0 + d]
+
+    return store
 
 
-@T.macro
-def load_span(dst, layer, row, pages, pos, kv: T.int32, h, d0, lanes: T.int32, ps: T.int32):
-    for d in T.vectorized(lanes):
-        dst[layer, row, h, d0 + d] = pages[pos // ps, kv, h, pos % ps, d0 + d]
+def load_span(spec: PageLayoutSpec):
+    """Macro loading one span of pool position ``pos`` into ``dst[layer, row]`` (8-bit pages:
+    dequantized)."""
+
+    @T.macro
+    def load(dst, layer, row, pages, pos, kv: T.int32, h, d0, lanes: T.int32, ps: T.int32, scales):
+        for d in T.vectorized(lanes):
+            dst[layer, row, h, d0 + d] = dequantized(spec, pages[pos // ps, kv, h, pos % ps, d0 + d],
+                                                     (None,) * 5 + (scales,), kv, h)
+
+    return load
 
 
 @T.macro
@@ -51,10 +73,13 @@ def gpu_blocks(work, threads: int):
 
 
 def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    """Append rows of k / v ``(n, H, D)`` at ``position_map``; 8-bit pages take a last argument
+    ``kv_scales (2, H) float32`` and store ``value / scale`` saturated (PageLayoutSpec)."""
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    store = store_span(spec)
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def nest(pages, k, v, position_map, n):
+        def nest(pages, k, v, position_map, n, scales):
             for i in T.parallel(n):
                 with T.sblock("append"):
                     T.reads()
@@ -62,14 +87,14 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
                     pos: T.let[T.int32] = position_map[i]
                     if pos != -1:
                         for h in T.serial(H):
-                            store_span(pages, pos, 0, h, k, i, 0, D, ps)
-                            store_span(pages, pos, 1, h, v, i, 0, D, ps)
+                            store(pages, pos, 0, h, k, i, 0, D, ps, scales)
+                            store(pages, pos, 1, h, v, i, 0, D, ps, scales)
     else:
         lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
         nv = D // lanes  # spans of one head
 
         @T.macro
-        def nest(pages, k, v, position_map, n):
+        def nest(pages, k, v, position_map, n, scales):
             for bx in T.thread_binding(gpu_blocks(n * H * nv, nt), thread="blockIdx.x"):
                 for tx in T.thread_binding(nt, thread="threadIdx.x"):
                     with T.sblock("append"):
@@ -78,28 +103,30 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
                         if bx * nt + tx < n * H * nv:
                             pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
                             if pos != -1:
-                                store_span(pages, pos, 0, (bx * nt + tx) // nv % H, k,
-                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
-                                store_span(pages, pos, 1, (bx * nt + tx) // nv % H, v,
-                                           (bx * nt + tx) // (H * nv), (bx * nt + tx) % nv * lanes, lanes, ps)
+                                store(pages, pos, 0, (bx * nt + tx) // nv % H, k, (bx * nt + tx) // (H * nv),
+                                      (bx * nt + tx) % nv * lanes, lanes, ps, scales)
+                                store(pages, pos, 1, (bx * nt + tx) // nv % H, v, (bx * nt + tx) // (H * nv),
+                                      (bx * nt + tx) % nv * lanes, lanes, ps, scales)
 
     @T.prim_func(s_tir=True)
-    def transpose_append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_position_map: T.handle):
+    def transpose_append(var_pages: T.handle, var_k: T.handle, var_v: T.handle, var_position_map: T.handle,
+                         var_kv_scales: T.handle):
         T.func_attr({"tirx.noalias": True})
         P = T.int64()
         n = T.int32()
         off_pos = T.int32()
-        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), spec.page_dtype)
         k = T.match_buffer(var_k, (n, H, D), dtype)
         v = T.match_buffer(var_v, (n, H, D), dtype)
         position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
-        nest(pages, k, v, position_map, n)
+        kv_scales = T.match_buffer(var_kv_scales, (2, H), "float32")
+        nest(pages, k, v, position_map, n, kv_scales)
 
-    return transpose_append
+    return transpose_append if spec.quantized else without_param(transpose_append, 4)
 
 
 def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
         def nest(pages, src_page, dst_page, copy_length):
@@ -110,7 +137,7 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
                     for slot in T.serial(copy_length):
                         copy_page_span(pages, src_page, dst_page, kv_h // H, kv_h % H, slot, 0, D)
     else:
-        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        lanes, nt = gpu_lanes(sched, spec.page_dtype, D), sched.copy_threads
         nv = D // lanes
         work = 2 * H * ps * nv
 
@@ -132,14 +159,14 @@ def make_copy_single_page(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
                          copy_length: T.int64):
         T.func_attr({"tirx.noalias": True})
         P = T.int64()
-        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), spec.page_dtype)
         nest(pages, src_page_id, tgt_page_id, copy_length)
 
     return copy_single_page
 
 
 def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
-    H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    H, D, ps = spec.num_kv_heads, spec.head_dim, spec.page_size
     if not isinstance(sched, GpuSchedule):
         @T.macro
         def nest(pages, indptr, src_dst_pos, batch_size):
@@ -153,7 +180,7 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
                                 move_span(pages, src_dst_pos[0, indptr[b] + i], src_dst_pos[1, indptr[b] + i],
                                           kv, h, 0, D, ps)
     else:
-        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        lanes, nt = gpu_lanes(sched, spec.page_dtype, D), sched.copy_threads
         nv = D // lanes
         # a block per sequence, moves in order; a thread owns fixed columns: no barriers needed
         cols = 2 * H * nv  # (kv, head, span) columns of one slot
@@ -182,7 +209,7 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
         total = T.int32()
         off_indptr = T.int32()
         off_pos = T.int32()
-        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), spec.page_dtype)
         copy_length_indptr = T.match_buffer(var_copy_length_indptr, (batch_size + 1,), "int32",
                                             elem_offset=off_indptr)
         src_dst_pos = T.match_buffer(var_src_dst_pos, (2, total), "int32", elem_offset=off_pos)
@@ -192,24 +219,27 @@ def make_compact_copy(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
 
 
 def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
+    """Gather the K / V of ``position_map``'s positions into ``k`` / ``v[layer_id]`` in the model
+    dtype; 8-bit pages take a last argument ``kv_scales (2, H) float32`` and are dequantized."""
     H, D, ps, dtype = spec.num_kv_heads, spec.head_dim, spec.page_size, spec.dtype
+    load = load_span(spec)
     if not isinstance(sched, GpuSchedule):
         @T.macro
-        def nest(pages, position_map, k, v, layer_id, n):
+        def nest(pages, position_map, k, v, layer_id, n, scales):
             for i in T.parallel(n):
                 with T.sblock("gather"):
                     T.reads()
                     T.writes()
                     pos: T.let[T.int32] = position_map[i]
                     for h in T.serial(H):
-                        load_span(k, layer_id, i, pages, pos, 0, h, 0, D, ps)
-                        load_span(v, layer_id, i, pages, pos, 1, h, 0, D, ps)
+                        load(k, layer_id, i, pages, pos, 0, h, 0, D, ps, scales)
+                        load(v, layer_id, i, pages, pos, 1, h, 0, D, ps, scales)
     else:
         lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
         nv = D // lanes
 
         @T.macro
-        def nest(pages, position_map, k, v, layer_id, n):
+        def nest(pages, position_map, k, v, layer_id, n, scales):
             for bx in T.thread_binding(gpu_blocks(n * (H * nv), nt), thread="blockIdx.x"):
                 for tx in T.thread_binding(nt, thread="threadIdx.x"):
                     with T.sblock("gather"):
@@ -217,26 +247,27 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
                         T.writes()
                         if T.Cast("int64", bx * nt + tx) < n * (H * nv):
                             pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
-                            load_span(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
-                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
-                            load_span(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
-                                      (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps)
+                            load(k, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 0,
+                                 (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps, scales)
+                            load(v, layer_id, (bx * nt + tx) // (H * nv), pages, pos, 1,
+                                 (bx * nt + tx) // nv % H, (bx * nt + tx) % nv * lanes, lanes, ps, scales)
 
     @T.prim_func(s_tir=True)
     def debug_get_kv(var_pages: T.handle, var_position_map: T.handle, var_k: T.handle,
-                     var_v: T.handle, layer_id: T.int64):
+                     var_v: T.handle, layer_id: T.int64, var_kv_scales: T.handle):
         T.func_attr({"tirx.noalias": True})
         P = T.int64()
         L = T.int64()
         n = T.int64()
         off_pos = T.int64()
-        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), dtype)
+        pages = T.match_buffer(var_pages, (P, 2, H, ps, D), spec.page_dtype)
         position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
         k = T.match_buffer(var_k, (L, n, H, D), dtype)
         v = T.match_buffer(var_v, (L, n, H, D), dtype)
-        nest(pages, position_map, k, v, layer_id, n)
+        kv_scales = T.match_buffer(var_kv_scales, (2, H), "float32")
+        nest(pages, position_map, k, v, layer_id, n, kv_scales)
 
-    return debug_get_kv
+    return debug_get_kv if spec.quantized else without_param(debug_get_kv, 5)
 
 
 @T.macro

@@ -21,17 +21,45 @@ def _check_dtype(dtype: str) -> None:
     _check(dtype in SUPPORTED_DTYPES, f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype!r}")
 
 
+#: 8-bit float formats pages may store (``kv_dtype``) and their largest finite values
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+class _KVStorage:
+    """``kv_dtype``: the pages' element type, None for the model ``dtype``; an 8-bit float
+    (:data:`FP8_MAX`) stores ``value / scale`` saturated to the format's range, with one float32
+    scale per (K or V, KV head) of the layer, passed to the kernels as ``kv_scales (2,
+    num_kv_heads) float32``."""
+
+    def _check_kv_dtype(self) -> None:
+        _check(self.kv_dtype is None or self.kv_dtype in FP8_MAX,
+               f"kv_dtype must be None (the model dtype) or one of {tuple(FP8_MAX)}, got {self.kv_dtype!r}")
+
+    @property
+    def page_dtype(self) -> str:
+        """The element type of the pages."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether pages store scaled 8-bit floats (the kernels take ``kv_scales``)."""
+        return self.kv_dtype is not None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PageLayoutSpec:
-    """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``."""
+class PageLayoutSpec(_KVStorage):
+    """Layout of one layer's MHA pages: ``(num_pages, 2, num_kv_heads, page_size, head_dim)``
+    of ``page_dtype`` (:class:`_KVStorage`)."""
 
     num_kv_heads: int
     head_dim: int
     page_size: int
     dtype: str
+    kv_dtype: "str | None" = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        self._check_kv_dtype()
         for name in ("num_kv_heads", "head_dim", "page_size"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
@@ -115,8 +143,11 @@ class MergeSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionSpec:
+class AttentionSpec(_KVStorage):
     """Attention of ``Hq`` query heads over ``Hkv`` KV heads (GQA group ``Hq // Hkv``).
+
+    ``kv_dtype`` (paged kernels): the pages' element type (:class:`_KVStorage`); 8-bit pages are
+    dequantized on load, in registers.
 
     ``sliding_window`` selects the ``length_info`` layout of the paged kernels: ``[B]``
     (last page length) when False, ``[3, B]`` (last page length, window offset, sink size)
@@ -136,9 +167,11 @@ class AttentionSpec:
     sliding_window: bool = False
     window: int = 0
     attention_chunk: int = 0
+    kv_dtype: "str | None" = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        self._check_kv_dtype()
         _check(self.window >= 0 and self.attention_chunk >= 0 and not (self.window and self.attention_chunk),
                f"window and attention_chunk must be >= 0 and not both set, got {self.window}, {self.attention_chunk}")
         _check(self.num_qo_heads % self.num_kv_heads == 0,
