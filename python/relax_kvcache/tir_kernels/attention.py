@@ -22,7 +22,6 @@ from .macros import (
     paged_row_offset,
     prefetch,
     tree_mask_chunk,
-    refuse_quantized,
     with_kv_scales,
     without_param,
     init_state,
@@ -393,7 +392,6 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
     """Paged prefill with a token-tree mask (TVM's ``tree_attn_with_paged_kv_cache`` convention):
     the last ``tree_mn_indptr[b+1] - tree_mn_indptr[b]`` KV rows of sequence b are its tree's
     nodes (``tree_mask``: their DFS intervals), its queries the last nodes; ``rotary_mode`` 0."""
-    refuse_quantized(spec, "paged token-tree prefill")
     Hq, Hkv = spec.num_qo_heads, spec.num_kv_heads
     D, ps, dtype, sliding = spec.qk_head_dim, spec.page_size, spec.dtype, spec.sliding_window
     on_gpu = isinstance(sched, GpuSchedule)
@@ -409,7 +407,7 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
                            var_k_rope_pos_offset: T.handle, var_q_rope_position: T.handle, var_o: T.handle,
                            var_lse: T.handle, rotary_mode: T.int32, rope_scale: T.float32,
                            rope_theta: T.float32, sm_scale: T.float32, var_mn_indptr: T.handle,
-                           var_tree_mask: T.handle):
+                           var_tree_mask: T.handle, var_kv_scales: T.handle):
         T.func_attr({"tirx.noalias": True})
         B = T.int32()
         total_q = T.int32()
@@ -436,10 +434,12 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
         lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
         mn_indptr = T.match_buffer(var_mn_indptr, (B + 1,), "int32", elem_offset=off_mn)
         tree_mask = T.match_buffer(var_tree_mask, (nodes, 2), "int32", elem_offset=off_mask)
+        kv_scales = T.match_buffer(var_kv_scales, (2, Hkv), "float32")
         T.Assert(rotary_mode == 0, "tree attention does not support inline RoPE (rotary_mode must be 0)")
         if on_gpu:
             run_gpu(q, o, lse, q_rope_position, qo_indptr, B, total_q,
-                    (pages, page_indices, page_indptr, length_info, k_rope_pos_offset, tree_mask, mn_indptr),
+                    with_kv_scales(spec, (pages, page_indices, page_indptr, length_info, k_rope_pos_offset, tree_mask,
+                                          mn_indptr), kv_scales),
                     0, 0, rope_scale, rope_theta, sm_scale)
         else:
             for bh in T.parallel(B * Hkv):
@@ -448,14 +448,15 @@ def make_paged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFu
                     T.writes()
                     attend_sequence(
                         q, o, lse, q_rope_position,
-                        (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv), bh % Hkv,
+                        with_kv_scales(spec, (pages, page_indices, page_indptr[bh // Hkv], length_info, bh // Hkv),
+                                       kv_scales), bh % Hkv,
                         qo_indptr[bh // Hkv], qo_indptr[bh // Hkv + 1] - qo_indptr[bh // Hkv],
                         paged_kv_len(page_indptr[bh // Hkv + 1] - page_indptr[bh // Hkv], ps, length_info,
                                       bh // Hkv, sliding),
                         k_rope_pos_offset[bh // Hkv], 0, 0, rope_scale, rope_theta, sm_scale,
                         (tree_mask, mn_indptr[bh // Hkv], mn_indptr[bh // Hkv + 1] - mn_indptr[bh // Hkv]))
 
-    return paged_tree_prefill
+    return paged_tree_prefill if spec.quantized else without_param(paged_tree_prefill, 16)
 
 
 def make_ragged_tree_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:

@@ -76,7 +76,7 @@ vector load of K (half rows, for RoPE pairs) / V rows.
         rows, threads = max(q_tokens * G, 2), sched.threads
         s_rg = min(rows, threads // min(chunk, 8))
         s_cg = threads // s_rg
-        lanes = sched.lanes_for(_bits(spec.dtype), D // 2)
+        lanes = spec.load_lanes(sched.lanes_for(_bits(spec.dtype), D // 2))
         o_cols = sched.lanes_for(_bits(spec.dtype), DV)
         while o_cols > 1 and ceildiv(DV, o_cols) * rows < threads:
             o_cols //= 2
@@ -86,7 +86,7 @@ vector load of K (half rows, for RoPE pairs) / V rows.
                          s_row_groups=s_rg, s_col_groups=s_cg, s_rows=ceildiv(rows, s_rg),
                          s_cols=ceildiv(chunk, s_cg), o_row_groups=o_rg, o_col_groups=o_cg,
                          o_rows=ceildiv(rows, o_rg), o_cols=o_cols, lanes=lanes,
-                         v_lanes=sched.lanes_for(_bits(spec.dtype), DV))
+                         v_lanes=spec.load_lanes(sched.lanes_for(_bits(spec.dtype), DV)))
 
 
 def swizzled(row, d, width: int):

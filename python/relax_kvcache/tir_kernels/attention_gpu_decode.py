@@ -64,8 +64,8 @@ class DecodeShape:
         bdz = next((z for z in divisors if G // z <= 4 and (G // z) * max(ek, ev) <= 64), divisors[-1])
         bdy = max(1, sched.threads // (bdx * bdz))
         unroll = sched.decode_unroll or max(1, sched.vector_bytes * 2 // (max(ek, ev) * bits // 8))
-        return DecodeShape(bdx=bdx, bdy=bdy, bdz=bdz, ek=ek, ev=ev, k_lanes=sched.lanes_for(bits, ek),
-                           v_lanes=sched.lanes_for(bits, ev), rows=G // bdz, unroll=unroll)
+        return DecodeShape(bdx=bdx, bdy=bdy, bdz=bdz, ek=ek, ev=ev, k_lanes=spec.load_lanes(sched.lanes_for(bits, ek)),
+                           v_lanes=spec.load_lanes(sched.lanes_for(bits, ev)), rows=G // bdz, unroll=unroll)
 
 
 def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: bool):

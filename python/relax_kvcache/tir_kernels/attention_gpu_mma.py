@@ -61,7 +61,8 @@ class MmaTileShape:
             else:
                 return None
         return MmaTileShape(rows=rows(q_tokens), q_tokens=q_tokens, kv_chunk=chunk,
-                            lanes=sched.lanes_for(16, D // 2), v_lanes=sched.lanes_for(16, DV))
+                            lanes=spec.load_lanes(sched.lanes_for(16, D // 2)),
+                            v_lanes=spec.load_lanes(sched.lanes_for(16, DV)))
 
 
 def mma_m16n8k16(dtype: str):

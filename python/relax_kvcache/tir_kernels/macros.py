@@ -107,15 +107,15 @@ def quantized(spec, value, scale):
     mant, emin, bias = FP8_GRID[spec.kv_dtype]
     fmax, one, zero = T.float32(FP8_MAX[spec.kv_dtype]), T.float32(1), T.float32(0)
 
-    def encode(q):  # q on the grid
+    def encode(x, q):  # q: x on the grid; the sign bit is x's (-0 and values rounding to -0 keep it)
+        sign = T.Cast("float32", T.shift_right(T.reinterpret("uint32", x), T.uint32(31))) * T.float32(128)
         return _let("a", T.abs(q), lambda a: _let("e", _exponent(a, emin), lambda e: _let(
             "normal", T.Select(a >= T.float32(2.0 ** emin), one, zero), lambda normal:
-            T.Select(q < zero, T.float32(128), zero) + normal * (e + T.float32(bias - 1)) * T.float32(2 ** mant)
-            + a * T.exp2(T.float32(mant) - e))))
+            sign + normal * (e + T.float32(bias - 1)) * T.float32(2 ** mant) + a * T.exp2(T.float32(mant) - e))))
 
     def round_to_grid(x):
         return _let("step", T.exp2(_exponent(T.abs(x), emin) - T.float32(mant)),
-                    lambda step: encode(T.nearbyint(x / step) * step))
+                    lambda step: encode(x, T.nearbyint(x / step) * step))
 
     byte = _let("x", T.max(T.min(T.Cast("float32", value) / scale, fmax), -fmax), round_to_grid)
     return T.reinterpret(spec.kv_dtype, T.Cast("uint8", byte))

@@ -235,7 +235,7 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
                         load(k, layer_id, i, pages, pos, 0, h, 0, D, ps, scales)
                         load(v, layer_id, i, pages, pos, 1, h, 0, D, ps, scales)
     else:
-        lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
+        lanes, nt = spec.load_lanes(gpu_lanes(sched, spec.dtype, D)), sched.copy_threads
         nv = D // lanes
 
         @T.macro

@@ -45,6 +45,11 @@ class _KVStorage:
         """Whether pages store scaled 8-bit floats (the kernels take ``kv_scales``)."""
         return self.kv_dtype is not None
 
+    def load_lanes(self, lanes: int) -> int:
+        """Elements per vector load of K / V rows that are dequantized on the way: at most 4 for
+        8-bit pages (TVM's CUDA code generation mis-emits 8-lane 8-bit and float32 vectors)."""
+        return min(lanes, 4) if self.quantized else lanes
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PageLayoutSpec(_KVStorage):
