@@ -9,7 +9,9 @@ included), popn, remove, per-sequence sliding windows with attention sinks, per-
 ``self_attention`` / ``cross_attention`` / ``merge_attn_output_inplace`` and ``debug_get_kv``
 after each phase, in all three RoPE modes.
 
-Inputs are unit-variance random values in the cache dtype; every output is poisoned with NaN
+Inputs are unit-variance random values in the cache dtype (caches over 8-bit pages: K and V
+on the 8-bit grid times power-of-two scales set with ``set_kv_scales``, which the pages store
+exactly, so the float64 reference holds for them unchanged); every output is poisoned with NaN
 before the kernel call that writes it and must come back free of NaN, with infinities only
 where the reference has them (the log-sum-exp of rows that see nothing), and within
 ``--tolerance`` (max abs error, default 2e-2 for float16) of the reference.
@@ -35,6 +37,7 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -48,6 +51,7 @@ from reference_model import ReferenceCache  # noqa: E402  (tests/)
 
 NP_DTYPE = {"float32": np.float32, "float16": np.float16}
 DEFAULT_TOLERANCE = {"float32": 2e-3, "float16": 2e-2}
+GRID_SCALES = (0.25, 2.0)  # K and V scales of caches over 8-bit pages
 EMPTY_LSE = -5e4  # log-sum-exp at or below this means "no visible key"
 
 
@@ -84,12 +88,29 @@ class Check:
         self.steps = 0
         self.max_error = 0.0
         self.problems: List[str] = []
+        if cfg.kv_dtype is not None:  # K / V scales of every layer (powers of two: exact)
+            for layer in range(cfg.num_layers):
+                cache.set_kv_scales(layer, *GRID_SCALES)
 
     # -- tensors
     def random(self, shape) -> Tuple[tvm.runtime.Tensor, np.ndarray]:
         """A unit-variance random tensor on the device and its float64 value."""
         host = self.rng.standard_normal(shape).astype(self.np_dtype)
         return tvm.runtime.tensor(host, self.device), host.astype(np.float64)
+
+    def random_qkv(self, n: int) -> Tuple[tvm.runtime.Tensor, np.ndarray]:
+        """A fused q / k / v step input (:meth:`random`; over 8-bit pages K and V on the 8-bit
+        grid times the scales, values the pages store exactly)."""
+        cfg = self.cfg
+        hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
+        tensor, host = self.random((n, hq + 2 * hkv, cfg.head_dim))
+        if cfg.kv_dtype is None:
+            return tensor, host
+        grid = ml_dtypes.finfo(getattr(ml_dtypes, cfg.kv_dtype))
+        for part, scale in ((slice(hq, hq + hkv), GRID_SCALES[0]), (slice(hq + hkv, None), GRID_SCALES[1])):
+            values = self.rng.standard_normal(host[:, part].shape) * np.exp2(self.rng.integers(-3, 3, host[:, part].shape))
+            host[:, part] = np.clip(values, -float(grid.max), float(grid.max)).astype(grid.dtype).astype(np.float64) * scale
+        return self.upload(host), host.astype(self.np_dtype).astype(np.float64)
 
     def upload(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array).astype(self.np_dtype), self.device)
@@ -165,8 +186,7 @@ class Check:
         """
         cfg = self.cfg
         n = sum(length for _, length in batch)
-        rows = (n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qkvs = [self.random(rows) for _ in range(cfg.num_layers)]
+        qkvs = [self.random_qkv(n) for _ in range(cfg.num_layers)]
         outs = [self.poisoned((n, cfg.num_qo_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
         self.step_qkv = [host for _, host in qkvs]
         parents = None if trees is None else [p for seq, _ in batch for p in trees[seq]]
@@ -211,8 +231,21 @@ class Check:
             k_ref, v_ref = self.ref.stored_kv(seq)
             self.compare(f"debug_get_kv K of sequence {seq} after step {self.steps}", k, k_ref)
             self.compare(f"debug_get_kv V of sequence {seq} after step {self.steps}", v, v_ref)
+            if cfg.kv_dtype is not None:
+                self.check_page_bytes(seq, k_ref, v_ref)
         self.expect_equal("total sequence length", self.cache.get_total_sequence_length(),
                           sum(self.ref.length(s) for s in self.ref.k))
+
+    def check_page_bytes(self, seq: int, k_ref: np.ndarray, v_ref: np.ndarray) -> None:
+        """8-bit pages hold ``value / scale``: the raw elements at the sequence's positions."""
+        cfg = self.cfg
+        slots = np.asarray(self.cache._paging.position_map(seq, 0, k_ref.shape[1]), np.int64)
+        for layer in range(cfg.num_layers):
+            pages = self.cache._pages[layer].numpy()
+            raw = pages[slots // cfg.page_size, :, :, slots % cfg.page_size].astype(np.float64)  # (n, 2, H, D)
+            for kv, (ref, scale) in enumerate(((k_ref, GRID_SCALES[0]), (v_ref, GRID_SCALES[1]))):
+                self.expect_equal(f"8-bit page elements ({'KV'[kv]}) of sequence {seq}, layer {layer}",
+                                  bool(np.array_equal(raw[:, kv], ref[layer] / scale)), True)
 
     def as_attended(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``x`` as the kernels see it: rotated at ``positions`` in INLINE mode, as given otherwise."""

@@ -84,6 +84,15 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d64-chunked-normal": (_check_config(**_CHUNKED), ["layer_windows", "shared_kv", "checkpoint", "graph_decode"]),
     "d64-chunked-inline": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.INLINE)),
                            ["layer_windows", "graph_decode"]),
+    # 8-bit pages (K / V on the 8-bit grid: stored exactly; RoPE NONE or INLINE keeps them there)
+    "d128-fp8-e4m3": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e4m3fn"),
+                      ["random", "prefix_chain", "token_tree", "self_cross_merge", "graph_decode"]),
+    "d64-fp8-e5m2-seqwin": (_check_config(support_sliding_window=True, max_num_seqs=8, kv_dtype="float8_e5m2"),
+                            ["seq_windows", "random"]),
+    "d64-fp8-layerwin": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE), kv_dtype="float8_e4m3fn"),
+                         ["layer_windows", "shared_kv", "graph_decode"]),
+    "d64-fp8-chunked": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e5m2"),
+                        ["layer_windows", "shared_kv"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)
     "d128-long": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, max_num_seqs=16,
                                 max_total_seq_len=20480, prefill_chunk_size=8192), ["long_context"]),
@@ -358,6 +367,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help=f"also pack the runtime-only TVM bundle into OUT/bundle ({BUNDLE_SCRIPT})")
     parser.add_argument("--only", choices=["ours", "tvm", "robust"],
                         help="build only our libraries, only TVM's, or only both for the robustness shapes")
+    parser.add_argument("--configs", nargs="+", choices=sorted(CHECK_CONFIGS), metavar="NAME",
+                        help="with --only ours: only these check configurations (and no benchmark library)")
     parser.add_argument("--no-nvcc", action="store_true",
                         help="do not compile the CUDA code with nvcc here (the GPU host then does)")
     args = parser.parse_args(argv)
@@ -392,15 +403,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         old.unlink()
     done: Dict[str, str] = {}
     failed: Dict[str, Tuple[str, str]] = {}
+    if args.configs and args.only != "ours":
+        parser.error("--configs needs --only ours")
+    chosen = {name: entry for name, entry in CHECK_CONFIGS.items() if not args.configs or name in args.configs}
     if args.only in (None, "ours"):
-        configs = {name: config_from_json(fields) for name, (fields, _) in CHECK_CONFIGS.items()}
+        configs = {name: config_from_json(fields) for name, (fields, _) in chosen.items()}
         files = _build_ours(configs, target, out, nvcc_arch, done, failed)
-        for name, (fields, workloads) in CHECK_CONFIGS.items():
+        for name, (fields, workloads) in chosen.items():
             error = failed.get(kernel_spec_key(configs[name]), (None, None))[1]
             manifest["check"][name] = {"config": config_to_json(configs[name]), "workloads": workloads,
                                        "library": files[name], "error": error}
     manifest["bench"]["shape"] = shape_to_json(BENCH_SHAPE)
-    if args.only in (None, "ours"):
+    if args.only in (None, "ours") and not args.configs:
         manifest["bench"]["ours"] = _build_ours({"bench": BENCH_SHAPE.our_config()}, target, out, nvcc_arch, done, failed)["bench"]
     if args.only in (None, "tvm"):
         manifest["bench"]["tvm"] = _build_tvm("bench", BENCH_SHAPE, target, out, nvcc_arch, failed)

@@ -105,6 +105,14 @@ def test_cli_build_output_ending_in_a_separator(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cli_build_of_8_bit_pages(tmp_path):
+    output = tmp_path / "k.so"
+    code, out, err = run_cli("build", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "32",
+                             "--kv-dtype", "float8_e5m2", "--output", str(output), "--quiet")
+    assert code == 0, err
+    assert "float16 over float8_e5m2 pages" in out and output.stat().st_size > 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--page-size", "1000000000"], "one page would hold 16000000000 elements"),
     (["--num-qo-heads", "2147483647"], "a step's fused q / k / v would hold"),

@@ -84,6 +84,8 @@ def unsupported_layout(config: KVCacheConfig) -> Optional[str]:
         return "MLA layers (the page-group layout is TVM's MHA one)"
     if config.rope_ext_factors is not None:
         return "RoPE extension factors (the format does not carry their values; as in TVM)"
+    if config.kv_dtype is not None:
+        return f"{config.kv_dtype} pages (the format carries pages of the model dtype)"
     return None
 
 

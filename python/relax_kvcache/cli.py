@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import tvm
 
-from .config import SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
+from .config import KV_DTYPES, SUPPORTED_DTYPES, AttnKind, KVCacheConfig, RopeMode
 from .targets import TARGET_KINDS
 
 _ROPE_MODES = {mode.name.lower(): mode for mode in RopeMode}
@@ -217,6 +217,7 @@ def _add_build_parser(commands: argparse._SubParsersAction) -> None:
     build.add_argument("--head-dim", type=int, required=True, help="features per head")
     build.add_argument("--page-size", type=int, default=16, help="tokens per page (default: 16)")
     build.add_argument("--dtype", default="float16", choices=SUPPORTED_DTYPES, help="KV dtype (default: float16)")
+    build.add_argument("--kv-dtype", choices=KV_DTYPES, help="8-bit float pages (default: pages of --dtype)")
     build.add_argument("--rope-mode", default="normal", choices=list(_ROPE_MODES),
                        help="where RoPE is applied (default: normal)")
     build.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base (default: 10000)")
@@ -243,7 +244,7 @@ def build_config(args: argparse.Namespace) -> KVCacheConfig:
     return KVCacheConfig(
         num_layers=1 if kinds is None else len(kinds), num_qo_heads=args.num_qo_heads,
         num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, page_size=args.page_size,
-        dtype=args.dtype, rope_mode=_ROPE_MODES[args.rope_mode], rope_theta=args.rope_theta,
+        dtype=args.dtype, kv_dtype=args.kv_dtype, rope_mode=_ROPE_MODES[args.rope_mode], rope_theta=args.rope_theta,
         rope_scale=args.rope_scale, support_sliding_window=args.sliding_window, attn_kinds=kinds,
         **window)
 
@@ -263,8 +264,9 @@ def _run_build(args: argparse.Namespace) -> int:
         print(f"relax-kvcache build: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
     roles = kernel_set_spec(config).roles()
+    pages = f" over {config.kv_dtype} pages" if config.kv_dtype else ""
     print(f"built {path} ({path.stat().st_size / 2**20:.2f} MiB) in {time.perf_counter() - start:.1f} s: "
-          f"{len(roles)} kernels for {describe_target(target)}, {config.dtype}, "
+          f"{len(roles)} kernels for {describe_target(target)}, {config.dtype}{pages}, "
           f"{config.num_qo_heads}/{config.num_kv_heads} heads, head_dim {config.head_dim}, "
           f"page {config.page_size}", flush=True)
     log("kernels: " + ", ".join(roles))

@@ -12,6 +12,8 @@ from .args import as_bool, as_float, as_int_list, describe, exact_int
 from .errors import ArgumentError, ConfigError, KVCacheError
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+#: 8-bit float formats pages may store (``KVCacheConfig.kv_dtype``)
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 MAX_HEAD_DIM = 256
 #: Widest latent vector of an MLA cache (DeepSeek-V3: 512 + 64 = 576).
 MAX_LATENT_WIDTH = 1024
@@ -21,7 +23,7 @@ MAX_INT = 2**31 - 1
 MAX_TENSOR_BYTES = 2**48
 #: Most layers per cache (one page tensor each; models have at most a few hundred).
 MAX_NUM_LAYERS = 2**16
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 class RopeMode(enum.IntEnum):
@@ -209,7 +211,13 @@ class KVCacheConfig:
         LongRoPE: cos and sin are multiplied by it (HF's ``attention_factor``; see
         :func:`longrope_attention_factor`). Compiled into our ``split_rotary``; default 1.
     dtype : str
-        KV dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+        Model dtype of q, k, v and outputs: ``"float32"``, ``"float16"`` or ``"bfloat16"``.
+    kv_dtype : str, optional
+        What the pages store: None (the default) for ``dtype``, or ``"float8_e4m3fn"`` /
+        ``"float8_e5m2"``: each K / V element as ``value / scale`` saturated to the 8-bit format's
+        range, with one float32 scale per layer, K or V and KV head
+        (:meth:`PagedAttentionKVCache.set_kv_scales`, default 1.0); half the memory of 16-bit
+        pages. MHA layers; no MLA, token trees or checkpoints yet.
     support_sliding_window : bool
         Reserve sliding-window support; kernels then take ``length_info`` of shape ``[3, B]``.
     attn_kinds : sequence of AttnKind, optional
@@ -259,6 +267,7 @@ class KVCacheConfig:
     rope_original_max_position_embeddings: Optional[int] = None
     rope_attention_factor: float = 1.0
     dtype: str = "float16"
+    kv_dtype: Optional[str] = None
     support_sliding_window: bool = False
     attn_kinds: Optional[Tuple[AttnKind, ...]] = None
     layer_sliding_window_size: int = 1024
@@ -281,6 +290,11 @@ class KVCacheConfig:
         v_head_dim = self.head_dim if self.v_head_dim is None else _positive("v_head_dim", self.v_head_dim)
         object.__setattr__(self, "v_head_dim", v_head_dim)
         object.__setattr__(self, "dtype", _dtype(self.dtype))
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"KVCacheConfig.kv_dtype must be None (pages of dtype) or one of {KV_DTYPES}, "
+                              f"got {describe(self.kv_dtype)}")
+        if self.kv_dtype is not None:
+            object.__setattr__(self, "kv_dtype", str(self.kv_dtype))
         try:
             object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:
@@ -364,6 +378,9 @@ class KVCacheConfig:
                 f"v_head_dim {self.v_head_dim}")
         if self.support_sliding_window:
             raise ConfigError("KVCacheConfig.support_sliding_window is not supported for MLA (as in TVM)")
+        if self.kv_dtype is not None:
+            raise ConfigError(f"KVCacheConfig.kv_dtype {self.kv_dtype!r} is not supported for MLA caches yet "
+                              "(latent pages store dtype)")
         dims = (self.mla_original_qk_head_dim, self.mla_original_v_head_dim)
         if (dims[0] is None) != (dims[1] is None):
             raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim and mla_original_v_head_dim must be given "
@@ -473,6 +490,11 @@ class KVCacheConfig:
     def context_workspace_rows(self) -> int:
         """Rows of the MLA context workspace: a chunk, never more than the pages hold."""
         return min(self.context_chunk_size, self.num_total_pages * self.page_size)
+
+    @property
+    def page_dtype(self) -> str:
+        """The pages' element type: ``kv_dtype``, or ``dtype`` without it."""
+        return self.kv_dtype or self.dtype
 
     @property
     def is_mla(self) -> bool:

@@ -67,6 +67,8 @@ def check_kernels(config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime
             "for MHA_CHUNKED_LOCAL layers)")
     if kernels.identity is not None:  # ours, built for this config
         return config
+    if config.kv_dtype is not None:  # only our kernels read 8-bit pages (their arity is checked at creation)
+        return config
     if config.is_mla and config.mla_original_qk_head_dim is None:
         qk, v = _decompressed_head_dims(config, kernels, device)
         try:

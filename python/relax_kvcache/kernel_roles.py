@@ -8,7 +8,7 @@ import re
 import warnings
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from .config import SUPPORTED_DTYPES, KVCacheConfig
+from .config import KV_DTYPES, SUPPORTED_DTYPES, KVCacheConfig
 from .errors import ConfigError
 
 
@@ -81,6 +81,10 @@ CREATION_KERNELS: Dict[int, Tuple[str, str]] = {
 PARAMETER_COUNTS: Dict[str, Tuple[int, ...]] = {
     role.name: role.parameters for role in CATALOGUE if role.parameters}
 
+#: roles whose kernels over 8-bit pages take ``kv_scales`` as one more, last, argument
+SCALED_ROLES = ("transpose_append", "debug_get_kv", "attention_prefill", "attention_decode",
+                "attention_prefill_sliding_window", "attention_decode_sliding_window", "attention_prefill_tree")
+
 _EXPECTED = re.compile(r"Expected (\d+) arguments when calling")
 _TREE_PAGED, _TREE_RAGGED = 20, 21
 
@@ -104,18 +108,19 @@ def parameter_count(kernel: Any) -> Optional[int]:
     return None
 
 
-def check_role(role: str, kernel: Any, where: str) -> None:
+def check_role(role: str, kernel: Any, where: str, quantized: bool = False) -> None:
     """Refuse ``kernel`` for ``role`` (``ConfigError`` naming ``where``, the creation argument)
-    when its parameter count is known and not the role's."""
+    when its parameter count is known and not the role's (``quantized``: over 8-bit pages,
+    :data:`SCALED_ROLES` take one more)."""
     count = parameter_count(kernel)
-    expected = PARAMETER_COUNTS[role]
+    expected = tuple(n + (quantized and role in SCALED_ROLES) for n in PARAMETER_COUNTS[role])
     if count is not None and count not in expected:
         fits = [other for other, counts in PARAMETER_COUNTS.items() if count in counts and other != role]
         hint = f" (as {', '.join(fits[:3])} kernels take)" if fits else ""
         raise ConfigError(f"paged_attention_kv_cache_create: {where} is a kernel of {count} "
                           f"parameters{hint}; expected the {role} kernel, of "
                           f"{' or '.join(map(str, expected))} parameters (TVM's convention for this "
-                          "argument)")
+                          f"argument{', with kv_scales' if quantized and role in SCALED_ROLES else ''})")
 
 
 def order_tree_kernels(paged: Any, ragged: Any) -> Tuple[Any, Any, bool]:
@@ -142,13 +147,14 @@ IDENTITY_FIELDS = (
     "mla", "dtype", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "v_head_dim",
     "mla_original_qk_head_dim", "mla_original_v_head_dim", "rope_theta", "rope_scale",
     "sliding_window", "layer_sliding_window_size", "longrope_original_max_position",
-    "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size")
+    "longrope_attention_factor", "rope_rotary_dim", "rope_interleaved", "attention_chunk_size", "kv_dtype")
 
 
 def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
     """What ``config``'s kernels depend on, from the config alone (a runtime-only host has no
-    specs): the dtype as its index in ``SUPPORTED_DTYPES``, flags 0 / 1, fields that do not
-    apply 0. A library returns each from ``kernel_spec_<field>()``."""
+    specs): the dtype as its index in ``SUPPORTED_DTYPES``, ``kv_dtype`` as 1 + its index in
+    ``KV_DTYPES`` (0: pages of the dtype), flags 0 / 1, fields that do not apply 0. A library
+    returns each from ``kernel_spec_<field>()``."""
     cfg, mla = config, config.is_mla
     longrope = cfg.rope_ext_factors is not None  # split_rotary takes the factors tensor
     return {
@@ -167,6 +173,7 @@ def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
         "longrope_attention_factor": cfg.rope_attention_factor if longrope else 0.0,
         "rope_rotary_dim": 0 if mla else cfg.rotary_dim,
         "rope_interleaved": int(cfg.rope_interleaved),
+        "kv_dtype": 0 if cfg.kv_dtype is None else 1 + KV_DTYPES.index(cfg.kv_dtype),
     }
 
 

@@ -68,7 +68,7 @@ class KernelSet:
         return kernels
 
     @classmethod
-    def from_creation_args(cls, args: Sequence[Any]) -> "KernelSet":
+    def from_creation_args(cls, args: Sequence[Any], quantized: bool = False) -> "KernelSet":
         """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``
         and the optional 29th and 30th (ours: the windowed ragged kernel, the prefixed prefill
         kernel); a kernel whose parameter count is not its role's is refused, naming its argument."""
@@ -92,7 +92,7 @@ class KernelSet:
         sources["merge_general"] = roles.label(23, 1 if len(merges) > 1 else 0)
         for role, kernel in found.items():
             if kernel is not None:
-                roles.check_role(role, kernel, sources[role])
+                roles.check_role(role, kernel, sources[role], quantized)
         kernel_set = cls(**found)
         object.__setattr__(kernel_set, "sources", tuple(sorted(sources.items())))
         return kernel_set

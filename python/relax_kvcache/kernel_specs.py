@@ -74,7 +74,7 @@ class KernelSetSpec(_SetSpec):
 
         return cls(
             page=tk.PageLayoutSpec(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                                   page_size=config.page_size, dtype=config.dtype),
+                                   page_size=config.page_size, dtype=config.dtype, kv_dtype=config.kv_dtype),
             rope=tk.RopeSplitSpec(
                 num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim, dtype=config.dtype, rope_theta=config.rope_theta,
@@ -86,10 +86,19 @@ class KernelSetSpec(_SetSpec):
             attention=tk.AttentionSpec(
                 num_qo_heads=config.num_qo_heads, num_kv_heads=config.num_kv_heads,
                 qk_head_dim=config.head_dim, v_head_dim=config.v_head_dim, dtype=config.dtype,
-                page_size=config.page_size),
+                page_size=config.page_size, kv_dtype=config.kv_dtype),
             sliding_window=config.support_sliding_window or config.has_layer_windows,
             layer_span=config.layer_span,
         )
+
+    #: roles whose kernels read pages of the model dtype only (none in a set over 8-bit pages)
+    MODEL_DTYPE_ROLES = ("attention_prefill_prefixed",)
+
+    def roles(self) -> Tuple[str, ...]:
+        """Roles of the kernels in the set (:data:`KERNEL_ROLES` order; over 8-bit pages without
+        :attr:`MODEL_DTYPE_ROLES`)."""
+        roles = super().roles()
+        return tuple(r for r in roles if r not in self.MODEL_DTYPE_ROLES) if self.page.quantized else roles
 
     @property
     def windowed(self) -> tk.AttentionSpec:

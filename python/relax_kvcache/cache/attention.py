@@ -3,7 +3,7 @@ here, MLA in :mod:`.mla`). Components only launch kernels; the cache checks firs
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tvm
 
@@ -72,8 +72,9 @@ class MHAAttention(Attention):
     kind = "MHA"
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: List[tvm.runtime.Tensor],
-                 device: tvm.runtime.Device) -> None:
+                 device: tvm.runtime.Device, scale_args: Sequence[Tuple[Any, ...]]) -> None:
         super().__init__(config, kernels, pages)
+        self._scale_args = scale_args  # each layer's trailing page-kernel arguments (KVScales.args)
         self.rotary_mode = int(config.effective_rope_mode == RopeMode.INLINE)
         self._split_rope_argument = split_rotary_rope_argument(config, device)
         self._rope = (self.rotary_mode, config.rope_scale, config.rope_theta)  # kernel arguments before sm_scale
@@ -97,18 +98,19 @@ class MHAAttention(Attention):
         """Split ``qkv`` (n rows), append its K/V and attend (the order the step's plan says)."""
         k, dev = self.kernels, step.device
         k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
-        pages = self.pages[layer]
+        pages, scales = self.pages[layer], self._scale_args[layer]
         if step.meta.append_before_attn:  # then attention reads the new K/V from the pages
-            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
             self.paged(step, layer, dev.q, o, dev.merged_lse, sm_scale, first=True)
         elif self._over_grown_pages(step, layer):  # plain prefill: one causal pass over the pages
-            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
             g = dev.grown
             k.attention_prefill(dev.q, dev.append_indptr, pages, g.page_indptr, g.page_indices, g.length_info,
-                                g.k_rope_pos_offset, dev.q_rope_position, o, dev.merged_lse, 1, *self._rope, sm_scale)
+                                g.k_rope_pos_offset, dev.q_rope_position, o, dev.merged_lse, 1, *self._rope, sm_scale,
+                                *scales)
         else:
             self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
-            k.transpose_append(pages, dev.k, dev.v, dev.append_position)
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
 
     def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
@@ -147,19 +149,19 @@ class MHAAttention(Attention):
         """Kernel choice and ``causal`` as in TVM (sliding-window variants where windows apply)."""
         k, dev = self.kernels, step.device
         sliding = self._sliding[layer]
-        pages = self.pages[layer]
+        pages, scales = self.pages[layer], self._scale_args[layer]
         if depth.use_decode_kernel and depth.tree is None:
             f = k.attention_decode_sliding_window if sliding else k.attention_decode
             f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
-              dev.q_rope_position, o, lse, *self._rope, sm_scale)
+              dev.q_rope_position, o, lse, *self._rope, sm_scale, *scales)
             return
         rope: Tuple[Any, ...] = (*self._rope, sm_scale)
         if depth.tree is not None:
             k.attention_prefill_tree(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices,
                                      views.length_info, views.k_rope_pos_offset, dev.q_rope_position, o, lse,
-                                     *rope, depth.tree.mn_indptr, depth.tree.mask)
+                                     *rope, depth.tree.mn_indptr, depth.tree.mask, *scales)
         else:
             f = k.attention_prefill_sliding_window if sliding else k.attention_prefill
             causal = int(self.windowed[layer] and not step.meta.append_before_attn)
             f(q, depth.qo_indptr, pages, views.page_indptr, views.page_indices, views.length_info,
-              views.k_rope_pos_offset, dev.q_rope_position, o, lse, causal, *rope)
+              views.k_rope_pos_offset, dev.q_rope_position, o, lse, causal, *rope, *scales)

@@ -22,6 +22,7 @@ from ..tensors import allocate, check_disjoint, check_tensor, view
 from . import commit
 from .attention import Attention, MHAAttention
 from .debug import DebugReader
+from .kv_scales import KVScales
 from .mla import MLAAttention
 from .planner import StepPlanner, unwindowed_chunk_limit
 from .step import Scratch, Step, StepUploader
@@ -88,13 +89,14 @@ class PagedAttentionKVCache:
         self._paging = PagingState(config.num_total_pages, config.page_size, slide_windows=config.slides_sequences)
         page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if config.is_mla else
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
-        self._pages = [allocate(page_shape, config.dtype, device, "page tensor") for _ in range(config.num_layers)]
+        self._pages = [allocate(page_shape, config.page_dtype, device, "page tensor") for _ in range(config.num_layers)]
+        self._kv_scales = KVScales(config, device)
         self._scratch = Scratch.allocate(config, device)
         self._dtype = self._scratch.o.dtype
         self._attention: Attention = (
             MLAAttention(config, kernels, self._pages, self._paging, device, self._callback,
                          lazy_workspace=lazy_workspace) if config.is_mla
-            else MHAAttention(config, kernels, self._pages, device))
+            else MHAAttention(config, kernels, self._pages, device, self._kv_scales.args))
         self._planner = StepPlanner(config, kernels, self._paging, self._attention.tree_refusal)
         self._uploader = StepUploader(config, device, self._scratch)
         self._step: Optional[Step] = None
@@ -103,7 +105,7 @@ class PagedAttentionKVCache:
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
                                          self._require_no_step)
         self._debug = DebugReader(config, kernels, device, self._paging, self._pages,
-                                  self._checkpoints.check_not_importing)
+                                  self._checkpoints.check_not_importing, self._kv_scales.args)
 
     def _probe_view(self) -> ProbeCache:
         """This cache as the kernel probe reads it."""
@@ -477,6 +479,18 @@ class PagedAttentionKVCache:
         """
         self._component("debug_get_kv", MHAAttention)
         self._debug.read("debug_get_kv", seq_id, start_pos, end_pos, k_data=k_data, v_data=v_data)
+
+    def set_kv_scales(self, layer_id: int, k_scale: Any, v_scale: Any) -> None:
+        """Set layer ``layer_id``'s scales of 8-bit pages (``KVCacheConfig.kv_dtype``): a number
+        or one per KV head each, positive; an element is stored as ``value / scale`` and read as
+        ``stored * scale``. Only while the cache holds no tokens (stored bytes keep their scale)."""
+        layer = self._local_layer(layer_id)
+        self._require_no_step("set_kv_scales")
+        scales = self._kv_scales.checked(layer_id, k_scale, v_scale)
+        if self._paging.total_sequence_length():
+            raise KVCacheError(f"set_kv_scales({layer_id}) while the cache holds {self._paging.total_sequence_length()} "
+                               "tokens stored with the current scales; set scales before the first append")
+        self._kv_scales.set(layer, scales)
 
     def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
         """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence, Tuple
 
 import tvm
 
@@ -19,9 +19,10 @@ class DebugReader:
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, device: tvm.runtime.Device,
                  paging: PagingState, pages: List[tvm.runtime.Tensor],
-                 check_not_importing: Callable[[int, str], None]) -> None:
+                 check_not_importing: Callable[[int, str], None], scale_args: Sequence[Tuple[Any, ...]]) -> None:
         self._config, self._kernels, self._device = config, kernels, device
         self._paging, self._pages, self._check_not_importing = paging, pages, check_not_importing
+        self._scale_args = scale_args  # each layer's trailing kernel arguments (KVScales.args)
 
     def read(self, what: str, seq_id: Any, start_pos: Any, end_pos: Any, **outputs: Any) -> None:
         """Positions ``[start, end)`` of every layer into ``k_data`` and ``v_data`` ``(num_layers,
@@ -43,4 +44,4 @@ class DebugReader:
         check_disjoint(list(outputs.items()))
         positions = tvm.runtime.tensor(self._paging.position_map(seq_id, start_pos, end_pos), self._device)
         for layer, pages in enumerate(self._pages):
-            self._kernels.debug_get_kv(pages, positions, *outputs.values(), layer)
+            self._kernels.debug_get_kv(pages, positions, *outputs.values(), layer, *self._scale_args[layer])

@@ -1,5 +1,5 @@
 """``relax_kvcache.paged_attention_kv_cache_create``: TVM 0.27's creation arguments (docs/api.md)
-plus ours (a 7th ``cache_config`` entry, a 29th and a 30th argument), our cache."""
+plus ours (a 7th and an 8th ``cache_config`` entry, a 29th and a 30th argument), our cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tvm_ffi
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe, exact_int
 from ..cache import PagedAttentionKVCache
-from ..config import MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
+from ..config import KV_DTYPES, MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
 from ..tensors import TENSOR_TYPES
@@ -25,19 +25,23 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     if len(args) not in (28, 29, 30):
         raise ArgumentError("paged_attention_kv_cache_create takes 28, 29 or 30 arguments, got "
                             f"{len(args)}")
-    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=7, error=ConfigError)
-    if len(cache_config) not in (5, 6, 7):
+    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=8, error=ConfigError)
+    if len(cache_config) not in (5, 6, 7, 8):
         raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, "
                           "prefill_chunk_size, page_size, support_sliding_window[, "
-                          "layer_sliding_window_size[, attention_chunk_size]]), got "
+                          "layer_sliding_window_size[, attention_chunk_size[, kv_dtype]]]), got "
                           f"{cache_config}")
     if cache_config[4] not in (0, 1):
         raise ConfigError("cache_config[4] (support_sliding_window) must be 0 or 1, got "
                           f"{cache_config[4]}")
-    chunk = cache_config[6] if len(cache_config) == 7 else 0
+    chunk = cache_config[6] if len(cache_config) >= 7 else 0
     if not 0 <= chunk <= MAX_INT:
         raise ConfigError(f"cache_config[6] (attention_chunk_size) must be in [0, {MAX_INT}] (0: "
                           f"no chunked layers), got {chunk}")
+    kv_code = cache_config[7] if len(cache_config) == 8 else 0
+    if not 0 <= kv_code <= len(KV_DTYPES):
+        raise ConfigError(f"cache_config[7] (kv_dtype) must be 0 (pages of the cache dtype) or 1 + an index "
+                          f"into {KV_DTYPES}, got {kv_code}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError("layer_indptr must be (layer_begin, layer_end) of one group, got "
@@ -76,8 +80,9 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
         rope_rotary_dim=len(ext_factors) if ext_factors and len(ext_factors) < heads[2] else None,
+        kv_dtype=KV_DTYPES[kv_code - 1] if kv_code else None,
     )
-    return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args),
+    return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args, bool(kv_code)),
                                  layer_offset=begin)
 
 
