@@ -3,7 +3,9 @@ TVM's, kernel only, as a fraction of the GPU's copy bandwidth.
 
 Decode reads every cached K/V byte once, so its roofline is the copy bandwidth; the figure
 that matters is how close each batch x context gets to it. Float16, 32 query / 8 KV heads,
-head_dim 128, pages of 16 tokens scattered at random over the pool; each call runs the
+head_dim 128, pages of 16 tokens scattered at random over the pool (``ours-fp8``: the same
+pages stored as float8_e4m3fn at per-head scales, checked against float64 attention over the
+stored values; its bandwidth counts the 8-bit bytes); each call runs the
 attention kernel and, where the KV is split across blocks, the merge of the splits. Where
 PyTorch is installed, SDPA's FlashAttention-2 and cuDNN backends run the same step over
 contiguous K/V as anchors, and every column is GPU time from CUDA events (PyTorch's host cost
@@ -23,6 +25,7 @@ import pathlib
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -34,6 +37,7 @@ import tvm  # noqa: E402
 import gpu_prefill_bench as gpb  # noqa: E402
 
 HQ, HKV, D, PAGE, DTYPE = gpb.HQ, gpb.HKV, gpb.D, gpb.PAGE, "float16"
+FP8 = "float8_e4m3fn"  # the 8-bit pages of ``ours-fp8`` (per-head scales: amax / 448)
 CASES = [(1, 1024), (8, 1024), (32, 1024), (8, 4096), (32, 4096), (128, 4096), (1, 16384), (2, 16384),
          (4, 16384), (1, 65536)]
 
@@ -51,8 +55,10 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
     target = make_target("cuda", arch=arch)
     out.mkdir(parents=True, exist_ok=True)
     spec, sched = KernelSetSpec.from_config(gpb.config(DTYPE)), tk.schedule_for(target)
+    fp8 = KernelSetSpec.from_config(dataclasses.replace(gpb.config(DTYPE), kv_dtype=FP8))
     builds = [("ours", spec.kernel_function("attention_decode", sched)),
-              ("tvm", kc._attention_decode(HKV, HQ, D, DTYPE, False, {}, target, page_size=PAGE))]
+              ("tvm", kc._attention_decode(HKV, HQ, D, DTYPE, False, {}, target, page_size=PAGE)),
+              ("ours-fp8", fp8.kernel_function("attention_decode", sched))]
     for name, knobs in variants.items():
         builds.append((f"ours-{name}", spec.kernel_function("attention_decode", dataclasses.replace(sched, **knobs))))
     for name, func in builds:
@@ -88,11 +94,26 @@ class Case:
     def bytes(self) -> int:
         return self.batch * self.context * HKV * D * 2 * 2
 
-    def call(self, kernel):
+    def call(self, kernel, fp8: bool = False):
+        """A call of ``kernel`` on this case's tensors (``fp8``: over 8-bit pages, with scales)
+        and its output tensor."""
         o = tvm.runtime.tensor(np.full((self.batch, HQ, D), np.nan, DTYPE), self.device)
         lse = tvm.runtime.tensor(np.full((self.batch, HQ), np.nan, "float32"), self.device)
-        args = (*self.args, o, lse, 0, 1.0, 1e4, D ** -0.5)
+        args = (self.args[0], self.fp8_pages()[0] if fp8 else self.args[1], *self.args[2:], o, lse, 0, 1.0, 1e4,
+                D ** -0.5, *((self.fp8_pages()[1],) if fp8 else ()))
         return (lambda: kernel(*args)), o
+
+    def fp8_pages(self):
+        """The pages quantized to 8 bits at per-(K or V, head) scales ``amax / 448`` (device
+        pages, scales) and their dequantized values (host float64)."""
+        if not hasattr(self, "_fp8"):
+            amax = np.abs(self.pages_host.astype(np.float32)).max(axis=(0, 3, 4))  # (2, HKV)
+            scales = (amax / 448.0).astype(np.float32)
+            stored = (self.pages_host.astype(np.float32) / scales[None, :, :, None, None]).astype(
+                getattr(ml_dtypes, FP8))
+            self._fp8 = (tvm.runtime.tensor(stored, self.device), tvm.runtime.tensor(scales, self.device),
+                         stored.astype(np.float64) * scales[None, :, :, None, None].astype(np.float64))
+        return self._fp8
 
     def contiguous_kv(self):
         """K and V as contiguous (batch, HKV, context, D) torch tensors, for SDPA."""
@@ -102,9 +123,10 @@ class Case:
         kv = rows.transpose(2, 0, 3, 1, 4, 5).reshape(2, self.batch, HKV, self.per_seq * PAGE, D)[..., :self.context, :]
         return (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in kv)
 
-    def reference(self, b: int) -> np.ndarray:
-        """float64 attention of sequence b, (HQ, D)."""
-        rows = self.pages_host[self.order[b * self.per_seq:(b + 1) * self.per_seq]].astype(np.float64)
+    def reference(self, b: int, fp8: bool = False) -> np.ndarray:
+        """float64 attention of sequence b, (HQ, D) (``fp8``: over the 8-bit pages' values)."""
+        pages = self.fp8_pages()[2] if fp8 else self.pages_host
+        rows = pages[self.order[b * self.per_seq:(b + 1) * self.per_seq]].astype(np.float64)
         k = rows[:, 0].transpose(0, 2, 1, 3).reshape(-1, HKV, D)[:self.context]  # (ctx, HKV, D)
         v = rows[:, 1].transpose(0, 2, 1, 3).reshape(-1, HKV, D)[:self.context]
         q = self.q_host[b].astype(np.float64).reshape(HKV, HQ // HKV, D)
@@ -168,21 +190,28 @@ def run(libs: pathlib.Path, min_time: float, cases) -> None:
     print(f"decode kernels on {gp.describe_device(device)}; {DTYPE}, {HQ}/{HKV} heads, head_dim {D}, page {PAGE}; "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s. Per kernel ({timing}): us, % of copy bandwidth; "
           "max error vs float64")
-    print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in [*(n for n in names if n in kernels), *anchors]))
+    extra = ["fp16/fp8"] if "ours-fp8" in kernels else []
+    print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in [*(n for n in names if n in kernels), *anchors,
+                                                                  *extra]))
     rng = np.random.default_rng(0)
     for batch, context in cases:
         case = Case(batch, context, device, rng)
-        cells = []
+        cells, times = [], {}
         for name in names:
             if name not in kernels:
                 continue
-            fn, o = case.call(kernels[name])
+            fp8 = name.endswith("-fp8")
+            fn, o = case.call(kernels[name], fp8)
             t = event_time_per_call(fn, min_time) if anchors else gpb.time_per_call(fn, device.sync, min_time)
             out = o.numpy().astype(np.float64)
-            err = max(float(np.abs(out[b] - case.reference(b)).max()) for b in sorted({0, batch - 1}))
-            cells.append(f"{t * 1e6:7.1f} {100 * case.bytes / t / bandwidth:5.1f}% {err:6.0e}")
+            err = max(float(np.abs(out[b] - case.reference(b, fp8)).max()) for b in sorted({0, batch - 1}))
+            times[name] = t
+            read = case.bytes // 2 if fp8 else case.bytes
+            cells.append(f"{t * 1e6:7.1f} {100 * read / t / bandwidth:5.1f}% {err:6.0e}")
         if anchors:
             cells += sdpa_cells(case, bandwidth, min_time)
+        if "ours-fp8" in times:
+            cells.append(f"{times['ours'] / times['ours-fp8']:5.2f}x")
         print(f"{batch:>6} x {context:<6} " + " ".join(f"{c:>20}" for c in cells), flush=True)
 
 
