@@ -98,19 +98,23 @@ class Check:
         host = self.rng.standard_normal(shape).astype(self.np_dtype)
         return tvm.runtime.tensor(host, self.device), host.astype(np.float64)
 
-    def random_qkv(self, n: int) -> Tuple[tvm.runtime.Tensor, np.ndarray]:
-        """A fused q / k / v step input (:meth:`random`; over 8-bit pages K and V on the 8-bit
-        grid times the scales, values the pages store exactly)."""
+    def qkv_values(self, n: int) -> np.ndarray:
+        """A fused q / k / v step input's values in the cache dtype (float64): unit-variance,
+        and over 8-bit pages K and V on the 8-bit grid times the scales (stored exactly)."""
         cfg = self.cfg
         hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
-        tensor, host = self.random((n, hq + 2 * hkv, cfg.head_dim))
-        if cfg.kv_dtype is None:
-            return tensor, host
-        grid = ml_dtypes.finfo(getattr(ml_dtypes, cfg.kv_dtype))
-        for part, scale in ((slice(hq, hq + hkv), GRID_SCALES[0]), (slice(hq + hkv, None), GRID_SCALES[1])):
-            values = self.rng.standard_normal(host[:, part].shape) * np.exp2(self.rng.integers(-3, 3, host[:, part].shape))
-            host[:, part] = np.clip(values, -float(grid.max), float(grid.max)).astype(grid.dtype).astype(np.float64) * scale
-        return self.upload(host), host.astype(self.np_dtype).astype(np.float64)
+        host = self.rng.standard_normal((n, hq + 2 * hkv, cfg.head_dim))
+        if cfg.kv_dtype is not None:
+            grid = ml_dtypes.finfo(getattr(ml_dtypes, cfg.kv_dtype))
+            for part, scale in ((slice(hq, hq + hkv), GRID_SCALES[0]), (slice(hq + hkv, None), GRID_SCALES[1])):
+                values = host[:, part] * np.exp2(self.rng.integers(-3, 3, host[:, part].shape))
+                host[:, part] = np.clip(values, -float(grid.max), float(grid.max)).astype(grid.dtype).astype(np.float64) * scale
+        return host.astype(self.np_dtype).astype(np.float64)
+
+    def random_qkv(self, n: int) -> Tuple[tvm.runtime.Tensor, np.ndarray]:
+        """:meth:`qkv_values` on the device, and the values."""
+        host = self.qkv_values(n)
+        return self.upload(host), host
 
     def upload(self, array: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(np.asarray(array).astype(self.np_dtype), self.device)
@@ -579,7 +583,7 @@ def wl_graph_decode(c: Check, steps: int = 60) -> None:
     graphs, runs = DecodeGraphs(c.cache), {}
     with graphs.stream_context():
         for _ in range(steps):
-            host = [c.rng.standard_normal((3, hq + 2 * hkv, d)).astype(c.np_dtype) for _ in range(cfg.num_layers)]
+            host = [c.qkv_values(3).astype(c.np_dtype) for _ in range(cfg.num_layers)]
             for layer in range(cfg.num_layers):
                 qkvs[layer].copyfrom(host[layer])
                 outs[layer].copyfrom(np.full((3, hq, d), np.nan, c.np_dtype))

@@ -148,6 +148,12 @@ class ChunkedCacheMachine(PlainCacheMachine):
     kind = "chunked"
 
 
+class Fp8CacheMachine(PlainCacheMachine):
+    """The same on a cache over 8-bit pages (K / V on the 8-bit grid: stored exactly)."""
+
+    kind = "fp8"
+
+
 _SETTINGS = settings(max_examples=80, stateful_step_count=50, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -157,3 +163,5 @@ TestSlidingCache = SlidingCacheMachine.TestCase
 TestSlidingCache.settings = _SETTINGS
 TestChunkedCache = ChunkedCacheMachine.TestCase
 TestChunkedCache.settings = settings(_SETTINGS, max_examples=40)
+TestFp8Cache = Fp8CacheMachine.TestCase
+TestFp8Cache.settings = settings(_SETTINGS, max_examples=40)
