@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .attention_gpu_mma import fold_scores, mma_m16n8k16, shfl_xor
-from .macros import LOG2E, NEG_INF, ZERO, ceildiv, first_visible_row
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -28,12 +28,36 @@ CHUNK = 16  # KV rows per warp step
 
 def decode_mma_applies(spec: AttentionSpec, sched: GpuSchedule) -> bool:
     """Whether the tensor-core decode item serves ``spec`` (mma on the target, float16 /
-    bfloat16 pages, 4 to 8 query heads per KV head, head dims 64 or 128: whole 16-byte loads of
-    a lane's K and V slices, and fragments that fit in registers)."""
+    bfloat16 pages or 8-bit pages of a float16 model, 4 to 8 query heads per KV head, head dims
+    64 or 128: whole 16-byte loads of a lane's K and V slices, and fragments that fit in
+    registers)."""
     D, DV, G = spec.qk_head_dim, spec.v_head_dim, spec.group_size
-    return (sched.mma and not spec.quantized and spec.dtype in ("float16", "bfloat16") and 4 <= G <= 8
-            and D in (64, 128)
+    dtypes = ("float16",) if spec.quantized else ("float16", "bfloat16")
+    return (sched.mma and spec.dtype in dtypes and 4 <= G <= 8 and D in (64, 128)
             and DV in (64, 128) and sched.threads % 32 == 0)
+
+
+def fp8_pairs(kv_dtype: str, word):
+    """``word``'s four 8-bit floats as float16 bit pairs by moving bits (``(bytes 0 and 2, bytes
+    1 and 3)``, each in a 32-bit word's low and high half; :func:`half_of`): each byte goes to
+    the upper byte of its half, which is the float16 of an e5m2 value; e4m3's exponent and
+    mantissa then move one bit down, giving its value times 2^-8 (exact;
+    :data:`FP8_HALF_FACTOR` restores it)."""
+    pairs = (T.bitwise_and(T.shift_left(word, T.uint32(8)), T.uint32(0xFF00FF00)),
+             T.bitwise_and(word, T.uint32(0xFF00FF00)))
+    if kv_dtype == "float8_e5m2":
+        return pairs
+    return tuple(T.bitwise_or(T.bitwise_and(x, T.uint32(0x80008000)),
+                              T.shift_right(T.bitwise_and(x, T.uint32(0x7F007F00)), T.uint32(1))) for x in pairs)
+
+
+def half_of(pair, high: bool):
+    """The low or high float16 of a 32-bit word."""
+    return T.reinterpret("float16", T.Cast("uint16", T.shift_right(pair, T.uint32(16)) if high else pair))
+
+
+#: what :func:`fp8_pairs`' float16 values are multiplied by to give the stored values
+FP8_HALF_FACTOR = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
 
 
 def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
@@ -41,6 +65,7 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
     (the arguments of :func:`.attention_gpu_decode.make_decode_item`'s rope-free item)."""
     locate, elem_at, _ = kv_rows
     G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
+    quantized = spec.quantized
     NT = sched.threads
     NW, KQ, W, MT = NT // 32, D // 4, DV // 8, DV // 16  # warps, K dims per lane, V dims per lane, m-tiles
     KK = D // 16  # k-steps of Q K^T
@@ -70,6 +95,35 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
             for v in T.unroll(W // VEC):
                 for x in T.vectorized(VEC):
                     vr[r, v * VEC + x] = elem_at(kv_src, h, slots[2 + r], 1, g * W + v * VEC + x)
+
+    ps, fmt = spec.page_size, spec.kv_dtype
+
+    @T.macro
+    def convert_word(frag, r, i, word):
+        """Elements ``4 i .. 4 i + 3`` of fragment row r from one word of 8-bit floats."""
+        frag[r, 4 * i] = half_of(fp8_pairs(fmt, word)[0], False)
+        frag[r, 4 * i + 1] = half_of(fp8_pairs(fmt, word)[1], False)
+        frag[r, 4 * i + 2] = half_of(fp8_pairs(fmt, word)[0], True)
+        frag[r, 4 * i + 3] = half_of(fp8_pairs(fmt, word)[1], True)
+
+    @T.macro
+    def load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw):
+        """8-bit pages: the lane's K / V bytes as 32-bit words (4 elements each), then as
+        float16 fragments (:func:`fp8_pairs`; the scales apply to scores and outputs)."""
+        for r in T.unroll(2):
+            for i in T.unroll(KQ // 4):
+                kw[r, i] = T.reinterpret("uint32", kv_src[0][slots[r] // ps, 0, h, slots[r] % ps,
+                                                             T.ramp(t * KQ + 4 * i, 1, 4)])
+        for r in T.unroll(4):
+            for i in T.unroll(W // 4):
+                vw[r, i] = T.reinterpret("uint32", kv_src[0][slots[2 + r] // ps, 1, h, slots[2 + r] % ps,
+                                                             T.ramp(g * W + 4 * i, 1, 4)])
+        for r in T.unroll(2):
+            for i in T.unroll(KQ // 4):
+                convert_word(kr, r, i, kw[r, i])
+        for r in T.unroll(4):
+            for i in T.unroll(W // 4):
+                convert_word(vr, r, i, vw[r, i])
 
     @T.macro
     def scores(sacc, qf, kr, af, bf, scale, j0, hi, t):
@@ -108,7 +162,7 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
             T.evaluate(mma(af, bf, oacc, mt))
 
     @T.macro
-    def merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx):
+    def merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx, v_factor):
         """Merge the warps' states by LSE and write the group's rows of the split workspace
         (``out = (ws_o, ws_lse, first workspace row, split)``, rows ``h G .. h G + G``)."""
         for e in T.unroll(2):
@@ -135,7 +189,11 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
                     red[3] = T.if_then_else(sm_m[v, hd] == NEG_INF, ZERO, T.exp2(sm_m[v, hd] - red[0]))
                     red[1] = red[1] + sm_l[v, hd] * red[3]
                     red[2] = red[2] + sm_o[v, hd, d] * red[3]
-                out[0][out[2] + h * G + hd, out[3], d] = T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO)
+                if quantized:  # 8-bit pages: the V scale (and the float16 fragments' factor) applies here
+                    out[0][out[2] + h * G + hd, out[3], d] = T.if_then_else(red[1] > ZERO, red[2] / red[1] * v_factor,
+                                                                            ZERO)
+                else:
+                    out[0][out[2] + h * G + hd, out[3], d] = T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO)
                 if d == 0:
                     out[1][out[2] + h * G + hd, out[3]] = T.if_then_else(red[1] > ZERO, red[0] + T.log2(red[1]), NEG_INF)
 
@@ -179,14 +237,27 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
         for x in T.unroll(MT * 4):
             oacc[x] = ZERO
         locate_chunk(slots, kv_src, s_lo + w * CHUNK, s_hi, g, t)
-        for i in T.serial(steps):
-            j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK
-            load_chunk(kr, vr, kv_src, h, slots, g, t)
-            # the next chunk's page-table reads are in flight during this chunk's math
-            locate_chunk(slots, kv_src, j0 + NW * CHUNK, s_hi, g, t)
-            scores(sacc, qf, kr, af, bf, sm_scale * LOG2E, j0, s_hi, t)
-            fold(sacc, m2, l2, alpha, red)
-            values(oacc, sacc, vr, af, bf, alpha, t)
-        merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx)
+        if quantized:  # 8-bit pages: the K scale joins the score scale, the V scale the output's
+            kw = T.sblock_alloc_buffer((2, KQ // 4), "uint32", scope="local")
+            vw = T.sblock_alloc_buffer((4, W // 4), "uint32", scope="local")
+            for i in T.serial(steps):
+                j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK
+                load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw)
+                locate_chunk(slots, kv_src, j0 + NW * CHUNK, s_hi, g, t)
+                scores(sacc, qf, kr, af, bf, sm_scale * LOG2E * kv_src[5][0, h] * FP8_HALF_FACTOR[fmt], j0, s_hi, t)
+                fold(sacc, m2, l2, alpha, red)
+                values(oacc, sacc, vr, af, bf, alpha, t)
+            merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx,
+                        kv_src[5][1, h] * FP8_HALF_FACTOR[fmt])
+        else:
+            for i in T.serial(steps):
+                j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK
+                load_chunk(kr, vr, kv_src, h, slots, g, t)
+                # the next chunk's page-table reads are in flight during this chunk's math
+                locate_chunk(slots, kv_src, j0 + NW * CHUNK, s_hi, g, t)
+                scores(sacc, qf, kr, af, bf, sm_scale * LOG2E, j0, s_hi, t)
+                fold(sacc, m2, l2, alpha, red)
+                values(oacc, sacc, vr, af, bf, alpha, t)
+            merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx, ONE)
 
     return item
