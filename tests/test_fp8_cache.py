@@ -375,3 +375,18 @@ def test_accuracy_against_unquantized_float64(fmt, mean_bound, max_bound):
             errors.append(np.abs(got - exact[0]))
         if not outliers:
             assert np.mean(errors) < mean_bound and np.max(errors) < max_bound
+
+
+def test_creation_refuses_a_bad_kv_dtype_code_and_16_bit_kernels():
+    """``cache_config[7]``: an unknown code is refused naming the entry; 8-bit pages refuse
+    kernels without the ``kv_scales`` argument, naming the creation argument."""
+    from support.small_cache import create_with, one_sequence_cache
+
+    kernels = one_sequence_cache()._kernels  # kernels of pages of the model dtype
+    shape = tvm.runtime.ShapeTuple
+    with pytest.raises(rk.ConfigError, match=r"cache_config\[7\] \(kv_dtype\) must be 0 .* got 3"):
+        create_with(kernels, a0=shape([8, 200, 64, 8, 0, 1024, 0, 3]))
+    with pytest.raises(rk.ConfigError, match=r"argument 13 \(f_transpose_append_mha\) is a kernel of 4 parameters"
+                                             r".* with kv_scales"):
+        create_with(kernels, a0=shape([8, 200, 64, 8, 0, 1024, 0, 1]))
+    assert create_with(kernels, a0=shape([8, 200, 64, 8, 0, 1024, 0, 0])).config.kv_dtype is None

@@ -14,6 +14,9 @@ from .errors import ArgumentError, ConfigError, KVCacheError
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 #: 8-bit float formats pages may store (``KVCacheConfig.kv_dtype``)
 KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: ``kv_dtype`` as an int (its index here; 0: pages of the model dtype), as the 8th creation
+#: ``cache_config`` entry and a kernel library's identity carry it
+KV_DTYPE_CODES = (None, *KV_DTYPES)
 MAX_HEAD_DIM = 256
 #: Widest latent vector of an MLA cache (DeepSeek-V3: 512 + 64 = 576).
 MAX_LATENT_WIDTH = 1024
@@ -23,7 +26,7 @@ MAX_INT = 2**31 - 1
 MAX_TENSOR_BYTES = 2**48
 #: Most layers per cache (one page tensor each; models have at most a few hundred).
 MAX_NUM_LAYERS = 2**16
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RopeMode(enum.IntEnum):
@@ -217,7 +220,7 @@ class KVCacheConfig:
         ``"float8_e5m2"``: each K / V element as ``value / scale`` saturated to the 8-bit format's
         range, with one float32 scale per layer, K or V and KV head
         (:meth:`PagedAttentionKVCache.set_kv_scales`, default 1.0); half the memory of 16-bit
-        pages. MHA layers; no MLA, token trees or checkpoints yet.
+        pages. MHA layers; no MLA or checkpoints yet.
     support_sliding_window : bool
         Reserve sliding-window support; kernels then take ``length_info`` of shape ``[3, B]``.
     attn_kinds : sequence of AttnKind, optional

@@ -18,7 +18,7 @@ from tvm.s_tir import dlight as dl
 from tvm.relax.frontend import nn
 
 from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
-from .config import KV_DTYPES, AttnKind, KVCacheConfig, RopeMode
+from .config import KV_DTYPE_CODES, AttnKind, KVCacheConfig, RopeMode
 from .tir_kernels.schedule import GpuSchedule, schedule_for
 
 #: The creation function the model's ``create_kv_cache`` calls.
@@ -112,7 +112,7 @@ class PagedKVCache(nn.Object):
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
                           int(layout.sliding_window), layout.layer_sliding_window_size,
                           layout.attention_chunk_size or 0,  # 7th and 8th entries: ours (TVM reads 6)
-                          0 if layout.kv_dtype is None else 1 + KV_DTYPES.index(layout.kv_dtype)]),
+                          KV_DTYPE_CODES.index(layout.kv_dtype)]),
             rx.ShapeExpr([0, layout.num_layers]),
             rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
             rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),

@@ -8,7 +8,7 @@ import re
 import warnings
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-from .config import KV_DTYPES, SUPPORTED_DTYPES, KVCacheConfig
+from .config import KV_DTYPE_CODES, SUPPORTED_DTYPES, KVCacheConfig
 from .errors import ConfigError
 
 
@@ -152,9 +152,9 @@ IDENTITY_FIELDS = (
 
 def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
     """What ``config``'s kernels depend on, from the config alone (a runtime-only host has no
-    specs): the dtype as its index in ``SUPPORTED_DTYPES``, ``kv_dtype`` as 1 + its index in
-    ``KV_DTYPES`` (0: pages of the dtype), flags 0 / 1, fields that do not apply 0. A library
-    returns each from ``kernel_spec_<field>()``."""
+    specs): the dtype as its index in ``SUPPORTED_DTYPES``, ``kv_dtype`` as its index in
+    ``KV_DTYPE_CODES``, flags 0 / 1, fields that do not apply 0. A library returns each from
+    ``kernel_spec_<field>()``."""
     cfg, mla = config, config.is_mla
     longrope = cfg.rope_ext_factors is not None  # split_rotary takes the factors tensor
     return {
@@ -173,7 +173,7 @@ def kernel_identity(config: KVCacheConfig) -> Dict[str, float]:
         "longrope_attention_factor": cfg.rope_attention_factor if longrope else 0.0,
         "rope_rotary_dim": 0 if mla else cfg.rotary_dim,
         "rope_interleaved": int(cfg.rope_interleaved),
-        "kv_dtype": 0 if cfg.kv_dtype is None else 1 + KV_DTYPES.index(cfg.kv_dtype),
+        "kv_dtype": KV_DTYPE_CODES.index(cfg.kv_dtype),
     }
 
 

@@ -487,9 +487,10 @@ class PagedAttentionKVCache:
         layer = self._local_layer(layer_id)
         self._require_no_step("set_kv_scales")
         scales = self._kv_scales.checked(layer_id, k_scale, v_scale)
-        if self._paging.total_sequence_length():
-            raise KVCacheError(f"set_kv_scales({layer_id}) while the cache holds {self._paging.total_sequence_length()} "
-                               "tokens stored with the current scales; set scales before the first append")
+        stored = self._paging.total_sequence_length()
+        if stored:
+            raise KVCacheError(f"set_kv_scales({layer_id}) while the cache holds {stored} tokens stored with the "
+                               "current scales; set scales before the first append")
         self._kv_scales.set(layer, scales)
 
     def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:

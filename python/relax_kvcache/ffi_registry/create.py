@@ -9,7 +9,7 @@ import tvm_ffi
 
 from ..args import as_bool, as_float, as_int, as_int_list, describe, exact_int
 from ..cache import PagedAttentionKVCache
-from ..config import KV_DTYPES, MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
+from ..config import KV_DTYPE_CODES, MAX_INT, MAX_NUM_LAYERS, AttnKind, KVCacheConfig
 from ..errors import ArgumentError, ConfigError
 from ..kernel_set import KernelSet
 from ..tensors import TENSOR_TYPES
@@ -39,9 +39,9 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         raise ConfigError(f"cache_config[6] (attention_chunk_size) must be in [0, {MAX_INT}] (0: "
                           f"no chunked layers), got {chunk}")
     kv_code = cache_config[7] if len(cache_config) == 8 else 0
-    if not 0 <= kv_code <= len(KV_DTYPES):
+    if not 0 <= kv_code < len(KV_DTYPE_CODES):
         raise ConfigError(f"cache_config[7] (kv_dtype) must be 0 (pages of the cache dtype) or 1 + an index "
-                          f"into {KV_DTYPES}, got {kv_code}")
+                          f"into {KV_DTYPE_CODES[1:]}, got {kv_code}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError("layer_indptr must be (layer_begin, layer_end) of one group, got "
@@ -80,7 +80,7 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
         rope_rotary_dim=len(ext_factors) if ext_factors and len(ext_factors) < heads[2] else None,
-        kv_dtype=KV_DTYPES[kv_code - 1] if kv_code else None,
+        kv_dtype=KV_DTYPE_CODES[kv_code],
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args, bool(kv_code)),
                                  layer_offset=begin)
