@@ -245,6 +245,12 @@ class KVCacheConfig:
         states are merged in the cache dtype, so in 16-bit dtypes many tiny chunks lose precision
         (bfloat16, 1500 cached tokens: 14% of the largest output with 1-row chunks, 2% with 4,
         0.5% with 64, 0.2% with 4096); use at least a few dozen rows.
+    prefix_caching : bool
+        Automatic prefix caching (docs/prefix-caching.md): full pages are registered under a
+        hash chain of their token ids (given to ``add_sequence`` / ``begin_forward``), kept
+        after their sequences let go and reused by new sequences with the same leading tokens;
+        cached pages no sequence holds count as available and are evicted least recently used
+        first when the free pages run out.
 
     Notes
     -----
@@ -278,6 +284,7 @@ class KVCacheConfig:
     mla_original_qk_head_dim: Optional[int] = None
     mla_original_v_head_dim: Optional[int] = None
     context_chunk_size: Optional[int] = None
+    prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
@@ -298,6 +305,9 @@ class KVCacheConfig:
                               f"got {describe(self.kv_dtype)}")
         if self.kv_dtype is not None:
             object.__setattr__(self, "kv_dtype", str(self.kv_dtype))
+        if not isinstance(self.prefix_caching, (bool, np.bool_)):
+            raise ConfigError(f"KVCacheConfig.prefix_caching must be a bool, got {describe(self.prefix_caching)}")
+        object.__setattr__(self, "prefix_caching", bool(self.prefix_caching))
         try:
             object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:

@@ -86,7 +86,8 @@ class PagedAttentionKVCache:
                lazy_workspace: bool) -> None:
         self.config, self.device, self.layer_offset = config, device, layer_offset
         self._kernels = kernels
-        self._paging = PagingState(config.num_total_pages, config.page_size, slide_windows=config.slides_sequences)
+        self._paging = PagingState(config.num_total_pages, config.page_size, slide_windows=config.slides_sequences,
+                                   prefix_caching=config.prefix_caching)
         page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if config.is_mla else
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
         self._pages = [allocate(page_shape, config.page_dtype, device, "page tensor") for _ in range(config.num_layers)]
@@ -100,6 +101,7 @@ class PagedAttentionKVCache:
         self._planner = StepPlanner(config, kernels, self._paging, self._attention.tree_refusal)
         self._uploader = StepUploader(config, device, self._scratch)
         self._step: Optional[Step] = None
+        self._step_tokens: Optional[list] = None  # prefix caching: the step's token ids, if given
         self._tensor_checks = TensorChecks(config.dtype, device)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
@@ -117,12 +119,33 @@ class PagedAttentionKVCache:
 
     # ------------------------------------------------------------------ sequences
 
-    def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence ``seq_id`` (must be new). Allowed during a step, as in TVM (the
-        sequence joins later steps), but not from a callback of ours."""
+    def add_sequence(self, seq_id: int, token_ids: Optional[Sequence[int]] = None, salt: Any = None) -> int:
+        """Add sequence ``seq_id`` (must be new). Allowed during a step, as in TVM (the
+        sequence joins later steps), but not from a callback of ours.
+
+        Parameters
+        ----------
+        seq_id : int
+            The new sequence's id.
+        token_ids : sequence of int, optional
+            Prefix caching (``KVCacheConfig.prefix_caching``): the prompt's token ids. The
+            sequence starts with the cached pages of its longest cached prefix of whole pages,
+            at most ``len(token_ids) - 1`` tokens (the last token is always computed); append
+            the rest (with their ids, see :meth:`begin_forward`). Ignored without prefix caching.
+        salt : str, bytes or int, optional
+            Prefix caching: sequences see only pages cached by sequences of the same salt
+            (tenant isolation, vLLM's ``cache_salt``).
+
+        Returns
+        -------
+        int
+            The tokens the sequence starts with (0 without prefix caching or ``token_ids``).
+        """
         seq_id = as_int("seq_id", seq_id)
         self._check_not_busy("add_sequence")
-        self._paging.add_sequence(seq_id)
+        if token_ids is not None and self._paging.prefix_caching:
+            token_ids = as_int_list("token_ids", token_ids, error=ArgumentError)
+        return self._paging.add_sequence(seq_id, token_ids, salt)
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence, freeing the pages no other sequence shares."""
@@ -215,6 +238,7 @@ class PagedAttentionKVCache:
         self._check_not_busy("clear")
         self._paging.clear()
         self._step = None
+        self._step_tokens = None
         self._tensor_checks.forget()
         self._checkpoints.importing = None
 
@@ -223,8 +247,23 @@ class PagedAttentionKVCache:
         return self._paging.empty()
 
     def get_num_available_pages(self) -> int:
-        """Number of free pages."""
+        """Number of pages new tokens can take: free ones and, with prefix caching, cached
+        pages no sequence holds (evicted when needed)."""
         return self._paging.num_free_pages
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix caching's counters (``KVCacheConfig.prefix_caching``): ``lookups``
+        (``add_sequence`` calls with token ids), ``lookup_tokens`` (their tokens but the last),
+        ``hit_tokens`` (found cached), ``hit_rate`` (their ratio), ``registered_pages`` (pages
+        ever registered), ``cached_pages`` (registered now), ``evictable_pages`` (cached
+        pages no sequence holds) and ``evicted_pages``."""
+        if not self._paging.prefix_caching:
+            raise KVCacheError("prefix_cache_stats needs a cache created with KVCacheConfig(prefix_caching=True)")
+        stats, cached, evictable = self._paging.prefix_stats()
+        return {"lookups": stats.lookups, "lookup_tokens": stats.lookup_tokens, "hit_tokens": stats.hit_tokens,
+                "hit_rate": stats.hit_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0,
+                "registered_pages": stats.registered, "cached_pages": cached, "evictable_pages": evictable,
+                "evicted_pages": stats.evicted}
 
     def get_total_sequence_length(self) -> int:
         """Sum of the lengths of all sequences."""
@@ -245,25 +284,49 @@ class PagedAttentionKVCache:
     # ------------------------------------------------------------------ forward protocol
 
     def begin_forward(self, seq_ids: Sequence[int], append_lengths: Sequence[int],
-                      token_tree_parent_ptr: Optional[Sequence[int]] = None) -> None:
+                      token_tree_parent_ptr: Optional[Sequence[int]] = None,
+                      token_ids: Optional[Sequence[int]] = None) -> None:
         """Start a step that appends ``append_lengths[i]`` tokens to ``seq_ids[i]``.
 
         Reserves pages for the new tokens, plans the step's attention (block depths, decode
         or prefill kernels) and sends its metadata to the device (asynchronously on CUDA: the
         first attention call waits for it).
+
+        With prefix caching, ``token_ids`` (one per appended token, in batch order) lets the
+        pages the step fills be registered when it ends; a sequence appended without ids (or
+        in a token-tree step) stops registering. Ignored without prefix caching.
         """
         self._check_not_busy("begin_forward")
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
+        ids = None
+        if self._paging.prefix_caching and token_ids is not None:
+            ids = self._check_step_tokens(append_lengths, token_tree_parent_ptr, token_ids)
         meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
+        self._step_tokens = ids
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
                                           tokens=self._planner.decode.plain_tokens(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
         self._check_not_busy("end_forward")
+        if self._step is not None and self._paging.prefix_caching:
+            meta = self._step.meta
+            self._paging.record_tokens(meta.seq_ids, meta.append_lengths, self._step_tokens)
         self._step = None
+        self._step_tokens = None
         self._tensor_checks.forget()
+
+    def _check_step_tokens(self, append_lengths: Any, parent_ptr: Any, token_ids: Any) -> list:
+        if parent_ptr is not None:
+            raise ForwardError("begin_forward takes token_ids only for steps without a token tree")
+        total = sum(as_int_list("append_lengths", append_lengths))
+        ids = as_int_list("token_ids", token_ids, error=ArgumentError)
+        if len(ids) != total:
+            raise ArgumentError(f"token_ids has {len(ids)} ids; expected {total}, one per appended token")
+        if ids and min(ids) < 0:
+            raise ArgumentError(f"token_ids holds {min(ids)}; token ids must be >= 0")
+        return ids
 
     def _active_step(self, what: str) -> Step:
         step = self._step

@@ -19,3 +19,4 @@ class Sequence:
     accepted_indices_committed: bool = True  # the last step's token-tree nodes are committed
     token_tree: object = None  # the uncommitted relax_kvcache.token_tree.TokenTree, or None
     last_append_length: int = 0  # tokens of the last step (what a commit's leaf -1 pops)
+    tokens: object = None  # prefix caching: the paging.prefix.TokenLog, None when not registering

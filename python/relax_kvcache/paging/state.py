@@ -18,6 +18,8 @@ from . import appends, decode_lane
 from ._checks import as_int, as_seq_id, ceil_div, check_pop_length
 from .block_pool import Block
 from .decode_lane import DecodeLane
+from .prefix import PrefixIndex, PrefixStats, check_salt, check_token_ids
+from .prefix_cache import PrefixCache
 from .sequences import Sequence
 from .tree import BlockTree, PageCopy
 
@@ -29,9 +31,11 @@ _INT32_MAX = 2**31 - 1
 class PagingState:
     """Paging bookkeeping of a paged KV cache, over ``num_pages`` pages of ``page_size``
     tokens. ``slide_windows`` (TVM's ``support_sliding_window_``): whether sequences with a
-    window really slide, or are only marked."""
+    window really slide, or are only marked; ``prefix_caching``: whether full pages are kept and
+    reused by their token ids (`paging.prefix`)."""
 
-    def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False,
+                 prefix_caching: bool = False) -> None:
         num_pages = as_int("number of pages", num_pages)
         page_size = as_int("page size", page_size)
         if num_pages < 0 or page_size < 1:
@@ -41,7 +45,9 @@ class PagingState:
             raise ConfigError(f"num_pages * page_size = {num_pages * page_size} exceeds the int32 "
                               "slot range")
         self._page_size = page_size
-        self._tree = BlockTree(num_pages, page_size)
+        index = PrefixIndex(page_size) if prefix_caching else None
+        self._tree = BlockTree(num_pages, page_size, index)
+        self._prefix = None if index is None else PrefixCache(self._tree, index)
         self._pages, self._blocks = self._tree.pages, self._tree.blocks
         self._seqs: dict[int, Sequence] = {}
         self._slide_windows = bool(slide_windows)
@@ -68,7 +74,23 @@ class PagingState:
 
     @property
     def num_free_pages(self) -> int:
+        """Pages available to new tokens (free, and cached ones no sequence holds)."""
         return self._pages.num_free
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix is not None
+
+    def prefix_stats(self) -> tuple[PrefixStats, int, int]:
+        """Prefix caching's counters, the registered pages and the cached pages no sequence
+        holds (prefix caching only)."""
+        assert self._prefix is not None
+        return self._prefix.stats, len(self._prefix.index), self._pages.num_cached
+
+    def registered_pages(self) -> list[tuple[int, object]]:
+        """(page, `paging.prefix.PageEntry`) of every registered page (empty without prefix
+        caching)."""
+        return [] if self._prefix is None else self._prefix.index.items()
 
     def free_page_ids(self) -> tuple[int, ...]:
         """The free page stack, bottom first (the last entry is allocated next)."""
@@ -136,6 +158,8 @@ class PagingState:
             "num_blocks": len(self._blocks),
             "blocks": {i: dataclasses.astuple(self._blocks[i]) for i in live},
             "sequences": tuple((k, dataclasses.astuple(s)) for k, s in self._seqs.items()),
+            "cached_pages": self._pages.cached_page_ids(),
+            "registered": tuple(self.registered_pages()),
         }
 
     # ------------------------------------------------------------- mutations
@@ -148,11 +172,33 @@ class PagingState:
         self._pages.reset()
         self._blocks.reset()
 
-    def add_sequence(self, seq_id: int) -> None:
-        """Add an empty sequence ``seq_id`` (new) with a fresh root block (``AddSequence``)."""
+    def add_sequence(self, seq_id: int, token_ids: object = None, salt: object = None) -> int:
+        """Add sequence ``seq_id`` (new) with a fresh root block (``AddSequence``). With prefix
+        caching and ``token_ids`` (its prompt), the block starts with the cached pages of the
+        prompt's leading full pages (not its last token); returns the tokens it holds."""
         seq_id = self._check_absent(seq_id)
+        ids = None
+        if self._prefix is not None:
+            salt = check_salt(salt)
+            ids = None if token_ids is None else check_token_ids("token_ids", token_ids)
         self._version += 1
         self._insert_sequence(seq_id, self._blocks.new_block(), 0)
+        if self._prefix is None:
+            return 0
+        return self._prefix.attach(self._seqs[seq_id], ids, salt)
+
+    def record_tokens(self, seq_ids: collections.abc.Sequence[int], lengths: collections.abc.Sequence[int],
+                      token_ids: list[int] | None) -> None:
+        """After a step appended ``lengths[i]`` tokens to ``seq_ids[i]`` with ids ``token_ids``
+        (all of them, in batch order; None: unknown), register the pages they filled (prefix
+        caching; nothing otherwise)."""
+        if self._prefix is None:
+            return
+        at = 0
+        for seq_id, n in zip(seq_ids, lengths):
+            ids = None if token_ids is None else token_ids[at:at + n]
+            self._prefix.record(self._seqs[seq_id], n, ids)
+            at += n
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence (``RemoveSequence``), freeing the blocks only it references."""
@@ -171,7 +217,11 @@ class PagingState:
         window_size, sink_size = appends.check_window(
             seq, window_size, sink_size, prefix, self._slide_windows
         )
+        if self._prefix is not None and self._slide_windows:
+            self._prefix.check_window(seq)
         self._version += 1
+        if self._slide_windows:
+            seq.tokens = None  # slid pages do not hold a prefix
         seq.attn_sink_size = sink_size
         seq.sliding_window_size = window_size
         self._tree.recompute_last_sink(seq)
@@ -188,6 +238,8 @@ class PagingState:
         self._version += 1
         child_block, copies = self._tree.fork_blocks(parent, pos)
         self._insert_sequence(child_id, child_block, pos)
+        if self._prefix is not None:
+            self._seqs[child_id].tokens = self._prefix.forked_log(parent, pos)
         return copies
 
     def popn(self, seq_id: int, n: int) -> list[PageCopy]:
@@ -200,14 +252,22 @@ class PagingState:
         plan = self._tree.plan_pop(seq, n)
         if plan.remaining:
             self._tree.check_pop_fork(seq, plan)
+        new_length = seq.seq_length - n
+        shared_page = -1
+        if self._prefix is not None:
+            shared_page, freed = self._prefix.pop_copy_needed(seq, plan, new_length)
+            if shared_page != -1 and self._pages.refs(shared_page) > 1:
+                self._tree.check_free_pages(1, freed, f"pop {n} tokens from sequence {seq.seq_id} (its last page "
+                                            "is shared and is copied)")
         self._version += 1
         self._tree.apply_trim(seq, plan)
         left_of_last_step = max(0, seq.last_append_length - n)  # what commit's leaf -1 would pop
         seq.last_append_length = left_of_last_step
-        if not plan.remaining:
-            return []
-        copies = self._refork(seq, seq.seq_length - plan.remaining)
-        self._seqs[seq.seq_id].last_append_length = left_of_last_step
+        copies = self._refork(seq, seq.seq_length - plan.remaining) if plan.remaining else []
+        seq = self._seqs[seq.seq_id]
+        seq.last_append_length = left_of_last_step
+        if self._prefix is not None:
+            copies += self._prefix.after_pop(seq, shared_page, new_length)
         return copies
 
     def check_pops(self, pops: list[tuple[int, int]]) -> None:
@@ -262,6 +322,7 @@ class PagingState:
         if length:
             self.reserve_append([seq_id], [length])
         self._seqs[seq_id].last_append_length = 0
+        self._seqs[seq_id].tokens = None  # its token ids are unknown: it does not register pages
         return self.position_map(seq_id)
 
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
@@ -323,7 +384,7 @@ class PagingState:
         self._blocks.retain(child_block)
         self._tree.release_path(seq.last_block)
         fresh = Sequence(seq.seq_id, child_block, pos, sliding_window_size=seq.sliding_window_size,
-                         attn_sink_size=seq.attn_sink_size)
+                         attn_sink_size=seq.attn_sink_size, tokens=seq.tokens)
         self._seqs[seq.seq_id] = fresh
         self._tree.recompute_last_sink(fresh)  # the window is kept (see popn)
         return copies

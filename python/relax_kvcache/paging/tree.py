@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from ..errors import CacheFullError, SequenceError
 from ._checks import as_int, ceil_div
 from .block_pool import Block, BlockPool
 from .page_pool import PagePool
+from .prefix import PrefixIndex
 from .sequences import Sequence
 
 
@@ -39,9 +41,9 @@ class PopPlan:
 class BlockTree:
     """Blocks (a tree through their ``parent`` links) and the pool of the pages they hold."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, index: Optional[PrefixIndex] = None) -> None:
         self.page_size = page_size
-        self.pages = PagePool(num_pages)
+        self.pages = PagePool(num_pages, index)
         self.blocks = BlockPool()
         self._lanes = np.arange(page_size, dtype=np.int32)  # in-page offsets
 
