@@ -103,7 +103,7 @@ class PagedAttentionKVCache:
         self._tensor_checks = TensorChecks(config.dtype, device)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
-                                         self._require_no_step)
+                                         self._require_no_step, self._kv_scales)
         self._debug = DebugReader(config, kernels, device, self._paging, self._pages,
                                   self._checkpoints.check_not_importing, self._kv_scales.args)
 
