@@ -317,6 +317,105 @@ def test_checkpoint_refusals_of_8_bit_caches_change_nothing():
     import_(held, 5, same, groups)  # the cache's own scales: taken with its tokens
 
 
+def prefill(cache, qkv, seqs=(0,)):
+    """One step of ``qkv (layers, n, heads, D)`` split evenly over ``seqs``; the outputs."""
+    layers, n = qkv.shape[:2]
+    cache.begin_forward(list(seqs), [n // len(seqs)] * len(seqs))
+    outs = [nan((n, HQ, D)) for _ in range(layers)]
+    for layer in range(layers):
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv[layer]), outs[layer], SM_SCALE)
+    cache.end_forward()
+    return [o.numpy() for o in outs]
+
+
+def outlier_qkv(rng, n, layers=2):
+    qkv = rng.standard_normal((layers, n, HQ + 2 * H, D))
+    for layer in range(layers):
+        channels = rng.choice(D, 4, replace=False)
+        qkv[layer][:, HQ:HQ + H, channels] += rng.uniform(50, 200, (1, H, 4)) * rng.choice([-1, 1], (1, H, 4))
+    return qkv.astype(np.float16)
+
+
+@pytest.mark.parametrize("fmt,fields", [
+    ("float8_e4m3fn", {}), ("float8_e5m2", {}),  # NORMAL RoPE: K stored rotated
+    ("float8_e4m3fn", dict(rope_mode=rk.RopeMode.INLINE)),  # K stored as given
+    ("float8_e5m2", dict(rope_rotary_dim=32, rope_interleaved=True)),
+])
+def test_calibrated_scales_from_the_first_step(fmt, fields):
+    """calibrate_kv_scales: the first step sets, per layer and head, K / V scales of
+    ``margin * amax / format max`` (numpy), K's amax bounding its rotation at any position
+    (per rotary pair sqrt(a^2 + b^2)); a zero head gets the floor; nothing saturates; later steps
+    keep the scales; the outputs are those of float64 attention over the stored values."""
+    rng = np.random.default_rng(41)
+    cache = rk.PagedAttentionKVCache(config(fmt, **fields))
+    cache.calibrate_kv_scales(margin=1.5)
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    qkv = outlier_qkv(rng, 40)
+    qkv[1, :, HQ + H + 1] = 0  # layer 1: V of head 1 all zeros
+    outs = prefill(cache, qkv, (0, 1))
+    k, v = qkv[:, :, HQ:HQ + H].astype(np.float64), qkv[:, :, HQ + H:].astype(np.float64)
+    if cache.config.effective_rope_mode == rk.RopeMode.NORMAL:
+        r = cache.config.rotary_dim
+        pairs = (k[..., 0:r:2], k[..., 1:r:2]) if cache.config.rope_interleaved else (k[..., :r // 2], k[..., r // 2:r])
+        k_amax = np.maximum(np.sqrt(pairs[0] ** 2 + pairs[1] ** 2).max(axis=(1, 3)), np.abs(k[..., r:]).max(
+            axis=(1, 3), initial=0))
+    else:
+        k_amax = np.abs(k).max(axis=(1, 3))
+    v_amax = np.maximum(np.abs(v).max(axis=(1, 3)), 1e-6)
+    fmax = FP8_MAX[fmt]
+    for layer in range(2):
+        got = cache.get_kv_scales(layer)
+        np.testing.assert_allclose(got[0], 1.5 * k_amax[layer] / fmax, rtol=1e-6)
+        np.testing.assert_allclose(got[1], 1.5 * v_amax[layer] / fmax, rtol=1e-6)
+    assert cache.get_kv_scales(1)[1][1] == np.float32(1.5e-6 / fmax)
+    drv = Driver(cache, rng, np.stack([np.stack(cache.get_kv_scales(layer)) for layer in range(2)]))
+    for seq in (0, 1):
+        stored_k, stored_v = drv.stored(seq)
+        limit = drv.scales[:, :, None, :, None].astype(np.float64) * fmax  # saturation: amax maps to fmax / 1.5
+        assert (np.abs(stored_k) < limit[:, 0] / 1.2).all() and (np.abs(stored_v) < limit[:, 1] / 1.2).all()
+    for seq, rows in ((0, slice(0, 20)), (1, slice(20, 40))):
+        stored_k, stored_v = drv.stored(seq)
+        for layer in range(2):
+            positions = np.arange(20)
+            q = qkv[layer, rows, :HQ].astype(np.float64)
+            keys, values = stored_k[layer].astype(np.float64), qkv[layer, rows, HQ + H:].astype(np.float64)
+            if cache.config.effective_rope_mode == rk.RopeMode.NORMAL and not fields:
+                q, keys = ref.rope(q, positions, THETA, 1.0), ref.rope(qkv[layer, rows, HQ:HQ + H], positions, THETA,
+                                                                      1.0)
+                exp, _ = ref.attention(q, keys, values, SM_SCALE, causal=True)  # own rows as computed
+                np.testing.assert_allclose(outs[layer][rows].astype(np.float64), exp, atol=2e-2, rtol=0)
+    before = [np.stack(cache.get_kv_scales(layer)) for layer in range(2)]
+    prefill(cache, outlier_qkv(rng, 2) * 4, (0, 1))  # larger values: the scales stay
+    for layer in range(2):
+        np.testing.assert_array_equal(np.stack(cache.get_kv_scales(layer)), before[layer])
+
+
+def test_calibration_refusals_and_cancellation():
+    rng = np.random.default_rng(42)
+    plain = rk.PagedAttentionKVCache(config(None, num_layers=1))
+    with pytest.raises(KVCacheError, match="calibrate_kv_scales needs a cache over 8-bit pages"):
+        plain.calibrate_kv_scales()
+    with pytest.raises(KVCacheError, match="get_kv_scales needs a cache over 8-bit pages"):
+        plain.get_kv_scales(0)
+    cache = rk.PagedAttentionKVCache(config("float8_e4m3fn"))
+    for margin in (0.0, -1.0, float("inf"), "2"):
+        with pytest.raises(ArgumentError, match="margin"):
+            cache.calibrate_kv_scales(margin)
+    assert not cache._kv_scales.pending
+    cache.calibrate_kv_scales()
+    cache.set_kv_scales(1, 0.25, 0.5)  # cancels layer 1's calibration
+    cache.add_sequence(0)
+    prefill(cache, outlier_qkv(rng, 8))
+    np.testing.assert_array_equal(np.stack(cache.get_kv_scales(1)), [[0.25, 0.25], [0.5, 0.5]])
+    assert (np.stack(cache.get_kv_scales(0)) != 1.0).all()
+    with pytest.raises(KVCacheError, match="calibrate_kv_scales while the cache holds 8 tokens"):
+        cache.calibrate_kv_scales()
+    assert not cache._kv_scales.pending
+    with pytest.raises(rk.ForwardError, match="layer_id 2 is out of range"):
+        cache.get_kv_scales(2)
+
+
 def test_frontend_model_creates_the_fp8_cache():
     """A model compiled with ``CacheLayout(kv_dtype=...)`` creates a cache over 8-bit pages with
     its own kernels (8th ``cache_config`` entry): it stores the same bytes as a cache made

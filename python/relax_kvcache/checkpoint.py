@@ -476,7 +476,7 @@ class CheckpointIO:
                                f"which its {stored} stored tokens keep; import it into a cache without tokens "
                                "(it takes the checkpoint's scales) or one with the same scales")
         slots = self._paging.import_sequence(seq_id, length)
-        if new_scales:
+        if scales is not None:  # also cancels a pending calibration
             for layer, layer_scales in enumerate(scales):
                 self._kv_scales.set(layer, layer_scales)
         self.importing = ImportState(seq_id, slots, frozenset(range(self._config.num_layers)))
