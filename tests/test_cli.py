@@ -85,11 +85,21 @@ def test_cli_demo_cache_only_refuses_load_and_export(tmp_path, option):
     (["--arch", "sm_90a"], "--arch 'sm_90a' is used where the demo compiles its model"),
     (["--cache-only", "--arch", "sm_90a"], "would be ignored"),
     (["--cache-only", "--target", "cuda"], "--target cuda would be ignored"),
+    (["--kv-dtype", "float8_e4m3fn"], "expected it with --cache-only"),
 ])
 def test_cli_demo_arch_is_checked_before_compiling(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert_one_line_error(*run_cli("demo", *argv), message)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_cli_demo_cache_only_over_8_bit_pages(kv_dtype):
+    """``--kv-dtype``: the cache-only demo over 8-bit pages (scales calibrated from the first
+    prefill), its stored K/V and outputs checked against numpy."""
+    code, out, err = run_cli("demo", "--cache-only", "--quiet", "--dtype", "float16", "--kv-dtype", kv_dtype)
+    assert code == 0 and err == "" and out.startswith("demo OK: 34 steps"), (code, out, err)
+    assert f"{kv_dtype} pages within" in out
 
 
 @pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")

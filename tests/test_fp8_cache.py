@@ -10,6 +10,7 @@ Forks keep the stored bytes; ``set_kv_scales`` refuses what it cannot take and c
 
 from __future__ import annotations
 
+import json
 import math
 
 import ml_dtypes
@@ -181,11 +182,238 @@ def test_config_refuses_what_it_cannot_serve():
     assert config(np.dtype(ml_dtypes.float8_e5m2)).kv_dtype == "float8_e5m2"
 
 
-def test_checkpoints_refused_clearly():
-    cache = rk.PagedAttentionKVCache(config("float8_e4m3fn", num_layers=1))
+def raw_kv(cache, seq):
+    """The stored bytes of a sequence's positions, per layer ``(2, H, n, D)`` uint8, read from
+    the page tensors directly."""
+    ps, slots = cache.config.page_size, cache._paging.position_map(seq)
+    return [pages.numpy().view(np.uint8)[slots // ps, :, :, slots % ps].transpose(1, 2, 0, 3)
+            for pages in cache._pages]
+
+
+def export(cache, seq, host=True):
+    meta = cache.get_checkpoint_metadata(seq)
+    groups = []
+    for group in json.loads(meta)["groups"]:
+        out = tvm.runtime.tensor(np.full(group["shape"], np.nan, getattr(ml_dtypes, group["dtype"])))
+        cache.export_page_group(seq, group["group_index"], out)
+        groups.append(out)
+    return meta, groups
+
+
+def import_(cache, seq, meta, groups):
+    cache.prepare_import(seq, meta)
+    for index in (1, 0):
+        cache.import_page_group(seq, index, groups[index])
+    cache.finish_import(seq)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpoints_move_the_stored_bytes_and_scales(fmt):
+    """Export / import of 8-bit caches copies the stored bytes exactly (also of a sequence
+    forked inside a page) and the scales: a fresh cache takes the checkpoint's scales; the
+    exported groups hold the bytes at page p // page_size, slot p % page_size, zeros after the
+    end; the imported sequence decodes as the original (to float16 rounding: its blocks differ)."""
+    rng = np.random.default_rng(31)
+    src, drv = fresh(fmt, rng)
+    for seq in (0, 1):
+        src.add_sequence(seq)
+    drv.step([0, 1], [37, 20])
+    drv.step([0, 1], [1, 1])
+    src.fork_sequence(0, 2, 21)  # inside a page: the child's first block ends in a copied page
+    drv.step([2, 0], [9, 1])
+    dst = rk.PagedAttentionKVCache(config(fmt))  # no tokens, scales 1.0
+    for seq, length in ((2, 30), (0, 39)):
+        meta, groups = export(src, seq)
+        parsed = json.loads(meta)
+        assert (parsed["kv_dtype"], parsed["groups"][0]["dtype"], parsed["groups"][0]["nbytes"]) == (
+            fmt, fmt, 2 * 2 * H * 16 * D * (-(-length // 16)) // 2)
+        np.testing.assert_array_equal(np.array([parsed["k_scales"], parsed["v_scales"]], np.float32),
+                                      drv.scales.transpose(1, 0, 2))
+        for layer, (stored, group) in enumerate(zip(raw_kv(src, seq), groups)):
+            pages = group.numpy().view(np.uint8)[0]  # (P, 2, H, ps, D)
+            flat = pages.transpose(1, 2, 0, 3, 4).reshape(2, H, -1, D)
+            assert np.array_equal(flat[:, :, :length], stored), f"layer {layer}: exported bytes"
+            assert not flat[:, :, length:].any(), "slots after the end must be zero"
+        import_(dst, 7, meta, groups)
+        np.testing.assert_array_equal(dst._kv_scales.host, drv.scales)
+        for a, b in zip(raw_kv(src, seq), raw_kv(dst, 7)):
+            assert np.array_equal(a, b), "imported bytes differ"
+        before, after = Driver(src, rng, drv.scales).stored(seq), Driver(dst, rng, drv.scales).stored(7)
+        for a, b in zip(before, after):
+            assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        qkv = tvm.runtime.tensor(rng.standard_normal((1, HQ + 2 * H, D)).astype(np.float16))
+        outs = []
+        for cache, sid in ((src, seq), (dst, 7)):
+            out = nan((1, HQ, D))
+            cache.begin_forward([sid], [1])
+            cache.attention_with_fused_qkv(0, qkv, out, SM_SCALE)
+            cache.end_forward()
+            cache.popn(sid, 1)
+            outs.append(out.numpy())
+        assert np.isfinite(outs[1]).all()  # the same keys, split into blocks differently: float16 rounding apart
+        np.testing.assert_allclose(outs[1].astype(np.float64), outs[0].astype(np.float64), atol=2e-3, rtol=0)
+        dst.remove_sequence(7)
+
+
+def test_checkpoint_refusals_of_8_bit_caches_change_nothing():
+    """An 8-bit checkpoint imports only into a cache of the same kv_dtype (not into pages of the
+    model dtype or of the other format) and a 16-bit one not into 8-bit pages, naming both
+    dtypes; scales that differ from those of a cache holding tokens are refused; bad scale
+    fields are argument errors. Each refusal leaves the cache (and its scales) as it was."""
+    from support.snapshot import assert_same, snapshot
+
+    rng = np.random.default_rng(32)
+    src, drv = fresh("float8_e4m3fn", rng)
+    src.add_sequence(0)
+    drv.step([0], [20])
+    meta, groups = export(src, 0)
+    plain = rk.PagedAttentionKVCache(config(None))
+    plain.add_sequence(0)
+    plain.begin_forward([0], [3])
+    for layer in range(2):
+        plain.attention_with_fused_qkv(layer, tvm.runtime.tensor(np.ones((3, HQ + 2 * H, D), np.float16)),
+                                       nan((3, HQ, D)), SM_SCALE)
+    plain.end_forward()
+    e5m2 = rk.PagedAttentionKVCache(config("float8_e5m2"))
+    held, _ = fresh("float8_e4m3fn", rng)  # other scales, and a token stored with them
+    held.add_sequence(3)
+    held.begin_forward([3], [1])
+    for layer in range(2):
+        held.attention_with_fused_qkv(layer, tvm.runtime.tensor(np.ones((1, HQ + 2 * H, D), np.float16)),
+                                      nan((1, HQ, D)), SM_SCALE)
+    held.end_forward()
+
+    def edited(**changes):
+        data = json.loads(meta)
+        data.update(changes)
+        return json.dumps(data)
+
+    k_scales = json.loads(meta)["k_scales"]
+    cases = [
+        (plain, meta, rk.ConfigError, "checkpoint stores float8_e4m3fn pages, this cache float16 pages"),
+        (e5m2, meta, rk.ConfigError, "checkpoint stores float8_e4m3fn pages, this cache float8_e5m2 pages"),
+        (e5m2, plain.get_checkpoint_metadata(0), rk.ConfigError,
+         "checkpoint stores float16 pages, this cache float8_e5m2 pages"),
+        (held, meta, KVCacheError, r"scales of layer 0 \(K .*\) differ from this cache's .* 1 stored tokens"),
+        (held, edited(kv_dtype=7), ArgumentError, "'kv_dtype' must be a string, got 7"),
+        (held, edited(k_scales=k_scales[:1]), ArgumentError, "'k_scales' must hold 2 list"),
+        (held, edited(v_scales=[[1.0, "1"], [1.0, 1.0]]), ArgumentError, "'v_scales' must hold 2 list"),
+        (held, edited(k_scales=[[1.0, 0.0], [1.0, 1.0]]), ArgumentError, "'k_scales': layer 0 head 1 must be a pos"),
+        (held, edited(k_scales=[[1.0, 1.0], [0.1, 1.0]]), ArgumentError, "layer 1 head 0 .* float32 number, got 0.1"),
+        (held, edited(k_scales=[[1.0, 1.0], [1.0, 10**400]]), ArgumentError, "layer 1 head 1"),
+    ]
+    for cache, text, error, match in cases:
+        before, scales = snapshot(cache, pages=True), cache._kv_scales.host.copy()
+        with pytest.raises(error, match=match):
+            cache.prepare_import(5, text)
+        assert_same(before, snapshot(cache, pages=True))
+        np.testing.assert_array_equal(scales, cache._kv_scales.host)
+    group = tvm.runtime.tensor(np.zeros(groups[0].shape, np.float16))
+    other = rk.PagedAttentionKVCache(config("float8_e4m3fn"))
+    other.prepare_import(1, meta)
+    with pytest.raises(rk.ForwardError, match="group has dtype float16, expected float8_e4m3fn"):
+        other.import_page_group(1, 0, group)
+    same = edited(k_scales=held._kv_scales.host[:, 0].tolist(), v_scales=held._kv_scales.host[:, 1].tolist())
+    import_(held, 5, same, groups)  # the cache's own scales: taken with its tokens
+
+
+def prefill(cache, qkv, seqs=(0,)):
+    """One step of ``qkv (layers, n, heads, D)`` split evenly over ``seqs``; the outputs."""
+    layers, n = qkv.shape[:2]
+    cache.begin_forward(list(seqs), [n // len(seqs)] * len(seqs))
+    outs = [nan((n, HQ, D)) for _ in range(layers)]
+    for layer in range(layers):
+        cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv[layer]), outs[layer], SM_SCALE)
+    cache.end_forward()
+    return [o.numpy() for o in outs]
+
+
+def outlier_qkv(rng, n, layers=2):
+    qkv = rng.standard_normal((layers, n, HQ + 2 * H, D))
+    for layer in range(layers):
+        channels = rng.choice(D, 4, replace=False)
+        qkv[layer][:, HQ:HQ + H, channels] += rng.uniform(50, 200, (1, H, 4)) * rng.choice([-1, 1], (1, H, 4))
+    return qkv.astype(np.float16)
+
+
+@pytest.mark.parametrize("fmt,fields", [
+    ("float8_e4m3fn", {}), ("float8_e5m2", {}),  # NORMAL RoPE: K stored rotated
+    ("float8_e4m3fn", dict(rope_mode=rk.RopeMode.INLINE)),  # K stored as given
+    ("float8_e5m2", dict(rope_rotary_dim=32, rope_interleaved=True)),
+])
+def test_calibrated_scales_from_the_first_step(fmt, fields):
+    """calibrate_kv_scales: the first step sets, per layer and head, K / V scales of
+    ``margin * amax / format max`` (numpy), K's amax bounding its rotation at any position
+    (per rotary pair sqrt(a^2 + b^2)); a zero head gets the floor; nothing saturates; later steps
+    keep the scales; the outputs are those of float64 attention over the stored values."""
+    rng = np.random.default_rng(41)
+    cache = rk.PagedAttentionKVCache(config(fmt, **fields))
+    cache.calibrate_kv_scales(margin=1.5)
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    qkv = outlier_qkv(rng, 40)
+    qkv[1, :, HQ + H + 1] = 0  # layer 1: V of head 1 all zeros
+    outs = prefill(cache, qkv, (0, 1))
+    k, v = qkv[:, :, HQ:HQ + H].astype(np.float64), qkv[:, :, HQ + H:].astype(np.float64)
+    if cache.config.effective_rope_mode == rk.RopeMode.NORMAL:
+        r = cache.config.rotary_dim
+        pairs = (k[..., 0:r:2], k[..., 1:r:2]) if cache.config.rope_interleaved else (k[..., :r // 2], k[..., r // 2:r])
+        k_amax = np.maximum(np.sqrt(pairs[0] ** 2 + pairs[1] ** 2).max(axis=(1, 3)), np.abs(k[..., r:]).max(
+            axis=(1, 3), initial=0))
+    else:
+        k_amax = np.abs(k).max(axis=(1, 3))
+    v_amax = np.maximum(np.abs(v).max(axis=(1, 3)), 1e-6)
+    fmax = FP8_MAX[fmt]
+    for layer in range(2):
+        got = cache.get_kv_scales(layer)
+        np.testing.assert_allclose(got[0], 1.5 * k_amax[layer] / fmax, rtol=1e-6)
+        np.testing.assert_allclose(got[1], 1.5 * v_amax[layer] / fmax, rtol=1e-6)
+    assert cache.get_kv_scales(1)[1][1] == np.float32(1.5e-6 / fmax)
+    drv = Driver(cache, rng, np.stack([np.stack(cache.get_kv_scales(layer)) for layer in range(2)]))
+    for seq in (0, 1):
+        stored_k, stored_v = drv.stored(seq)
+        limit = drv.scales[:, :, None, :, None].astype(np.float64) * fmax  # saturation: amax maps to fmax / 1.5
+        assert (np.abs(stored_k) < limit[:, 0] / 1.2).all() and (np.abs(stored_v) < limit[:, 1] / 1.2).all()
+    for seq, rows in ((0, slice(0, 20)), (1, slice(20, 40))):
+        stored_k, stored_v = drv.stored(seq)
+        for layer in range(2):
+            positions = np.arange(20)
+            q = qkv[layer, rows, :HQ].astype(np.float64)
+            keys, values = stored_k[layer].astype(np.float64), qkv[layer, rows, HQ + H:].astype(np.float64)
+            if cache.config.effective_rope_mode == rk.RopeMode.NORMAL and not fields:
+                q, keys = ref.rope(q, positions, THETA, 1.0), ref.rope(qkv[layer, rows, HQ:HQ + H], positions, THETA,
+                                                                      1.0)
+                exp, _ = ref.attention(q, keys, values, SM_SCALE, causal=True)  # own rows as computed
+                np.testing.assert_allclose(outs[layer][rows].astype(np.float64), exp, atol=2e-2, rtol=0)
+    before = [np.stack(cache.get_kv_scales(layer)) for layer in range(2)]
+    prefill(cache, outlier_qkv(rng, 2) * 4, (0, 1))  # larger values: the scales stay
+    for layer in range(2):
+        np.testing.assert_array_equal(np.stack(cache.get_kv_scales(layer)), before[layer])
+
+
+def test_calibration_refusals_and_cancellation():
+    rng = np.random.default_rng(42)
+    plain = rk.PagedAttentionKVCache(config(None, num_layers=1))
+    with pytest.raises(KVCacheError, match="calibrate_kv_scales needs a cache over 8-bit pages"):
+        plain.calibrate_kv_scales()
+    with pytest.raises(KVCacheError, match="get_kv_scales needs a cache over 8-bit pages"):
+        plain.get_kv_scales(0)
+    cache = rk.PagedAttentionKVCache(config("float8_e4m3fn"))
+    for margin in (0.0, -1.0, float("inf"), "2"):
+        with pytest.raises(ArgumentError, match="margin"):
+            cache.calibrate_kv_scales(margin)
+    assert not cache._kv_scales.pending
+    cache.calibrate_kv_scales()
+    cache.set_kv_scales(1, 0.25, 0.5)  # cancels layer 1's calibration
     cache.add_sequence(0)
-    with pytest.raises(NotImplementedError, match="checkpoints of caches with float8_e4m3fn pages"):
-        cache.get_checkpoint_metadata(0)
+    prefill(cache, outlier_qkv(rng, 8))
+    np.testing.assert_array_equal(np.stack(cache.get_kv_scales(1)), [[0.25, 0.25], [0.5, 0.5]])
+    assert (np.stack(cache.get_kv_scales(0)) != 1.0).all()
+    with pytest.raises(KVCacheError, match="calibrate_kv_scales while the cache holds 8 tokens"):
+        cache.calibrate_kv_scales()
+    assert not cache._kv_scales.pending
+    with pytest.raises(rk.ForwardError, match="layer_id 2 is out of range"):
+        cache.get_kv_scales(2)
 
 
 def test_frontend_model_creates_the_fp8_cache():

@@ -1,7 +1,8 @@
 """Checkpoint export / import of one sequence's KV, in TVM 0.27's format (docs/api.md).
 
 The format (:func:`metadata`, :func:`parse_import`), moving page groups with the cache's own
-kernels (:class:`PageGroupMover`) and a cache's checkpoint I/O (:class:`CheckpointIO`).
+kernels (:class:`PageGroupMover`) or, for 8-bit pages, byte for byte (:class:`PageBytes`) and a
+cache's checkpoint I/O (:class:`CheckpointIO`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ CACHE_TYPE = "relax.vm.PagedAttentionKVCache"
 PAGE_GROUP_LAYOUT = "1,num_logical_pages,2,num_kv_heads,page_size,qk_head_dim"
 #: Longest sequence a checkpoint may hold (TVM's sizes are int32).
 MAX_SEQ_LENGTH = 2**31 - 1
+#: Fields of an 8-bit checkpoint holding its K and V scales (per layer, per KV head).
+SCALE_FIELDS = ("k_scales", "v_scales")
 
 
 def _json(value: Any) -> str:
@@ -66,8 +69,9 @@ def layout_string(config: KVCacheConfig, layer_offset: int = 0) -> str:
 
     fields = _layout(config, layer_offset) + [("dtype", config.dtype)] + _rope_fields(config)
     kinds = ",".join(kind.name.lower() for kind in config.attn_kinds)
+    eight_bit = f";kv_dtype={config.kv_dtype}" if config.kv_dtype is not None else ""  # TVM has no 8-bit pages
     return ("".join(f"{key}={text(value)};" for key, value in fields)
-            + f"page_group_layout={PAGE_GROUP_LAYOUT};attn_kinds={kinds}")
+            + f"page_group_layout={PAGE_GROUP_LAYOUT};attn_kinds={kinds}{eight_bit}")
 
 
 def layout_hash(config: KVCacheConfig, layer_offset: int = 0) -> str:
@@ -84,8 +88,6 @@ def unsupported_layout(config: KVCacheConfig) -> Optional[str]:
         return "MLA layers (the page-group layout is TVM's MHA one)"
     if config.rope_ext_factors is not None:
         return "RoPE extension factors (the format does not carry their values; as in TVM)"
-    if config.kv_dtype is not None:
-        return f"{config.kv_dtype} pages (the format carries pages of the model dtype)"
     return None
 
 
@@ -96,13 +98,20 @@ def group_shape(config: KVCacheConfig, length: int) -> Tuple[int, ...]:
 
 
 def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
-             reserved_num_seqs: int) -> Dict[str, Any]:
-    """The metadata of sequence ``seq_id`` of ``length`` tokens (TVM's fields, in its order)."""
+             reserved_num_seqs: int, scales: Optional[np.ndarray] = None) -> Dict[str, Any]:
+    """The metadata of sequence ``seq_id`` of ``length`` tokens (TVM's fields, in its order).
+
+    Over 8-bit pages also ``kv_dtype`` (after ``dtype``; the groups hold ``kv_dtype``) and, at
+    the end, the layers' scales ``k_scales`` / ``v_scales`` (``num_layers`` lists of
+    ``num_kv_heads`` float32 values), from ``scales (num_layers, 2, num_kv_heads)``.
+    """
     ps, pages = config.page_size, ceil_div(length, config.page_size)
     shape = list(group_shape(config, length))
+    page_dtype, eight_bit = config.page_dtype, config.kv_dtype is not None
     fields = _layout(config, layer_offset) + [
         ("reserved_num_seqs", reserved_num_seqs), ("num_total_pages", config.num_total_pages),
         ("prefill_chunk_size", config.prefill_chunk_size), ("dtype", config.dtype),
+        *([("kv_dtype", config.kv_dtype)] if eight_bit else []),
         ("attn_kinds", [kind.name.lower() for kind in config.attn_kinds])] + _rope_fields(config) + [
         ("page_group_layout", PAGE_GROUP_LAYOUT), ("layout_hash", layout_hash(config, layer_offset)),
         ("seq_id", seq_id), ("seq_length", length),
@@ -113,22 +122,28 @@ def metadata(config: KVCacheConfig, layer_offset: int, seq_id: int, length: int,
                            for i in range(pages)]),
         ("groups", [{"group_index": g, "layer_begin": layer_offset + g, "layer_end": layer_offset + g + 1,
                      "num_logical_pages": pages,
-                     "dtype": config.dtype, "shape": shape,
-                     "nbytes": int(np.prod(shape)) * DTYPE_BYTES[config.dtype]} for g in range(config.num_layers)]),
+                     "dtype": page_dtype, "shape": shape,
+                     "nbytes": int(np.prod(shape)) * (1 if eight_bit else DTYPE_BYTES[page_dtype])}
+                    for g in range(config.num_layers)]),
     ]
+    if eight_bit and scales is not None:
+        fields += [(name, [[float(x) for x in layer[kv]] for layer in scales])
+                   for kv, name in enumerate(SCALE_FIELDS)]
     return dict(fields)
 
 
-def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
+def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> Tuple[int, Optional[np.ndarray]]:
     """Validate checkpoint metadata (a JSON string) against this cache's layout; return the
-    sequence length it holds (in one page group per layer of the cache).
+    sequence length it holds (in one page group per layer of the cache) and, over 8-bit pages,
+    its scales ``(num_layers, 2, num_kv_heads)`` float32 (None otherwise).
 
     Raises
     ------
     ArgumentError
         Not a string, not JSON, or a field missing, of the wrong type or inconsistent.
     ConfigError
-        A checkpoint of another layout (the first differing field, then the layout hash).
+        A checkpoint of another layout (the page dtype, the first differing field, then the
+        layout hash).
     """
     if not isinstance(text, str):
         raise ArgumentError(f"checkpoint metadata must be a JSON string, got {type(text).__name__}")
@@ -144,6 +159,7 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
     for name in ("reserved_num_seqs", "num_total_pages", "prefill_chunk_size"):
         if _field(meta, name, int) <= 0:
             raise ArgumentError(f"checkpoint field {name!r} must be positive, got {meta[name]}")
+    _check_page_dtype(config, meta)
     ours = metadata(config, layer_offset, 0, 0, 1)
     for name in [key for key, _ in _layout(config, layer_offset)] + ["dtype", "attn_kinds", "page_group_layout"] + [
             key for key, _ in _rope_fields(config)]:
@@ -178,7 +194,55 @@ def parse_import(config: KVCacheConfig, layer_offset: int, text: Any) -> int:
             raise ArgumentError(f"checkpoint field {name!r} does not describe a sequence of seq_length {length} in "
                                 f"{config.num_layers} page group(s) of this layout: got {_short(meta.get(name))}, "
                                 f"expected {_short(expected[name])}")
-    return length
+    return length, (_scales(config, meta) if config.kv_dtype is not None else None)
+
+
+def _check_page_dtype(config: KVCacheConfig, meta: Dict[str, Any]) -> None:
+    """Refuse a checkpoint whose pages hold another type than this cache's (8-bit or not): its
+    bytes are copied as stored, so 8-bit pages import only into pages of the same format."""
+    theirs = meta.get("kv_dtype")
+    if theirs is None and config.kv_dtype is None:
+        return
+    if theirs is not None and type(theirs) is not str:
+        raise ArgumentError(f"checkpoint field 'kv_dtype' must be a string, got {_short(theirs)}")
+    stored = theirs if theirs is not None else meta.get("dtype")  # 16-bit checkpoints hold their dtype
+    if stored != config.page_dtype:
+        shown = stored if type(stored) is str and len(stored) <= 40 else _short(stored)
+        raise ConfigError(f"the checkpoint stores {shown} pages, this cache {config.page_dtype} pages "
+                          f"(KVCacheConfig.kv_dtype {config.kv_dtype!r}); a checkpoint imports into a cache whose "
+                          "pages have the same dtype (its bytes are copied as stored)")
+
+
+def _scales(config: KVCacheConfig, meta: Dict[str, Any]) -> np.ndarray:
+    """The scales of an 8-bit checkpoint, ``(num_layers, 2, num_kv_heads)`` float32: each a
+    positive normal float32 value, as ``set_kv_scales`` takes."""
+    layers, heads = config.num_layers, config.num_kv_heads
+    rows = []
+    for name in SCALE_FIELDS:
+        value = meta.get(name)
+        if not (type(value) is list and len(value) == layers and all(
+                type(layer) is list and len(layer) == heads and all(type(x) in (int, float) for x in layer)
+                for layer in value)):
+            raise ArgumentError(f"checkpoint field {name!r} must hold {layers} list(s) of {heads} numbers (one per "
+                                f"layer and KV head), got {_short(value)}")
+        for layer, row in enumerate(value):
+            for head, x in enumerate(row):
+                if not _is_scale(x):
+                    raise ArgumentError(f"checkpoint field {name!r}: layer {layer} head {head} must be a positive "
+                                        f"finite float32 number, got {_short(x)}")
+        rows.append(np.array(value, np.float32))
+    return np.stack(rows, axis=1)
+
+
+def _is_scale(x: Any) -> bool:
+    """Whether JSON number ``x`` is a positive normal float32 value, exactly."""
+    try:
+        wide = float(x)
+    except OverflowError:  # an int beyond float64
+        return False
+    with np.errstate(over="ignore"):
+        narrow = np.float32(wide)
+    return bool(np.finfo(np.float32).tiny <= narrow <= np.finfo(np.float32).max) and float(narrow) == wide
 
 
 def _same(got: Any, want: Any) -> bool:
@@ -273,6 +337,59 @@ class PageGroupMover:
         self._kernels.transpose_append(pages, *rows, self._positions(slots))
 
 
+class PageBytes:
+    """Moves a sequence's pages between the page pool and a page group byte for byte (8-bit
+    pages: ``debug_get_kv`` dequantizes and ``transpose_append`` quantizes again, which need not
+    give back the same bytes). A sequence without a window holds position ``p`` at slot
+    ``p % page_size`` of its ``p // page_size``-th page (its blocks start page-aligned), so
+    whole pages move; runs of consecutive pool pages move in one copy. Works between any two
+    devices (a host group and device pages)."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self._config = config
+        self._page = (2, config.num_kv_heads, config.page_size, config.head_dim)  # one page, in bytes
+        self._page_bytes = int(np.prod(self._page))
+
+    def _pages(self, tensor: tvm.runtime.Tensor, first: int, count: int) -> tvm.runtime.Tensor:
+        """Pages ``[first, first + count)`` of ``tensor`` (pool or group) as bytes."""
+        return view(tensor, (count, *self._page), first * self._page_bytes, "uint8")
+
+    def runs(self, slots: np.ndarray) -> List[Tuple[int, int, int]]:
+        """``(group page, pool page, count)`` runs of the pages holding ``slots`` (position p at
+        slot ``slots[p]``)."""
+        ps, n = self._config.page_size, len(slots)
+        if n == 0:
+            return []
+        pool = slots[::ps].astype(np.int64) // ps
+        lanes = np.arange(n, dtype=np.int64)
+        if not np.array_equal(slots, pool[lanes // ps] * ps + lanes % ps):
+            raise KVCacheError("checkpoint: the sequence's positions do not fill its pages from slot 0; its pages "
+                               "cannot move byte for byte")
+        breaks = np.flatnonzero(np.diff(pool) != 1) + 1
+        starts, ends = np.concatenate([[0], breaks]), np.concatenate([breaks, [len(pool)]])
+        return [(int(a), int(pool[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+    def export(self, pool: tvm.runtime.Tensor, slots: np.ndarray, group: tvm.runtime.Tensor) -> None:
+        """Copy the pages holding ``slots`` into ``group`` (page group); the last page's slots
+        past the sequence are zero."""
+        ps, n = self._config.page_size, len(slots)
+        tail = n % ps
+        for first, page, count in self.runs(slots):
+            last = first + count == ceil_div(n, ps)
+            whole = count - (1 if last and tail else 0)
+            if whole:
+                self._pages(pool, page, whole).copyto(self._pages(group, first, whole))
+            if whole < count:  # the partial last page: its used slots, the rest zero
+                rows = self._pages(pool, page + whole, 1).numpy()
+                rows[:, :, :, tail:] = 0
+                self._pages(group, first + whole, 1).copyfrom(rows)
+
+    def import_(self, group: tvm.runtime.Tensor, pool: tvm.runtime.Tensor, slots: np.ndarray) -> None:
+        """Copy ``group``'s pages into the (fresh) pages holding ``slots``."""
+        for first, page, count in self.runs(slots):
+            self._pages(group, first, count).copyto(self._pages(pool, page, count))
+
+
 def group_as_pages(group: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
     """A page group ``(1, P, 2, H, ps, D)`` seen as pages ``(P, 2, H, ps, D)``."""
     return view(group, tuple(group.shape[1:]))
@@ -289,13 +406,21 @@ class ImportState:
 
 class CheckpointIO:
     """A cache's checkpoints, and the import in progress (``require_no_step(what)`` raises
-    while a forward step or a callback is active)."""
+    while a forward step or a callback is active; ``kv_scales``: the cache's ``KVScales``).
+
+    Over 8-bit pages a checkpoint carries the stored bytes (:class:`PageBytes`) and the scales
+    they were stored with. An import whose scales differ from the cache's sets them when the
+    cache holds no tokens and is refused otherwise (the stored bytes keep their scales).
+    """
 
     def __init__(self, config: KVCacheConfig, layer_offset: int, kernels: Any, device: tvm.runtime.Device,
-                 paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None]) -> None:
+                 paging: PagingState, pages: List[tvm.runtime.Tensor], require_no_step: Callable[[str], None],
+                 kv_scales: Any) -> None:
         self._config, self._layer_offset, self._kernels, self._device = config, layer_offset, kernels, device
         self._paging, self._pages, self._require_no_step = paging, pages, require_no_step
+        self._kv_scales = kv_scales
         self._mover = PageGroupMover(config, kernels, device)
+        self._bytes = PageBytes(config) if config.kv_dtype is not None else None
         self.importing: Optional[ImportState] = None
 
     def layout_hash(self) -> str:
@@ -312,7 +437,8 @@ class CheckpointIO:
     def metadata(self, seq_id: Any) -> str:
         seq_id = self._checkpoint_sequence(seq_id, "get_checkpoint_metadata")
         length = self._paging.sequence_length(seq_id)
-        return _json(metadata(self._config, self._layer_offset, seq_id, length, self._config.max_num_seqs))
+        return _json(metadata(self._config, self._layer_offset, seq_id, length, self._config.max_num_seqs,
+                              self._kv_scales.host))
 
     def export_group(self, seq_id: Any, group_id: Any, out: Any) -> None:
         seq_id = self._checkpoint_sequence(seq_id, "export_page_group")
@@ -321,6 +447,9 @@ class CheckpointIO:
         shape = group_shape(self._config, length)
         host = self._check_group_tensor("out", out, shape)
         if length == 0:
+            return
+        if self._bytes is not None:
+            self._bytes.export(self._pages[group], self._paging.position_map(seq_id), out)
             return
         target = allocate(shape, self._config.dtype, self._device, "page group") if host else out
         pages = group_as_pages(target)
@@ -335,8 +464,21 @@ class CheckpointIO:
         if self.importing is not None:
             raise SequenceError(f"prepare_import({seq_id}): the import into sequence {self.importing.seq_id} is not "
                                 "finished; finish_import it or remove that sequence first")
-        length = parse_import(self._config, self._layer_offset, text)
+        length, scales = parse_import(self._config, self._layer_offset, text)
+        new_scales = scales is not None and not np.array_equal(scales, self._kv_scales.host)
+        stored = self._paging.total_sequence_length()
+        if new_scales and stored:
+            layer = int(np.flatnonzero((scales != self._kv_scales.host).any(axis=(1, 2)))[0])
+            raise KVCacheError(f"prepare_import({seq_id}): the checkpoint's scales of layer "
+                               f"{layer + self._layer_offset} (K {scales[layer, 0].tolist()}, V "
+                               f"{scales[layer, 1].tolist()}) differ from this cache's (K "
+                               f"{self._kv_scales.host[layer, 0].tolist()}, V {self._kv_scales.host[layer, 1].tolist()}), "
+                               f"which its {stored} stored tokens keep; import it into a cache without tokens "
+                               "(it takes the checkpoint's scales) or one with the same scales")
         slots = self._paging.import_sequence(seq_id, length)
+        if scales is not None:  # also cancels a pending calibration
+            for layer, layer_scales in enumerate(scales):
+                self._kv_scales.set(layer, layer_scales)
         self.importing = ImportState(seq_id, slots, frozenset(range(self._config.num_layers)))
 
     def import_group(self, seq_id: Any, group_id: Any, group: Any) -> None:
@@ -345,11 +487,14 @@ class CheckpointIO:
         if group_id not in state.pending:
             raise SequenceError(f"page group {group_id} of sequence {seq_id} was already imported")
         shape = group_shape(self._config, len(state.slots))
-        if self._check_group_tensor("group", group, shape):  # a host tensor: upload it first
-            staged = allocate(shape, self._config.dtype, self._device, "page group")
-            staged.copyfrom(group)
-            group = staged
-        if len(state.slots):
+        host = self._check_group_tensor("group", group, shape)
+        if self._bytes is not None:
+            self._bytes.import_(group, self._pages[group_id], state.slots)
+        elif len(state.slots):
+            if host:  # upload it first
+                staged = allocate(shape, self._config.dtype, self._device, "page group")
+                staged.copyfrom(group)
+                group = staged
             self._mover.move(group_as_pages(group), np.arange(len(state.slots), dtype=np.int32),
                              self._pages[group_id], state.slots)
         self.importing = dataclasses.replace(state, pending=state.pending - {group_id})
@@ -393,7 +538,7 @@ class CheckpointIO:
         why = unsupported_layout(self._config)
         if why is not None:
             raise NotImplementedError(f"{what}: checkpoints of caches with {why} are not supported")
-        missing = self._kernels.missing(["debug_get_kv", "transpose_append"])
+        missing = self._kernels.missing(["debug_get_kv", "transpose_append"] if self._bytes is None else [])
         if missing:
             raise KVCacheError(f"{what} needs the {' and '.join(missing)} kernel(s), which this cache was "
                                "created without")
@@ -401,7 +546,8 @@ class CheckpointIO:
     def _check_group_tensor(self, name: str, value: Any, shape: Tuple[int, ...]) -> bool:
         """Check a page group tensor; True when it is on the host while the cache is not."""
         host = isinstance(value, TENSOR_TYPES) and value.device == tvm.cpu() and self._device != tvm.cpu()
-        check_tensor(name, value, shape=shape, dtype=self._config.dtype, device=tvm.cpu() if host else self._device)
+        check_tensor(name, value, shape=shape, dtype=self._config.page_dtype,
+                     device=tvm.cpu() if host else self._device)
         return host
 
     def _group_id(self, group_id: Any) -> int:

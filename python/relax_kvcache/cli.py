@@ -44,6 +44,9 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--load", metavar="PATH", help="run a library written by --export (runtime-only TVM is enough)")
     demo.add_argument("--cache-only", action="store_true",
                       help="the cache without a model: random attention inputs through every cache operation")
+    demo.add_argument("--kv-dtype", choices=KV_DTYPES,
+                      help="with --cache-only: 8-bit float pages, scales calibrated from the first prefill "
+                           "(default: pages of --dtype)")
     demo.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
@@ -76,13 +79,15 @@ def _run_demo(args: argparse.Namespace) -> int:
             return _run_model_demo(args, target, log)
         from .demo import run_demo
 
-        result = run_demo(dtype=args.dtype or "float32", seed=args.seed, log=log)
+        result = run_demo(dtype=args.dtype or "float32", seed=args.seed, kv_dtype=args.kv_dtype, log=log)
     except (FileNotFoundError, DeployError, _UsageError) as err:
         print(f"relax-kvcache demo: error: {_one_line(err)}", file=sys.stderr, flush=True)
         return 2
+    pages = (f", {result.kv_dtype} pages within {result.max_grid_steps:.2g} grid steps of numpy's quantization "
+             "(at most 1)" if result.kv_dtype else "")
     print(f"demo {'OK' if result.ok else 'FAILED'}: {result.steps} steps, {result.tokens} tokens, "
           f"{result.tokens_per_second:,.0f} tokens/s through the cache, max |error| vs float64 "
-          f"reference {result.max_error:.1e} (tolerance {result.tolerance:.0e})", flush=True)
+          f"reference {result.max_error:.1e} (tolerance {result.tolerance:.0e}){pages}", flush=True)
     return 0 if result.ok else 1
 
 
@@ -96,6 +101,9 @@ def _check_demo_args(args: argparse.Namespace) -> Optional[tvm.target.Target]:
         option = "--load" if args.load is not None else "--export"
         raise _UsageError(f"--cache-only runs the cache without a model; it cannot be combined with {option} "
                           f"{(args.load or args.export)!r} (expected one of them)")
+    if args.kv_dtype is not None and not args.cache_only:
+        raise _UsageError(f"--kv-dtype {args.kv_dtype} runs the cache over 8-bit pages without a model; expected it "
+                          "with --cache-only (the demo model keeps pages of its dtype)")
     if args.load is not None and args.export is not None:
         raise _UsageError(f"--load {args.load!r} runs a library and --export {args.export!r} writes one; expected "
                           "one of them")

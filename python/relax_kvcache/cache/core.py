@@ -105,7 +105,7 @@ class PagedAttentionKVCache:
         self._tensor_checks = TensorChecks(config.dtype, device)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
-                                         self._require_no_step)
+                                         self._require_no_step, self._kv_scales)
         self._debug = DebugReader(config, kernels, device, self._paging, self._pages,
                                   self._checkpoints.check_not_importing, self._kv_scales.args)
 
@@ -388,6 +388,8 @@ class PagedAttentionKVCache:
             sm_scale = as_float("sm_scale", sm_scale)
         if step.meta.reused_pages:
             step.check_not_overwritten(f"attention_with_fused_qkv({layer_id}) a second time", layer, layer_id)
+        if self._kv_scales.pending:  # calibrate_kv_scales: this layer's scales from its K / V, before storing
+            self._kv_scales.calibrate(layer, step, qkv)
         mha.fused_qkv(step, layer, qkv, o, sm_scale)
         step.appended.add(layer)
 
@@ -555,6 +557,18 @@ class PagedAttentionKVCache:
             raise KVCacheError(f"set_kv_scales({layer_id}) while the cache holds {stored} tokens stored with the "
                                "current scales; set scales before the first append")
         self._kv_scales.set(layer, scales)
+
+    def calibrate_kv_scales(self, margin: float = 1.0) -> None:
+        """Let the next step set the scales of 8-bit pages from the K / V each layer appends in
+        it, before storing them: ``margin * max|x| / format max`` per KV head (see
+        :meth:`KVScales.arm <relax_kvcache.cache.kv_scales.KVScales.arm>`). Only while no tokens are stored."""
+        self._require_no_step("calibrate_kv_scales")
+        self._kv_scales.arm(margin, self._paging.total_sequence_length())
+
+    def get_kv_scales(self, layer_id: int) -> Tuple[Any, Any]:
+        """Layer ``layer_id``'s scales of 8-bit pages: ``(k_scale, v_scale)``, float32 copies,
+        one per KV head each."""
+        return self._kv_scales.get(self._local_layer(layer_id))
 
     def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
         """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer

@@ -1,16 +1,43 @@
 """The K / V scales of a cache over 8-bit pages (``KVCacheConfig.kv_dtype``): their owner, the
-checks of :meth:`PagedAttentionKVCache.set_kv_scales`, and the kernels' trailing arguments."""
+checks of :meth:`PagedAttentionKVCache.set_kv_scales`, the kernels' trailing arguments and the
+calibration from the first step's K / V (:meth:`PagedAttentionKVCache.calibrate_kv_scales`)."""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Set, Tuple
 
 import numpy as np
 import tvm
 
-from ..args import describe
-from ..config import KVCacheConfig
+from ..args import as_float, describe
+from ..config import KVCacheConfig, RopeMode
 from ..errors import ArgumentError, KVCacheError
+from ..tir_kernels.spec import FP8_MAX
+
+#: Calibration's floor of a head's maximum: a head that is all zeros in the calibrating step gets
+#: scale ``MIN_AMAX / format max`` instead of 0.
+MIN_AMAX = 1e-6
+
+
+def kv_amax(config: KVCacheConfig, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Per (K or V, KV head) the largest magnitude the cache stores for ``k`` / ``v``
+    ``(n, num_kv_heads, head_dim)``, float64 ``(2, num_kv_heads)``.
+
+    In NORMAL RoPE mode the cache stores K rotated, at the token's position: a rotary pair
+    ``(x_i, x_j)`` becomes ``(x_i cos - x_j sin, x_j cos + x_i sin)`` (times LongRoPE's attention
+    factor), whose elements never exceed ``sqrt(x_i^2 + x_j^2)``; that bound, valid at any
+    position, stands for the pair's elements, the features beyond the rotary dim count as they are.
+    """
+    k, v = np.abs(k.astype(np.float64)), np.abs(v.astype(np.float64))
+    per_head = [np.max(x, axis=(0, 2), initial=0.0) for x in (k, v)]
+    if config.effective_rope_mode == RopeMode.NORMAL and k.shape[0]:
+        r = config.rotary_dim
+        first, second = ((k[..., 0:r:2], k[..., 1:r:2]) if config.rope_interleaved
+                         else (k[..., :r // 2], k[..., r // 2:r]))
+        bound = np.hypot(first, second).max(axis=(0, 2)) * config.rope_attention_factor
+        rest = np.max(k[..., r:], axis=(0, 2), initial=0.0)
+        per_head[0] = np.maximum(bound, rest)
+    return np.stack(per_head)
 
 
 class KVScales:
@@ -30,14 +57,62 @@ class KVScales:
         self._tensors = [tvm.runtime.tensor(layer, device) for layer in self.host]
         self.args: List[Tuple[Any, ...]] = ([(t,) for t in self._tensors] if self.quantized
                                             else [()] * config.num_layers)
+        self.pending: Set[int] = set()  # layers whose scales the calibrating step sets
+        self._margin, self._step = 1.0, None  # calibration's margin; the step it runs in
+
+    def arm(self, margin: Any, stored: int) -> None:
+        """Calibrate every layer in the next step (``calibrate_kv_scales``; ``stored``: the
+        tokens the cache holds, which must be none).
+
+        vLLM's ``calculate_kv_scales``: each layer's first ``attention_with_fused_qkv`` of that
+        step sets, per KV head, ``scale = margin * max|x| / format max`` for K and for V, with
+        ``max|x|`` floored at :data:`MIN_AMAX` and, for K the cache rotates, the bound of
+        :func:`kv_amax`, valid at any position. Computed on the host: one copy of the step's
+        qkv per layer, once. ``margin > 1`` leaves headroom for later tokens (values beyond
+        ``format max * scale`` saturate). ``set_kv_scales`` or a checkpoint import before that
+        step cancels it for the layers they set; a layer the step does not append keeps its
+        scales."""
+        self._require_quantized("calibrate_kv_scales")
+        margin = as_float("margin", margin, not_finite=ArgumentError)
+        if not 0 < margin <= np.finfo(np.float32).max:
+            raise ArgumentError(f"calibrate_kv_scales: margin must be a positive finite number, got {margin}")
+        if stored:
+            raise KVCacheError(f"calibrate_kv_scales while the cache holds {stored} tokens stored with the current "
+                               "scales; call it before the first append")
+        self.pending, self._margin, self._step = set(range(self._config.num_layers)), margin, None
+
+    def get(self, layer: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(k_scale, v_scale)`` of ``layer``, float32 copies (``get_kv_scales``)."""
+        self._require_quantized("get_kv_scales")
+        k, v = self.host[layer].copy()
+        return k, v
+
+    def _require_quantized(self, what: str) -> None:
+        if not self.quantized:
+            raise KVCacheError(f"{what} needs a cache over 8-bit pages (KVCacheConfig.kv_dtype); this one stores "
+                               f"{self._config.dtype}")
+
+    def calibrate(self, layer: int, step: Any, qkv: tvm.runtime.Tensor) -> None:
+        """Set ``layer``'s scales from the K / V of fused ``qkv`` (the step's rows) when it is
+        pending and ``step`` is the first step since :meth:`arm`; later steps disarm."""
+        if self._step is None:
+            self._step = step
+        if step is not self._step:
+            self.pending.clear()
+        if layer not in self.pending:
+            return
+        cfg = self._config
+        rows = qkv.numpy()
+        hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
+        amax = kv_amax(cfg, rows[:, hq:hq + hkv], rows[:, hq + hkv:])
+        scales = np.maximum(amax, MIN_AMAX) * self._margin / FP8_MAX[cfg.kv_dtype]
+        self.set(layer, np.minimum(scales, np.finfo(np.float32).max).astype(np.float32))
 
     def checked(self, layer: int, k_scale: Any, v_scale: Any) -> np.ndarray:
         """``(2, num_kv_heads)`` float32 scales from a number or ``num_kv_heads`` numbers each,
         positive normal finite float32 values; raises naming the bad value."""
         cfg = self._config
-        if not self.quantized:
-            raise KVCacheError(f"set_kv_scales needs a cache over 8-bit pages (KVCacheConfig.kv_dtype); this one "
-                               f"stores {cfg.dtype}")
+        self._require_quantized("set_kv_scales")
         rows = []
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             try:
@@ -57,6 +132,7 @@ class KVScales:
         return np.stack(rows).astype(np.float32)
 
     def set(self, layer: int, scales: np.ndarray) -> None:
-        """Store checked ``scales`` (:meth:`checked`) for ``layer``."""
+        """Store checked ``scales`` (:meth:`checked`) for ``layer`` (no calibration of it then)."""
         self.host[layer] = scales
         self._tensors[layer].copyfrom(scales)
+        self.pending.discard(layer)
