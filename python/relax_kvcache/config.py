@@ -220,7 +220,7 @@ class KVCacheConfig:
         ``"float8_e5m2"``: each K / V element as ``value / scale`` saturated to the 8-bit format's
         range, with one float32 scale per layer, K or V and KV head
         (:meth:`PagedAttentionKVCache.set_kv_scales`, default 1.0); half the memory of 16-bit
-        pages. MHA layers; no MLA or checkpoints yet.
+        pages. MHA layers; no MLA yet.
     support_sliding_window : bool
         Reserve sliding-window support; kernels then take ``length_info`` of shape ``[3, B]``.
     attn_kinds : sequence of AttnKind, optional
