@@ -73,7 +73,7 @@ NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 2, 1, 16
 CHUNK = 32  # prefill_chunk_size: the most tokens one step may append
 SM_SCALE = HEAD_DIM ** -0.5
 ATTENTION_CHUNK = 6  # the chunked cache's layer 0: not a multiple of PAGE_SIZE
-KINDS = ("plain", "sliding", "chunked", "fp8")
+KINDS = ("plain", "sliding", "chunked", "fp8", "prefix")
 #: the fp8 cache's K and V scales (powers of two: values on the 8-bit grid times them are stored
 #: exactly, so the model's exact checks hold)
 FP8_SCALES = (0.5, 2.0)
@@ -95,7 +95,7 @@ def make_config(kind: str) -> rk.KVCacheConfig:
         num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
         page_size=PAGE_SIZE, max_num_seqs=4, max_total_seq_len=48, prefill_chunk_size=CHUNK,
         rope_mode=rk.RopeMode.NONE, dtype="float32", support_sliding_window=kind == "sliding",
-        kv_dtype="float8_e4m3fn" if kind == "fp8" else None, **chunked)
+        kv_dtype="float8_e4m3fn" if kind == "fp8" else None, prefix_caching=kind == "prefix", **chunked)
 
 
 _KERNELS: Dict[str, KernelSet] = {}
@@ -111,6 +111,17 @@ def make_cache(kind: str) -> rk.PagedAttentionKVCache:
         for layer in range(NUM_LAYERS):
             cache.set_kv_scales(layer, *FP8_SCALES)
     return cache
+
+
+#: the prefix cache's prompts start with a prefix of one of these (system prompts)
+STEMS = ((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), (1, 2, 3, 4, 9, 9, 9, 9, 5), (7,) * 10)
+
+
+def token_kv(token: int, position: int) -> np.ndarray:
+    """The prefix cache's K and V rows ``(layers, 2 * Hkv, D)`` of a token: a function of its id and
+    position only, as in a model, so a sequence on cached pages holds what it would compute."""
+    return np.random.default_rng([token, position]).standard_normal(
+        (NUM_LAYERS, 2 * NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
 
 
 def read_kv(cache: rk.PagedAttentionKVCache, seq_id: int, length: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -167,12 +178,18 @@ def check_paging_invariants(cache: rk.PagedAttentionKVCache) -> None:
     """
     paging, ps = cache._paging, PAGE_SIZE
     num_pages = paging.num_pages
-    free = list(paging.free_page_ids())
+    free = list(paging.free_page_ids()) + list(paging._pages.cached_page_ids())  # cached: available
     live = paging._blocks.live_indices()
     blocks = {i: paging.block(i) for i in live}
     _expect(len(set(free)) == len(free), f"free list has duplicates: {free}")
     owned = [p for b in blocks.values() for p in b.page_ids]
-    _expect(len(set(owned)) == len(owned), f"a page is owned by two blocks (or twice): {sorted(owned)}")
+    registered = {page for page, _ in paging.registered_pages()}
+    counts = collections.Counter(owned)
+    for page, n in counts.items():  # only registered (full, never written) pages are shared
+        _expect(n == paging._pages.refs(page), f"page {page} is held by {n} blocks, refs {paging._pages.refs(page)}")
+        _expect(n == 1 or page in registered, f"a page is owned by two blocks (or twice): {sorted(owned)}")
+    _expect(set(paging._pages.cached_page_ids()) <= registered, "a cached page is not registered")
+    owned = sorted(counts)
     _expect(not set(owned) & set(free), f"pages both free and used: {sorted(set(owned) & set(free))}")
     _expect(sorted(owned + free) == list(range(num_pages)),
             f"pages lost or out of range: owned {sorted(owned)}, free {sorted(free)}")
@@ -242,6 +259,7 @@ class SeqModel:
     tree: Optional[List[int]] = None  # parents of the uncommitted token tree (accumulated), None: committed
     tree_start: int = 0  # position of the uncommitted tree's roots
     last_append: int = 0  # tokens the sequence's last step appended (what commits resolve against)
+    ids: Optional[List[int]] = dataclasses.field(default_factory=list)  # token ids (None: unknown)
 
     @property
     def length(self) -> int:
@@ -304,7 +322,8 @@ class Model:
         cut = pos - pos % PAGE_SIZE  # whole pages are shared, a partial one is copied
         limit = p.sink_limit
         self._split(parent, pos, cut)
-        self.seqs[child] = SeqModel(p.k[:, :pos].copy(), p.v[:, :pos].copy(), {b for b in p.bounds if b < cut} | {cut})
+        self.seqs[child] = SeqModel(p.k[:, :pos].copy(), p.v[:, :pos].copy(), {b for b in p.bounds if b < cut} | {cut},
+                                    ids=None if p.ids is None else p.ids[:pos])
         for other, s in self.shares_of(parent):
             self.set_share(child, other, min(s, cut))
         self.set_share(child, parent, cut)
@@ -337,6 +356,7 @@ class Model:
                 s.lbass = max(s.sink - s.prefix, 0)
             s.last_append = max(0, s.last_append - n)
         s.k, s.v = s.k[:, :left], s.v[:, :left]
+        s.ids = None if s.ids is None else s.ids[:left]
 
     def enable_window(self, seq_id: int, window: int, sink: int) -> None:
         s = self.seqs[seq_id]
@@ -347,13 +367,24 @@ class Model:
         k, v = self.seqs[src].k.copy(), self.seqs[src].v.copy()
         if dst in self.seqs:
             self.seqs[dst].k, self.seqs[dst].v, self.seqs[dst].last_append = k, v, 0
+            self.seqs[dst].ids = None
         else:
-            self.seqs[dst] = SeqModel(k, v, {0})
+            self.seqs[dst] = SeqModel(k, v, {0}, ids=None)
 
-    def append(self, seq_id: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Append a step's K/V ``(layers, n, Hkv, D)``; slide a windowed sequence."""
+    def load(self, seq_id: int, ids: List[int]) -> None:
+        """A new sequence that starts on cached pages holding the tokens ``ids`` (prefix caching)."""
+        s = self.seqs[seq_id]
+        kv = np.stack([token_kv(t, p) for p, t in enumerate(ids)], axis=1) if ids else None
+        if kv is not None:
+            s.k, s.v = kv[:, :, :NUM_KV_HEADS], kv[:, :, NUM_KV_HEADS:]
+        s.ids = list(ids)
+
+    def append(self, seq_id: int, k: np.ndarray, v: np.ndarray, ids: Optional[List[int]] = None) -> None:
+        """Append a step's K/V ``(layers, n, Hkv, D)`` (token ids ``ids``, None: unknown); slide a
+        windowed sequence."""
         s = self.seqs[seq_id]
         s.k, s.v = np.concatenate([s.k, k], axis=1), np.concatenate([s.v, v], axis=1)
+        s.ids = None if s.ids is None or ids is None else s.ids + list(ids)
         s.last_append = k.shape[1]
         if self.slides and s.window != -1 and s.length > s.window:
             keep = np.r_[0:s.sink_limit, s.length - (s.window - s.sink_limit):s.length]
@@ -393,7 +424,7 @@ class Model:
         self.popn(seq_id, pop)
         s = self.seqs[seq_id]
         s.k, s.v = k, v
-        s.tree, s.last_append = None, 0
+        s.tree, s.last_append, s.ids = None, 0, None
 
 
 def check_against_model(cache: rk.PagedAttentionKVCache, model: Model) -> Dict[int, tuple]:
@@ -470,6 +501,7 @@ class Harness:
         self.last_batch: Optional[List[int]] = None
         self._kv: Optional[dict] = {}  # debug_get_kv contents of the current state, when known
         self.history: Optional[list] = [] if record else None  # (method, args) of every operation
+        self._ids: Optional[List[int]] = None  # the current step's token ids (prefix cache)
 
     @property
     def sliding(self) -> bool:
@@ -521,16 +553,28 @@ class Harness:
     def check(self) -> None:
         check_paging_invariants(self.cache)
         self._kv = check_against_model(self.cache, self.model)
+        for page, entry in self.cache._paging.registered_pages():  # hold exactly their tokens' K/V
+            stored = np.stack([p.numpy()[page] for p in self.cache._pages])  # (layers, 2, Hkv, ps, D)
+            for j, token in enumerate(entry.tokens):
+                want = token_kv(token, entry.depth * PAGE_SIZE + j).reshape(NUM_LAYERS, 2, NUM_KV_HEADS, HEAD_DIM)
+                _expect(stored[:, :, :, j].tobytes() == want.tobytes(), f"registered page {page} holds other K/V")
 
     # -- operations
-    def add(self, seq_id: Any) -> bool:
-        self._record("add", seq_id)
+    def add(self, seq_id: Any, ids: Optional[List[int]] = None) -> bool:
+        """``add_sequence(seq_id)``; with prefix caching and ``ids`` (a prompt), the sequence may
+        start on cached pages (the model then holds the tokens the cache says it found)."""
+        self._record("add", seq_id, ids)
         if not _is_int(seq_id):
             expect = _fail(KVCacheError)
-        else:
-            expect = _fail(SequenceError) if seq_id in self.model.seqs else Expect(free_delta=0)
-        return self._run(f"add_sequence({seq_id!r})", expect, lambda: self.cache.add_sequence(seq_id),
-                         lambda _: self.model.add(seq_id))
+        else:  # reusing cached pages changes the available count
+            expect = _fail(SequenceError) if seq_id in self.model.seqs else Expect(free_delta=None if ids else 0)
+
+        def apply(hit: int) -> None:
+            _expect(hit % PAGE_SIZE == 0 and hit <= max(len(ids or ()) - 1, 0), f"add_sequence found {hit} tokens")
+            self.model.add(seq_id)
+            self.model.load(seq_id, (ids or [])[:hit])
+        return self._run(f"add_sequence({seq_id!r}, {ids!r})", expect, lambda: self.cache.add_sequence(seq_id, ids),
+                         apply)
 
     def remove(self, seq_id: Any) -> bool:
         self._record("remove", seq_id)
@@ -620,8 +664,9 @@ class Harness:
             return Expect(free_delta=0)
         if s.tree is not None and not in_commit:  # popn: not with uncommitted token-tree nodes
             return _fail(SequenceError)
-        if left >= shared:
-            return Expect()
+        if left >= shared:  # prefix caching: a page shared by cached-prefix reuse is copied
+            cow = self.kind == "prefix" and left % PAGE_SIZE and self.free_pages() == 0
+            return Expect((CacheFullError,) if cow else ())
         if s.tree is not None:  # the re-fork is a fork: not with uncommitted token-tree nodes
             return _fail(SequenceError)
         # Re-fork from the sequence's own prefix (inside prefix blocks: no sink check)
@@ -664,11 +709,26 @@ class Harness:
             self._attend_and_end(seq_ids, lengths, interrupt, parents)
 
         what = "step" if parents is None else "tree_step"
+        ids = self._step_ids(seq_ids, lengths) if self.kind == "prefix" and parents is None else None
+        self._ids = ids
         ok = self._run(f"{what}({seq_ids!r}, {lengths!r}{'' if parents is None else ', ' + repr(parents)})",
-                       expect, lambda: self.cache.begin_forward(seq_ids, lengths, parents), apply)
+                       expect, lambda: self.cache.begin_forward(seq_ids, lengths, parents, token_ids=ids), apply)
         if ok:
             self.last_batch = list(seq_ids)
         return ok
+
+    def _step_ids(self, seq_ids: List[Any], lengths: List[Any]) -> Optional[List[int]]:
+        """Token ids of a step (prefix cache): a sequence on a stem continues it, others draw."""
+        if not all(map(_is_int, lengths)) or any(n < 1 for n in lengths):
+            return None
+        ids = []
+        for seq_id, n in zip(seq_ids, lengths):
+            s = self.model.seqs.get(seq_id)
+            known = list(s.ids) if s is not None and s.ids is not None else []
+            stem = next((st for st in STEMS if tuple(known) == st[:len(known)]), ())
+            new = list(stem[len(known):len(known) + n])
+            ids += new + self.rng.integers(0, 16, n - len(new)).tolist()
+        return ids
 
     def _tree_error(self, seq_ids: List[Any], lengths: List[Any], parents: List[Any]) -> bool:
         """Whether a tree step's trees are rejected (``ForwardError``): windows, or bad parents."""
@@ -733,6 +793,13 @@ class Harness:
             for part, scale in ((slice(hq, hq + hkv), FP8_SCALES[0]), (slice(hq + hkv, None), FP8_SCALES[1])):
                 grid = qkv[:, :, part] * np.exp2(self.rng.integers(-3, 3, qkv[:, :, part].shape))
                 qkv[:, :, part] = grid.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+        ids = self._ids if parents is None else None
+        if ids is not None:  # prefix cache: K / V a function of the token and its position
+            rows = []
+            for seq_id, m in zip(seq_ids, lengths):
+                start = model.seqs[seq_id].length
+                rows += [token_kv(t, start + i) for i, t in enumerate(ids[len(rows):len(rows) + m])]
+            qkv[:, :, NUM_QO_HEADS:] = np.stack(rows, axis=1)
         for layer in range(NUM_LAYERS):
             o = tvm.runtime.tensor(np.full((n, NUM_QO_HEADS, HEAD_DIM), np.nan, np.float32))
             cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(qkv[layer]), o, SM_SCALE)
@@ -743,7 +810,8 @@ class Harness:
         for seq_id, m in zip(seq_ids, lengths):
             rows = qkv[:, off:off + m]
             if parents is None:
-                model.append(seq_id, rows[:, :, hq:hq + hkv], rows[:, :, hq + hkv:])
+                model.append(seq_id, rows[:, :, hq:hq + hkv], rows[:, :, hq + hkv:],
+                             None if ids is None else ids[off:off + m])
             else:
                 model.tree_append(seq_id, parents[off:off + m], rows[:, :, hq:hq + hkv], rows[:, :, hq + hkv:])
             off += m
@@ -900,7 +968,11 @@ def draw_length(draw: Draw, length: int) -> int:
 
 
 def op_add(h: Harness, draw: Draw) -> None:
-    h.add(draw_new_id(draw, h))
+    ids = None
+    if h.kind == "prefix" and draw.chance(0.8):  # a prompt: part of a stem, then a few other ids
+        stem = draw.choice(STEMS)
+        ids = list(stem[:draw.integer(1, len(stem))]) + [draw.integer(0, 15) for _ in range(draw.integer(0, 3))]
+    h.add(draw_new_id(draw, h), ids)
 
 
 def op_remove(h: Harness, draw: Draw) -> None:

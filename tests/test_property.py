@@ -154,6 +154,13 @@ class Fp8CacheMachine(PlainCacheMachine):
     kind = "fp8"
 
 
+class PrefixCacheMachine(PlainCacheMachine):
+    """The plain cache with prefix caching: prompts often share a stem, so sequences start on
+    cached pages; K / V depend only on a token and its position (see ``state_machine_model``)."""
+
+    kind = "prefix"
+
+
 _SETTINGS = settings(max_examples=80, stateful_step_count=50, deadline=None, derandomize=True, database=None,
                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -165,3 +172,5 @@ TestChunkedCache = ChunkedCacheMachine.TestCase
 TestChunkedCache.settings = settings(_SETTINGS, max_examples=40)
 TestFp8Cache = Fp8CacheMachine.TestCase
 TestFp8Cache.settings = settings(_SETTINGS, max_examples=40)
+TestPrefixCache = PrefixCacheMachine.TestCase
+TestPrefixCache.settings = settings(_SETTINGS, max_examples=40)
