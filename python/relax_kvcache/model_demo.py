@@ -51,12 +51,30 @@ def default_dtype(kind: str) -> str:
     return "float32" if kind == "llvm" else "float16"
 
 
-def compile_model(cfg: LlamaConfig, target: tvm.target.Target):
-    """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler)."""
+def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False):
+    """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler);
+    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching."""
     from . import frontend
     from .models.llama import build_module
 
-    return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
+    if not prefix_caching:
+        return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
+    model = prefix_caching_llama(cfg, target, PAGE_SIZE)
+    return frontend.compile(model.export_tvm(spec=model.export_spec(), debug=False)[0], target)
+
+
+def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None):
+    """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching."""
+    from .frontend import PagedKVCache
+    from .models.llama import Llama, cache_layout
+
+    class PrefixCachingLlama(base or Llama):
+        def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
+            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size), prefix_caching=True)
+            return PagedKVCache.create(layout, self.target, max_batch_size=max_batch_size,
+                                       max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size)
+
+    return PrefixCachingLlama(cfg, target, page_size)
 
 
 def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: int = 0,
