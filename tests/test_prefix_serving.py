@@ -251,3 +251,24 @@ def test_engine_refuses_prefix_caching_on_a_cache_without_it(model):
         Engine(object(), [], tiny_cache(), tvm.cpu(), prefill_chunk_size=8, vocab_size=100, prefix_caching="yes")
     with pytest.raises(ValueError, match="runs without prefix_caching"):
         Engine(object(), [], tiny_cache(), tvm.cpu(), prefill_chunk_size=8, vocab_size=100).prefix_cache_stats()
+
+
+# ---------------------------------------------------------------------------- demo
+
+
+def test_demo_second_turns_start_on_cached_pages(model, capsys):
+    """``relax-kvcache demo --prefix-caching``: the second turns find their first turn's whole
+    pages, every logit row matches the float64 model, and the summary gives the hit rate and the
+    prefill tokens saved; with ``--cache-only`` (no token ids) it is refused in one line."""
+    lines = []
+    result = model_demo.run_model_demo(target="llvm", seed=3, executable=model[0], log=lines.append,
+                                       prefix_caching=True)
+    assert result.ok and result.requests == 2 * len(model_demo.PROMPTS) + 1
+    # each second turn resends prompt + generated + 8 tokens; the first turn fed all but its last token
+    fed = [p + n - 1 for p, n in zip(model_demo.PROMPTS, model_demo.NEW_TOKENS)]
+    assert result.prefix_hit_tokens == sum(n // 16 * 16 for n in fed) > 0
+    assert 0 < result.prefix_hit_rate < 1 and any("second turns of 4 requests" in line for line in lines)
+    from relax_kvcache import cli
+
+    assert cli.main(["demo", "--cache-only", "--prefix-caching"]) == 2
+    assert "--cache-only has no model" in capsys.readouterr().err
