@@ -22,6 +22,10 @@ Usage::
     python benchmarks/prefix_bench.py --smoke             # tiny sizes (the test)
     python benchmarks/prefix_bench.py --prepare .gpu/prefix --arch sm_90a [--bundle]   # here
     python benchmarks/prefix_bench.py --libs .gpu/prefix [--json FILE]                 # GPU host
+
+On the GPU host (runtime-only TVM, as ``gpu_host.sh`` sets it up), from the repository root:
+``. .gpu/prefix/bundle/setup_gpu_host.sh && python3 benchmarks/prefix_bench.py --libs .gpu/prefix``.
+Exit status 1 unless every output is identical and the target fraction is met.
 """
 
 from __future__ import annotations

@@ -137,7 +137,8 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     hit_rate = _second_turns(engine, requests, rng, log) if prefix_caching else None
     log(f"  all requests done; {engine.free_pages()}/{pages_at_start} pages free")
     return ModelDemoResult(**dataclasses.asdict(engine.stats), target=kind, dtype=dtype,
-                           requests=len(requests) * (1 + prefix_caching) + int(forked), shared_prefix_pages=shared_pages,
+                           requests=len(requests) * (1 + prefix_caching) + int(forked),
+                           shared_prefix_pages=shared_pages,
                            pages_returned=engine.free_pages() == pages_at_start,
                            tolerance=TOLERANCE[dtype], prefix_hit_rate=hit_rate)
 
