@@ -47,6 +47,9 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--kv-dtype", choices=KV_DTYPES,
                       help="with --cache-only: 8-bit float pages, scales calibrated from the first prefill "
                            "(default: pages of --dtype)")
+    demo.add_argument("--prefix-caching", action="store_true",
+                      help="a cache with prefix caching; every request gets a second turn that starts on the "
+                           "cached pages of its first (docs/prefix-caching.md)")
     demo.add_argument("--quiet", action="store_true", help="print only the summary line")
 
 
@@ -104,6 +107,9 @@ def _check_demo_args(args: argparse.Namespace) -> Optional[tvm.target.Target]:
     if args.kv_dtype is not None and not args.cache_only:
         raise _UsageError(f"--kv-dtype {args.kv_dtype} runs the cache over 8-bit pages without a model; expected it "
                           "with --cache-only (the demo model keeps pages of its dtype)")
+    if args.cache_only and args.prefix_caching:
+        raise _UsageError("--prefix-caching serves a model's requests by their token ids; --cache-only has no "
+                          "model (expected one of them)")
     if args.load is not None and args.export is not None:
         raise _UsageError(f"--load {args.load!r} runs a library and --export {args.export!r} writes one; expected "
                           "one of them")
@@ -173,7 +179,7 @@ def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target
     executable = None
     if target is not None:
         log(f"compiling the demo model for {target} ...")
-        executable = compile_model(LlamaConfig(dtype=dtype), target)
+        executable = compile_model(LlamaConfig(dtype=dtype), target, prefix_caching=args.prefix_caching)
         if args.export:
             try:
                 executable.export_library(args.export)
@@ -192,7 +198,8 @@ def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target
             raise DeployError(f"{args.load!r} holds no Relax model (no vm_load_executable: a kernel library?); "
                               "expected a library written by `relax-kvcache demo --export`")
     try:
-        result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log)
+        result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log,
+                                prefix_caching=args.prefix_caching)
     except Exception as err:  # noqa: BLE001 - a loaded model of another shape or dtype than the demo's
         if args.load is None:
             raise
@@ -206,6 +213,9 @@ def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target
           f"by the fork, {result.rolled_back} speculative tokens rolled back; max logit error vs float64 numpy "
           f"model {result.max_rel_error:.1e} relative over {result.checked_rows} rows (tolerance "
           f"{result.tolerance:.0e}); pages all returned: {result.pages_returned}", flush=True)
+    if result.prefix_hit_rate is not None:
+        print(f"prefix caching: hit rate {result.prefix_hit_rate:.1%} of the prompt tokens looked up, "
+              f"{result.prefix_hit_tokens} prefill tokens saved ({result.prefill_tokens} computed)", flush=True)
     return 0 if result.ok else 1
 
 

@@ -40,6 +40,9 @@ class CacheLayout:
     kv_dtype : str, optional
         What the pages store (``KVCacheConfig.kv_dtype``): None for ``dtype``, or an 8-bit float
         format; passed as an 8th ``cache_config`` entry.
+    prefix_caching : bool
+        Automatic prefix caching (``KVCacheConfig.prefix_caching``, docs/prefix-caching.md);
+        passed as a 9th ``cache_config`` entry.
     """
 
     num_layers: int
@@ -64,6 +67,7 @@ class CacheLayout:
     mla_original_qk_head_dim: Optional[int] = None
     mla_original_v_head_dim: Optional[int] = None
     kv_dtype: Optional[str] = None
+    prefix_caching: bool = False
 
     def kernel_spec(self) -> AnyKernelSetSpec:
         """The kernels of this layout (capacities do not enter the kernels)."""
@@ -111,8 +115,8 @@ class PagedKVCache(nn.Object):
         args = [
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
                           int(layout.sliding_window), layout.layer_sliding_window_size,
-                          layout.attention_chunk_size or 0,  # 7th and 8th entries: ours (TVM reads 6)
-                          KV_DTYPE_CODES.index(layout.kv_dtype)]),
+                          layout.attention_chunk_size or 0,  # 7th to 9th entries: ours (TVM reads 6)
+                          KV_DTYPE_CODES.index(layout.kv_dtype), int(layout.prefix_caching)]),
             rx.ShapeExpr([0, layout.num_layers]),
             rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
             rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),

@@ -1,5 +1,6 @@
 """A small generation engine on a compiled model and the cache (what a server does), driving the
-cache only through TVM's ``vm.builtin.kv_state_*`` functions as MLC-LLM's engine does."""
+cache only through global functions (TVM's ``vm.builtin.kv_state_*``; with prefix caching, our
+``relax_kvcache.*_with_tokens``) as MLC-LLM's engine does."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ class Stats:
     max_rel_error: float = 0.0
     checked_rows: int = 0
     graph_replays: int = 0  # decode steps replayed as a CUDA graph
+    prefix_hit_tokens: int = 0  # prompt tokens found in cached pages (prefix caching): not computed
 
 
 class Engine:
@@ -90,12 +92,18 @@ class Engine:
     for the rows the step samples from (each request's last, every row of a speculative step),
     their count padded to a power of two: the model's output takes a few sizes, not one per
     prompt length (a device allocator that caches by size then stops growing). Not with
-    ``reference``, which checks every row."""
+    ``reference``, which checks every row.
+
+    ``prefix_caching``: ``add_request`` passes the prompt's token ids to the cache, which starts
+    the sequence on the cached pages of its longest cached prefix (``Request.cached`` starts
+    there, those tokens are not computed: ``stats.prefix_hit_tokens``), and every step passes its
+    token ids, so the pages it fills are cached for later requests (docs/prefix-caching.md).
+    Needs our cache created with prefix caching (``CacheLayout(prefix_caching=True)``)."""
 
     def __init__(self, vm, weights: Sequence[tvm.runtime.Tensor], cache,
                  device: tvm.runtime.Device, *, prefill_chunk_size: int, vocab_size: int,
                  reference: Optional[Reference] = None, cuda_graphs: Optional[bool] = None,
-                 prefill_rows: bool = False) -> None:
+                 prefill_rows: bool = False, prefix_caching: bool = False) -> None:
         vocab, chunk = exact_int(vocab_size), exact_int(prefill_chunk_size)
         if vocab is None or not 1 <= vocab <= 2**31:
             raise ValueError(f"Engine: vocab_size is {describe(vocab_size)}; expected an int in "
@@ -114,6 +122,14 @@ class Engine:
         if prefill_rows and reference is not None:
             raise ValueError("Engine: prefill_rows leaves rows out; the reference check needs every row "
                              "(pass one of the two)")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"Engine: prefix_caching is {describe(prefix_caching)}; expected a bool")
+        g = tvm.get_global_func
+        if prefix_caching and not (config is not None and config.prefix_caching):
+            raise ValueError(f"Engine: prefix_caching=True needs our cache created with prefix caching; got "
+                             f"{type(cache).__name__}{'' if config is None else ' without it'} (compile the "
+                             "model with CacheLayout(prefix_caching=True): the 9th cache_config entry 1)")
+        self.prefix_caching = prefix_caching
         self.vm, self.weights, self.cache, self.device = vm, list(weights), cache, device
         self.prefill_rows = bool(prefill_rows)
         self.vocab_size, self.chunk, self.reference = vocab, chunk, reference
@@ -122,12 +138,14 @@ class Engine:
         self.requests: Dict[int, Request] = {}
         self.stats = Stats()
         self._next_id = 0
-        g = tvm.get_global_func
         self._add, self._remove, self._fork, self._popn, self._begin, self._end = (
             g(f"vm.builtin.kv_state_{name}") for name in ("add_sequence", "remove_sequence",
                                                           "fork_sequence", "popn",
                                                           "begin_forward", "end_forward"))
         self._free_pages = g("vm.builtin.attention_kv_cache_get_num_available_pages")
+        self._add_tokens, self._begin_tokens, self._prefix_stats = (
+            g(f"relax_kvcache.{name}") for name in ("add_sequence_with_tokens", "begin_forward_with_tokens",
+                                                    "prefix_cache_stats"))
         on_cuda = config is not None and device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
         if cuda_graphs and not on_cuda:
             raise ValueError(f"Engine: cuda_graphs needs our cache on a CUDA device; got "
@@ -156,7 +174,11 @@ class Engine:
                              f"cache's capacity, max_total_seq_len={self.max_seq_tokens}")
         prompt = self._tokens("add_request: prompt", prompt)
         req = Request(seq_id=self._next_id, tokens=prompt, prompt_len=length, max_new_tokens=budget)
-        self._add(self.cache, req.seq_id)
+        if self.prefix_caching:
+            req._cached = int(self._add_tokens(self.cache, req.seq_id, tvm.runtime.ShapeTuple(prompt)))
+            self.stats.prefix_hit_tokens += req.cached
+        else:
+            self._add(self.cache, req.seq_id)
         self._next_id += 1  # only once the cache took the sequence
         self.requests[req.seq_id] = req
         return req
@@ -186,7 +208,14 @@ class Engine:
         return child
 
     def free_pages(self) -> int:
+        """Pages new tokens can take (with prefix caching: cached pages no request holds too)."""
         return int(self._free_pages(self.cache))
+
+    def prefix_cache_stats(self) -> dict:
+        """The cache's prefix caching counters (``relax_kvcache.prefix_cache_stats``)."""
+        if not self.prefix_caching:
+            raise ValueError("prefix_cache_stats: the engine runs without prefix_caching")
+        return dict(self._prefix_stats(self.cache))
 
     def step(self) -> List[Request]:
         """One step: a token of every decoding request plus prompt chunks within
@@ -266,8 +295,12 @@ class Engine:
             padded[:len(picked)] = picked
             inputs.append(tvm.runtime.tensor(padded, self.device))
         with self._graphs.stream_context() if self._graphs else contextlib.nullcontext():
-            self._begin(self.cache, tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch]),
-                        tvm.runtime.ShapeTuple([n for _, n in batch]))
+            seq_ids = tvm.runtime.ShapeTuple([r.seq_id for r, _ in batch])
+            lengths = tvm.runtime.ShapeTuple([n for _, n in batch])
+            if self.prefix_caching:  # the step's token ids: the pages it fills get cached
+                self._begin_tokens(self.cache, seq_ids, lengths, tvm.runtime.ShapeTuple(ids.tolist()))
+            else:
+                self._begin(self.cache, seq_ids, lengths)
             try:
                 logits = self._call(fn, inputs, decode).numpy()
                 self._end(self.cache)

@@ -1,6 +1,7 @@
 """``relax-kvcache demo``: a Llama-style model compiled with the cache serves a few requests
 through :class:`~relax_kvcache.generate.Engine` (chunked prefill, a fork, a speculative step
-rolled back with ``popn``), every logit row checked against the float64 numpy model."""
+rolled back with ``popn``), every logit row checked against the float64 numpy model. With prefix
+caching, a second turn of every request resends its conversation: it starts on the cached pages."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class ModelDemoResult(Stats):
     shared_prefix_pages: int
     pages_returned: bool
     tolerance: float
+    prefix_hit_rate: Optional[float] = None  # prefix caching: prompt tokens found cached / looked up
 
     @property
     def tokens_per_second(self) -> float:
@@ -51,18 +53,38 @@ def default_dtype(kind: str) -> str:
     return "float32" if kind == "llvm" else "float16"
 
 
-def compile_model(cfg: LlamaConfig, target: tvm.target.Target):
-    """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler)."""
+def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False):
+    """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler);
+    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching."""
     from . import frontend
     from .models.llama import build_module
 
-    return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
+    if not prefix_caching:
+        return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
+    model = prefix_caching_llama(cfg, target, PAGE_SIZE)
+    return frontend.compile(model.export_tvm(spec=model.export_spec(), debug=False)[0], target)
+
+
+def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None):
+    """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching."""
+    from .frontend import PagedKVCache
+    from .models.llama import Llama, cache_layout
+
+    class PrefixCachingLlama(base or Llama):
+        def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
+            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size), prefix_caching=True)
+            return PagedKVCache.create(layout, self.target, max_batch_size=max_batch_size,
+                                       max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size)
+
+    return PrefixCachingLlama(cfg, target, page_size)
 
 
 def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: int = 0,
-                   executable=None, log: Callable[[str], None] = print) -> ModelDemoResult:
+                   executable=None, log: Callable[[str], None] = print,
+                   prefix_caching: bool = False) -> ModelDemoResult:
     """Serve the demo workload; ``executable``: the model compiled for ``target`` already (e.g.
-    loaded with :func:`relax_kvcache.deploy.load`), else it is compiled here."""
+    loaded with :func:`relax_kvcache.deploy.load`), else it is compiled here (with
+    ``prefix_caching``, its cache has prefix caching and each request gets a second turn)."""
     kind = str(target) if isinstance(target, str) else target.kind.name
     dtype = dtype or default_dtype(kind)
     cfg = LlamaConfig(dtype=dtype)
@@ -71,7 +93,7 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
         log(f"compiling a {cfg.num_layers}-layer Llama ({cfg.num_heads}/{cfg.num_kv_heads} heads, "
             f"head_dim {cfg.head_dim}, {dtype}) with the cache's kernels for {kind} ...")
         start = time.perf_counter()
-        executable = compile_model(cfg, tvm.target.Target(kind))
+        executable = compile_model(cfg, tvm.target.Target(kind), prefix_caching=prefix_caching)
         log(f"  compiled in {time.perf_counter() - start:.1f} s")
     vm = VirtualMachine(executable, device)
     weights = random_weights(cfg, seed)
@@ -81,7 +103,7 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     cache = vm["create_kv_cache"](shape([8]), shape([max_total]), shape([PREFILL_CHUNK]))
     engine = Engine(vm, [tvm.runtime.tensor(w.astype(dtype), device) for w in weights.values()],
                     cache, device, prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits,
-                    vocab_size=cfg.vocab_size)
+                    vocab_size=cfg.vocab_size, prefix_caching=prefix_caching)
     pages_at_start = engine.free_pages()
     rng = np.random.default_rng(seed)
     requests = [engine.add_request(rng.integers(0, cfg.vocab_size, n).tolist(), new)
@@ -112,8 +134,25 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
             log(f"  step {engine.stats.steps}: request {req.seq_id} finished ({req.generated} "
                 f"tokens), pages freed; {len(engine.requests)} still running, "
                 f"{engine.free_pages()} pages free")
+    hit_rate = _second_turns(engine, requests, rng, log) if prefix_caching else None
     log(f"  all requests done; {engine.free_pages()}/{pages_at_start} pages free")
     return ModelDemoResult(**dataclasses.asdict(engine.stats), target=kind, dtype=dtype,
-                           requests=len(requests) + int(forked), shared_prefix_pages=shared_pages,
+                           requests=len(requests) * (1 + prefix_caching) + int(forked),
+                           shared_prefix_pages=shared_pages,
                            pages_returned=engine.free_pages() == pages_at_start,
-                           tolerance=TOLERANCE[dtype])
+                           tolerance=TOLERANCE[dtype], prefix_hit_rate=hit_rate)
+
+
+def _second_turns(engine: Engine, requests, rng: np.random.Generator, log: Callable[[str], None]) -> float:
+    """Each request's conversation resent with a new message (prefix caching: it starts on the
+    cached pages of what the first turn fed); the hit rate over every request's prompt."""
+    computed = engine.stats.prefill_tokens
+    turns = [engine.add_request(r.tokens + rng.integers(0, engine.vocab_size, 8).tolist(), 4) for r in requests]
+    log(f"second turns of {len(turns)} requests: {sum(t.cached for t in turns)} of their "
+        f"{sum(t.prompt_len for t in turns)} prompt tokens found in cached pages")
+    while engine.requests:
+        engine.step()
+    stats = engine.prefix_cache_stats()
+    log(f"  computed {engine.stats.prefill_tokens - computed} prefill tokens; prefix cache: "
+        f"{stats['hit_tokens']}/{stats['lookup_tokens']} tokens hit, {stats['cached_pages']} pages cached")
+    return float(stats["hit_rate"])

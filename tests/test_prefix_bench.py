@@ -1,0 +1,34 @@
+"""``benchmarks/prefix_bench.py --smoke``: both workloads with and without prefix caching on
+llvm at tiny sizes: the same tokens either way, and the prefill tokens computed drop by exactly
+the tokens found cached."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import prefix_bench  # noqa: E402
+
+
+def test_smoke_serves_both_workloads_the_same_with_and_without_caching(tmp_path, capsys):
+    out = tmp_path / "prefix.json"
+    assert prefix_bench.main(["--smoke", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    sizes = prefix_bench.SMOKE_SIZES
+    assert result["ok"] and set(result["workloads"]) == {"shared_system_prompt", "multi_turn_chat"}
+    for name, entry in result["workloads"].items():
+        off, on = entry["without"], entry["with"]
+        assert entry["identical"] and off["requests"] == on["requests"]
+        assert off["hit_tokens"] == 0 and off["shared_fraction_computed"] == 1.0
+        assert on["hit_tokens"] > 0
+        assert on["prefill_tokens_computed"] + on["hit_tokens"] == off["prefill_tokens_computed"]
+        assert min(on["ttft_mean_ms"], on["ttft_p50_ms"], on["output_tokens_per_s"]) > 0
+    shared = result["workloads"]["shared_system_prompt"]
+    assert shared["with"]["requests"] == sizes.requests
+    # every request after the first finds the system prompt's whole pages (50 tokens: 3 pages)
+    assert shared["with"]["hit_tokens"] == (sizes.requests - 1) * 48
+    assert result["workloads"]["multi_turn_chat"]["with"]["requests"] == sizes.conversations * sizes.turns
+    assert "PASS" in capsys.readouterr().out
