@@ -242,8 +242,6 @@ def test_engine_prefix_caching_with_fork_and_speculation(model):
     assert engine.stats.max_rel_error < 1e-3 and engine.stats.rolled_back >= 1
 
 
-@pytest.mark.xfail(strict=True, reason="end_forward registers the pages of a step the engine rolls back; the "
-                   "cache needs a way to end a step without registering them")
 def test_a_failed_step_leaves_no_cached_pages():
     """A model call that raises before writing the step's K/V: the engine ends the step and pops
     its tokens; the pages it reserved must not be cached (their K/V were never written)."""

@@ -173,4 +173,4 @@ TestChunkedCache.settings = settings(_SETTINGS, max_examples=40)
 TestFp8Cache = Fp8CacheMachine.TestCase
 TestFp8Cache.settings = settings(_SETTINGS, max_examples=40)
 TestPrefixCache = PrefixCacheMachine.TestCase
-TestPrefixCache.settings = settings(_SETTINGS, max_examples=40)
+TestPrefixCache.settings = settings(_SETTINGS, max_examples=30)

@@ -19,17 +19,18 @@ from ..kernel_set import KernelSet
 from ..paging import PageCopy, PagingState
 from ..runtime import default_target
 from ..tensors import allocate, check_disjoint, check_tensor, view
-from . import commit
+from . import commit, prefix
 from .attention import Attention, MHAAttention
 from .debug import DebugReader
 from .kv_scales import KVScales
 from .mla import MLAAttention
 from .planner import StepPlanner, unwindowed_chunk_limit
 from .step import Scratch, Step, StepUploader
+from .stored_kv import StoredKVMethods
 from .tensor_checks import TensorChecks
 
 
-class PagedAttentionKVCache:
+class PagedAttentionKVCache(StoredKVMethods):
     """A paged KV cache with prefix sharing, for TVM Relax LLM inference.
 
     Parameters
@@ -257,13 +258,7 @@ class PagedAttentionKVCache:
         ``hit_tokens`` (found cached), ``hit_rate`` (their ratio), ``registered_pages`` (pages
         ever registered), ``cached_pages`` (registered now), ``evictable_pages`` (cached
         pages no sequence holds) and ``evicted_pages``."""
-        if not self._paging.prefix_caching:
-            raise KVCacheError("prefix_cache_stats needs a cache created with KVCacheConfig(prefix_caching=True)")
-        stats, cached, evictable = self._paging.prefix_stats()
-        return {"lookups": stats.lookups, "lookup_tokens": stats.lookup_tokens, "hit_tokens": stats.hit_tokens,
-                "hit_rate": stats.hit_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0,
-                "registered_pages": stats.registered, "cached_pages": cached, "evictable_pages": evictable,
-                "evicted_pages": stats.evicted}
+        return prefix.stats(self._paging)
 
     def get_total_sequence_length(self) -> int:
         """Sum of the lengths of all sequences."""
@@ -301,7 +296,7 @@ class PagedAttentionKVCache:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
         ids = None
         if self._paging.prefix_caching and token_ids is not None:
-            ids = self._check_step_tokens(append_lengths, token_tree_parent_ptr, token_ids)
+            ids = prefix.check_step_tokens(seq_ids, append_lengths, token_tree_parent_ptr, token_ids)
         meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
         self._step_tokens = ids
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
@@ -310,23 +305,14 @@ class PagedAttentionKVCache:
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
         self._check_not_busy("end_forward")
-        if self._step is not None and self._paging.prefix_caching:
-            meta = self._step.meta
-            self._paging.record_tokens(meta.seq_ids, meta.append_lengths, self._step_tokens)
+        step = self._step
+        if step is not None and self._paging.prefix_caching:  # an interrupted step registers nothing
+            complete = len(step.appended) == self.config.num_layers
+            self._paging.record_tokens(step.meta.seq_ids, step.meta.append_lengths,
+                                       self._step_tokens if complete else None)
         self._step = None
         self._step_tokens = None
         self._tensor_checks.forget()
-
-    def _check_step_tokens(self, append_lengths: Any, parent_ptr: Any, token_ids: Any) -> list:
-        if parent_ptr is not None:
-            raise ForwardError("begin_forward takes token_ids only for steps without a token tree")
-        total = sum(as_int_list("append_lengths", append_lengths))
-        ids = as_int_list("token_ids", token_ids, error=ArgumentError)
-        if len(ids) != total:
-            raise ArgumentError(f"token_ids has {len(ids)} ids; expected {total}, one per appended token")
-        if ids and min(ids) < 0:
-            raise ArgumentError(f"token_ids holds {min(ids)}; token ids must be >= 0")
-        return ids
 
     def _active_step(self, what: str) -> Step:
         step = self._step
@@ -497,7 +483,9 @@ class PagedAttentionKVCache:
         """
         mla = self._component("append_mla_kv", MLAAttention)
         layer = self._local_layer(layer_id)
-        mla.append_kv(self._active_step("append_mla_kv"), layer, kv)
+        step = self._active_step("append_mla_kv")
+        mla.append_kv(step, layer, kv)
+        step.appended.add(layer)
 
     def mla_context_attention(self, layer_id: int, q: tvm.runtime.Tensor, o: tvm.runtime.Tensor,
                               lse: tvm.runtime.Tensor, sm_scale: float, decompress: Any) -> None:
@@ -532,90 +520,6 @@ class PagedAttentionKVCache:
         layer = self._local_layer(layer_id)
         step = self._active_step("mla_context_attention")
         mla.context_attention(step, layer, q, o, lse, as_float("sm_scale", sm_scale), decompress)
-
-    # ------------------------------------------------------------------ debugging, checkpoints
-
-    def debug_get_kv(self, seq_id: int, start_pos: int, end_pos: int, k_data: tvm.runtime.Tensor,
-                     v_data: tvm.runtime.Tensor) -> None:
-        """Copy positions ``[start_pos, end_pos)`` of a sequence's K/V of every layer.
-
-        ``k_data`` / ``v_data``: ``(num_layers, end_pos - start_pos, num_kv_heads, head_dim)``.
-        K is stored after RoPE in NORMAL mode and before it otherwise.
-        """
-        self._component("debug_get_kv", MHAAttention)
-        self._debug.read("debug_get_kv", seq_id, start_pos, end_pos, k_data=k_data, v_data=v_data)
-
-    def set_kv_scales(self, layer_id: int, k_scale: Any, v_scale: Any) -> None:
-        """Set layer ``layer_id``'s scales of 8-bit pages (``KVCacheConfig.kv_dtype``): a number
-        or one per KV head each, positive; an element is stored as ``value / scale`` and read as
-        ``stored * scale``. Only while the cache holds no tokens (stored bytes keep their scale)."""
-        layer = self._local_layer(layer_id)
-        self._require_no_step("set_kv_scales")
-        scales = self._kv_scales.checked(layer_id, k_scale, v_scale)
-        stored = self._paging.total_sequence_length()
-        if stored:
-            raise KVCacheError(f"set_kv_scales({layer_id}) while the cache holds {stored} tokens stored with the "
-                               "current scales; set scales before the first append")
-        self._kv_scales.set(layer, scales)
-
-    def calibrate_kv_scales(self, margin: float = 1.0) -> None:
-        """Let the next step set the scales of 8-bit pages from the K / V each layer appends in
-        it, before storing them: ``margin * max|x| / format max`` per KV head (see
-        :meth:`KVScales.arm <relax_kvcache.cache.kv_scales.KVScales.arm>`). Only while no tokens are stored."""
-        self._require_no_step("calibrate_kv_scales")
-        self._kv_scales.arm(margin, self._paging.total_sequence_length())
-
-    def get_kv_scales(self, layer_id: int) -> Tuple[Any, Any]:
-        """Layer ``layer_id``'s scales of 8-bit pages: ``(k_scale, v_scale)``, float32 copies,
-        one per KV head each."""
-        return self._kv_scales.get(self._local_layer(layer_id))
-
-    def debug_get_kv_mla(self, seq_id: int, start_pos: int, end_pos: int, kv_data: tvm.runtime.Tensor) -> None:
-        """Copy positions ``[start_pos, end_pos)`` of a sequence's latent vectors of every layer
-        into ``kv_data (num_layers, end_pos - start_pos, kv_lora_rank + rope dim)`` (MLA caches)."""
-        self._component("debug_get_kv_mla", MLAAttention)
-        self._debug.read("debug_get_kv_mla", seq_id, start_pos, end_pos, kv_data=kv_data)
-
-    def get_layout_hash(self) -> str:
-        """The layout hash of checkpoints of this cache (TVM's 64-bit FNV-1a, 16 hex digits)."""
-        return self._checkpoints.layout_hash()
-
-    def get_checkpoint_metadata(self, seq_id: int) -> str:
-        """JSON metadata of a checkpoint of sequence ``seq_id`` (TVM's format): the layout, its
-        hash, the sequence length, its logical pages and one page group per layer.
-
-        Any sequence without a sliding window or an uncommitted token tree can be saved, also
-        one sharing a prefix with others (TVM: sequence 0 only). Not while a step is active.
-        """
-        return self._checkpoints.metadata(seq_id)
-
-    def export_page_group(self, seq_id: int, group_id: int, out: tvm.runtime.Tensor) -> None:
-        """Write layer ``group_id``'s K/V of sequence ``seq_id`` into ``out`` of shape
-        ``(1, ceil(length / page_size), 2, num_kv_heads, page_size, head_dim)``: position p at
-        page ``p // page_size``, slot ``p % page_size``; the last page's unused slots are zero.
-        ``out`` may be on the cache's device or, for a GPU cache, on the host."""
-        self._checkpoints.export_group(seq_id, group_id, out)
-
-    def prepare_import(self, seq_id: int, metadata: str) -> None:
-        """Start importing a checkpoint (``metadata`` from :meth:`get_checkpoint_metadata`, ours
-        or TVM's) into sequence ``seq_id``: new, or empty without a window (TVM: sequence 0).
-
-        The sequence gets its pages now; fill them with :meth:`import_page_group` (each layer
-        once), then :meth:`finish_import`. Until then the sequence cannot join a step, fork,
-        pop, be saved or report its length; other sequences work as usual. Removing the
-        sequence (or ``clear``) abandons the import. One import at a time.
-        """
-        self._checkpoints.prepare(seq_id, metadata)
-
-    def import_page_group(self, seq_id: int, group_id: int, group: tvm.runtime.Tensor) -> None:
-        """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of
-        :meth:`export_page_group`; on the cache's device or the host) into the importing
-        sequence's pages."""
-        self._checkpoints.import_group(seq_id, group_id, group)
-
-    def finish_import(self, seq_id: int) -> None:
-        """End the import into ``seq_id`` once every page group is in."""
-        self._checkpoints.finish(seq_id)
 
     # ------------------------------------------------------------------ guards
 
