@@ -6,6 +6,7 @@ import dataclasses
 import enum
 from typing import Optional, Sequence, Tuple
 
+import ml_dtypes
 import numpy as np
 
 from .args import as_bool, as_float, as_int_list, describe, exact_int
@@ -17,6 +18,8 @@ KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: ``kv_dtype`` as an int (its index here; 0: pages of the model dtype), as the 8th creation
 #: ``cache_config`` entry and a kernel library's identity carry it
 KV_DTYPE_CODES = (None, *KV_DTYPES)
+#: the largest finite value of each 8-bit format (what storing saturates to)
+KV_DTYPE_MAX = {name: float(ml_dtypes.finfo(getattr(ml_dtypes, name)).max) for name in KV_DTYPES}
 MAX_HEAD_DIM = 256
 #: Widest latent vector of an MLA cache (DeepSeek-V3: 512 + 64 = 576).
 MAX_LATENT_WIDTH = 1024

@@ -19,10 +19,9 @@ import numpy as np
 import tvm
 
 from .cache import PagedAttentionKVCache
-from .config import KVCacheConfig, RopeMode
+from .config import KV_DTYPE_MAX, KVCacheConfig, RopeMode
 from .reference import attention, rope
 from .tensors import numpy_dtype
-from .tir_kernels.spec import FP8_MAX
 
 _TOLERANCE = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 
@@ -169,7 +168,7 @@ class _Driver:
         """The stored K/V of the step's positions ``[start, end)``, checked against numpy's
         quantization of the float64 K/V ``new`` (within one grid step)."""
         fmt, got = self.cfg.kv_dtype, self.read(seq_id, start, end)
-        fmax, (bits, emin) = FP8_MAX[fmt], (3, -6) if "e4m3" in fmt else (2, -14)
+        fmax, (bits, emin) = KV_DTYPE_MAX[fmt], (3, -6) if "e4m3" in fmt else (2, -14)
         for kv, (values, stored) in enumerate(zip(new, got)):
             scale = np.stack([self.cache.get_kv_scales(layer)[kv] for layer in range(self.cfg.num_layers)])
             scale = scale.astype(np.float64)[:, None, :, None]

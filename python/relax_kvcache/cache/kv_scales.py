@@ -10,9 +10,8 @@ import numpy as np
 import tvm
 
 from ..args import as_float, describe
-from ..config import KVCacheConfig, RopeMode
+from ..config import KV_DTYPE_MAX, KVCacheConfig, RopeMode
 from ..errors import ArgumentError, KVCacheError
-from ..tir_kernels.spec import FP8_MAX
 
 #: Calibration's floor of a head's maximum: a head that is all zeros in the calibrating step gets
 #: scale ``MIN_AMAX / format max`` instead of 0.
@@ -105,7 +104,7 @@ class KVScales:
         rows = qkv.numpy()
         hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
         amax = kv_amax(cfg, rows[:, hq:hq + hkv], rows[:, hq + hkv:])
-        scales = np.maximum(amax, MIN_AMAX) * self._margin / FP8_MAX[cfg.kv_dtype]
+        scales = np.maximum(amax, MIN_AMAX) * self._margin / KV_DTYPE_MAX[cfg.kv_dtype]
         self.set(layer, np.minimum(scales, np.finfo(np.float32).max).astype(np.float32))
 
     def checked(self, layer: int, k_scale: Any, v_scale: Any) -> np.ndarray:
