@@ -39,6 +39,7 @@ class Load:
     fork: float = 0.05
     speculate: float = 0.1
     cancel: float = 0.02
+    shared: float = 0.0  # the share of prompts that start with one of a few system prompts
 
 
 GPU_LOAD = Load(max_live=48, prompt=(16, 2048), output=(8, 512))
@@ -70,10 +71,15 @@ def soak(engine: Engine, seconds: float, load: Load, device_used: Callable[[], O
     def live() -> List[Request]:
         return list(engine.requests.values())
 
+    stems = [rng.integers(0, engine.vocab_size, load.prompt[1] // 2).tolist() for _ in range(4)]
+
     def arrive() -> None:
         n = int(rng.integers(load.prompt[0], load.prompt[1] + 1))
-        req = engine.add_request(rng.integers(0, engine.vocab_size, n).tolist(),
-                                 int(rng.integers(load.output[0], load.output[1] + 1)))
+        prompt = rng.integers(0, engine.vocab_size, n).tolist()
+        if rng.random() < load.shared:  # a system prompt (or part of one), then the request's own
+            stem = stems[int(rng.integers(len(stems)))]
+            prompt = (stem[:int(rng.integers(1, len(stem) + 1))] + prompt)[:load.prompt[1]]
+        req = engine.add_request(prompt, int(rng.integers(load.output[0], load.output[1] + 1)))
         born[req.seq_id] = time.perf_counter()
 
     def event(name: str, action: Callable[[], None]) -> None:

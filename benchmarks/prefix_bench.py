@@ -333,6 +333,41 @@ def gpu_model(libs: pathlib.Path) -> Model:
     return Model(deploy.load(str(libs / manifest["lib"]), device=device.dev), cfg, device)
 
 
+def soak(model: Model, minutes: float, json_path: Optional[pathlib.Path], smoke: bool = False) -> int:
+    """``--soak``: ``e2e_soak.soak`` on an engine with prefix caching, a cache sized to run near
+    full, 70% of prompts starting with (part of) one of four system prompts; exit status 1
+    unless every page is back, memory did not grow and cached prefixes were found."""
+    import e2e_soak
+
+    load = dataclasses.replace(e2e_soak.SMOKE_LOAD if smoke or not model.device.cuda else e2e_soak.GPU_LOAD,
+                               shared=0.7)
+    weights = model.device.weights(model.cfg, SEED)
+    vm = VirtualMachine(model.executable, model.device.dev)
+    mean = (sum(load.prompt) + sum(load.output)) / 2
+    total = -(-max(int(0.9 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE) // PAGE) * PAGE
+    chunk = min(2048, total)
+    cache = vm["create_kv_cache"](*(tvm.runtime.ShapeTuple([x]) for x in (2 * load.max_live, total, chunk)))
+    engine = Engine({"prefill_rows": vm["prefill_rows"], "decode": vm["decode"]}, weights, cache, model.device.dev,
+                    prefill_chunk_size=chunk, vocab_size=model.cfg.vocab_size, prefill_rows=True,
+                    prefix_caching=True, cuda_graphs=model.device.cuda)
+    print(f"prefix-caching soak on {model.device.describe()}: {minutes} min, up to {load.max_live} requests, "
+          f"prompts {load.prompt[0]}-{load.prompt[1]} ({load.shared:.0%} on shared system prompts), a cache of "
+          f"{total} tokens", flush=True)
+    try:
+        result = e2e_soak.soak(engine, minutes * 60, load, model.device.used_bytes)
+        stats = dict(engine.prefix_cache_stats())
+    finally:
+        engine.close()
+    result["prefix_cache"] = stats
+    result["ok"] = result["ok"] and stats["hit_tokens"] > 0
+    print(f"prefix cache: {stats['lookups']} lookups, {stats['hit_tokens']} of {stats['lookup_tokens']} prompt tokens "
+          f"found ({stats['hit_rate']:.1%}), {stats['evicted_pages']} pages evicted, {stats['cached_pages']} cached "
+          f"at the end -> {'PASS' if result['ok'] else 'FAIL'}", flush=True)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return 0 if result["ok"] else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (the test)")
@@ -341,9 +376,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--bundle", action="store_true", help="--prepare: also pack TVM's runtime-only bundle")
     parser.add_argument("--libs", type=pathlib.Path, help="folder built by --prepare: run on its CUDA device")
     parser.add_argument("--json", type=pathlib.Path, help="write the results to this file")
+    parser.add_argument("--soak", type=float, metavar="MINUTES",
+                        help="instead: e2e_soak's random traffic (forks, rollbacks, cancellations, a cache near "
+                             "full) with prefix caching on and most prompts sharing system prompts")
     args = parser.parse_args(argv)
     if args.prepare:
         return prepare(args.prepare, args.arch, args.bundle)
+    if args.soak is not None:
+        return soak(gpu_model(args.libs) if args.libs else cpu_model(), args.soak, args.json, smoke=args.smoke)
     if args.libs:
         model, sizes = gpu_model(args.libs), GPU_SIZES
     else:

@@ -32,3 +32,13 @@ def test_smoke_serves_both_workloads_the_same_with_and_without_caching(tmp_path,
     assert shared["with"]["hit_tokens"] == (sizes.requests - 1) * 48
     assert result["workloads"]["multi_turn_chat"]["with"]["requests"] == sizes.conversations * sizes.turns
     assert "PASS" in capsys.readouterr().out
+
+
+def test_soak_smoke_with_prefix_caching_returns_every_page(tmp_path):
+    """``--soak``: random traffic (forks, rollbacks, cancellations, a cache near full) on cached
+    prefixes: every page back, prefixes found, pages evicted on the way."""
+    out = tmp_path / "soak.json"
+    assert prefix_bench.main(["--soak", "0.1", "--smoke", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["pages_back"] and result["served"] > 0
+    assert result["prefix_cache"]["hit_tokens"] > 0 and result["prefix_cache"]["evicted_pages"] > 0
