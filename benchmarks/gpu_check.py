@@ -525,9 +525,13 @@ def wl_checkpoint(c: Check) -> None:
     """Checkpoints: sequences (one forked inside a page) saved as page groups (checked against
     the reference: positions in page-size runs, the last page's tail zero; on the device, then
     on the host) and imported into new ids while another sequence steps; then the copies decode
-    alongside the originals."""
+    alongside the originals. Over 8-bit pages the groups hold the stored elements (``value /
+    scale``), compared as such."""
     cfg = c.cfg
     ps, hkv, d = cfg.page_size, cfg.num_kv_heads, cfg.head_dim
+    group_dtype = cfg.kv_dtype or cfg.dtype
+    np_group = getattr(ml_dtypes, cfg.kv_dtype) if cfg.kv_dtype else c.np_dtype
+    scales = np.array(GRID_SCALES if cfg.kv_dtype else (1.0, 1.0)).reshape(1, 1, 2, 1, 1, 1)  # K, V
     c.add(0)
     c.step([(0, 70)])
     c.fork(0, 1, 37)
@@ -537,15 +541,22 @@ def wl_checkpoint(c: Check) -> None:
         pages = -(-length // ps)
         meta = c.cache.get_checkpoint_metadata(src)
         shape = (1, pages, 2, hkv, ps, d)
-        groups = [c.poisoned(shape) if src == 1 else  # the second checkpoint in host memory
-                  tvm.runtime.tensor(np.full(shape, np.nan, c.np_dtype)) for _ in range(cfg.num_layers)]
+        nan = np.full(shape, np.nan, np.float32).astype(np_group)
+        groups = [tvm.runtime.tensor(nan, c.device) if src == 1 else  # the second checkpoint in host memory
+                  tvm.runtime.tensor(nan) for _ in range(cfg.num_layers)]
+        assert str(groups[0].dtype) == group_dtype
         k_ref, v_ref = c.ref.stored_kv(src)
         for layer, group in enumerate(groups):
             c.cache.export_page_group(src, layer, group)
             expected = np.zeros((pages * ps, 2, hkv, d))
             expected[:length, 0], expected[:length, 1] = k_ref[layer], v_ref[layer]
             expected = expected.reshape(pages, ps, 2, hkv, d).transpose(0, 2, 3, 1, 4)[None]
-            c.compare(f"page group {layer} of sequence {src}", group, expected)
+            if cfg.kv_dtype:  # the stored elements: exact
+                stored = group.numpy().astype(np.float64) * scales
+                c.expect_equal(f"page group {layer} of sequence {src} (8-bit elements)", stored.tobytes(),
+                               expected.tobytes())
+            else:
+                c.compare(f"page group {layer} of sequence {src}", group, expected)
         c.cache.prepare_import(dst, meta)
         c.step([(0, 1)] if src != 0 else [(1, 1)])  # other sequences step during the import
         for layer in reversed(range(cfg.num_layers)):

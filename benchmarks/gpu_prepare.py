@@ -86,13 +86,13 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
                            ["layer_windows", "graph_decode"]),
     # 8-bit pages (K / V on the 8-bit grid: stored exactly; RoPE NONE or INLINE keeps them there)
     "d128-fp8-e4m3": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e4m3fn"),
-                      ["random", "prefix_chain", "token_tree", "self_cross_merge", "graph_decode"]),
+                      ["random", "prefix_chain", "token_tree", "self_cross_merge", "graph_decode", "checkpoint"]),
     "d64-fp8-e5m2-seqwin": (_check_config(support_sliding_window=True, max_num_seqs=8, kv_dtype="float8_e5m2"),
                             ["seq_windows", "random"]),
     "d64-fp8-layerwin": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE), kv_dtype="float8_e4m3fn"),
                          ["layer_windows", "shared_kv", "graph_decode"]),
     "d64-fp8-chunked": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e5m2"),
-                        ["layer_windows", "shared_kv"]),
+                        ["layer_windows", "shared_kv", "checkpoint"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)
     "d128-long": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, max_num_seqs=16,
                                 max_total_seq_len=20480, prefill_chunk_size=8192), ["long_context"]),
