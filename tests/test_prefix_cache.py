@@ -321,3 +321,22 @@ def test_sliding_sequences_do_not_take_or_register_cached_pages():
     state.reserve_append([2], [9])
     state.record_tokens([2], [9], ids)  # a sliding sequence does not register
     assert state.sequence(2).tokens is None and len(state.registered_pages()) == 2
+
+
+def test_a_marked_window_sequence_copies_a_shared_page_popn_reaches():
+    """Caches with per-layer windows only mark windowed sequences: they keep every token, use
+    cached pages, and copy a shared page before writing into it."""
+    from relax_kvcache.paging import PagingState
+
+    state = PagingState(16, 4, slide_windows=False, prefix_caching=True)
+    ids = list(range(12))
+    state.add_sequence(0, ids)
+    state.reserve_append([0], [12])
+    state.record_tokens([0], [12], ids)
+    assert state.add_sequence(1, ids + [0]) == 12
+    state.enable_sliding_window(1, 8, 2)
+    shared = state.position_map(1, 4, 5)[0] // 4
+    copies = state.popn(1, 6)  # into the second page, which sequence 0 holds too
+    assert [(c.src_page, c.length) for c in copies] == [(shared, 2)]
+    assert state.position_map(1, 4, 5)[0] // 4 == copies[0].dst_page != shared
+    assert state.position_map(0, 4, 5)[0] // 4 == shared

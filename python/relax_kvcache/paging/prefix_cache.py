@@ -73,10 +73,12 @@ class PrefixCache:
     def pop_copy_needed(self, seq: Sequence, plan: PopPlan, new_length: int) -> tuple[int, int]:
         """For a pop that trims ``seq`` in place to ``new_length``: the page its kept partial
         last page is (-1: none) and the pages the trim frees (for the copy-on-write check)."""
-        if plan.remaining or plan.trim_block == -1 or seq.sliding_window_size != -1 or not new_length % self._ps:
+        if plan.remaining or plan.trim_block == -1 or not new_length % self._ps:
             return -1, 0
         pool, blocks = self._tree.pages, self._tree.blocks
         block = blocks[plan.trim_block]
+        if block.sink_length or block.sliding_window_offset:  # slid: holds no cached page
+            return -1, 0
         kept = block.page_ids[: len(block.page_ids) - plan.trim_pages]
         if not kept:
             return -1, 0
