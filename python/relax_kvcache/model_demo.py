@@ -53,30 +53,33 @@ def default_dtype(kind: str) -> str:
     return "float32" if kind == "llvm" else "float16"
 
 
-def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False):
+def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False,
+                  kv_dtype: Optional[str] = None):
     """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler);
-    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching."""
+    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching; ``kv_dtype``:
+    one over 8-bit float pages (``float8_e4m3fn`` or ``float8_e5m2``)."""
     from . import frontend
     from .models.llama import build_module
 
     if not prefix_caching:
-        return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
-    model = prefix_caching_llama(cfg, target, PAGE_SIZE)
+        return frontend.compile(build_module(cfg, target, PAGE_SIZE, kv_dtype), target)
+    model = prefix_caching_llama(cfg, target, PAGE_SIZE, kv_dtype=kv_dtype)
     return frontend.compile(model.export_tvm(spec=model.export_spec(), debug=False)[0], target)
 
 
-def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None):
+def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None,
+                         kv_dtype: Optional[str] = None):
     """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching."""
     from .frontend import PagedKVCache
     from .models.llama import Llama, cache_layout
 
     class PrefixCachingLlama(base or Llama):
         def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
-            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size), prefix_caching=True)
+            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size, self.kv_dtype), prefix_caching=True)
             return PagedKVCache.create(layout, self.target, max_batch_size=max_batch_size,
                                        max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size)
 
-    return PrefixCachingLlama(cfg, target, page_size)
+    return PrefixCachingLlama(cfg, target, page_size, kv_dtype)
 
 
 def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: int = 0,
