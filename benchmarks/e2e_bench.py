@@ -30,6 +30,10 @@ Usage::
     python benchmarks/e2e_bench.py --libs .gpu/e2e [--models 1b 8b] [--json FILE]   # GPU host (PyTorch)
     python benchmarks/e2e_bench.py --cpu-smoke   # here: a tiny model on llvm, the same code path
     python benchmarks/e2e_bench.py --libs .gpu/e2e --soak 5   # GPU host: generate.Engine under load
+
+``--kv-dtype float8_e4m3fn`` (with ``--prepare``, ``--libs`` or ``--cpu-smoke``): a third build,
+``ours-fp8``, ours over 8-bit pages; its logits against ours over float16 pages and its decode
+tokens/s beside them (``e2e_fp8.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
 import relax_kvcache  # noqa: E402,F401  (before any VirtualMachine: routes vm.builtin.* to our cache)
 from relax_kvcache.ffi_registry.builtins import BUILTINS, ORIGINAL_PREFIX  # noqa: E402
+from relax_kvcache.config import KV_DTYPES  # noqa: E402
 from relax_kvcache.models import LlamaConfig  # noqa: E402
 
 from e2e_report import SIDES, report  # noqa: E402
@@ -208,17 +213,21 @@ class Runner:
     """One side's VM functions and the ``kv_state`` builtins it is driven with (ours: the
     dispatchers, as an engine calls them; native: TVM's functions)."""
 
-    def __init__(self, side: str, vm: VirtualMachine, weights: List[tvm.runtime.Tensor]) -> None:
+    def __init__(self, side: str, vm: VirtualMachine, weights: List[tvm.runtime.Tensor],
+                 calibrate: bool = False) -> None:
         prefix = "" if side == "ours" else ORIGINAL_PREFIX
         get = lambda name: tvm_ffi.get_global_func(prefix + "vm.builtin." + name)  # noqa: E731
-        self.side, self.weights = side, weights
+        self.side, self.weights, self.calibrate = side, weights, calibrate  # calibrate: 8-bit pages' scales
         self.add, self.remove = get("kv_state_add_sequence"), get("kv_state_remove_sequence")
         self.popn = get("kv_state_popn")
         self.begin, self.end = get("kv_state_begin_forward"), get("kv_state_end_forward")
         self.prefill_fn, self.decode_fn, self.create_fn = vm["prefill"], vm["decode"], vm["create_kv_cache"]
 
     def create(self, max_batch: int, max_total: int, chunk: int):
-        return self.create_fn(_shape([max_batch]), _shape([max_total]), _shape([chunk]))
+        cache = self.create_fn(_shape([max_batch]), _shape([max_total]), _shape([chunk]))
+        if self.calibrate:  # 8-bit pages: scales from the first step's K / V
+            cache.calibrate_kv_scales()
+        return cache
 
     def forward(self, cache, fn, ids: tvm.runtime.Tensor, seq_ids, lengths) -> tvm.runtime.Tensor:
         self.begin(cache, _shape(seq_ids), _shape(lengths))
@@ -510,9 +519,11 @@ def fitting_batches(cfg: LlamaConfig, plan: Plan, context: int, free: Optional[i
 
 
 def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, plan: Plan, graphs: bool,
-              log=print, native_decode: Optional[Callable[[int, int], dict]] = None) -> dict:
+              log=print, native_decode: Optional[Callable[[int, int], dict]] = None,
+              kv_dtype: Optional[str] = None) -> dict:
     """Every phase of one model; with ``native_decode(context, batch)``, the native side's decode
-    configurations run through it (one process each) instead of in this process."""
+    configurations run through it (one process each) instead of in this process; with
+    ``kv_dtype``, ``executables["ours-fp8"]`` against ours (``e2e_fp8.run``)."""
     weights = device.weights(cfg, SEED)
     runners = {side: Runner(side, make_vm(side, executables[side], device), weights) for side in SIDES}
     result: dict = {"model": name, "config": dataclasses.asdict(cfg), "device": device.describe(), "skipped": [],
@@ -542,6 +553,13 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
                 continue
             result["decode"][context][side] = decode_phase(runners[side], device, cfg, plan, context, batches,
                                                            graphs and side == "ours", log)
+    if kv_dtype:
+        import e2e_fp8
+
+        fp8 = Runner("ours", make_vm("ours", executables["ours-fp8"], device), weights, calibrate=True)
+        result["fp8"] = e2e_fp8.run(sys.modules[__name__], result, runners["ours"], fp8, device, cfg, plan, graphs,
+                                    kv_dtype, log)
+        del fp8
     del runners, weights
     device.release()
     return result
@@ -550,19 +568,29 @@ def run_model(name: str, cfg: LlamaConfig, executables: dict, device: Device, pl
 # ----------------------------------------------------------------------------- main
 
 def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], device: Device, plan: Plan,
-        graphs: bool, json_path: Optional[pathlib.Path], libs: Optional[pathlib.Path] = None) -> int:
+        graphs: bool, json_path: Optional[pathlib.Path], libs: Optional[pathlib.Path] = None,
+        kv_dtype: Optional[str] = None) -> int:
+    import e2e_fp8
+
     results = []
     for name, cfg in models.items():
         result = run_model(name, cfg, executables_for(name), device, plan, graphs,
-                           native_decode=native_process(libs, name, plan) if libs else None)
+                           native_decode=native_process(libs, name, plan) if libs else None, kv_dtype=kv_dtype)
         result["chunk"] = plan.chunk
         report(result)
+        if "fp8" in result:
+            e2e_fp8.report(result)
         results.append(result)
     if json_path:
         json_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     failed = [r["model"] for r in results if not r["check"]["ok"]]
     if failed:
         print(f"FAIL: logits of ours and native differ beyond tolerance for {', '.join(failed)}", file=sys.stderr)
+        return 1
+    failed = [r["model"] for r in results if "fp8" in r and not r["fp8"]["check"]["ok"]]
+    if failed:
+        print(f"FAIL: logits over {kv_dtype} pages differ from float16 pages beyond tolerance for "
+              f"{', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
 
@@ -575,11 +603,11 @@ def _plan(plan: Plan, args) -> Plan:
 
 
 @functools.lru_cache(maxsize=None)
-def _smoke_executable(side: str):
+def _smoke_executable(side: str, kv_dtype: Optional[str] = None):
     """``--cpu-smoke``'s tiny model for one side, compiled once per process."""
     import e2e_models
 
-    return e2e_models.compile_model(side, SMOKE_MODEL, tvm.target.Target("llvm"))
+    return e2e_models.compile_model(side, SMOKE_MODEL, tvm.target.Target("llvm"), kv_dtype)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -598,6 +626,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         "no TTFT)")
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES,
+                        help="also ours over 8-bit pages of this format (--prepare: build it; else: run it "
+                        "beside ours over float16 pages)")
     parser.add_argument("--soak", type=float, metavar="MINUTES", help="only serve random traffic with "
                         "generate.Engine on ours for this long (the 1b model unless one is named)")
     parser.add_argument("--same-process", action="store_true", help="native decode configurations in this "
@@ -609,7 +640,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         import e2e_models
 
         return e2e_models.prepare(args.prepare, args.arch, {m: MODELS[m] for m in args.models}, MANIFEST,
-                                  args.bundle)
+                                  args.bundle, args.kv_dtype)
     if args.cpu_smoke:
         import e2e_soak
 
@@ -617,8 +648,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.soak is not None:
             return run_soak(_smoke_executable("ours"), SMOKE_MODEL, Device(cuda=False), plan, args.soak,
                             e2e_soak.SMOKE_LOAD, args.json)
-        return run(lambda _name: {side: _smoke_executable(side) for side in SIDES},
-                   {"tiny": SMOKE_MODEL}, Device(cuda=False), plan, False, args.json)
+        def smoke(_name: str) -> dict:
+            sides = {side: _smoke_executable(side) for side in SIDES}
+            return {**sides, "ours-fp8": _smoke_executable("ours-fp8", args.kv_dtype)} if args.kv_dtype else sides
+
+        return run(smoke, {"tiny": SMOKE_MODEL}, Device(cuda=False), plan, False, args.json, kv_dtype=args.kv_dtype)
     if args.libs is None:
         parser.error("one of --prepare DIR (here), --libs DIR (GPU host) or --cpu-smoke")
     os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str((args.libs / "cache").resolve()))  # nvcc's fatbins
@@ -628,14 +662,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     missing = [m for m in args.models if m not in manifest["models"]]
     if missing:
         parser.error(f"{args.libs} holds no libraries for {missing}: run --prepare with --models {' '.join(missing)}")
+    other = [m for m in args.models if args.kv_dtype and manifest["models"][m].get("kv_dtype") != args.kv_dtype]
+    if other:
+        parser.error(f"{args.libs} holds no {args.kv_dtype} build of {other}: run --prepare with --kv-dtype "
+                     f"{args.kv_dtype} --models {' '.join(other)}")
     device = Device(cuda=True)
     plan = _plan(GPU_PLAN, args)
 
     def executables_for(name: str) -> dict:
         if manifest["models"][name]["config"] != dataclasses.asdict(MODELS[name]):
             raise SystemExit(f"{name}: the libraries were built for another configuration; run --prepare again")
+        sides = [*SIDES, *(["ours-fp8"] if args.kv_dtype else [])]
         return {side: deploy.load(str(args.libs / manifest["models"][name][side]), device=device.dev)
-                for side in SIDES}
+                for side in sides}
 
     if args.soak is not None:
         import e2e_soak
@@ -648,7 +687,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                             *args.native_decode)
     print(f"e2e benchmark on {device.describe()}, TVM {tvm.__version__}", flush=True)
     return run(executables_for, {m: MODELS[m] for m in args.models}, device, plan, not args.no_graph, args.json,
-               libs=None if args.same_process else args.libs)
+               libs=None if args.same_process else args.libs, kv_dtype=args.kv_dtype)
 
 
 def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: float, load,

@@ -2,7 +2,8 @@
 
 * ``ours``: :class:`relax_kvcache.models.llama.Llama` (our frontend, our kernels in the module);
 * ``native``: the same model, whose ``create_kv_cache`` builds TVM's own ``TIRPagedKVCache``
-  (TVM's TIR kernels and its C++ cache). Baseline code: it lives in ``benchmarks/`` only.
+  (TVM's TIR kernels and its C++ cache). Baseline code: it lives in ``benchmarks/`` only;
+* ``ours-fp8`` (with a ``kv_dtype``): ``ours`` whose cache stores 8-bit float pages.
 
 Both differ from the library's model in one place, ``prefill``: it returns the logits of the
 step's last token only ``(1, 1, vocab)``, as serving engines do (the first token is sampled
@@ -20,7 +21,7 @@ import pathlib
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import tvm
 from tvm import relax as rx
@@ -83,11 +84,16 @@ class NativeLlama(OursLlama):
 
 
 MODEL_CLASSES = {"ours": OursLlama, "native": NativeLlama}
+FP8_SIDE = "ours-fp8"  # OursLlama over 8-bit pages
 
 
-def build_module(side: str, cfg: LlamaConfig, target: tvm.target.Target) -> tvm.IRModule:
-    """The IRModule of one side (weights as parameters, in ``cfg.param_shapes()`` order)."""
-    model = MODEL_CLASSES[side](cfg, target, PAGE_SIZE)
+def build_module(side: str, cfg: LlamaConfig, target: tvm.target.Target, kv_dtype=None) -> tvm.IRModule:
+    """The IRModule of one side (weights as parameters, in ``cfg.param_shapes()`` order);
+    ``FP8_SIDE`` takes ``kv_dtype``, the format of its pages."""
+    if (side == FP8_SIDE) != (kv_dtype is not None):
+        raise ValueError(f"side {side!r} with kv_dtype {kv_dtype!r}: only {FP8_SIDE!r} takes (and needs) one")
+    cls = OursLlama if side == FP8_SIDE else MODEL_CLASSES[side]
+    model = cls(cfg, target, PAGE_SIZE, kv_dtype)
     mod, params = model.export_tvm(spec=model.export_spec(), debug=False)
     exported = [(name, tuple(int(d) for d in param.shape)) for name, param in params]
     if exported != cfg.param_shapes():
@@ -99,9 +105,9 @@ def build_module(side: str, cfg: LlamaConfig, target: tvm.target.Target) -> tvm.
 UPPER_BOUNDS = {"n": 8192, "b": 128}
 
 
-def compile_model(side: str, cfg: LlamaConfig, target: tvm.target.Target):
-    """The relax executable of one side for ``target``."""
-    return frontend.compile(build_module(side, cfg, target), target, upper_bounds=UPPER_BOUNDS)
+def compile_model(side: str, cfg: LlamaConfig, target: tvm.target.Target, kv_dtype=None):
+    """The relax executable of one side for ``target`` (``FP8_SIDE``: over ``kv_dtype`` pages)."""
+    return frontend.compile(build_module(side, cfg, target, kv_dtype), target, upper_bounds=UPPER_BOUNDS)
 
 
 def cuda_sources(module: tvm.runtime.Module) -> List[str]:
@@ -116,10 +122,11 @@ def cuda_sources(module: tvm.runtime.Module) -> List[str]:
 
 
 def prepare(out: pathlib.Path, arch: str, models: Dict[str, LlamaConfig], manifest_name: str,
-            bundle: bool) -> int:
+            bundle: bool, kv_dtype: Optional[str] = None) -> int:
     """Compile both sides of ``models`` for CUDA ``arch`` into ``out``: ``<side>-<model>.so`` with
     its checksum, the nvcc fatbins in ``out/cache``, ``manifest_name`` (models built before for
-    the same arch are kept); with ``bundle``, TVM's runtime-only bundle in ``out/bundle``.
+    the same arch are kept); with ``kv_dtype``, a third side ``ours-fp8`` over pages of that format
+    (the manifest's ``kv_dtype``); with ``bundle``, TVM's runtime-only bundle in ``out/bundle``.
     Returns 1 when the folder and the repository exceed what the device tool carries."""
     from relax_kvcache.targets import make_target
 
@@ -130,11 +137,11 @@ def prepare(out: pathlib.Path, arch: str, models: Dict[str, LlamaConfig], manife
     if manifest.get("arch") != arch or manifest.get("tvm_version") != tvm.__version__:
         manifest = {"arch": arch, "tvm_version": tvm.__version__, "models": {}}
     for name, cfg in models.items():
-        entry = {"config": dataclasses.asdict(cfg)}
-        for side in MODEL_CLASSES:
+        entry = {"config": dataclasses.asdict(cfg), "kv_dtype": kv_dtype}
+        for side in [*MODEL_CLASSES, *([FP8_SIDE] if kv_dtype else [])]:
             start = time.perf_counter()
             lib = out / f"{side}-{name}.so"
-            executable = compile_model(side, cfg, target)
+            executable = compile_model(side, cfg, target, kv_dtype if side == FP8_SIDE else None)
             executable.export_library(str(lib))
             deploy.write_checksum(lib)
             fatbin = sum(gpu_prepare.precompile(source, arch, out) for source in cuda_sources(executable.mod))

@@ -56,6 +56,18 @@ def test_cli_demo_load_of_a_kernel_library_is_one_line(kernel_library):
     assert_one_line_error(*run_cli("demo", "--load", str(kernel_library)), "holds no Relax model")
 
 
+def test_cli_demo_model_over_8_bit_pages():
+    """``--kv-dtype`` without ``--cache-only``: the demo model over e4m3 pages (scales calibrated),
+    every logit row within the 8-bit bound of the float64 model but not as close as float32 pages."""
+    from relax_kvcache.model_demo import FP8_TOLERANCE
+
+    code, out, err = run_cli("demo", "--quiet", "--kv-dtype", "float8_e4m3fn")
+    assert code == 0 and out.startswith("demo OK: Llama (2 layers) on llvm float32 over float8_e4m3fn pages"), out
+    error = float(out.split("max logit error vs float64 numpy model ")[1].split()[0])
+    assert 1e-3 < error <= FP8_TOLERANCE["float8_e4m3fn"], out  # quantized: far above float32 pages' ~1e-6
+    assert f"(tolerance {FP8_TOLERANCE['float8_e4m3fn']:.0e})" in out
+
+
 @pytest.mark.skipif(tvm.cuda(0).exist, reason="a CUDA GPU is present")
 def test_cli_demo_cuda_load_without_cuda_is_one_line(kernel_library):
     code, out, err = run_cli("demo", "--target", "cuda", "--load", str(kernel_library))
@@ -85,7 +97,6 @@ def test_cli_demo_cache_only_refuses_load_and_export(tmp_path, option):
     (["--arch", "sm_90a"], "--arch 'sm_90a' is used where the demo compiles its model"),
     (["--cache-only", "--arch", "sm_90a"], "would be ignored"),
     (["--cache-only", "--target", "cuda"], "--target cuda would be ignored"),
-    (["--kv-dtype", "float8_e4m3fn"], "expected it with --cache-only"),
 ])
 def test_cli_demo_arch_is_checked_before_compiling(argv, message, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

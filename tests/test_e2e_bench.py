@@ -154,3 +154,22 @@ def test_plot_series_of_an_e2e_run_are_tokens_per_second_per_side_and_context():
     series = plot_bench.e2e_series(result)
     assert series == {"ours, 1024": ([1, 8], [500.0, 800.0]), "ours+graph, 1024": ([1, 8], [1000.0, 1600.0]),
                       "native, 1024": ([1], [250.0])}
+
+
+def test_cpu_smoke_over_8_bit_pages_checks_logits_against_float16_pages_and_times_decode(tmp_path, capsys):
+    """``--kv-dtype``: ours over e4m3 pages beside ours over float16 pages: logits on the same
+    prompts and tokens within the 8-bit bound (yet quantized: not equal), decode timed per batch."""
+    import e2e_fp8
+
+    out = tmp_path / "e2e.json"
+    assert e2e_bench.main(["--cpu-smoke", "--kv-dtype", "float8_e4m3fn", "--ttft", "--contexts", "40",
+                           "--batches", "1", "3", "--json", str(out)]) == 0
+    [result] = json.loads(out.read_text())
+    check = result["fp8"]["check"]
+    assert check["ok"] and check["rows"] == 2 * e2e_fp8.STEPS  # the prompts within the smoke chunk: 100, 37
+    assert 1e-3 < check["max_rel"] <= check["tolerance"] and check["mean_rel"] > 1e-4, check
+    assert check["agreement"] >= 0.75
+    rows = result["fp8"]["decode"]["40"]["rows"]
+    assert sorted(map(int, rows)) == [1, 3] and all(row["eager"]["step"] > 0 for row in rows.values())
+    report = capsys.readouterr().out
+    assert "float8_e4m3fn pages vs float16 pages" in report and "PASS" in report and "ratio" in report

@@ -45,8 +45,8 @@ def _add_demo_parser(commands: argparse._SubParsersAction) -> None:
     demo.add_argument("--cache-only", action="store_true",
                       help="the cache without a model: random attention inputs through every cache operation")
     demo.add_argument("--kv-dtype", choices=KV_DTYPES,
-                      help="with --cache-only: 8-bit float pages, scales calibrated from the first prefill "
-                           "(default: pages of --dtype)")
+                      help="8-bit float pages, scales calibrated from the first step (default: pages of "
+                           "--dtype); the model's logits are then held to the format's bound")
     demo.add_argument("--prefix-caching", action="store_true",
                       help="a cache with prefix caching; every request gets a second turn that starts on the "
                            "cached pages of its first (docs/prefix-caching.md)")
@@ -104,9 +104,6 @@ def _check_demo_args(args: argparse.Namespace) -> Optional[tvm.target.Target]:
         option = "--load" if args.load is not None else "--export"
         raise _UsageError(f"--cache-only runs the cache without a model; it cannot be combined with {option} "
                           f"{(args.load or args.export)!r} (expected one of them)")
-    if args.kv_dtype is not None and not args.cache_only:
-        raise _UsageError(f"--kv-dtype {args.kv_dtype} runs the cache over 8-bit pages without a model; expected it "
-                          "with --cache-only (the demo model keeps pages of its dtype)")
     if args.cache_only and args.prefix_caching:
         raise _UsageError("--prefix-caching serves a model's requests by their token ids; --cache-only has no "
                           "model (expected one of them)")
@@ -179,15 +176,18 @@ def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target
     executable = None
     if target is not None:
         log(f"compiling the demo model for {target} ...")
-        executable = compile_model(LlamaConfig(dtype=dtype), target, prefix_caching=args.prefix_caching)
+        executable = compile_model(LlamaConfig(dtype=dtype), target, prefix_caching=args.prefix_caching,
+                                   kv_dtype=args.kv_dtype)
         if args.export:
             try:
                 executable.export_library(args.export)
                 write_checksum(args.export)
             except Exception as err:  # noqa: BLE001 - the linker or the file system; one line, exit 2
                 raise _UsageError(f"could not write --export {args.export!r}: {_one_line(err)[-300:]}") from None
-            print(f"wrote {args.export}: the demo model ({dtype}) and the cache's kernels for {target}; run it "
-                  f"with `relax-kvcache demo --target {args.target} --load {args.export}`", flush=True)
+            kv = f" --kv-dtype {args.kv_dtype}" if args.kv_dtype else ""
+            print(f"wrote {args.export}: the demo model ({dtype}{kv and ', ' + args.kv_dtype + ' pages'}) and the "
+                  f"cache's kernels for {target}; run it with `relax-kvcache demo --target {args.target} --load "
+                  f"{args.export}{kv}`", flush=True)
             return 0
     if args.load is not None:
         from .deploy import DeployError, load
@@ -199,15 +199,16 @@ def _run_model_demo(args: argparse.Namespace, target: Optional[tvm.target.Target
                               "expected a library written by `relax-kvcache demo --export`")
     try:
         result = run_model_demo(target=args.target, dtype=dtype, seed=args.seed, executable=executable, log=log,
-                                prefix_caching=args.prefix_caching)
+                                prefix_caching=args.prefix_caching, kv_dtype=args.kv_dtype)
     except Exception as err:  # noqa: BLE001 - a loaded model of another shape or dtype than the demo's
         if args.load is None:
             raise
         raise _UsageError(f"{args.load!r} does not run as the demo model ({dtype}): {type(err).__name__}: "
                           f"{_one_line(err)[:300]}; expected a library written by `relax-kvcache demo --export` "
-                          "with the same --dtype") from None
+                          "with the same --dtype and --kv-dtype") from None
     status = "OK" if result.ok else "FAILED"
-    print(f"demo {status}: Llama (2 layers) on {result.target} {result.dtype}: {result.requests} requests "
+    pages = f" over {result.kv_dtype} pages" if result.kv_dtype else ""
+    print(f"demo {status}: Llama (2 layers) on {result.target} {result.dtype}{pages}: {result.requests} requests "
           f"(1 forked), {result.steps} steps, {result.prefill_tokens} prefill + {result.decode_tokens} decode "
           f"tokens, {result.tokens_per_second:,.0f} tokens/s; {result.shared_prefix_pages} prefix pages shared "
           f"by the fork, {result.rolled_back} speculative tokens rolled back; max logit error vs float64 numpy "

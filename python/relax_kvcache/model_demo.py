@@ -21,6 +21,10 @@ UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 #: relative max logit error allowed: 40 x the unit roundoff (measured: float16 ~1e-2, bfloat16
 #: ~8e-2); float32 1e-3 (it measures ~1e-6)
 TOLERANCE = {"float32": 1e-3, **{dtype: 40 * u for dtype, u in UNIT_ROUNDOFF.items()}}
+#: relative max logit error allowed over 8-bit pages (scales calibrated): 0.1 for e4m3, 0.15 for
+#: e5m2, about 2.5x the worst measured on the float32 model (0.038 and 0.053 on the demo workload;
+#: 0.027 and 0.045 in ``benchmarks/fp8_accuracy.py --model``); pages of the model dtype: ~1e-6
+FP8_TOLERANCE = {"float8_e4m3fn": 0.1, "float8_e5m2": 0.15}
 PAGE_SIZE = 16
 PROMPTS = (37, 90, 12, 61)
 NEW_TOKENS = (8, 12, 16, 6)
@@ -33,6 +37,7 @@ class ModelDemoResult(Stats):
 
     target: str
     dtype: str
+    kv_dtype: Optional[str]
     requests: int
     shared_prefix_pages: int
     pages_returned: bool
@@ -53,38 +58,43 @@ def default_dtype(kind: str) -> str:
     return "float32" if kind == "llvm" else "float16"
 
 
-def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False):
+def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching: bool = False,
+                  kv_dtype: Optional[str] = None):
     """The model compiled with the cache's kernels for ``target`` (needs TVM's compiler);
-    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching."""
+    ``prefix_caching``: its ``create_kv_cache`` makes a cache with prefix caching; ``kv_dtype``:
+    one over 8-bit float pages (``float8_e4m3fn`` or ``float8_e5m2``)."""
     from . import frontend
     from .models.llama import build_module
 
     if not prefix_caching:
-        return frontend.compile(build_module(cfg, target, PAGE_SIZE), target)
-    model = prefix_caching_llama(cfg, target, PAGE_SIZE)
+        return frontend.compile(build_module(cfg, target, PAGE_SIZE, kv_dtype), target)
+    model = prefix_caching_llama(cfg, target, PAGE_SIZE, kv_dtype=kv_dtype)
     return frontend.compile(model.export_tvm(spec=model.export_spec(), debug=False)[0], target)
 
 
-def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None):
+def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None,
+                         kv_dtype: Optional[str] = None):
     """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching."""
     from .frontend import PagedKVCache
     from .models.llama import Llama, cache_layout
 
     class PrefixCachingLlama(base or Llama):
         def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
-            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size), prefix_caching=True)
+            layout = dataclasses.replace(cache_layout(self.cfg, self.page_size, self.kv_dtype), prefix_caching=True)
             return PagedKVCache.create(layout, self.target, max_batch_size=max_batch_size,
                                        max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size)
 
-    return PrefixCachingLlama(cfg, target, page_size)
+    return PrefixCachingLlama(cfg, target, page_size, kv_dtype)
 
 
 def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: int = 0,
                    executable=None, log: Callable[[str], None] = print,
-                   prefix_caching: bool = False) -> ModelDemoResult:
+                   prefix_caching: bool = False, kv_dtype: Optional[str] = None) -> ModelDemoResult:
     """Serve the demo workload; ``executable``: the model compiled for ``target`` already (e.g.
     loaded with :func:`relax_kvcache.deploy.load`), else it is compiled here (with
-    ``prefix_caching``, its cache has prefix caching and each request gets a second turn)."""
+    ``prefix_caching``, its cache has prefix caching and each request gets a second turn).
+    ``kv_dtype``: the cache stores 8-bit pages (the executable's must), scales calibrated from the
+    first step; logits are then held to :data:`FP8_TOLERANCE`."""
     kind = str(target) if isinstance(target, str) else target.kind.name
     dtype = dtype or default_dtype(kind)
     cfg = LlamaConfig(dtype=dtype)
@@ -93,7 +103,7 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
         log(f"compiling a {cfg.num_layers}-layer Llama ({cfg.num_heads}/{cfg.num_kv_heads} heads, "
             f"head_dim {cfg.head_dim}, {dtype}) with the cache's kernels for {kind} ...")
         start = time.perf_counter()
-        executable = compile_model(cfg, tvm.target.Target(kind), prefix_caching=prefix_caching)
+        executable = compile_model(cfg, tvm.target.Target(kind), prefix_caching=prefix_caching, kv_dtype=kv_dtype)
         log(f"  compiled in {time.perf_counter() - start:.1f} s")
     vm = VirtualMachine(executable, device)
     weights = random_weights(cfg, seed)
@@ -101,6 +111,13 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
     shape = tvm.runtime.ShapeTuple
     max_total = sum(PROMPTS) + sum(NEW_TOKENS) * 2 + 8 * PAGE_SIZE
     cache = vm["create_kv_cache"](shape([8]), shape([max_total]), shape([PREFILL_CHUNK]))
+    pages = getattr(getattr(cache, "config", None), "kv_dtype", None)
+    if pages != kv_dtype:
+        raise ValueError(f"the model's cache stores {pages or dtype} pages; expected {kv_dtype or dtype} (compile "
+                         "it with the same kv_dtype)")
+    if kv_dtype is not None:
+        cache.calibrate_kv_scales()
+        log(f"  cache over {kv_dtype} pages, K / V scales calibrated from the first step")
     engine = Engine(vm, [tvm.runtime.tensor(w.astype(dtype), device) for w in weights.values()],
                     cache, device, prefill_chunk_size=PREFILL_CHUNK, reference=reference.logits,
                     vocab_size=cfg.vocab_size, prefix_caching=prefix_caching)
@@ -136,11 +153,12 @@ def run_model_demo(*, target: str = "llvm", dtype: Optional[str] = None, seed: i
                 f"{engine.free_pages()} pages free")
     hit_rate = _second_turns(engine, requests, rng, log) if prefix_caching else None
     log(f"  all requests done; {engine.free_pages()}/{pages_at_start} pages free")
-    return ModelDemoResult(**dataclasses.asdict(engine.stats), target=kind, dtype=dtype,
+    return ModelDemoResult(**dataclasses.asdict(engine.stats), target=kind, dtype=dtype, kv_dtype=kv_dtype,
                            requests=len(requests) * (1 + prefix_caching) + int(forked),
                            shared_prefix_pages=shared_pages,
                            pages_returned=engine.free_pages() == pages_at_start,
-                           tolerance=TOLERANCE[dtype], prefix_hit_rate=hit_rate)
+                           tolerance=FP8_TOLERANCE[kv_dtype] if kv_dtype else TOLERANCE[dtype],
+                           prefix_hit_rate=hit_rate)
 
 
 def _second_turns(engine: Engine, requests, rng: np.random.Generator, log: Callable[[str], None]) -> float:

@@ -7,6 +7,8 @@ serving engine samples from), ``decode(input_ids (b, 1), cache, *weights)`` -> `
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tvm
 from tvm.relax.frontend import nn
 
@@ -15,11 +17,12 @@ from ..frontend import CacheLayout, PagedKVCache
 from . import LlamaConfig
 
 
-def cache_layout(cfg: LlamaConfig, page_size: int = 16) -> CacheLayout:
-    """The cache the model needs: one layer per decoder layer, RoPE applied by the cache."""
+def cache_layout(cfg: LlamaConfig, page_size: int = 16, kv_dtype: Optional[str] = None) -> CacheLayout:
+    """The cache the model needs: one layer per decoder layer, RoPE applied by the cache;
+    ``kv_dtype``: pages of an 8-bit float format (docs/fp8.md), else of the model dtype."""
     return CacheLayout(num_layers=cfg.num_layers, num_qo_heads=cfg.num_heads,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-                       rope_mode=RopeMode.NORMAL, rope_theta=cfg.rope_theta, dtype=cfg.dtype)
+                       rope_mode=RopeMode.NORMAL, rope_theta=cfg.rope_theta, dtype=cfg.dtype, kv_dtype=kv_dtype)
 
 
 class Attention(nn.Module):
@@ -62,10 +65,12 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder with its three entry points (see the module docstring)."""
+    """The decoder with its three entry points (see the module docstring); ``kv_dtype``: the
+    cache's pages hold an 8-bit float format (``CacheLayout.kv_dtype``)."""
 
-    def __init__(self, cfg: LlamaConfig, target: tvm.target.Target, page_size: int = 16) -> None:
-        self.cfg, self.target, self.page_size = cfg, target, page_size
+    def __init__(self, cfg: LlamaConfig, target: tvm.target.Target, page_size: int = 16,
+                 kv_dtype: Optional[str] = None) -> None:
+        self.cfg, self.target, self.page_size, self.kv_dtype = cfg, target, page_size, kv_dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = nn.RMSNorm(cfg.hidden_size, -1, cfg.rms_norm_eps, bias=False, dtype=cfg.dtype)
@@ -88,7 +93,7 @@ class Llama(nn.Module):
 
     def create_kv_cache(self, max_batch_size: tvm.tirx.Var, max_total_seq_len: tvm.tirx.Var,
                         prefill_chunk_size: tvm.tirx.Var) -> PagedKVCache:
-        return PagedKVCache.create(cache_layout(self.cfg, self.page_size), self.target,
+        return PagedKVCache.create(cache_layout(self.cfg, self.page_size, self.kv_dtype), self.target,
                                    max_batch_size=max_batch_size, max_total_seq_len=max_total_seq_len,
                                    prefill_chunk_size=prefill_chunk_size)
 
@@ -104,8 +109,9 @@ class Llama(nn.Module):
         }
 
 
-def build_module(cfg: LlamaConfig, target: tvm.target.Target, page_size: int = 16) -> tvm.IRModule:
-    """The model's IRModule (with the cache's kernels). Its entry points take the weights after
-    their inputs, in :meth:`LlamaConfig.param_shapes` order."""
-    model = Llama(cfg, target, page_size)
+def build_module(cfg: LlamaConfig, target: tvm.target.Target, page_size: int = 16,
+                 kv_dtype: Optional[str] = None) -> tvm.IRModule:
+    """The model's IRModule (with the cache's kernels; ``kv_dtype``: over 8-bit pages). Its entry
+    points take the weights after their inputs, in :meth:`LlamaConfig.param_shapes` order."""
+    model = Llama(cfg, target, page_size, kv_dtype)
     return model.export_tvm(spec=model.export_spec(), debug=False)[0]
