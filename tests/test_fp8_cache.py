@@ -146,6 +146,27 @@ def test_pages_take_one_byte_per_element():
     assert pages.numpy().nbytes * 2 == half.numpy().nbytes
 
 
+def test_the_same_page_memory_holds_twice_the_4k_sequences():
+    """Caches sized to the same page bytes: 8-bit pages hold twice the 4096-token sequences."""
+    def held(cache):
+        seq = 0
+        while True:
+            cache.add_sequence(seq)
+            try:
+                for _ in range(4096 // 64):
+                    cache.begin_forward([seq], [64])
+                    cache.end_forward()
+            except rk.errors.CacheFullError:
+                return seq
+            seq += 1
+
+    tokens = 4 * 4096
+    half, quarter = (rk.PagedAttentionKVCache(config(fmt, max_total_seq_len=n, max_num_seqs=16))
+                     for fmt, n in ((None, tokens), ("float8_e4m3fn", 2 * tokens)))
+    assert sum(p.numpy().nbytes for p in quarter._pages) <= sum(p.numpy().nbytes for p in half._pages)
+    assert (held(half), held(quarter)) == (4, 8)
+
+
 def test_set_kv_scales_refuses_and_changes_nothing():
     cache = rk.PagedAttentionKVCache(config("float8_e5m2", num_layers=1))
     for k_scale, v_scale, match in ((0.0, 1.0, "k_scale of layer 0 must be positive"),
