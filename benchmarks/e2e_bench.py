@@ -646,8 +646,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         plan = _plan(SMOKE_PLAN, args)
         if args.soak is not None:
-            return run_soak(_smoke_executable("ours"), SMOKE_MODEL, Device(cuda=False), plan, args.soak,
-                            e2e_soak.SMOKE_LOAD, args.json)
+            executable = (_smoke_executable("ours-fp8", args.kv_dtype) if args.kv_dtype
+                          else _smoke_executable("ours"))
+            return run_soak(executable, SMOKE_MODEL, Device(cuda=False), plan, args.soak, e2e_soak.SMOKE_LOAD,
+                            args.json, calibrate=bool(args.kv_dtype))
         def smoke(_name: str) -> dict:
             sides = {side: _smoke_executable(side) for side in SIDES}
             return {**sides, "ours-fp8": _smoke_executable("ours-fp8", args.kv_dtype)} if args.kv_dtype else sides
@@ -680,8 +682,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         import e2e_soak
 
         name = args.models[0] if len(args.models) == 1 else "1b"
-        return run_soak(executables_for(name)["ours"], MODELS[name], device, plan, args.soak, e2e_soak.GPU_LOAD,
-                        args.json)
+        side = "ours-fp8" if args.kv_dtype else "ours"  # --kv-dtype: the soak over 8-bit pages
+        return run_soak(executables_for(name)[side], MODELS[name], device, plan, args.soak, e2e_soak.GPU_LOAD,
+                        args.json, calibrate=bool(args.kv_dtype))
     if args.native_decode:
         return native_child(args.models[0], executables_for(args.models[0])["native"], device, plan,
                             *args.native_decode)
@@ -691,9 +694,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: float, load,
-             json_path: Optional[pathlib.Path]) -> int:
+             json_path: Optional[pathlib.Path], calibrate: bool = False) -> int:
     """``--soak``: ``generate.Engine`` on ours for ``minutes`` (``e2e_soak.soak``), on a cache
-    sized to run near full; exit status 1 unless it passed."""
+    sized to run near full (``calibrate``: over 8-bit pages, scales from the first step); exit
+    status 1 unless it passed."""
     import e2e_soak
     from relax_kvcache.generate import Engine
 
@@ -701,11 +705,12 @@ def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: 
     vm = make_vm("ours", executable, device)
     mean = (sum(load.prompt) + sum(load.output)) / 2
     total = _round_up(max(int(0.9 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE))
-    cache = Runner("ours", vm, weights).create(2 * load.max_live, total, plan.chunk)
+    cache = Runner("ours", vm, weights, calibrate=calibrate).create(2 * load.max_live, total, plan.chunk)
     functions = {"prefill_rows": vm["prefill_rows"], "decode": vm["decode"]}  # the sampled rows' logits
     engine = Engine(functions, weights, cache, device.dev, prefill_chunk_size=plan.chunk,
                     vocab_size=cfg.vocab_size, cuda_graphs=device.cuda, prefill_rows=True)
-    print(f"soak on {device.describe()}: {minutes} min, up to {load.max_live} requests, prompts "
+    pages = f" over {cache.config.kv_dtype} pages" if cache.config.kv_dtype else ""
+    print(f"soak{pages} on {device.describe()}: {minutes} min, up to {load.max_live} requests, prompts "
           f"{load.prompt[0]}-{load.prompt[1]}, outputs {load.output[0]}-{load.output[1]} tokens, a cache of "
           f"{total} tokens, CUDA graphs {'on' if device.cuda else 'off'}", flush=True)
     try:
