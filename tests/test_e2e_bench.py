@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 import numpy as np
+import pytest
 import tvm_ffi
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -133,11 +134,13 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
     assert {"NT_matmul_kernel", "fused_NT_matmul1_add_kernel"} <= set(kernels), kernels
 
 
-def test_cpu_smoke_soak_serves_requests_and_gives_every_page_back(tmp_path):
+@pytest.mark.parametrize("pages", [[], ["--kv-dtype", "float8_e4m3fn"]], ids=["model-dtype", "8-bit"])
+def test_cpu_smoke_soak_serves_requests_and_gives_every_page_back(tmp_path, pages):
     """``--soak``: generate.Engine under random arrivals, forks, speculative rollbacks,
-    cancellations and preemption on a cache sized to run full; every page back at the end."""
+    cancellations and preemption on a cache sized to run full (also over 8-bit pages); every
+    page back at the end."""
     out = tmp_path / "soak.json"
-    assert e2e_bench.main(["--cpu-smoke", "--soak", "0.15", "--json", str(out)]) == 0
+    assert e2e_bench.main(["--cpu-smoke", "--soak", "0.15", "--json", str(out), *pages]) == 0
     result = json.loads(out.read_text())
     assert result["ok"] and result["pages_back"] and result["free_pages"][0] == result["free_pages"][1]
     assert result["served"] >= 1 and result["arrived"] >= result["served"]
