@@ -8,6 +8,7 @@ from typing import Any, List, Optional
 from ..args import as_int_list
 from ..errors import ArgumentError, ForwardError, KVCacheError
 from ..paging import PagingState
+from ..paging.prefix import check_token_ids
 
 
 def check_step_tokens(seq_ids: Any, append_lengths: Any, parent_ptr: Any, token_ids: Any) -> Optional[List[int]]:
@@ -18,12 +19,7 @@ def check_step_tokens(seq_ids: Any, append_lengths: Any, parent_ptr: Any, token_
     lengths = as_int_list("append_lengths", append_lengths)
     if len(lengths) != len(as_int_list("seq_ids", seq_ids)) or not lengths or min(lengths) < 1:
         return None
-    ids = as_int_list("token_ids", token_ids, error=ArgumentError)
-    if len(ids) != sum(lengths):
-        raise ArgumentError(f"token_ids has {len(ids)} ids; expected {sum(lengths)}, one per appended token")
-    if ids and min(ids) < 0:
-        raise ArgumentError(f"token_ids holds {min(ids)}; token ids must be >= 0")
-    return ids
+    return check_token_ids("token_ids", as_int_list("token_ids", token_ids, error=ArgumentError), sum(lengths))
 
 
 def stats(paging: PagingState) -> dict:
