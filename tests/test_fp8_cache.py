@@ -288,21 +288,19 @@ def test_checkpoint_refusals_of_8_bit_caches_change_nothing():
     src.add_sequence(0)
     drv.step([0], [20])
     meta, groups = export(src, 0)
+    def store_ones(cache, seq, n):
+        cache.add_sequence(seq)
+        cache.begin_forward([seq], [n])
+        for layer in range(2):
+            cache.attention_with_fused_qkv(layer, tvm.runtime.tensor(np.ones((n, HQ + 2 * H, D), np.float16)),
+                                           nan((n, HQ, D)), SM_SCALE)
+        cache.end_forward()
+
     plain = rk.PagedAttentionKVCache(config(None))
-    plain.add_sequence(0)
-    plain.begin_forward([0], [3])
-    for layer in range(2):
-        plain.attention_with_fused_qkv(layer, tvm.runtime.tensor(np.ones((3, HQ + 2 * H, D), np.float16)),
-                                       nan((3, HQ, D)), SM_SCALE)
-    plain.end_forward()
+    store_ones(plain, 0, 3)
     e5m2 = rk.PagedAttentionKVCache(config("float8_e5m2"))
     held, _ = fresh("float8_e4m3fn", rng)  # other scales, and a token stored with them
-    held.add_sequence(3)
-    held.begin_forward([3], [1])
-    for layer in range(2):
-        held.attention_with_fused_qkv(layer, tvm.runtime.tensor(np.ones((1, HQ + 2 * H, D), np.float16)),
-                                      nan((1, HQ, D)), SM_SCALE)
-    held.end_forward()
+    store_ones(held, 3, 1)
 
     def edited(**changes):
         data = json.loads(meta)
