@@ -254,6 +254,10 @@ class KVCacheConfig:
         after their sequences let go and reused by new sequences with the same leading tokens;
         cached pages no sequence holds count as available and are evicted least recently used
         first when the free pages run out.
+    host_cache_pages : int
+        Prefix caching's host tier: how many evicted cached pages are kept in host memory
+        (pinned on CUDA; the same page bytes per layer as on the device) and copied back when a
+        new sequence's prompt hits them. 0 (the default): evicted pages are dropped.
 
     Notes
     -----
@@ -288,6 +292,7 @@ class KVCacheConfig:
     mla_original_v_head_dim: Optional[int] = None
     context_chunk_size: Optional[int] = None
     prefix_caching: bool = False
+    host_cache_pages: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
@@ -311,6 +316,12 @@ class KVCacheConfig:
         if not isinstance(self.prefix_caching, (bool, np.bool_)):
             raise ConfigError(f"KVCacheConfig.prefix_caching must be a bool, got {describe(self.prefix_caching)}")
         object.__setattr__(self, "prefix_caching", bool(self.prefix_caching))
+        host = exact_int(self.host_cache_pages)
+        if host is None or not 0 <= host <= MAX_INT or (host and not self.prefix_caching):
+            raise ConfigError(f"KVCacheConfig.host_cache_pages must be an int in [0, {MAX_INT}], and 0 without "
+                              f"prefix_caching; got {describe(self.host_cache_pages)} (prefix_caching="
+                              f"{self.prefix_caching})")
+        object.__setattr__(self, "host_cache_pages", host)
         try:
             object.__setattr__(self, "rope_mode", RopeMode(exact_int(self.rope_mode)))  # not an int: None, ValueError
         except ValueError:

@@ -4,6 +4,7 @@ planning, device placement, kernel launches, checkpoints and debug reads are com
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import tvm
@@ -22,6 +23,7 @@ from ..tensors import allocate, check_disjoint, check_tensor, view
 from . import commit, prefix
 from .attention import Attention, MHAAttention
 from .debug import DebugReader
+from .host_pages import HostPages
 from .kv_scales import KVScales
 from .mla import MLAAttention
 from .planner import StepPlanner, unwindowed_chunk_limit
@@ -78,9 +80,9 @@ class PagedAttentionKVCache(StoredKVMethods):
     @classmethod
     def _unchecked(cls, config: KVCacheConfig, device: tvm.runtime.Device,
                    kernels: KernelSet) -> "PagedAttentionKVCache":
-        """A cache on unchecked ``kernels`` (the kernel probe's own)."""
+        """A cache on unchecked ``kernels`` (the kernel probe's own; no host tier)."""
         cache = cls.__new__(cls)
-        cache._setup(config, device, kernels, 0, lazy_workspace=False)
+        cache._setup(dataclasses.replace(config, host_cache_pages=0), device, kernels, 0, lazy_workspace=False)
         return cache
 
     def _setup(self, config: KVCacheConfig, device: tvm.runtime.Device, kernels: KernelSet, layer_offset: int, *,
@@ -88,10 +90,11 @@ class PagedAttentionKVCache(StoredKVMethods):
         self.config, self.device, self.layer_offset = config, device, layer_offset
         self._kernels = kernels
         self._paging = PagingState(config.num_total_pages, config.page_size, slide_windows=config.slides_sequences,
-                                   prefix_caching=config.prefix_caching)
+                                   prefix_caching=config.prefix_caching, host_pages=config.host_cache_pages)
         page_shape = ((config.num_total_pages, config.page_size, config.head_dim) if config.is_mla else
                       (config.num_total_pages, 2, config.num_kv_heads, config.page_size, config.head_dim))
         self._pages = [allocate(page_shape, config.page_dtype, device, "page tensor") for _ in range(config.num_layers)]
+        self._host = HostPages(self._pages, config.host_cache_pages, device) if config.host_cache_pages else None
         self._kv_scales = KVScales(config, device)
         self._scratch = Scratch.allocate(config, device)
         self._dtype = self._scratch.o.dtype
@@ -146,7 +149,9 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._check_not_busy("add_sequence")
         if token_ids is not None and self._paging.prefix_caching:
             token_ids = as_int_list("token_ids", token_ids, error=ArgumentError)
-        return self._paging.add_sequence(seq_id, token_ids, salt)
+        hit = self._paging.add_sequence(seq_id, token_ids, salt)
+        self._sync_host()
+        return hit
 
     def remove_sequence(self, seq_id: int) -> None:
         """Remove a sequence, freeing the pages no other sequence shares."""
@@ -271,7 +276,14 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._checkpoints.check_not_importing(seq_id, "get_sequence_length")
         return self._paging.sequence_length(seq_id)
 
+    def _sync_host(self) -> None:
+        """Queue the host-tier copies the last paging operation asked for (before any kernel
+        touches those pages again)."""
+        if self._host is not None:
+            self._host.run(self._paging.take_host_moves())
+
     def _copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        self._sync_host()  # the operation that made the copies may have evicted pages first
         for copy in copies:
             for pages in self._pages:
                 self._kernels.copy_single_page(pages, copy.src_page, copy.dst_page, copy.length)
@@ -298,6 +310,7 @@ class PagedAttentionKVCache(StoredKVMethods):
         if self._paging.prefix_caching and token_ids is not None:
             ids = prefix.check_step_tokens(seq_ids, append_lengths, token_tree_parent_ptr, token_ids)
         meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
+        self._sync_host()
         self._step_tokens = ids
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
                                           tokens=self._planner.decode.plain_tokens(meta))

@@ -26,8 +26,10 @@ def stats(paging: PagingState) -> dict:
     """The counters of :meth:`PagedAttentionKVCache.prefix_cache_stats`."""
     if not paging.prefix_caching:
         raise KVCacheError("prefix_cache_stats needs a cache created with KVCacheConfig(prefix_caching=True)")
-    counters, cached, evictable = paging.prefix_stats()
+    counters, cached, evictable, host = paging.prefix_stats()
     lookup = counters.lookup_tokens
     return {"lookups": counters.lookups, "lookup_tokens": lookup, "hit_tokens": counters.hit_tokens,
             "hit_rate": counters.hit_tokens / lookup if lookup else 0.0, "registered_pages": counters.registered,
-            "cached_pages": cached, "evictable_pages": evictable, "evicted_pages": counters.evicted}
+            "cached_pages": cached, "evictable_pages": evictable, "evicted_pages": counters.evicted,
+            "host_pages": host, "spilled_pages": counters.spilled, "loaded_pages": counters.loaded,
+            "host_dropped_pages": counters.host_dropped}

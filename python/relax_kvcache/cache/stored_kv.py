@@ -87,6 +87,7 @@ class StoredKVMethods:
         sequence (or ``clear``) abandons the import. One import at a time.
         """
         self._checkpoints.prepare(seq_id, metadata)
+        self._sync_host()  # its pages may have evicted cached ones to the host tier
 
     def import_page_group(self, seq_id: int, group_id: int, group: tvm.runtime.Tensor) -> None:
         """Copy page group ``group_id`` (layer ``group_id``'s K/V, the layout of

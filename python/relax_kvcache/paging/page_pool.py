@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..errors import CacheFullError, KVCacheError
 from ._checks import as_int
+from .host_tier import HostTier
 from .prefix import PrefixIndex
 
 
@@ -19,16 +20,17 @@ class PagePool:
     With a `PrefixIndex`, pages are reference-counted (blocks share registered pages) and a
     registered page released by its last holder is kept as *cached*: available, but handed
     out (evicted, its registration dropped) only once the free stack is empty, least recently
-    released first and, among pages released together, deepest prefix first."""
+    released first and, among pages released together, deepest prefix first. With a
+    `HostTier`, evicted pages go there."""
 
-    __slots__ = ("_num_pages", "_free", "_refs", "_cached", "_index")
+    __slots__ = ("_num_pages", "_free", "_refs", "_cached", "_index", "_host")
 
-    def __init__(self, num_pages: int, index: Optional[PrefixIndex] = None) -> None:
+    def __init__(self, num_pages: int, index: Optional[PrefixIndex] = None, host: Optional[HostTier] = None) -> None:
         num_pages = as_int("number of pages", num_pages)
         if num_pages < 0:
             raise KVCacheError(f"number of pages must be >= 0, got {num_pages}")
         self._num_pages = num_pages
-        self._index = index
+        self._index, self._host = index, host
         self.reset()
 
     @property
@@ -64,6 +66,8 @@ class PagePool:
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()
         if self._index is not None:
             self._index.reset()
+        if self._host is not None:
+            self._host.reset()
 
     def allocate(self, n: int) -> list[int]:
         """Pop ``n >= 0`` pages off the free stack (then evict cached pages), in allocation order."""
@@ -130,9 +134,10 @@ class PagePool:
             self._free.append(page)
 
     def _evict(self, n: int) -> None:
-        """Move the ``n`` least recently released cached pages to the free stack."""
-        for _ in range(n):
-            page, _ = self._cached.popitem(last=False)
-            self._index.unregister(page)  # type: ignore[union-attr]
-            self._index.stats.evicted += 1  # type: ignore[union-attr]
-            self._free.append(page)
+        """Move the ``n`` least recently released cached pages to the free stack (their
+        entries to the host tier, if any)."""
+        pages = [self._cached.popitem(last=False)[0] for _ in range(n)]
+        evicted = self._index.evict(pages)  # type: ignore[union-attr]
+        if self._host is not None:
+            self._host.store(evicted)
+        self._free.extend(pages)

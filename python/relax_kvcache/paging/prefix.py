@@ -55,16 +55,19 @@ class PrefixStats:
     hit_tokens: int = 0  # tokens they found cached
     registered: int = 0  # pages registered so far
     evicted: int = 0  # cached pages evicted for new tokens
+    spilled: int = 0  # evicted pages copied to the host tier
+    loaded: int = 0  # host pages copied back on a hit
+    host_dropped: int = 0  # host pages dropped for room
 
 
 class PrefixIndex:
     """Registered pages by key and by page id (the one owner of that mapping)."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, stats: Optional[PrefixStats] = None) -> None:
         self.page_size = page_size
         self._by_key: dict[int, int] = {}
         self._entries: dict[int, PageEntry] = {}
-        self.stats = PrefixStats()
+        self.stats = PrefixStats() if stats is None else stats
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,20 +86,10 @@ class PrefixIndex:
     def key(parent_key: Optional[int], tokens: tuple[int, ...], salt: Hashable) -> int:
         return hash((parent_key, tokens, salt))
 
-    def lookup(self, token_ids: list[int], salt: Hashable, most_pages: int) -> list[int]:
-        """The registered pages holding the leading full pages of ``token_ids`` (at most
-        ``most_pages``), in order: the longest chain of hits from the first page."""
-        ps, pages, parent = self.page_size, [], None
-        for i in range(most_pages):
-            tokens = tuple(token_ids[i * ps:(i + 1) * ps])
-            key = self.key(parent, tokens, salt)
-            page = self._by_key.get(key)
-            entry = self._entries.get(page) if page is not None else None
-            if entry is None or (entry.parent_key, entry.tokens, entry.salt) != (parent, tokens, salt):
-                break  # a miss (or a hash collision, which counts as one)
-            pages.append(page)
-            parent = key
-        return pages
+    def find(self, key: int) -> Optional[tuple[int, PageEntry]]:
+        """The registered page holding ``key`` and its entry (None: not on the device)."""
+        page = self._by_key.get(key)
+        return None if page is None else (page, self._entries[page])
 
     def register(self, page: int, parent_key: Optional[int], tokens: tuple[int, ...], salt: Hashable,
                  depth: int) -> int:
@@ -108,10 +101,24 @@ class PrefixIndex:
             self.stats.registered += 1
         return key
 
+    def restore(self, page: int, entry: PageEntry) -> None:
+        """Register ``page`` (loaded from the host) under ``entry`` again."""
+        if entry.key not in self._by_key:
+            self._by_key[entry.key] = page
+            self._entries[page] = entry
+
     def unregister(self, page: int) -> None:
         entry = self._entries.pop(page, None)
         if entry is not None:
             del self._by_key[entry.key]
+
+    def evict(self, pages: list[int]) -> list[tuple[int, PageEntry]]:
+        """Unregister the evicted ``pages``; their (page, entry) pairs."""
+        evicted = [(page, self._entries[page]) for page in pages]
+        for page in pages:
+            self.unregister(page)
+        self.stats.evicted += len(pages)
+        return evicted
 
     def depth(self, page: int) -> int:
         return self._entries[page].depth

@@ -3,20 +3,29 @@ pages, pages registered as they fill, and the copy-on-write of a shared page a p
 
 from __future__ import annotations
 
-from typing import Hashable, Optional
+from typing import Hashable, NamedTuple, Optional
 
 from ..errors import SequenceError
+from .host_tier import HostTier
 from .prefix import PrefixIndex, PrefixStats, TokenLog
 from .sequences import Sequence
 from .tree import BlockTree, PageCopy, PopPlan
+
+
+class Hit(NamedTuple):
+    """Where a cached page of a lookup is: device ``page`` (``slot`` -1) or host ``slot``
+    (``page`` -1)."""
+
+    page: int
+    slot: int
 
 
 class PrefixCache:
     """Prefix caching over a `BlockTree` whose page pool shares `index`; `PagingState` calls it
     around its own operations (checks first, as everywhere)."""
 
-    def __init__(self, tree: BlockTree, index: PrefixIndex) -> None:
-        self._tree, self._index = tree, index
+    def __init__(self, tree: BlockTree, index: PrefixIndex, host: Optional[HostTier] = None) -> None:
+        self._tree, self._index, self._host = tree, index, host
         self._ps = tree.page_size
 
     @property
@@ -35,18 +44,60 @@ class PrefixCache:
             seq.tokens = TokenLog(salt)
             return 0
         ps, stats = self._ps, self._index.stats
-        pages = self._index.lookup(token_ids, salt, max(len(token_ids) - 1, 0) // ps)
+        hits = self._affordable(self._lookup(token_ids, salt, max(len(token_ids) - 1, 0) // ps))
+        pages = self._take(hits)
         stats.lookups += 1
         stats.lookup_tokens += max(len(token_ids) - 1, 0)
         hit = len(pages) * ps
         stats.hit_tokens += hit
         block = self._tree.blocks[seq.last_block]
-        self._tree.pages.retain(pages)
         block.page_ids.extend(pages)
         block.seq_length = seq.seq_length = hit
         keys = [self._index.entry(page).key for page in pages]  # type: ignore[union-attr]
         seq.tokens = TokenLog(salt, token_ids[:hit], keys)
         return hit
+
+    def _lookup(self, token_ids: list[int], salt: Hashable, most_pages: int) -> list[Hit]:
+        """Where the leading full pages of ``token_ids`` (at most ``most_pages``) are cached, in
+        order: the longest chain of hits from the first page, on the device or the host."""
+        ps, hits, parent = self._ps, [], None
+        for i in range(most_pages):
+            tokens = tuple(token_ids[i * ps:(i + 1) * ps])
+            key = PrefixIndex.key(parent, tokens, salt)
+            found, on_device = self._index.find(key), True
+            if found is None and self._host is not None:
+                found, on_device = self._host.find(key), False
+            if found is None or (found[1].parent_key, found[1].tokens, found[1].salt) != (parent, tokens, salt):
+                break  # a miss (or a hash collision, which counts as one)
+            hits.append(Hit(found[0], -1) if on_device else Hit(-1, found[0]))
+            parent = key
+        return hits
+
+    def _affordable(self, hits: list[Hit]) -> list[Hit]:
+        """The leading ``hits`` whose host pages fit in the pages available once the device
+        hits are held (a loaded page takes an available one)."""
+        pool, free = self._tree.pages, self._tree.pages.num_free
+        for n, hit in enumerate(hits):
+            if hit.page >= 0:
+                free -= pool.refs(hit.page) == 0  # a cached page stops counting as available
+            elif free == 0:
+                return hits[:n]
+            else:
+                free -= 1
+        return hits
+
+    def _take(self, hits: list[Hit]) -> list[int]:
+        """Hold the device pages of ``hits`` and load their host pages into fresh pages (the
+        copies recorded in the host tier); the pages, in order."""
+        pool, host = self._tree.pages, self._host
+        pages = [hit.page for hit in hits]
+        pool.retain([page for page in pages if page >= 0])
+        loads = [(i, hit.slot, host.take(hit.slot)) for i, hit in enumerate(hits) if hit.page < 0]  # type: ignore[union-attr]
+        for (i, slot, entry), page in zip(loads, pool.allocate(len(loads))):  # may spill other pages first
+            host.load(slot, page)  # type: ignore[union-attr]
+            self._index.restore(page, entry)
+            pages[i] = page
+        return pages
 
     def record(self, seq: Sequence, length: int, ids: Optional[list[int]]) -> None:
         """``seq`` appended ``length`` tokens (ids ``ids``, None: unknown) in the step that ends:

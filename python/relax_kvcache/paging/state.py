@@ -18,6 +18,7 @@ from . import appends, decode_lane
 from ._checks import as_int, as_seq_id, ceil_div, check_pop_length
 from .block_pool import Block
 from .decode_lane import DecodeLane
+from .host_tier import HostTier
 from .prefix import PrefixIndex, PrefixStats, check_salt, check_token_ids
 from .prefix_cache import PrefixCache
 from .sequences import Sequence
@@ -32,10 +33,11 @@ class PagingState:
     """Paging bookkeeping of a paged KV cache, over ``num_pages`` pages of ``page_size``
     tokens. ``slide_windows`` (TVM's ``support_sliding_window_``): whether sequences with a
     window really slide, or are only marked; ``prefix_caching``: whether full pages are kept and
-    reused by their token ids (`paging.prefix`)."""
+    reused by their token ids (`paging.prefix`); ``host_pages``: host slots that keep evicted
+    cached pages (`paging.host_tier`; the copies are left to the caller, `take_host_moves`)."""
 
     def __init__(self, num_pages: int, page_size: int, *, slide_windows: bool = False,
-                 prefix_caching: bool = False) -> None:
+                 prefix_caching: bool = False, host_pages: int = 0) -> None:
         num_pages = as_int("number of pages", num_pages)
         page_size = as_int("page size", page_size)
         if num_pages < 0 or page_size < 1:
@@ -44,10 +46,14 @@ class PagingState:
         if num_pages * page_size > _INT32_MAX:
             raise ConfigError(f"num_pages * page_size = {num_pages * page_size} exceeds the int32 "
                               "slot range")
+        host_pages = as_int("host pages", host_pages)
+        if host_pages < 0 or (host_pages and not prefix_caching):
+            raise ConfigError(f"host pages must be >= 0, and 0 without prefix caching; got {host_pages}")
         self._page_size = page_size
         index = PrefixIndex(page_size) if prefix_caching else None
-        self._tree = BlockTree(num_pages, page_size, index)
-        self._prefix = None if index is None else PrefixCache(self._tree, index)
+        self._host = HostTier(host_pages, index.stats) if host_pages else None  # type: ignore[union-attr]
+        self._tree = BlockTree(num_pages, page_size, index, self._host)
+        self._prefix = None if index is None else PrefixCache(self._tree, index, self._host)
         self._pages, self._blocks = self._tree.pages, self._tree.blocks
         self._seqs: dict[int, Sequence] = {}
         self._slide_windows = bool(slide_windows)
@@ -81,11 +87,22 @@ class PagingState:
     def prefix_caching(self) -> bool:
         return self._prefix is not None
 
-    def prefix_stats(self) -> tuple[PrefixStats, int, int]:
-        """Prefix caching's counters, the registered pages and the cached pages no sequence
-        holds (prefix caching only)."""
+    def prefix_stats(self) -> tuple[PrefixStats, int, int, int]:
+        """Prefix caching's counters, the registered pages, the cached pages no sequence
+        holds and the pages on the host (prefix caching only)."""
         assert self._prefix is not None
-        return self._prefix.stats, len(self._prefix.index), self._pages.num_cached
+        host = 0 if self._host is None else len(self._host)
+        return self._prefix.stats, len(self._prefix.index), self._pages.num_cached, host
+
+    def host_pages(self) -> list[tuple[int, object]]:
+        """(host slot, `paging.prefix.PageEntry`) of every page on the host tier."""
+        return [] if self._host is None else self._host.items()
+
+    def take_host_moves(self) -> list:
+        """The page copies between device and host (`paging.host_tier.HostMove`) that the
+        operations since the last call need, in the order they must run: before any kernel
+        reads or writes the pages again."""
+        return [] if self._host is None else self._host.take_moves()
 
     def registered_pages(self) -> list[tuple[int, object]]:
         """(page, `paging.prefix.PageEntry`) of every registered page (empty without prefix
@@ -160,6 +177,7 @@ class PagingState:
             "sequences": tuple((k, dataclasses.astuple(s)) for k, s in self._seqs.items()),
             "cached_pages": self._pages.cached_page_ids(),
             "registered": tuple(self.registered_pages()),
+            "host": tuple(self.host_pages()),
         }
 
     # ------------------------------------------------------------- mutations

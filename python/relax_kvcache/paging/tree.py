@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import CacheFullError, SequenceError
 from ._checks import as_int, ceil_div
 from .block_pool import Block, BlockPool
+from .host_tier import HostTier
 from .page_pool import PagePool
 from .prefix import PrefixIndex
 from .sequences import Sequence
@@ -41,9 +42,10 @@ class PopPlan:
 class BlockTree:
     """Blocks (a tree through their ``parent`` links) and the pool of the pages they hold."""
 
-    def __init__(self, num_pages: int, page_size: int, index: Optional[PrefixIndex] = None) -> None:
+    def __init__(self, num_pages: int, page_size: int, index: Optional[PrefixIndex] = None,
+                 host: Optional[HostTier] = None) -> None:
         self.page_size = page_size
-        self.pages = PagePool(num_pages, index)
+        self.pages = PagePool(num_pages, index, host)
         self.blocks = BlockPool()
         self._lanes = np.arange(page_size, dtype=np.int32)  # in-page offsets
 
