@@ -88,6 +88,7 @@ class Check:
         self.steps = 0
         self.max_error = 0.0
         self.problems: List[str] = []
+        self.ghosts: set = set()  # removed from the cache, kept in the reference (sources of prefix hits)
         if cfg.kv_dtype is not None:  # K / V scales of every layer (powers of two: exact)
             for layer in range(cfg.num_layers):
                 cache.set_kv_scales(layer, *GRID_SCALES)
@@ -166,6 +167,18 @@ class Check:
         self.cache.fork_sequence(parent, child, pos)
         self.ref.fork(parent, child, pos)
 
+    def release(self, seq: int) -> None:
+        """Remove ``seq`` from the cache only: its pages may stay cached (prefix caching)."""
+        self.cache.remove_sequence(seq)
+        self.ghosts.add(seq)
+
+    def add_cached(self, seq: int, ids: List[int], source: int, expected_hit: int) -> None:
+        """Add ``seq`` with prompt ``ids`` (prefix caching): it must start on ``expected_hit``
+        cached tokens, which ``source`` (live or released) holds in the reference."""
+        hit = self.cache.add_sequence(seq, ids)
+        self.expect_equal(f"tokens of sequence {seq} found cached", hit, expected_hit)
+        self.ref.fork(source, seq, hit)
+
     def popn(self, seq: int, n: int) -> None:
         self.cache.popn(seq, n)
         self.ref.popn(seq, n)
@@ -182,11 +195,12 @@ class Check:
 
     # -- forward steps
     def step(self, batch: Sequence[Tuple[int, int]], trees: Optional[Dict[int, List[int]]] = None,
-             during: Optional[Callable[[], None]] = None) -> None:
+             during: Optional[Callable[[], None]] = None, token_ids: Optional[List[int]] = None) -> None:
         """One forward step of ``batch`` ``[(seq, tokens)]`` through every layer, checked.
 
         ``trees[seq]``: parent pointers of the sequence's new tokens (a token-tree step).
         ``during``: called after the layers' attention, before ``end_forward``.
+        ``token_ids``: the new tokens' ids, in batch order (prefix caching registers their pages).
         """
         cfg = self.cfg
         n = sum(length for _, length in batch)
@@ -194,7 +208,7 @@ class Check:
         outs = [self.poisoned((n, cfg.num_qo_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
         self.step_qkv = [host for _, host in qkvs]
         parents = None if trees is None else [p for seq, _ in batch for p in trees[seq]]
-        self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch], parents)
+        self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch], parents, token_ids)
         for layer in range(cfg.num_layers):
             self.cache.attention_with_fused_qkv(layer, qkvs[layer][0], outs[layer], self.sm_scale)
         if during is not None:
@@ -224,7 +238,8 @@ class Check:
     def check_contents(self) -> None:
         """Lengths and ``debug_get_kv`` of every sequence against the reference."""
         cfg = self.cfg
-        for seq in self.ref.k:
+        live = [seq for seq in self.ref.k if seq not in self.ghosts]
+        for seq in live:
             length = self.ref.length(seq)
             self.expect_equal(f"length of sequence {seq}", self.cache.get_sequence_length(seq), length)
             if length == 0:
@@ -238,7 +253,7 @@ class Check:
             if cfg.kv_dtype is not None:
                 self.check_page_bytes(seq, k_ref, v_ref)
         self.expect_equal("total sequence length", self.cache.get_total_sequence_length(),
-                          sum(self.ref.length(s) for s in self.ref.k))
+                          sum(self.ref.length(s) for s in live))
 
     def check_page_bytes(self, seq: int, k_ref: np.ndarray, v_ref: np.ndarray) -> None:
         """8-bit pages hold ``value / scale``: the raw elements at the sequence's positions."""
@@ -613,7 +628,53 @@ def wl_graph_decode(c: Check, steps: int = 60) -> None:
     c.check_contents()
 
 
+def wl_prefix_cache(c: Check) -> None:
+    """Prefix caching (a config with ``prefix_caching`` and a host tier): hits on a live and on
+    a released sequence's pages, decode filling pages, a fork and a pop into a shared cached
+    page (copy-on-write); then the cache filled until those pages go to the host tier, and a
+    prompt that brings them back. Every output against the reference."""
+    ps, rng = c.cfg.page_size, c.rng
+
+    def ids(n: int) -> List[int]:
+        return rng.integers(0, 32000, n).tolist()
+
+    system, source = ids(5 * ps + 3), 100  # the reference keeps the system prompt's K/V as "sequence" 100
+    c.add(0)
+    c.step([(0, len(system))], token_ids=system)
+    c.ref.fork(0, source, -1)
+    c.ghosts.add(source)
+    first = system[:3 * ps] + ids(7)
+    c.add_cached(1, first, source, 3 * ps)  # three whole pages, live in sequence 0
+    c.step([(1, 7)], token_ids=first[3 * ps:])
+    for _ in range(ps):  # decode: sequence 1's fourth page fills and registers
+        c.step([(0, 1), (1, 1)], token_ids=ids(2))
+    c.fork(1, 2, 3 * ps + 5)
+    c.popn(0, c.ref.length(0) - (3 * ps - 4))  # into the third page, shared with 1 and 2: copied first
+    c.step([(0, 5), (2, 3)], token_ids=ids(8))
+    c.check_contents()
+    for seq in (0, 1, 2):
+        c.release(seq)
+    c.add_cached(3, system[:4 * ps + 1], source, 4 * ps)  # all released: their pages stay cached
+    c.step([(3, 1)], token_ids=system[4 * ps:4 * ps + 1])
+    c.release(3)
+    c.add(4)  # fill the cache without ids: every cached page is evicted to the host tier
+    while c.cache.get_num_available_pages():
+        c.step([(4, min(c.cfg.prefill_chunk_size, c.cache.get_num_available_pages() * ps))])
+    c.remove(4)
+    stats = c.cache.prefix_cache_stats()
+    if stats["spilled_pages"] < 4 or stats["evictable_pages"]:
+        c.problems.append(f"prefix_cache: cached pages did not all go to the host tier: {stats}")
+    c.add_cached(5, system[:4 * ps] + ids(3), source, 4 * ps)  # back from the host
+    c.step([(5, 3)], token_ids=ids(3))
+    c.step([(5, 1)], token_ids=ids(1))
+    c.check_contents()
+    stats = c.cache.prefix_cache_stats()
+    if stats["loaded_pages"] < 4:
+        c.problems.append(f"prefix_cache: the hit did not load from the host tier: {stats}")
+
+
 WORKLOADS: Dict[str, Callable[[Check], None]] = {
+    "prefix_cache": wl_prefix_cache,
     "graph_decode": wl_graph_decode,
     "long_context": wl_long_context,
     "checkpoint": wl_checkpoint,

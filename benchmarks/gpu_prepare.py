@@ -93,6 +93,11 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
                          ["layer_windows", "shared_kv", "graph_decode"]),
     "d64-fp8-chunked": (_check_config(**_CHUNKED, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e5m2"),
                         ["layer_windows", "shared_kv", "checkpoint"]),
+    # prefix caching with a host tier (the pinned copies on CUDA), 16- and 8-bit pages
+    "d128-prefix": (_check_config(head_dim=128, prefix_caching=True, host_cache_pages=64, max_total_seq_len=1024),
+                    ["prefix_cache", "random", "prefix_chain", "token_tree"]),
+    "d64-fp8-prefix": (_check_config(rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e4m3fn", prefix_caching=True,
+                                     host_cache_pages=64, max_total_seq_len=1024), ["prefix_cache", "random"]),
     # the benchmark's head shape with long contexts (many KV chunks per block, large batches)
     "d128-long": (_check_config(num_qo_heads=32, num_kv_heads=8, head_dim=128, rope_theta=5e5, max_num_seqs=16,
                                 max_total_seq_len=20480, prefill_chunk_size=8192), ["long_context"]),

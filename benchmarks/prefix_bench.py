@@ -4,7 +4,12 @@
   (sizes drawn around ``user``) and a few generated tokens (GPU: 64 requests, a 1,000-token
   system prompt, ~50-token user parts, 4 tokens);
 * **multi-turn chat**: conversations whose every turn resends the conversation so far plus a new
-  user message (GPU: 8 conversations of 8 turns, 100 user tokens and 32 generated per turn).
+  user message (GPU: 8 conversations of 8 turns, 100 user tokens and 32 generated per turn);
+* **chat beyond device memory**: the chat with three times as many conversations as a cache
+  sized for ``max_live`` of them holds, so that the others evict a conversation's pages between
+  its turns: prefix caching without, then with a host tier (``host_cache_pages``) holding every
+  conversation's pages, and a device cache holding them all (the reference: the host tier's
+  outputs must equal its own, bit for bit).
 
 Requests are admitted one per engine step, at most ``max_live`` running (a server's admission
 control); a chat's next turn is queued when its previous one finishes. "Without caching" is the
@@ -25,8 +30,10 @@ Usage::
 
 On the GPU host (runtime-only TVM, as ``gpu_host.sh`` sets it up), from the repository root:
 ``. .gpu/prefix/bundle/setup_gpu_host.sh && python3 benchmarks/prefix_bench.py --libs .gpu/prefix``.
-Exit status 1 unless the shared system prompt meets the target fraction with identical outputs
-(and, on the CPU's float32 model, the chat's outputs are identical too).
+Exit status 1 unless the shared system prompt meets the target fraction with identical outputs,
+the host tier finds more cached tokens than the device alone and exactly what a device cache
+holding everything finds, with identical outputs (and, on the CPU's float32 model, the chats'
+outputs are identical to the uncached run's too).
 """
 
 from __future__ import annotations
@@ -199,11 +206,13 @@ def capacity(sizes: Sizes) -> Tuple[int, int]:
     return sizes.max_live, -(-(sizes.max_live * per) // PAGE) * PAGE + sizes.max_live * PAGE
 
 
-def make_engine(model: Model, weights, sizes: Sizes, prefix_caching: bool) -> Engine:
+def make_engine(model: Model, weights, sizes: Sizes, prefix_caching: bool, host_pages: int = 0,
+                total: Optional[int] = None) -> Engine:
     vm = VirtualMachine(model.executable, model.device.dev)
-    seqs, total = capacity(sizes)
+    seqs, room = capacity(sizes)
+    total = room if total is None else total
     shape = tvm.runtime.ShapeTuple
-    cache = vm["create_kv_cache"](shape([seqs]), shape([total]), shape([sizes.chunk]))
+    cache = vm["create_kv_cache_with_host"](shape([seqs]), shape([total]), shape([sizes.chunk]), shape([host_pages]))
     functions = {"prefill_rows": vm["prefill_rows"], "decode": vm["decode"]}  # the sampled rows' logits
     return Engine(functions, weights, cache, model.device.dev, prefill_chunk_size=sizes.chunk,
                   vocab_size=model.cfg.vocab_size, prefill_rows=True, prefix_caching=prefix_caching)
@@ -236,7 +245,36 @@ def run(model: Model, sizes: Sizes, log: Callable[[str], None] = print) -> dict:
                  **agreement(off.outputs, on.outputs)}
         result["workloads"][name] = entry
         log(report_rows(name, entry))
+    result["host_tier"] = host_tier(model, weights, sizes)
+    log(report_rows("chat_beyond_device_memory", result["host_tier"], ("device", "host tier", "all on device")))
     return result
+
+
+def host_tier(model: Model, weights, sizes: Sizes) -> dict:
+    """The chat with ``3 * max_live`` conversations on a cache that holds ``max_live`` of them:
+    between two turns of a conversation the others evict its pages. Prefix caching without,
+    then with a host tier that holds every conversation's pages; and, as the reference, a device
+    cache that holds them all. With the host tier every turn should find what it finds in that
+    cache, and so run the same steps: its outputs must be identical, bit for bit, in any dtype."""
+    many = dataclasses.replace(sizes, conversations=3 * sizes.max_live)
+    conversation = -(-many.turns * (many.turn_user + many.turn_new) // PAGE)  # pages
+    pages, total = many.conversations * conversation, sizes.max_live * (conversation + 1) * PAGE
+    runs = {}
+    for mode, host_pages, tokens in (("device", 0, total), ("host tier", pages, total),
+                                      ("all on device", 0, total + pages * PAGE)):
+        chat = Chat(many, model.cfg.vocab_size, np.random.default_rng(SEED))
+        engine = make_engine(model, weights, sizes, True, host_pages, tokens)
+        try:
+            runs[mode] = serve(engine, chat.first(), chat.follow_up, sizes.max_live, model.device.sync)
+            if host_pages:
+                stats = dict(engine.prefix_cache_stats())
+        finally:
+            engine.close()
+    off, on, roomy = runs["device"], runs["host tier"], runs["all on device"]
+    return {"without": off.summary(), "with": on.summary(), "all_on_device": roomy.summary(),
+            "identical": on.outputs == roomy.outputs and on.hit_tokens == roomy.hit_tokens,
+            "host_pages": pages, "device_tokens": total, "conversations": many.conversations, "host_stats": stats,
+            **agreement(roomy.outputs, on.outputs)}
 
 
 def agreement(off: Dict[Tuple[int, int], List[int]], on: Dict[Tuple[int, int], List[int]]) -> dict:
@@ -248,14 +286,15 @@ def agreement(off: Dict[Tuple[int, int], List[int]], on: Dict[Tuple[int, int], L
     return {"same_requests": same, "same_token_fraction": equal / tokens if tokens else 1.0}
 
 
-def report_rows(name: str, entry: dict) -> str:
-    lines = [f"{name}: outputs identical with and without caching: {entry['identical']} ({entry['same_requests']} "
+def report_rows(name: str, entry: dict, labels: Tuple[str, ...] = ("without", "with")) -> str:
+    """The rows of a workload; its outputs are compared between the last two modes."""
+    lines = [f"{name}: outputs identical {labels[-2]} / {labels[-1]}: {entry['identical']} ({entry['same_requests']} "
              f"of {entry['without']['requests']} requests, {entry['same_token_fraction']:.1%} of generated tokens)",
-             f"  {'':8s} {'prefill computed':>16s} {'hit':>7s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
+             f"  {'':13s} {'prefill computed':>16s} {'hit':>7s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
              f"{'out tok/s':>10s} {'req/s':>7s} {'shared computed':>16s}"]
-    for mode in ("without", "with"):
+    for mode, label in zip(("without", "with", "all_on_device"), labels):
         s = entry[mode]
-        lines.append(f"  {mode:8s} {s['prefill_tokens_computed']:16d} {s['hit_tokens']:7d} "
+        lines.append(f"  {label:13s} {s['prefill_tokens_computed']:16d} {s['hit_tokens']:7d} "
                      f"{s['ttft_mean_ms']:8.1f}ms {s['ttft_p50_ms']:7.1f}ms {s['output_tokens_per_s']:10.1f} "
                      f"{s['requests_per_s']:7.2f} {s['shared_fraction_computed']:15.1%}")
     return "\n".join(lines)
@@ -263,13 +302,15 @@ def report_rows(name: str, entry: dict) -> str:
 
 def ok(result: dict, exact: bool) -> bool:
     """The shared system prompt computed at most :data:`TARGET_FRACTION` after the first request
-    with caching, with outputs identical to the uncached run's; with ``exact`` (a float32 model)
-    the chat's outputs identical too. (In float16 a chat turn's resent conversation is attended
+    with caching, with outputs identical to the uncached run's; the host tier finding more than
+    the device alone and what a cache holding everything finds, with identical outputs; with
+    ``exact`` (a float32 model) the chats' outputs identical to the uncached run's too. (In float16 a chat turn's resent conversation is attended
     over cached pages instead of within one prefill, a different summation order: greedy tokens
     of random weights can flip at near ties, and a flip changes every later turn's prompt.)"""
-    workloads = result["workloads"]
+    workloads, host = result["workloads"], result["host_tier"]
     shared = workloads["shared_system_prompt"]
     return (shared["identical"] and shared["with"]["shared_fraction_computed"] <= TARGET_FRACTION
+            and host["identical"] and host["with"]["hit_tokens"] > host["without"]["hit_tokens"]
             and (not exact or all(w["identical"] for w in workloads.values())))
 
 
@@ -335,8 +376,9 @@ def gpu_model(libs: pathlib.Path) -> Model:
 
 def soak(model: Model, minutes: float, json_path: Optional[pathlib.Path], smoke: bool = False) -> int:
     """``--soak``: ``e2e_soak.soak`` on an engine with prefix caching, a cache sized to run near
-    full, 70% of prompts starting with (part of) one of four system prompts; exit status 1
-    unless every page is back, memory did not grow and cached prefixes were found."""
+    full and a host tier as large, 70% of prompts starting with (part of) one of four system
+    prompts; exit status 1 unless every page is back, memory did not grow and cached prefixes
+    were found."""
     import e2e_soak
 
     load = dataclasses.replace(e2e_soak.SMOKE_LOAD if smoke or not model.device.cuda else e2e_soak.GPU_LOAD,
@@ -346,13 +388,15 @@ def soak(model: Model, minutes: float, json_path: Optional[pathlib.Path], smoke:
     mean = (sum(load.prompt) + sum(load.output)) / 2
     total = -(-max(int(0.9 * load.max_live * mean), load.prompt[1] + load.output[1] + 8 * PAGE) // PAGE) * PAGE
     chunk = min(2048, total)
-    cache = vm["create_kv_cache"](*(tvm.runtime.ShapeTuple([x]) for x in (2 * load.max_live, total, chunk)))
+    host_pages = total // PAGE  # a host tier as large as the device cache: evicted pages come back
+    cache = vm["create_kv_cache_with_host"](*(tvm.runtime.ShapeTuple([x]) for x in (2 * load.max_live, total, chunk,
+                                                                                    host_pages)))
     engine = Engine({"prefill_rows": vm["prefill_rows"], "decode": vm["decode"]}, weights, cache, model.device.dev,
                     prefill_chunk_size=chunk, vocab_size=model.cfg.vocab_size, prefill_rows=True,
                     prefix_caching=True, cuda_graphs=model.device.cuda)
     print(f"prefix-caching soak on {model.device.describe()}: {minutes} min, up to {load.max_live} requests, "
           f"prompts {load.prompt[0]}-{load.prompt[1]} ({load.shared:.0%} on shared system prompts), a cache of "
-          f"{total} tokens", flush=True)
+          f"{total} tokens and a host tier of {host_pages} pages", flush=True)
     try:
         result = e2e_soak.soak(engine, minutes * 60, load, model.device.used_bytes)
         stats = dict(engine.prefix_cache_stats())
@@ -362,7 +406,8 @@ def soak(model: Model, minutes: float, json_path: Optional[pathlib.Path], smoke:
     result["ok"] = result["ok"] and stats["hit_tokens"] > 0
     print(f"prefix cache: {stats['lookups']} lookups, {stats['hit_tokens']} of {stats['lookup_tokens']} prompt tokens "
           f"found ({stats['hit_rate']:.1%}), {stats['evicted_pages']} pages evicted, {stats['cached_pages']} cached "
-          f"at the end -> {'PASS' if result['ok'] else 'FAIL'}", flush=True)
+          f"at the end; host tier: {stats['spilled_pages']} pages spilled, {stats['loaded_pages']} loaded back, "
+          f"{stats['host_pages']} held -> {'PASS' if result['ok'] else 'FAIL'}", flush=True)
     if json_path:
         json_path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return 0 if result["ok"] else 1

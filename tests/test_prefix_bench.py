@@ -1,6 +1,7 @@
 """``benchmarks/prefix_bench.py --smoke``: both workloads with and without prefix caching on
 llvm at tiny sizes: the same tokens either way, and the prefill tokens computed drop by exactly
-the tokens found cached."""
+the tokens found cached; the chat beyond device memory finds, with the host tier, what a cache
+holding everything finds."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_smoke_serves_both_workloads_the_same_with_and_without_caching(tmp_path,
     # every request after the first finds the system prompt's whole pages (50 tokens: 3 pages)
     assert shared["with"]["hit_tokens"] == (sizes.requests - 1) * 48
     assert result["workloads"]["multi_turn_chat"]["with"]["requests"] == sizes.conversations * sizes.turns
+    host = result["host_tier"]  # more conversations than the device holds: the host tier finds what a
+    assert host["identical"] and host["with"]["hit_tokens"] > host["without"]["hit_tokens"]  # big cache does
+    assert host["with"]["hit_tokens"] == host["all_on_device"]["hit_tokens"]
+    assert host["host_stats"]["loaded_pages"] > 0 and host["host_stats"]["spilled_pages"] > 0
     assert "PASS" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""Prefix caching from the serving side: the creation function's 9th ``cache_config`` entry,
+"""Prefix caching from the serving side: the creation function's 9th and 10th ``cache_config`` entries,
 ``frontend.CacheLayout(prefix_caching=True)``, the ``relax_kvcache.*_with_tokens`` /
 ``prefix_cache_stats`` globals and ``generate.Engine(prefix_caching=True)``.
 
@@ -34,7 +34,8 @@ def _globals():
 
 def test_creation_takes_a_prefix_caching_entry():
     """``cache_config[8]``: 1 turns prefix caching on, 0 off; TVM's 5-7 entry forms and ours
-    of 8 leave it off; another value, or a 10th entry, is refused naming it."""
+    of 8 leave it off; another value is refused naming it. ``cache_config[9]``: the host tier's
+    pages (prefix caching only); an 11th entry is refused."""
     kernels = one_sequence_cache()._kernels
     for entries, on in (([8, 200, 64, 8, 0], False), ([8, 200, 64, 8, 0, 1024], False),
                         ([8, 200, 64, 8, 0, 1024, 0], False), ([8, 200, 64, 8, 0, 1024, 0, 0], False),
@@ -44,8 +45,12 @@ def test_creation_takes_a_prefix_caching_entry():
         assert (cache.config.max_num_seqs, cache.config.page_size, cache.config.kv_dtype) == (8, 8, None)
     with pytest.raises(rk.ConfigError, match=r"cache_config\[8\] \(prefix_caching\) must be 0 or 1, got 2"):
         create_with(kernels, a0=ShapeTuple([8, 200, 64, 8, 0, 1024, 0, 0, 2]))
-    with pytest.raises(rk.ConfigError, match=r"cache_config must hold .*prefix_caching\]\]\]\]\), got \[8, .*, 1, 0\]"):
-        create_with(kernels, a0=ShapeTuple([8, 200, 64, 8, 0, 1024, 0, 0, 1, 0]))
+    cache = create_with(kernels, a0=ShapeTuple([8, 200, 64, 8, 0, 1024, 0, 0, 1, 6]))  # the host tier's pages
+    assert cache.config.prefix_caching and cache.config.host_cache_pages == 6
+    with pytest.raises(rk.ConfigError, match=r"cache_config\[9\] \(host_cache_pages\) must be .*got 6"):
+        create_with(kernels, a0=ShapeTuple([8, 200, 64, 8, 0, 1024, 0, 0, 0, 6]))
+    with pytest.raises(rk.ConfigError, match=r"cache_config must hold .*host_cache_pages\]\]\]\]\]\), got \[8, .*, 1, 0, 0\]"):
+        create_with(kernels, a0=ShapeTuple([8, 200, 64, 8, 0, 1024, 0, 0, 1, 0, 0]))
 
 
 # ---------------------------------------------------------------------------- globals
@@ -135,10 +140,15 @@ def model():
     return executable, cfg, weights, LlamaNumpy(cfg, weights)
 
 
-def _engine(model, prefix_caching, max_total=512, max_seqs=8):
+def _engine(model, prefix_caching, max_total=512, max_seqs=8, host_pages=None):
     executable, cfg, weights, numpy_model = model
     vm = VirtualMachine(executable, tvm.cpu())
-    cache = vm["create_kv_cache"](ShapeTuple([max_seqs]), ShapeTuple([max_total]), ShapeTuple([64]))
+    sizes = [ShapeTuple([max_seqs]), ShapeTuple([max_total]), ShapeTuple([64])]
+    if host_pages is None:
+        cache = vm["create_kv_cache"](*sizes)
+    else:  # the frontend's 10th cache_config entry
+        cache = vm["create_kv_cache_with_host"](*sizes, ShapeTuple([host_pages]))
+        assert cache.config.host_cache_pages == host_pages
     assert cache.config.prefix_caching  # the frontend's 9th cache_config entry
     return Engine(vm, [tvm.runtime.tensor(w.astype("float32")) for w in weights.values()], cache, tvm.cpu(),
                   prefill_chunk_size=64, vocab_size=cfg.vocab_size, reference=numpy_model.logits,
@@ -221,6 +231,32 @@ def test_engine_with_prefix_caching_evicts_and_stays_right(model):
     # the second chat's last turn (7 of the 8 pages) evicted all of the first's: its rerun finds only
     # what its own earlier turns cached (kept, a turn would find 32, 64 and 96 tokens)
     assert [hit for _, hit in got[2]] == [hit for _, hit in got[0]] == [0, 16, 32, 64]
+
+
+def test_engine_with_a_host_tier_gets_an_evicted_conversation_back(model):
+    """As above, then the first chat's whole conversation comes back as one request: without a
+    host tier its pages were evicted (nothing found); with one they come back from the host, and
+    the request's tokens are the uncached run's."""
+    def run(engine):
+        chats = [_chat(engine, turns=3, seed=6), _chat(engine, seed=8), _chat(engine, seed=9)]
+        rng, conversation = np.random.default_rng(6), []  # chat 6's conversation, rebuilt
+        for turn, (tokens, _) in enumerate(chats[0]):
+            conversation += rng.integers(0, 512, 11 + 7 * turn).tolist() + tokens
+        req = engine.add_request(conversation + [3, 1, 4], 6)
+        hit = req.cached
+        _finish(engine)
+        return req.tokens[req.prompt_len:], hit, len(conversation) + 3
+
+    want, _, _ = run(_engine(model, False, max_total=112))
+    dropped = _engine(model, True, max_total=112)
+    got, hit, length = run(dropped)
+    assert got == want and hit == 0 and dropped.prefix_cache_stats()["evicted_pages"] > 0
+    host = _engine(model, True, max_total=112, host_pages=16)
+    got, hit, length = run(host)
+    stats = host.prefix_cache_stats()
+    assert got == want and hit == (length - 1) // 16 * 16 == 64  # every page the chat's turns fed
+    assert stats["loaded_pages"] == hit // 16 and stats["spilled_pages"] >= hit // 16
+    assert host.stats.max_rel_error < 1e-3
 
 
 def test_engine_prefix_caching_with_fork_and_speculation(model):

@@ -19,6 +19,7 @@ from tvm.relax.frontend import nn
 
 from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
 from .config import KV_DTYPE_CODES, AttnKind, KVCacheConfig, RopeMode
+from .errors import ConfigError
 from .tir_kernels.schedule import GpuSchedule, schedule_for
 
 #: The creation function the model's ``create_kv_cache`` calls.
@@ -84,7 +85,7 @@ class PagedKVCache(nn.Object):
     @classmethod
     def create(cls, layout: CacheLayout, target: Union[str, dict, tvm.target.Target], *,
                max_batch_size: IntOrVar, max_total_seq_len: IntOrVar, prefill_chunk_size: IntOrVar,
-               name: str = "paged_kv_cache") -> "PagedKVCache":
+               host_cache_pages: IntOrVar = 0, name: str = "paged_kv_cache") -> "PagedKVCache":
         """Emit the cache's creation (inside a function being built), adding our kernels to the
         IRModule as ``relax_kvcache_<role>``.
 
@@ -95,12 +96,17 @@ class PagedKVCache(nn.Object):
             The target the model is compiled for (it picks the kernel schedules).
         max_batch_size, max_total_seq_len, prefill_chunk_size
             Capacities: ints, or symbolic ``tirx.Var`` given when the model's function runs.
+        host_cache_pages
+            Prefix caching's host tier (``KVCacheConfig.host_cache_pages``; a layout with
+            ``prefix_caching``): an int or a ``tirx.Var``, passed as a 10th ``cache_config`` entry.
         """
         target = tvm.target.Target(target)
         bb = rx.BlockBuilder.current()
         if bb is None:
             raise RuntimeError("PagedKVCache.create emits Relax code: call it inside a function "
                                "being built (an nn.Module method exported with export_tvm)")
+        if isinstance(host_cache_pages, int) and host_cache_pages and not layout.prefix_caching:
+            raise ConfigError(f"host_cache_pages={host_cache_pages} needs a layout with prefix_caching=True")
         kinds = layout.attn_kinds
         kinds = [AttnKind.MHA] * layout.num_layers if kinds is None else kinds
         kernels = _add_kernels(bb, layout, target)
@@ -115,8 +121,8 @@ class PagedKVCache(nn.Object):
         args = [
             rx.ShapeExpr([max_batch_size, max_total_seq_len, prefill_chunk_size, layout.page_size,
                           int(layout.sliding_window), layout.layer_sliding_window_size,
-                          layout.attention_chunk_size or 0,  # 7th to 9th entries: ours (TVM reads 6)
-                          KV_DTYPE_CODES.index(layout.kv_dtype), int(layout.prefix_caching)]),
+                          layout.attention_chunk_size or 0,  # 7th to 10th entries: ours (TVM reads 6)
+                          KV_DTYPE_CODES.index(layout.kv_dtype), int(layout.prefix_caching), host_cache_pages]),
             rx.ShapeExpr([0, layout.num_layers]),
             rx.prim_value(layout.num_qo_heads), rx.prim_value(layout.num_kv_heads),
             rx.prim_value(layout.head_dim), rx.prim_value(layout.v_head_dim or layout.head_dim),

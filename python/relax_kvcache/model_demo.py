@@ -74,15 +74,26 @@ def compile_model(cfg: LlamaConfig, target: tvm.target.Target, *, prefix_caching
 
 def prefix_caching_llama(cfg: LlamaConfig, target: tvm.target.Target, page_size: int, base=None,
                          kv_dtype: Optional[str] = None):
-    """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching."""
+    """The demo's Llama (or ``base``, a subclass of it) whose cache has prefix caching; its
+    ``create_kv_cache_with_host`` takes a 4th capacity, ``host_cache_pages``."""
     from .frontend import PagedKVCache
     from .models.llama import Llama, cache_layout
 
     class PrefixCachingLlama(base or Llama):
         def create_kv_cache(self, max_batch_size, max_total_seq_len, prefill_chunk_size):
+            return self.create_kv_cache_with_host(max_batch_size, max_total_seq_len, prefill_chunk_size, 0)
+
+        def create_kv_cache_with_host(self, max_batch_size, max_total_seq_len, prefill_chunk_size, host_cache_pages):
             layout = dataclasses.replace(cache_layout(self.cfg, self.page_size, self.kv_dtype), prefix_caching=True)
             return PagedKVCache.create(layout, self.target, max_batch_size=max_batch_size,
-                                       max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size)
+                                       max_total_seq_len=max_total_seq_len, prefill_chunk_size=prefill_chunk_size,
+                                       host_cache_pages=host_cache_pages)
+
+        def export_spec(self) -> dict:
+            spec = super().export_spec()
+            params = {k: v for k, v in spec["create_kv_cache"].items() if k != "$"}
+            spec["create_kv_cache_with_host"] = {**params, "host_cache_pages": int, "$": spec["create_kv_cache"]["$"]}
+            return spec
 
     return PrefixCachingLlama(cfg, target, page_size, kv_dtype)
 

@@ -1,5 +1,5 @@
 """``relax_kvcache.paged_attention_kv_cache_create``: TVM 0.27's creation arguments (docs/api.md)
-plus ours (a 7th, 8th and 9th ``cache_config`` entry, a 29th and a 30th argument), our cache."""
+plus ours (a 7th to 10th ``cache_config`` entry, a 29th and a 30th argument), our cache."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     if len(args) not in (28, 29, 30):
         raise ArgumentError("paged_attention_kv_cache_create takes 28, 29 or 30 arguments, got "
                             f"{len(args)}")
-    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=9, error=ConfigError)
-    if len(cache_config) not in (5, 6, 7, 8, 9):
+    cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=10, error=ConfigError)
+    if len(cache_config) not in (5, 6, 7, 8, 9, 10):
         raise ConfigError("cache_config must hold (reserved_num_seqs, total_token_capacity, "
                           "prefill_chunk_size, page_size, support_sliding_window[, "
                           "layer_sliding_window_size[, attention_chunk_size[, kv_dtype[, "
-                          f"prefix_caching]]]]), got {cache_config}")
+                          f"prefix_caching[, host_cache_pages]]]]]), got {cache_config}")
     if cache_config[4] not in (0, 1):
         raise ConfigError("cache_config[4] (support_sliding_window) must be 0 or 1, got "
                           f"{cache_config[4]}")
@@ -42,9 +42,13 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     if not 0 <= kv_code < len(KV_DTYPE_CODES):
         raise ConfigError(f"cache_config[7] (kv_dtype) must be 0 (pages of the cache dtype) or 1 + an index "
                           f"into {KV_DTYPE_CODES[1:]}, got {kv_code}")
-    prefix_caching = cache_config[8] if len(cache_config) == 9 else 0
+    prefix_caching = cache_config[8] if len(cache_config) >= 9 else 0
     if prefix_caching not in (0, 1):
         raise ConfigError(f"cache_config[8] (prefix_caching) must be 0 or 1, got {prefix_caching}")
+    host_pages = cache_config[9] if len(cache_config) == 10 else 0
+    if not 0 <= host_pages <= MAX_INT or (host_pages and not prefix_caching):
+        raise ConfigError(f"cache_config[9] (host_cache_pages) must be in [0, {MAX_INT}], and 0 without prefix "
+                          f"caching (cache_config[8]), got {host_pages}")
     layer_indptr = as_int_list("layer_indptr (argument 1)", args[1], max_len=2, error=ConfigError)
     if len(layer_indptr) != 2 or not 0 <= layer_indptr[0] < layer_indptr[1]:
         raise ConfigError("layer_indptr must be (layer_begin, layer_end) of one group, got "
@@ -83,7 +87,7 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
         rope_ext_factors=ext_factors,
         # TVM's factors are (rotary_dim,): fewer than qk_head_dim means a partial rotary dim
         rope_rotary_dim=len(ext_factors) if ext_factors and len(ext_factors) < heads[2] else None,
-        kv_dtype=KV_DTYPE_CODES[kv_code], prefix_caching=bool(prefix_caching),
+        kv_dtype=KV_DTYPE_CODES[kv_code], prefix_caching=bool(prefix_caching), host_cache_pages=host_pages,
     )
     return PagedAttentionKVCache(config, init.device, kernels=KernelSet.from_creation_args(args, bool(kv_code)),
                                  layer_offset=begin)
