@@ -2,7 +2,7 @@
 
 Cached pages evicted from the device go to host slots and come back on a hit. A sequence whose
 prefix made that round trip must give, bit for bit, the attention outputs and K/V of the same
-sequence computed fresh (same step split, same kernels), for 16/32-bit and 8-bit pages. Also:
+sequence computed fresh (same step split, same kernels), for 32-bit, 8-bit and MLA latent pages. Also:
 the host memory holds the evicted pages' exact bytes, the oldest host pages are dropped when
 the tier is full, a hit loads only as many pages as are available, and bad settings are
 refused.
@@ -144,3 +144,49 @@ def test_clear_empties_the_host_tier():
 def test_bad_host_tier_settings_are_refused(changes, match):
     with pytest.raises(ConfigError, match=match):
         dataclasses.replace(PLAIN, **changes)
+
+
+def test_mla_latent_pages_back_from_the_host_equal_the_fresh_computation(kernel_build):
+    from relax_kvcache.kernel_set import KernelSet
+    from support.mla_kernel_cases import cache_config
+
+    base = dataclasses.replace(cache_config("float32"), max_total_seq_len=512)
+    cfg = dataclasses.replace(base, prefix_caching=True, host_cache_pages=8)
+    kernels = KernelSet.from_module(kernel_build(base))
+    cache, fresh = (rk.PagedAttentionKVCache(c, tvm.cpu(), kernels=kernels) for c in (cfg, base))
+    ps, width = cfg.page_size, cfg.head_dim
+
+    def mla_step(c, seq, ids, with_ids=True):
+        start, n = c.get_sequence_length(seq), len(ids)
+        c.begin_forward([seq], [n], token_ids=ids if with_ids else None)
+        outs = []
+        for layer in range(cfg.num_layers):
+            latent = np.stack([np.random.default_rng([t, start + i, layer]).standard_normal(width)
+                               for i, t in enumerate(ids)]).astype(np.float32)
+            c.append_mla_kv(layer, tvm.runtime.tensor(latent))
+            q = tvm.runtime.tensor(np.random.default_rng([n, layer]).standard_normal(
+                (n, cfg.num_qo_heads, width)).astype(np.float32))
+            o = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.v_head_dim), np.nan, np.float32))
+            lse = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads), np.nan, np.float32))
+            c.cross_attention(layer, q, o, lse, 0.1)
+            outs += [o.numpy(), lse.numpy()]
+        c.end_forward()
+        return outs
+
+    ids = prompt(38, 3 * ps + 2)
+    cache.add_sequence(0, ids)
+    mla_step(cache, 0, ids)
+    cache.remove_sequence(0)
+    cache.add_sequence(1)  # fill the cache without ids: the three cached pages go to the host
+    while cache.get_num_available_pages():
+        mla_step(cache, 1, prompt(39, min(cfg.prefill_chunk_size, cache.get_num_available_pages() * ps)), False)
+    cache.remove_sequence(1)
+    assert cache.prefix_cache_stats()["host_pages"] == 3
+    assert cache.add_sequence(2, ids[:3 * ps] + [1, 2]) == 3 * ps
+    assert cache.prefix_cache_stats()["loaded_pages"] == 3
+    got = mla_step(cache, 2, [1, 2]) + mla_step(cache, 2, [4])
+    fresh.add_sequence(0)
+    mla_step(fresh, 0, ids[:3 * ps])
+    exp = mla_step(fresh, 0, [1, 2]) + mla_step(fresh, 0, [4])
+    for a, b in zip(got, exp):
+        bitwise(a, b)
