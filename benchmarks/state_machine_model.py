@@ -88,14 +88,15 @@ class Mismatch(AssertionError):
 def make_config(kind: str) -> rk.KVCacheConfig:
     """A tiny config: 13 pages of 4 tokens (``plain``, ``chunked``: layer 0 attends within chunks
     of ``ATTENTION_CHUNK`` tokens; ``fp8``: pages of ``float8_e4m3fn``), 21 with per-sequence
-    sliding windows (``sliding``)."""
+    sliding windows (``sliding``); ``prefix``: prefix caching with a host tier of 6 pages."""
     chunked = dict(attn_kinds=(rk.AttnKind.MHA_CHUNKED_LOCAL,) + (rk.AttnKind.MHA,) * (NUM_LAYERS - 1),
                    attention_chunk_size=ATTENTION_CHUNK) if kind == "chunked" else {}
     return rk.KVCacheConfig(
         num_layers=NUM_LAYERS, num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
         page_size=PAGE_SIZE, max_num_seqs=4, max_total_seq_len=48, prefill_chunk_size=CHUNK,
         rope_mode=rk.RopeMode.NONE, dtype="float32", support_sliding_window=kind == "sliding",
-        kv_dtype="float8_e4m3fn" if kind == "fp8" else None, prefix_caching=kind == "prefix", **chunked)
+        kv_dtype="float8_e4m3fn" if kind == "fp8" else None, prefix_caching=kind == "prefix",
+        host_cache_pages=6 if kind == "prefix" else 0, **chunked)
 
 
 _KERNELS: Dict[str, KernelSet] = {}
@@ -558,6 +559,12 @@ class Harness:
             for j, token in enumerate(entry.tokens):
                 want = token_kv(token, entry.depth * PAGE_SIZE + j).reshape(NUM_LAYERS, 2, NUM_KV_HEADS, HEAD_DIM)
                 _expect(stored[:, :, :, j].tobytes() == want.tobytes(), f"registered page {page} holds other K/V")
+        for slot, entry in self.cache._paging.host_pages():  # so do the pages on the host tier
+            stored = np.stack([self.cache._host.read(layer, slot).view(np.float32).reshape(
+                2, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM) for layer in range(NUM_LAYERS)])
+            for j, token in enumerate(entry.tokens):
+                want = token_kv(token, entry.depth * PAGE_SIZE + j).reshape(NUM_LAYERS, 2, NUM_KV_HEADS, HEAD_DIM)
+                _expect(stored[:, :, :, j].tobytes() == want.tobytes(), f"host slot {slot} holds other K/V")
 
     # -- operations
     def add(self, seq_id: Any, ids: Optional[List[int]] = None) -> bool:
