@@ -262,7 +262,9 @@ class PagedAttentionKVCache(StoredKVMethods):
         (``add_sequence`` calls with token ids), ``lookup_tokens`` (their tokens but the last),
         ``hit_tokens`` (found cached), ``hit_rate`` (their ratio), ``registered_pages`` (pages
         ever registered), ``cached_pages`` (registered now), ``evictable_pages`` (cached
-        pages no sequence holds) and ``evicted_pages``."""
+        pages no sequence holds) and ``evicted_pages``; the host tier's ``host_pages`` (held
+        there now), ``spilled_pages`` (evicted pages copied there), ``loaded_pages`` (copied
+        back on a hit) and ``host_dropped_pages`` (dropped for room)."""
         return prefix.stats(self._paging)
 
     def get_total_sequence_length(self) -> int:
