@@ -5,7 +5,8 @@ Decode reads every cached K/V byte once, so its roofline is the copy bandwidth; 
 that matters is how close each batch x context gets to it. Float16, 32 query / 8 KV heads,
 head_dim 128, pages of 16 tokens scattered at random over the pool (``ours-fp8``: the same
 pages stored as float8_e4m3fn at per-head scales, checked against float64 attention over the
-stored values; its bandwidth counts the 8-bit bytes); each call runs the
+stored values; its bandwidth counts the 8-bit bytes; ``ours-swcvt-fp8``: the same with the
+software byte conversion instead of sm_89+'s ``cvt``); each call runs the
 attention kernel and, where the KV is split across blocks, the merge of the splits. Where
 PyTorch is installed, SDPA's FlashAttention-2 and cuDNN backends run the same step over
 contiguous K/V as anchors, and every column is GPU time from CUDA events (PyTorch's host cost
@@ -59,6 +60,9 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
     builds = [("ours", spec.kernel_function("attention_decode", sched)),
               ("tvm", kc._attention_decode(HKV, HQ, D, DTYPE, False, {}, target, page_size=PAGE)),
               ("ours-fp8", fp8.kernel_function("attention_decode", sched))]
+    if sched.fp8_convert:  # the software conversion beside the hardware one
+        builds.append(("ours-swcvt-fp8", fp8.kernel_function("attention_decode",
+                                                             dataclasses.replace(sched, fp8_convert=False))))
     for name, knobs in variants.items():
         builds.append((f"ours-{name}", spec.kernel_function("attention_decode", dataclasses.replace(sched, **knobs))))
     for name, func in builds:

@@ -226,10 +226,12 @@ def test_specs_refuse_what_they_cannot_serve():
 @pytest.mark.parametrize("arch,fmt", [("sm_90a", "float8_e4m3fn"), ("sm_80", "float8_e5m2")])
 def test_cuda_kernel_set_compiles_with_nvcc(arch, fmt):
     """The whole kernel set of a cache over 8-bit pages (windows included) for CUDA, through
-    nvcc as a GPU host loads it (hardware conversions on sm_90a, none needed on sm_80)."""
+    nvcc as a GPU host loads it (the decode converts bytes with ``cvt`` on sm_90a, in software on
+    sm_80)."""
     config = KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=H, head_dim=D, page_size=PS, dtype=DTYPE,
                            kv_dtype=fmt, support_sliding_window=True)
     mod = build_kernels(config, make_target("cuda", arch=arch))
     source = next(m for m in mod.imports if m.kind == "cuda").inspect_source()
     assert "attention_prefill_tree" in source and "attention_prefill_prefixed" not in source
+    assert ("cvt.rn.f16x2." in source) == (arch == "sm_90a")  # the tensor-core decode's byte conversion
     assert deploy.nvcc_compile(source, arch=arch).startswith(bytes.fromhex("50ed55ba"))

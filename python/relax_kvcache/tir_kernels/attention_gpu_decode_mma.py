@@ -59,6 +59,9 @@ def half_of(pair, high: bool):
 #: what :func:`fp8_pairs`' float16 values are multiplied by to give the stored values
 FP8_HALF_FACTOR = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
 
+#: the PTX conversion of two 8-bit floats (a 16-bit word) to two float16 (sm_89+; exact)
+FP8X2_TO_HALF2 = {"float8_e4m3fn": T.ptx.cvt.rn.f16x2.e4m3x2, "float8_e5m2": T.ptx.cvt.rn.f16x2.e5m2x2}
+
 
 def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
     """Macro computing one (sequence, KV head, split) into the split workspace on tensor cores
@@ -98,18 +101,31 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
 
     ps, fmt = spec.page_size, spec.kv_dtype
 
-    @T.macro
-    def convert_word(frag, r, i, word):
-        """Elements ``4 i .. 4 i + 3`` of fragment row r from one word of 8-bit floats."""
-        frag[r, 4 * i] = half_of(fp8_pairs(fmt, word)[0], False)
-        frag[r, 4 * i + 1] = half_of(fp8_pairs(fmt, word)[1], False)
-        frag[r, 4 * i + 2] = half_of(fp8_pairs(fmt, word)[0], True)
-        frag[r, 4 * i + 3] = half_of(fp8_pairs(fmt, word)[1], True)
+    hardware = quantized and sched.fp8_convert
+    half_factor = 1.0 if hardware else FP8_HALF_FACTOR.get(fmt, 1.0)
 
     @T.macro
-    def load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw):
+    def convert_word(frag, r, i, word, cw):
+        """Elements ``4 i .. 4 i + 3`` of fragment row r from one word of 8-bit floats (``cw``:
+        two 32-bit registers for the hardware conversion)."""
+        if hardware:
+            T.evaluate(FP8X2_TO_HALF2[fmt](cw[0], T.Cast("uint16", word)))
+            T.evaluate(FP8X2_TO_HALF2[fmt](cw[1], T.Cast("uint16", T.shift_right(word, T.uint32(16)))))
+            frag[r, 4 * i] = half_of(cw[0], False)
+            frag[r, 4 * i + 1] = half_of(cw[0], True)
+            frag[r, 4 * i + 2] = half_of(cw[1], False)
+            frag[r, 4 * i + 3] = half_of(cw[1], True)
+        else:
+            frag[r, 4 * i] = half_of(fp8_pairs(fmt, word)[0], False)
+            frag[r, 4 * i + 1] = half_of(fp8_pairs(fmt, word)[1], False)
+            frag[r, 4 * i + 2] = half_of(fp8_pairs(fmt, word)[0], True)
+            frag[r, 4 * i + 3] = half_of(fp8_pairs(fmt, word)[1], True)
+
+    @T.macro
+    def load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw, cw):
         """8-bit pages: the lane's K / V bytes as 32-bit words (4 elements each), then as
-        float16 fragments (:func:`fp8_pairs`; the scales apply to scores and outputs)."""
+        float16 fragments (the hardware conversion where there is one, else :func:`fp8_pairs`;
+        the scales apply to scores and outputs)."""
         for r in T.unroll(2):
             for i in T.unroll(KQ // 4):
                 kw[r, i] = T.reinterpret("uint32", kv_src[0][slots[r] // ps, 0, h, slots[r] % ps,
@@ -120,10 +136,10 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
                                                              T.ramp(g * W + 4 * i, 1, 4)])
         for r in T.unroll(2):
             for i in T.unroll(KQ // 4):
-                convert_word(kr, r, i, kw[r, i])
+                convert_word(kr, r, i, kw[r, i], cw)
         for r in T.unroll(4):
             for i in T.unroll(W // 4):
-                convert_word(vr, r, i, vw[r, i])
+                convert_word(vr, r, i, vw[r, i], cw)
 
     @T.macro
     def scores(sacc, qf, kr, af, bf, scale, j0, hi, t):
@@ -240,15 +256,15 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
         if quantized:  # 8-bit pages: the K scale joins the score scale, the V scale the output's
             kw = T.sblock_alloc_buffer((2, KQ // 4), "uint32", scope="local")
             vw = T.sblock_alloc_buffer((4, W // 4), "uint32", scope="local")
+            cw = T.sblock_alloc_buffer((2,), "uint32", scope="local")
             for i in T.serial(steps):
                 j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK
-                load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw)
+                load_chunk_fp8(kr, vr, kv_src, h, slots, g, t, kw, vw, cw)
                 locate_chunk(slots, kv_src, j0 + NW * CHUNK, s_hi, g, t)
-                scores(sacc, qf, kr, af, bf, sm_scale * LOG2E * kv_src[5][0, h] * FP8_HALF_FACTOR[fmt], j0, s_hi, t)
+                scores(sacc, qf, kr, af, bf, sm_scale * LOG2E * kv_src[5][0, h] * half_factor, j0, s_hi, t)
                 fold(sacc, m2, l2, alpha, red)
                 values(oacc, sacc, vr, af, bf, alpha, t)
-            merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx,
-                        kv_src[5][1, h] * FP8_HALF_FACTOR[fmt])
+            merge_warps(out, oacc, m2, l2, sm_m, sm_l, sm_o, red, h, w, g, t, tx, kv_src[5][1, h] * half_factor)
         else:
             for i in T.serial(steps):
                 j0: T.let[T.int32] = s_lo + (w + i * NW) * CHUNK

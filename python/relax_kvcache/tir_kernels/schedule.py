@@ -68,9 +68,11 @@ class GpuSchedule:
     bfloat16_shared_bytes : int
         Bytes of a bfloat16 element of a shared tile: 2, or 4 on ROCm (TVM 0.27 keeps bfloat16
         shared buffers in float32).
-    warp_shuffle, mma, wgmma : bool
+    warp_shuffle, mma, wgmma, fp8_convert : bool
         Whether kernels exchange registers within a warp (CUDA only in TVM 0.27), prefill tiles
-        use ``mma.sync`` (CUDA sm_80+, 16-bit dtypes), and warpgroup MMA (CUDA ``sm_90a``).
+        use ``mma.sync`` (CUDA sm_80+, 16-bit dtypes), warpgroup MMA (CUDA ``sm_90a``), and the
+        hardware conversion of two 8-bit floats to two float16 (``cvt.rn.f16x2.e4m3x2``, CUDA
+        sm_89+).
     wgmma_warpgroups, wgmma_stages, wgmma_kv_chunk : int
         Warpgroups (128 threads, 64 query rows each) of a warpgroup-MMA prefill block, K/V
         chunks in its shared-memory ring (fewer where they do not fit, at least 2), KV rows per
@@ -96,6 +98,7 @@ class GpuSchedule:
     warp_shuffle: bool = True
     mma: bool = False
     wgmma: bool = False
+    fp8_convert: bool = False
     wgmma_warpgroups: int = 2
     wgmma_stages: int = 3
     wgmma_kv_chunk: int = 0
@@ -127,6 +130,7 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
                            bfloat16_shared_bytes=4 if kind == "rocm" else 2,
                            mma=kind == "cuda" and _sm_version(target) >= 80,
                            wgmma=kind == "cuda" and _arch(target) == "sm_90a",
+                           fp8_convert=kind == "cuda" and _sm_version(target) >= 89,
                            dynamic_shared_bytes=_dynamic_shared_bytes(target))
     if kind != "llvm":
         raise NotImplementedError(
