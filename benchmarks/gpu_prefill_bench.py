@@ -18,8 +18,9 @@ Reported per shape and dtype: TFLOP/s of ours, FlashAttention-2, cuDNN and TVM's
 (FLOPs = 4 x heads x head_dim x visible query-key pairs), ours / FA2 and ours / cuDNN as
 speed ratios (above 1: ours faster), the fp16 matmul rate as the roofline, the max abs
 difference between ours and FA2, and ours' max abs error against float64 attention on sampled
-query rows. Timing: calls queued back to back between two synchronisations, median of three
-rounds.
+query rows. ``ours-fp8`` (float16 only) runs the paged case's pass over the same K/V stored as
+``float8_e4m3fn`` pages, checked against float64 attention over the stored values. Timing: calls
+queued back to back between two synchronisations, median of three rounds.
 
 Usage::
 
@@ -51,6 +52,7 @@ SHAPES = [(1, 2048), (8, 512), (1, 8192), (4, 4096)]
 DTYPES = ("float16", "bfloat16")
 ROLES = ("attention_prefill_ragged", "attention_prefill", "merge_inplace", "attention_prefill_prefixed")
 REF_ROWS = 6  # sampled query tokens per shape checked against float64
+FP8 = "float8_e4m3fn"  # ours-fp8: the paged case's pages in 8 bits (per-head scales amax / 448)
 
 
 def config(dtype: str) -> rk.KVCacheConfig:
@@ -95,6 +97,9 @@ def prepare(out: pathlib.Path, arch: str, dtypes, variants: Dict[str, Dict[str, 
             "merge_inplace": kc._merge_state_inplace(HQ, D, dtype, target),
         }
         builds = [("ours", ours), ("tvm", theirs)]
+        if dtype == "float16":  # the cache's pass over 8-bit pages (ours-fp8: attention_prefill only)
+            fp8 = KernelSetSpec.from_config(dataclasses.replace(config(dtype), kv_dtype=FP8))
+            builds.append(("ours-fp8", {"attention_prefill": fp8.kernel_function("attention_prefill", sched)}))
         for variant, knobs in variants.items():
             vsched = dataclasses.replace(sched, **knobs)
             builds.append((f"ours-{variant}", {role: spec.kernel_function(role, vsched) for role in ROLES}))
@@ -163,18 +168,19 @@ class Case:
             # every row in pages (the step's own appended before attention): one paged causal pass
             self.all_paged = self._paged(length, rng)
 
-    def _paged(self, rows: int, rng) -> tuple:
-        """The first ``rows`` K/V rows of every sequence in scattered pages: (pages, page_indptr,
-        page_indices, last_page_len) on the device."""
+    def _paged(self, rows: int, rng, kv=None) -> tuple:
+        """The first ``rows`` K/V rows of every sequence (``kv``: other (k, v) host arrays) in
+        scattered pages: (pages, page_indptr, page_indices, last_page_len) on the device."""
+        k, v = kv or (self.host["k"], self.host["v"])
         per_seq = -(-rows // PAGE)
         order = rng.permutation(self.batch * per_seq)
-        pages = np.zeros((self.batch * per_seq, 2, HKV, PAGE, D), self.host["k"].dtype)
+        pages = np.zeros((self.batch * per_seq, 2, HKV, PAGE, D), k.dtype)
         for b in range(self.batch):
             for p in range(per_seq):
                 span = slice(p * PAGE, min(rows, (p + 1) * PAGE))
                 n = span.stop - span.start
-                pages[order[b * per_seq + p], 0, :, :n] = self.host["k"][b, span].transpose(1, 0, 2)
-                pages[order[b * per_seq + p], 1, :, :n] = self.host["v"][b, span].transpose(1, 0, 2)
+                pages[order[b * per_seq + p], 0, :, :n] = k[b, span].transpose(1, 0, 2)
+                pages[order[b * per_seq + p], 1, :, :n] = v[b, span].transpose(1, 0, 2)
         return (tvm.runtime.tensor(pages, self.device), self._int(np.arange(self.batch + 1) * per_seq),
                 self._int(order), self._int(np.full(self.batch, rows - (per_seq - 1) * PAGE)))
 
@@ -227,6 +233,22 @@ class Case:
 
         return step
 
+    def fp8_call(self, kernels, rng) -> Callable[[], None]:
+        """Ours' all-paged pass over the same K/V stored as 8-bit floats at per-(K or V, head)
+        scales ``amax / 448``; ``self.kv_fp8``: the stored values dequantized (float64), the
+        reference's K/V."""
+        import ml_dtypes
+
+        kv = [self.host[x].astype(np.float32) for x in ("k", "v")]
+        scales = np.stack([np.abs(x).max(axis=(0, 1, 3)) / 448.0 for x in kv]).astype(np.float32)  # (2, HKV)
+        stored = [(x / s[None, None, :, None]).astype(getattr(ml_dtypes, FP8)) for x, s in zip(kv, scales)]
+        self.kv_fp8 = [x.astype(np.float64) * s[None, None, :, None] for x, s in zip(stored, scales)]
+        o, lse = self.outputs()
+        args = (self.q, self.qo_indptr, *self._paged(self.length, rng, stored), self.zeros, self.q_pos, o, lse, 1, 0,
+                1.0, 1e4, D ** -0.5, tvm.runtime.tensor(scales, self.device))
+        self.out = o
+        return lambda: kernels["attention_prefill"](*args)
+
     def torch_inputs(self):
         import torch
 
@@ -236,16 +258,18 @@ class Case:
         k, v = (x.repeat_interleave(HQ // HKV, dim=2).transpose(1, 2).contiguous() for x in (k, v))
         return q, k, v
 
-    def reference_rows(self, rng) -> tuple:
-        """(rows, float64 outputs) for REF_ROWS sampled new tokens, all heads."""
+    def reference_rows(self, rng, kv=None) -> tuple:
+        """(rows, float64 outputs) for REF_ROWS sampled new tokens, all heads (``kv``: other
+        (k, v) host arrays)."""
+        keys, values = kv or (self.host["k"], self.host["v"])
         rows = rng.choice(self.batch * self.new, size=min(REF_ROWS, self.batch * self.new), replace=False)
         refs = []
         for r in rows:
             b, i = divmod(int(r), self.new)
             t = self.cached + i
             q = self.host["q"][b, t].astype(np.float64)  # (HQ, D)
-            k = self.host["k"][b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)  # (t+1, HQ, D)
-            v = self.host["v"][b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)
+            k = keys[b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)  # (t+1, HQ, D)
+            v = values[b, :t + 1].astype(np.float64).repeat(HQ // HKV, axis=1)
             s = np.einsum("hd,thd->ht", q, k) * D ** -0.5
             p = np.exp(s - s.max(axis=1, keepdims=True))
             refs.append(np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), v))
@@ -288,6 +312,13 @@ def run_case(libs: Dict[str, Dict[str, object]], batch: int, length: int, cached
     row = {"times": {}, "flops": case.flops}
     outs = {}
     for name, kernels in libs.items():
+        if name == "ours-fp8":
+            if cached:
+                fn = case.fp8_call(kernels, rng)
+                row["times"][name] = time_per_call(fn, device.sync, min_time)
+                rows, ref = case.reference_rows(rng, case.kv_fp8)
+                row["fp8_err"] = float(np.abs(case.out.numpy().astype(np.float32)[rows] - ref).max())
+            continue
         fn = case.cache_call(kernels)
         row["times"][name] = time_per_call(fn, device.sync, min_time)
         outs[name] = case.out.numpy().astype(np.float32)
@@ -333,7 +364,15 @@ def report(results: List[tuple], matmul: Optional[float]) -> None:
     print("(paged: the second half of each sequence over its cached first half and itself, with the kernels the "
           "caches run for such a step: ours attention_prefill over the pages, the step's K/V appended first; native "
           "ragged + paged + merge; err: max abs error against float64 on sampled rows)")
-    variants = sorted({n for *_, row in results for n in row["times"] if n.startswith("ours-")})
+    fp8 = [(dtype, batch, length, row) for dtype, case, batch, length, row in results if "fp8_err" in row]
+    if fp8:
+        print()
+        print(f"Paged case over 8-bit pages ({FP8}, per-head scales; error against float64 over the stored values): "
+              "TFLOP/s of ours over 16-bit and over 8-bit pages, and their ratio")
+        for dtype, batch, length, row in fp8:
+            print(f"{dtype:>8} {batch:>4} x {length:<5} {_tf(row, 'ours')} {_tf(row, 'ours-fp8')} "
+                  f"{_ratio(row, 'ours-fp8', 'ours')}   max err {row['fp8_err']:.2e}")
+    variants = sorted({n for *_, row in results for n in row["times"] if n.startswith("ours-") and n != "ours-fp8"})
     if variants:
         print()
         print("Schedule variants (TFLOP/s): " + ", ".join(variants))

@@ -7,6 +7,8 @@ online-softmax state (the macros of :mod:`.macros`). Conventions and masks: ``do
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -341,9 +343,10 @@ def make_ragged_prefill(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     D, DV, dtype = spec.qk_head_dim, spec.v_head_dim, spec.dtype
 
     on_gpu = isinstance(sched, GpuSchedule)
-    if on_gpu:
-        run_gpu = gpu.prefill_grid(spec, sched, ragged_kv_access(spec), _ragged_seq_src,
-                                   kv_rows=ragged_kv_rows(spec))
+    if on_gpu:  # the step's own K/V are in the model dtype, whatever the pages store
+        plain = dataclasses.replace(spec, kv_dtype=None) if spec.quantized else spec
+        run_gpu = gpu.prefill_grid(plain, sched, ragged_kv_access(plain), _ragged_seq_src,
+                                   kv_rows=ragged_kv_rows(plain))
     else:
         attend_sequence = make_attend_sequence(spec, sched, q_tile=sched.q_tile, chunk=sched.kv_chunk,
                                                 kv_elem=ragged_kv_access(spec))

@@ -16,6 +16,7 @@ from typing import Optional
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .attention_gpu_decode_mma import FP8X2_TO_HALF2, half_of
 from .attention_gpu_mma import fold_scores, ldmatrix_x4, mma_m16n8k16, rescale_rows, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
 from .schedule import GpuSchedule
@@ -52,11 +53,13 @@ class WgmmaTileShape:
     @staticmethod
     def choose(spec: AttentionSpec, sched: GpuSchedule) -> Optional["WgmmaTileShape"]:
         """The shape for ``spec``, or None where the ring tile does not apply (no tensor cores,
-        float32 or 8-bit pages, head dims other than 64 / 128 / 256 or unequal, groups wider
-        than the tile).
+        float32, 8-bit pages without the hardware conversion or of a bfloat16 model, head dims
+        other than 64 / 128 / 256 or unequal, groups wider than the tile).
         Without ``wgmma`` (sm_80 - sm_89, sm_90 without ``a``) the tile runs ``mma.sync``."""
         G, D = spec.group_size, spec.qk_head_dim
-        if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16") or spec.quantized:
+        if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16"):
+            return None
+        if spec.quantized and not (sched.fp8_convert and spec.dtype == "float16"):
             return None
         if D != spec.v_head_dim or D not in (64, 128, 256):
             return None
@@ -158,6 +161,23 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                 copy16(smem, base + sw128(r, c, R),
                        q[qbeg + tile0 + T.min(r // G, T.max(nq - 1, 0)), h * G + r % G, c], r // G < nq)
 
+    ps, fmt = spec.page_size, spec.kv_dtype
+
+    @T.macro
+    def convert8(smem, dst, kv_src, h, slot, kv: int, c, full, cw):
+        """8-bit pages: the 8 bytes of (slot, kv, dims c .. c + 8) dequantized to float16 at
+        ``smem[dst ..]`` (zeros unless ``full``), synchronously: two 32-bit loads, the hardware
+        conversion, the scale in float32."""
+        for w in T.unroll(2):
+            cw[2] = T.if_then_else(full, T.reinterpret("uint32", kv_src[0][slot // ps, kv, h, slot % ps,
+                                                                          T.ramp(c + 4 * w, 1, 4)]), T.uint32(0))
+            T.evaluate(FP8X2_TO_HALF2[fmt](cw[0], T.Cast("uint16", cw[2])))
+            T.evaluate(FP8X2_TO_HALF2[fmt](cw[1], T.Cast("uint16", T.shift_right(cw[2], T.uint32(16)))))
+            smem[dst + 4 * w] = T.Cast(dtype, T.Cast("float32", half_of(cw[0], False)) * kv_src[5][kv, h])
+            smem[dst + 4 * w + 1] = T.Cast(dtype, T.Cast("float32", half_of(cw[0], True)) * kv_src[5][kv, h])
+            smem[dst + 4 * w + 2] = T.Cast(dtype, T.Cast("float32", half_of(cw[1], False)) * kv_src[5][kv, h])
+            smem[dst + 4 * w + 3] = T.Cast(dtype, T.Cast("float32", half_of(cw[1], True)) * kv_src[5][kv, h])
+
     @T.macro
     def copy_row(smem, dst, elem, kv_src, h, slot, c, full):
         """Copy 16 bytes of K and of V of a slot (read with ``elem``) to ``smem[dst]`` and
@@ -166,21 +186,30 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         copy16(smem, dst + KC * D, elem(kv_src, h, slot, 1, c), full)
 
     @T.macro
-    def load_kv(smem, base, stage, kv_src, h, j0, seq, tx):
+    def stage_row(smem, dst, elem, kv_src, h, slot, c, full, cw):
+        """:func:`copy_row`, or for 8-bit pages :func:`convert8` of K and V."""
+        if spec.quantized:
+            convert8(smem, dst, kv_src, h, slot, 0, c, full, cw)
+            convert8(smem, dst + KC * D, kv_src, h, slot, 1, c, full, cw)
+        else:
+            copy_row(smem, dst, elem, kv_src, h, slot, c, full)
+
+    @T.macro
+    def load_kv(smem, base, stage, kv_src, h, j0, seq, tx, cw):
         """Start copying KV rows j0 .. j0 + KC into ring stage ``stage`` (zeros past kv_len =
-        ``seq[2]``), then close the copy group."""
+        ``seq[2]``; 8-bit pages are converted here and now), then close the copy group."""
         for it in T.unroll(KV_IT):
             if it * NT + tx < KC * PIECES:
                 r: T.let[T.int32] = (it * NT + tx) // PIECES
                 c: T.let[T.int32] = (it * NT + tx) % PIECES * 8
                 slot: T.let[T.int32] = locate(kv_src, T.max(T.min(j0 + r, seq[2] - 1), 0), seq)
                 if one_source:
-                    copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
-                             j0 + r < seq[2])
+                    stage_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
+                              j0 + r < seq[2], cw)
                 else:
                     if slot >= 0:
-                        copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
-                                 j0 + r < seq[2])
+                        stage_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
+                                  j0 + r < seq[2], cw)
                     else:
                         copy_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_new, kv_src, h, slot, c,
                                  j0 + r < seq[2])
@@ -312,7 +341,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
 
     @T.macro
     def ring_sync(smem, base, sacc, oacc, pa, qf, bf, vf, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h, qbeg, q_len,
-                  tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx):
+                  tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, cw):
         """The chunks on ``mma.sync``. Each trip waits for chunk c (over-waiting by one group on
         the first trip), and after the barrier, at which every warp is done with chunk c - 1,
         refills that stage with chunk c - 1 + S: one barrier per chunk, S - 1 chunks in flight."""
@@ -326,7 +355,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             T.evaluate(T.tvm_storage_sync("shared"))
             if c > c_lo:
                 if c - 1 + S < c_hi:
-                    load_kv(smem, base, (c - 1 - c_lo) % S, kv_src, h, (c - 1 + S) * KC, (qbeg, q_len, kv_len), tx)
+                    load_kv(smem, base, (c - 1 - c_lo) % S, kv_src, h, (c - 1 + S) * KC, (qbeg, q_len, kv_len), tx, cw)
                 else:
                     T.evaluate(T.ptx["cp.async.commit_group"]())
             scores_sync(smem, base, sacc, qf, bf, c, c_lo, row0, tx % 32)
@@ -343,6 +372,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
         oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
         pa = T.sblock_alloc_buffer((NS * 2,), "uint32", scope="local")
+        cw = T.sblock_alloc_buffer((3,), "uint32", scope="local")  # 8-bit pages: conversion registers
         dq = T.sblock_alloc_buffer((1,), "uint64", scope="local")
         dk = T.sblock_alloc_buffer((1,), "uint64", scope="local")
         dv = T.sblock_alloc_buffer((1,), "uint64", scope="local")
@@ -375,7 +405,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         load_q(smem, base, q, h, qbeg, tile0, nq, tx)
         for s in T.unroll(S):
             if c_lo + s < c_hi:
-                load_kv(smem, base, s, kv_src, h, (c_lo + s) * KC, (qbeg, q_len, kv_len), tx)
+                load_kv(smem, base, s, kv_src, h, (c_lo + s) * KC, (qbeg, q_len, kv_len), tx, cw)
             else:
                 T.evaluate(T.ptx["cp.async.commit_group"]())
         for hr in T.unroll(2):
@@ -385,7 +415,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             oacc[x] = ZERO
         if SYNC:
             ring_sync(smem, base, sacc, oacc, pa, qf, bf, vf, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h, qbeg,
-                      q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx)
+                      q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, cw)
         else:
             if c_lo < c_hi:  # chunk c_lo's probabilities, before the loop
                 T.evaluate(T.ptx["cp.async.wait_group"](S - 1))
@@ -417,7 +447,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                 # every warpgroup is done with chunk c's stage: refill it with chunk c + S
                 T.evaluate(T.tvm_storage_sync("shared"))
                 if c + S < c_hi:
-                    load_kv(smem, base, (c - c_lo) % S, kv_src, h, (c + S) * KC, (qbeg, q_len, kv_len), tx)
+                    load_kv(smem, base, (c - c_lo) % S, kv_src, h, (c + S) * KC, (qbeg, q_len, kv_len), tx, cw)
                 else:
                     T.evaluate(T.ptx["cp.async.commit_group"]())
             if c_lo < c_hi:  # the last chunk's P V (its data landed before its scores were taken)
