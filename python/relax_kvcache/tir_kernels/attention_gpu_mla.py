@@ -383,8 +383,8 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                                 scores(sp, qf, kv, tile_stage(c - c_lo), bf, sacc, w // CG, w % CG, tx)
                                 plan_rows(rows, page_indices, page_indptr[b], (c + STAGES) * KC, row_hi, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
-                                softmax(sp, kv, al, mrow, lrow, sv, red, score_scale(sm_scale, kv_scales), c * KC, row_hi,
-                                        kv_len, q_len, found[1], causal, w, tx)
+                                softmax(sp, kv, al, mrow, lrow, sv, red, score_scale(sm_scale, kv_scales), c * KC,
+                                        row_hi, kv_len, q_len, found[1], causal, w, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 pv(oacc, al, kv, tile_stage(c - c_lo), pf, vf, w, g, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))

@@ -30,8 +30,8 @@ def _cpu_mla_grid(spec: AttentionSpec, sched: Schedule):
                 T.writes()
                 # no RoPE and no window: the q_rope_position argument (qo_indptr here) is not read
                 attend_sequence(q, o, lse, qo_indptr,
-                                with_kv_scales(spec, (pages, page_indices, page_indptr[b], length_info, b), kv_scales), 0,
-                                qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
+                                with_kv_scales(spec, (pages, page_indices, page_indptr[b], length_info, b), kv_scales),
+                                0, qo_indptr[b], qo_indptr[b + 1] - qo_indptr[b],
                                 paged_kv_len(page_indptr[b + 1] - page_indptr[b], ps, length_info, b, False),
                                 0, causal, 0, T.float32(1), T.float32(1), sm_scale, ())
 
