@@ -22,15 +22,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 from relax_kvcache import PagedAttentionKVCache
 from relax_kvcache import reference as ref
 from relax_kvcache.config import KV_DTYPE_MAX
-from relax_kvcache.errors import ArgumentError, KVCacheError
+from relax_kvcache.errors import ArgumentError, ConfigError
 from relax_kvcache.kernel_set import KernelSet
 from support.mla_kernel_cases import FP8_FORMATS, fp8_cache_config
 from support.snapshot import assert_same, snapshot
-from test_mla_cache import DEV, DTYPE, HEADS, LAYERS, LORA, NP_DTYPE, ROPE, SM_SCALE, Harness, _poisoned, _t
+from test_mla_cache import (DEV, DTYPE, HEADS, LAYERS, LORA, NP_DTYPE, ROPE, SM_SCALE, Harness, _creation_args,
+                            _poisoned, _t)
 
 WIDTH = LORA + ROPE
 #: absorbed attention against float64 over the stored rows: the model dtype's accuracy
@@ -196,6 +198,34 @@ def test_prefix_caching_reuses_8_bit_pages(fp8_kernels):
     cache.end_forward()
     np.testing.assert_array_equal(stored_rows(cache, 1)[:, :2 * ps], stored_rows(cache, 0)[:, :2 * ps])
     check_absorbed_decode(cache, 1, rng)
+
+
+def test_creation_function_takes_8_bit_mla_kernels(fp8_kernels, kernel_build):
+    """``paged_attention_kv_cache_create`` with kv_dtype in ``cache_config[7]`` and the 8-bit MLA
+    kernels (which take ``kv_scales``) serves as the Python API does, bit for bit; kernels over
+    pages of the model dtype are refused there."""
+    config, kernels = fp8_kernels
+    create = tvm_ffi.get_global_func("relax_kvcache.paged_attention_kv_cache_create")
+    args = _creation_args(kernel_build(config).get_function)
+    args[0] = tvm.runtime.ShapeTuple([16, 2048, 256, 16, 0, 1024, 0, 1 + FP8_FORMATS.index(config.kv_dtype)])
+    created = create(*args)
+    assert created.config.kv_dtype == config.kv_dtype
+    fmt, rows = config.kv_dtype, []
+    for cache in (created, fp8_cache(fp8_kernels)):
+        cache.set_kv_scales(0, SCALES[0], SCALES[0])
+        cache.set_kv_scales(1, SCALES[1], SCALES[1])
+        rng = np.random.default_rng(6)
+        cache.add_sequence(0)
+        cache.begin_forward([0], [30])
+        for layer in range(LAYERS):
+            cache.append_mla_kv(layer, _t(on_grid(fmt)(rng, layer, (30, WIDTH))))
+        cache.end_forward()
+        rows.append(check_absorbed_decode(cache, 0, rng))
+    np.testing.assert_array_equal(rows[0], rows[1])
+    args = _creation_args(kernel_build(dataclasses.replace(config, kv_dtype=None)).get_function)
+    args[0] = tvm.runtime.ShapeTuple([16, 2048, 256, 16, 0, 1024, 0, 1 + FP8_FORMATS.index(fmt)])
+    with pytest.raises(ConfigError, match="expected the transpose_append_mla kernel, of 4 parameters"):
+        create(*args)
 
 
 def test_checkpoints_stay_refused(fp8_kernels):
