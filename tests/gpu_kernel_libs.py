@@ -10,7 +10,7 @@ CUDA kernel set of every config in ``test_kernels.CONFIGS`` (and the RoPE varian
 
 runs the kernel tests there against the same numpy references as on CPU (and
 ``tests/test_mla_kernels.py``'s MLA kernels, from ``kt-mla-<dtype>.so``, and
-``tests/test_mla_cache.py``'s float16 kernel set).
+``tests/test_mla_cache.py``'s and ``tests/test_fp8_mla.py``'s float16 kernel sets).
 """
 
 from __future__ import annotations
@@ -63,6 +63,13 @@ def mla_cache_config():
     return cache_config("float16")
 
 
+def mla_fp8_cache_configs():
+    """``test_fp8_mla``'s configurations as they are on a GPU host (float16, each 8-bit format)."""
+    from support.mla_kernel_cases import FP8_FORMATS, fp8_cache_config
+
+    return [fp8_cache_config("float16", fmt) for fmt in FP8_FORMATS]
+
+
 def _export(executable, path: pathlib.Path, arch: str) -> None:
     """Write ``executable`` to ``path`` and compile its CUDA source with nvcc into the cache."""
     from relax_kvcache import deploy
@@ -109,10 +116,10 @@ def main(argv=None) -> int:
             executable = tvm.compile(tvm.IRModule(funcs), target=target)
         _export(executable, _mla_file(dtype, args.directory), args.arch)
         print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
-    config = mla_cache_config()
-    _export(build._compile(build.kernel_set_spec(config), target, None, build.kernel_identity(config)),
-            _file(config, args.directory), args.arch)
-    print(f"mla cache: {_file(config, args.directory)}", flush=True)
+    for config in (mla_cache_config(), *mla_fp8_cache_configs()):
+        _export(build._compile(build.kernel_set_spec(config), target, None, build.kernel_identity(config)),
+                _file(config, args.directory), args.arch)
+        print(f"mla cache ({config.kv_dtype or config.dtype} pages): {_file(config, args.directory)}", flush=True)
     return 0
 
 

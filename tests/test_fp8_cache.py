@@ -196,10 +196,6 @@ def test_set_kv_scales_refuses_and_changes_nothing():
 def test_config_refuses_what_it_cannot_serve():
     with pytest.raises(rk.ConfigError, match="kv_dtype must be None .* got 'int8'"):
         config("int8")
-    with pytest.raises(rk.ConfigError, match="kv_dtype 'float8_e4m3fn' is not supported for MLA caches yet"):
-        rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=1, head_dim=96, v_head_dim=64,
-                         attn_kinds=[rk.AttnKind.MLA], kv_dtype="float8_e4m3fn", mla_original_qk_head_dim=48,
-                         mla_original_v_head_dim=32)
     assert config(np.dtype(ml_dtypes.float8_e5m2)).kv_dtype == "float8_e5m2"
 
 

@@ -8,6 +8,7 @@ those dequantized values: the kernels add no error beyond the model dtype's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -211,6 +212,9 @@ def test_model_dtype_kernels_keep_tvm_signatures():
     assert len(tk.make_paged_decode(attention_spec(None), SCHED).params) == 13
     assert len(tk.make_paged_prefill(attention_spec(None), SCHED).params) == 15
     assert len(tk.make_paged_decode(attention_spec("float8_e4m3fn"), SCHED).params) == 14
+    mla = tk.AttentionSpec(num_qo_heads=4, num_kv_heads=1, qk_head_dim=64, v_head_dim=32, dtype="float16")
+    assert len(tk.make_paged_mla(mla, SCHED).params) == 10
+    assert len(tk.make_paged_mla(dataclasses.replace(mla, kv_dtype="float8_e5m2"), SCHED).params) == 11
 
 
 def test_specs_refuse_what_they_cannot_serve():
@@ -218,8 +222,6 @@ def test_specs_refuse_what_they_cannot_serve():
         page_spec("int8")
     with pytest.raises(ValueError, match="prefixed prefill reads pages of the model dtype only"):
         tk.make_prefixed_prefill(attention_spec("float8_e5m2"), SCHED)
-    with pytest.raises(ValueError, match="MLA attention reads pages of the model dtype only"):
-        tk.make_paged_mla(attention_spec("float8_e4m3fn"), SCHED)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

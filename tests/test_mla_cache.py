@@ -70,10 +70,13 @@ def _as64(t):
 class Harness:
     """Drives a cache and the float64 model with the same random inputs."""
 
-    def __init__(self, cache: PagedAttentionKVCache, seed: int) -> None:
+    def __init__(self, cache: PagedAttentionKVCache, seed: int, latent_values=None) -> None:
         self.cache, self.rng = cache, np.random.default_rng(seed)
         self.weights = MLAWeights.draw(self.rng, HEADS, LORA, NOPE, VDIM)
         self.model = MLAModel(LAYERS, LORA + ROPE)
+        # latent rows of a layer's step: latent_values(rng, layer, shape) -> float64 values the
+        # cache stores exactly (default: random values of the cache dtype)
+        self.latent_values = latent_values or (lambda rng, layer, shape: self._rounded(shape))
 
     def _rounded(self, shape):
         return self.rng.standard_normal(shape).astype(NP_DTYPE).astype(np.float64)
@@ -107,7 +110,7 @@ class Harness:
         total = sum(lengths)
         cache.begin_forward(seq_ids, lengths)
         for layer in range(LAYERS):
-            latent = self._rounded((total, LORA + ROPE))
+            latent = self.latent_values(self.rng, layer, (total, LORA + ROPE))
             q = self._rounded((total, HEADS, NOPE + ROPE))
             offset = 0
             for seq_id, n in batch:

@@ -223,7 +223,7 @@ class KVCacheConfig:
         ``"float8_e5m2"``: each K / V element as ``value / scale`` saturated to the 8-bit format's
         range, with one float32 scale per layer, K or V and KV head
         (:meth:`PagedAttentionKVCache.set_kv_scales`, default 1.0); half the memory of 16-bit
-        pages. MHA layers; no MLA yet.
+        pages. MLA caches: one scale per layer for the latent row (K and V are the same row).
     support_sliding_window : bool
         Reserve sliding-window support; kernels then take ``length_info`` of shape ``[3, B]``.
     attn_kinds : sequence of AttnKind, optional
@@ -405,9 +405,6 @@ class KVCacheConfig:
                 f"v_head_dim {self.v_head_dim}")
         if self.support_sliding_window:
             raise ConfigError("KVCacheConfig.support_sliding_window is not supported for MLA (as in TVM)")
-        if self.kv_dtype is not None:
-            raise ConfigError(f"KVCacheConfig.kv_dtype {self.kv_dtype!r} is not supported for MLA caches yet "
-                              "(latent pages store dtype)")
         dims = (self.mla_original_qk_head_dim, self.mla_original_v_head_dim)
         if (dims[0] is None) != (dims[1] is None):
             raise ConfigError(f"KVCacheConfig.mla_original_qk_head_dim and mla_original_v_head_dim must be given "

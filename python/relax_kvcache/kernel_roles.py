@@ -83,7 +83,8 @@ PARAMETER_COUNTS: Dict[str, Tuple[int, ...]] = {
 
 #: roles whose kernels over 8-bit pages take ``kv_scales`` as one more, last, argument
 SCALED_ROLES = ("transpose_append", "debug_get_kv", "attention_prefill", "attention_decode",
-                "attention_prefill_sliding_window", "attention_decode_sliding_window", "attention_prefill_tree")
+                "attention_prefill_sliding_window", "attention_decode_sliding_window", "attention_prefill_tree",
+                "transpose_append_mla", "attention_prefill_mla")
 
 _EXPECTED = re.compile(r"Expected (\d+) arguments when calling")
 _TREE_PAGED, _TREE_RAGGED = 20, 21

@@ -131,9 +131,10 @@ class MLAKernelSetSpec(_SetSpec):
 
         hq, dtype, ps = config.num_qo_heads, config.dtype, config.page_size
         return cls(
-            latent=tk.LatentPageSpec(width=config.head_dim, page_size=ps, dtype=dtype),
+            latent=tk.LatentPageSpec(width=config.head_dim, page_size=ps, dtype=dtype, kv_dtype=config.kv_dtype),
             absorbed=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=1, qk_head_dim=config.head_dim,
-                                      v_head_dim=config.v_head_dim, dtype=dtype, page_size=ps),
+                                      v_head_dim=config.v_head_dim, dtype=dtype, page_size=ps,
+                                      kv_dtype=config.kv_dtype),
             ragged=tk.AttentionSpec(num_qo_heads=hq, num_kv_heads=hq, dtype=dtype, page_size=ps,
                                     qk_head_dim=config.mla_original_qk_head_dim,
                                     v_head_dim=config.mla_original_v_head_dim),

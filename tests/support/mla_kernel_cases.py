@@ -47,3 +47,12 @@ def cache_config(dtype: str) -> KVCacheConfig:
         mla_original_qk_head_dim=nope + ROPE, mla_original_v_head_dim=v_dim, page_size=16, max_num_seqs=16,
         max_total_seq_len=2048, prefill_chunk_size=256, rope_mode=RopeMode.NONE, dtype=dtype,
         attn_kinds=[AttnKind.MLA] * layers, context_chunk_size=40)
+
+
+#: 8-bit page formats of ``test_fp8_mla``'s caches
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def fp8_cache_config(dtype: str, kv_dtype: str) -> KVCacheConfig:
+    """``test_fp8_mla``'s cache: :func:`cache_config` over 8-bit pages of ``kv_dtype``."""
+    return dataclasses.replace(cache_config(dtype), kv_dtype=kv_dtype)

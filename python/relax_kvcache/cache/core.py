@@ -99,7 +99,7 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._scratch = Scratch.allocate(config, device)
         self._dtype = self._scratch.o.dtype
         self._attention: Attention = (
-            MLAAttention(config, kernels, self._pages, self._paging, device, self._callback,
+            MLAAttention(config, kernels, self._pages, self._paging, device, self._callback, self._kv_scales.args,
                          lazy_workspace=lazy_workspace) if config.is_mla
             else MHAAttention(config, kernels, self._pages, device, self._kv_scales.args))
         self._planner = StepPlanner(config, kernels, self._paging, self._attention.tree_refusal)
@@ -499,6 +499,9 @@ class PagedAttentionKVCache(StoredKVMethods):
         mla = self._component("append_mla_kv", MLAAttention)
         layer = self._local_layer(layer_id)
         step = self._active_step("append_mla_kv")
+        kv = mla.checked_kv(step, kv)
+        if self._kv_scales.pending:  # calibrate_kv_scales: this layer's scale from its latent rows, before storing
+            self._kv_scales.calibrate_latent(layer, step, kv)
         mla.append_kv(step, layer, kv)
         step.appended.add(layer)
 

@@ -42,7 +42,8 @@ def kv_amax(config: KVCacheConfig, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 class KVScales:
     """One float32 scale per layer, K or V and KV head: a page element is ``value / scale``
     stored in ``kv_dtype`` and read back as ``stored * scale`` (vLLM's and FlashInfer's
-    convention); 1.0 until set.
+    convention); 1.0 until set. MLA caches (one latent head) keep K's and V's equal: one scale
+    per layer for the latent row.
 
     ``args[layer]`` are the trailing arguments of the layer's page kernels (append, paged
     attention, ``debug_get_kv``): ``(scales (2, num_kv_heads) float32,)`` over 8-bit pages, ``()``
@@ -63,8 +64,9 @@ class KVScales:
         """Calibrate every layer in the next step (``calibrate_kv_scales``; ``stored``: the
         tokens the cache holds, which must be none).
 
-        vLLM's ``calculate_kv_scales``: each layer's first ``attention_with_fused_qkv`` of that
-        step sets, per KV head, ``scale = margin * max|x| / format max`` for K and for V, with
+        vLLM's ``calculate_kv_scales``: each layer's first ``attention_with_fused_qkv`` (MLA:
+        ``append_mla_kv``, from the latent rows, one scale) of that step sets, per KV head,
+        ``scale = margin * max|x| / format max`` for K and for V, with
         ``max|x|`` floored at :data:`MIN_AMAX` and, for K the cache rotates, the bound of
         :func:`kv_amax`, valid at any position. Computed on the host: one copy of the step's
         qkv per layer, once. ``margin > 1`` leaves headroom for later tokens (values beyond
@@ -94,17 +96,30 @@ class KVScales:
     def calibrate(self, layer: int, step: Any, qkv: tvm.runtime.Tensor) -> None:
         """Set ``layer``'s scales from the K / V of fused ``qkv`` (the step's rows) when it is
         pending and ``step`` is the first step since :meth:`arm`; later steps disarm."""
+        if self._calibrating(layer, step):
+            cfg = self._config
+            rows = qkv.numpy()
+            hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
+            self._set_from_amax(layer, kv_amax(cfg, rows[:, hq:hq + hkv], rows[:, hq + hkv:]))
+
+    def calibrate_latent(self, layer: int, step: Any, kv: tvm.runtime.Tensor) -> None:
+        """:meth:`calibrate` of an MLA layer from its latent rows ``kv (n, width)`` (the model
+        RoPE'd them already): one scale, from their largest magnitude, for K and V."""
+        if self._calibrating(layer, step):
+            amax = np.max(np.abs(kv.numpy().astype(np.float64)), initial=0.0)
+            self._set_from_amax(layer, np.full((2, 1), amax))
+
+    def _calibrating(self, layer: int, step: Any) -> bool:
+        """Whether ``layer`` is pending and ``step`` the first step since :meth:`arm` (later
+        steps disarm)."""
         if self._step is None:
             self._step = step
         if step is not self._step:
             self.pending.clear()
-        if layer not in self.pending:
-            return
-        cfg = self._config
-        rows = qkv.numpy()
-        hq, hkv = cfg.num_qo_heads, cfg.num_kv_heads
-        amax = kv_amax(cfg, rows[:, hq:hq + hkv], rows[:, hq + hkv:])
-        scales = np.maximum(amax, MIN_AMAX) * self._margin / KV_DTYPE_MAX[cfg.kv_dtype]
+        return layer in self.pending
+
+    def _set_from_amax(self, layer: int, amax: np.ndarray) -> None:
+        scales = np.maximum(amax, MIN_AMAX) * self._margin / KV_DTYPE_MAX[self._config.kv_dtype]
         self.set(layer, np.minimum(scales, np.finfo(np.float32).max).astype(np.float32))
 
     def checked(self, layer: int, k_scale: Any, v_scale: Any) -> np.ndarray:
@@ -128,7 +143,12 @@ class KVScales:
                 raise ArgumentError(f"set_kv_scales: {name} of layer {layer} must be positive finite float32 "
                                     f"numbers, got {describe(value)}")
             rows.append(row)
-        return np.stack(rows).astype(np.float32)
+        scales = np.stack(rows).astype(np.float32)
+        if cfg.is_mla and not np.array_equal(scales[0], scales[1]):
+            raise ArgumentError(f"set_kv_scales: an MLA cache has one scale per layer (one latent vector serves K "
+                                f"and V), so v_scale must equal k_scale; got k_scale {describe(k_scale)}, v_scale "
+                                f"{describe(v_scale)} for layer {layer}")
+        return scales
 
     def set(self, layer: int, scales: np.ndarray) -> None:
         """Store checked ``scales`` (:meth:`checked`) for ``layer`` (no calibration of it then)."""

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import tvm
+import tvm_ffi
 
 from ..config import KVCacheConfig
 from ..errors import ForwardError, KVCacheError
@@ -19,18 +20,20 @@ from .step import DepthViews, PageViews, Step
 
 class MLAAttention(Attention):
     """Attention of MLA layers. ``callback(what)``: the context the model's ``decompress`` runs
-    in; ``lazy_workspace``: make the context workspace on first use."""
+    in; ``lazy_workspace``: make the context workspace on first use; ``scale_args``: each
+    layer's trailing page-kernel arguments (``KVScales.args``: 8-bit pages' scales, or none)."""
 
     kind = "MLA"
 
     def __init__(self, config: KVCacheConfig, kernels: KernelSet, pages: List[tvm.runtime.Tensor],
-                 paging: PagingState, device: tvm.runtime.Device, callback: Callable[[str], ContextManager], *,
-                 lazy_workspace: bool = False) -> None:
+                 paging: PagingState, device: tvm.runtime.Device, callback: Callable[[str], ContextManager],
+                 scale_args: Sequence[Tuple[Any, ...]], *, lazy_workspace: bool = False) -> None:
         super().__init__(config, kernels, pages)
+        self._scale_args = scale_args
         self.self_attention_dims = (config.num_qo_heads, config.mla_original_qk_head_dim,
                                     config.mla_original_v_head_dim)
         self._paging, self._device, self._callback = paging, device, callback
-        self._dtype = pages[0].dtype
+        self._dtype = tvm_ffi.dtype(config.dtype)  # of the step's tensors and the workspace (not the pages)
         self._context: Optional[Tuple[Step, ContextPlan]] = None  # the chunked context of a step
         self.workspace: Optional[ContextWorkspace] = None
         if not lazy_workspace:
@@ -44,10 +47,11 @@ class MLAAttention(Attention):
                   sm_scale: float) -> None:
         """One kernel for decode and prefill, no causal mask (as in TVM)."""
         self.kernels.attention_prefill_mla(q, depth.qo_indptr, self.pages[layer], views.page_indptr,
-                                           views.page_indices, views.length_info, o, lse, 0, sm_scale)
+                                           views.page_indices, views.length_info, o, lse, 0, sm_scale,
+                                           *self._scale_args[layer])
 
-    def append_kv(self, step: Step, layer: int, kv: Any) -> None:
-        """Check ``kv (m >= n, width)`` and write its first ``n`` rows into the layer's pages."""
+    def checked_kv(self, step: Step, kv: Any) -> Any:
+        """Check ``kv (m >= n, width)``; its first ``n`` rows (the step's latent rows)."""
         cfg, n = self.config, step.total_tokens
         shape = check_tensor("kv", kv, shape=(None, cfg.head_dim), dtype=cfg.dtype, device=self._device)
         if shape[0] < n:
@@ -55,9 +59,12 @@ class MLAAttention(Attention):
         if self.kernels.transpose_append_mla is None:
             raise KVCacheError("append_mla_kv needs the transpose_append_mla kernel, which this cache was "
                                "created without")
-        if shape[0] != n:
-            kv = view(kv, (n, cfg.head_dim), 0, self._dtype)
-        self.kernels.transpose_append_mla(self.pages[layer], kv, step.device.append_position)
+        return kv if shape[0] == n else view(kv, (n, cfg.head_dim), 0, self._dtype)
+
+    def append_kv(self, step: Step, layer: int, kv: Any) -> None:
+        """Write ``kv``'s rows (:meth:`checked_kv`) into the layer's pages."""
+        self.kernels.transpose_append_mla(self.pages[layer], kv, step.device.append_position,
+                                          *self._scale_args[layer])
 
     def context_attention(self, step: Step, layer: int, q: Any, o: Any, lse: Any, sm_scale: float,
                           decompress: Any) -> None:
@@ -104,7 +111,7 @@ class MLAAttention(Attention):
         if not chunk.rows:
             return k, v
         gathered = view(ws.latent, (1, rows, cfg.head_dim), 0, self._dtype)
-        self.kernels.debug_get_kv(self.pages[layer], chunk.positions, gathered, 0)
+        self.kernels.debug_get_kv(self.pages[layer], chunk.positions, gathered, 0, *self._scale_args[layer])
         latent = view(ws.latent, (rows, cfg.head_dim), 0, self._dtype)
         with self._callback("mla_context_attention's decompress callback"):
             decompress(latent, k, v)

@@ -4,6 +4,11 @@ A block is 8 warps over 16 query rows and one split of a sequence's KV range (me
 latent chunks stream through a two-stage ``cp.async`` ring as K and V. ``Q K^T``: warp w computes
 16 score columns over a slice of the features; ``P V``: warp w owns ``DV / 8`` output columns.
 Fragments: PTX's ``mma.m16n8k16`` (lane ``4 g + t``: rows g, g + 8, columns 2 t, 2 t + 1).
+
+8-bit pages: the ring holds the chunks' bytes (``cp.async``, 16 bytes a copy, in the space of
+the second 16-bit stage); each step converts its chunk into one 16-bit stage by moving bits
+(:func:`.attention_gpu_decode_mma.fp8_pairs`), and the layer's scale (with the conversion's
+factor) multiplies the scores and the outputs.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from tvm.script import tirx as T
 
 from .attention_gpu import find_tile, swizzled
 from .attention_gpu_decode import merge_splits
+from .attention_gpu_decode_mma import FP8_HALF_FACTOR, fp8_pairs, half_of
 from .attention_gpu_mma import ldmatrix_x4, mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule
@@ -97,6 +103,21 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     SMS = sched.mla_wave_blocks
     merge = merge_splits(spec, sched, sched.mla_decode_splits)
     mma, ldmatrix, shfl = mma_m16n8k16(dtype), ldmatrix_x4(dtype), shfl_xor
+    quantized, fmt = spec.quantized, spec.kv_dtype
+
+    def stored_scale(kv_scales):
+        """What the shared-memory rows are multiplied by to give the latent rows: 8-bit pages'
+        scale times the conversion's factor (1 over pages of the model dtype: no factor)."""
+        return kv_scales[0, 0] * FP8_HALF_FACTOR[fmt]
+
+    def score_scale(sm_scale, kv_scales):
+        return sm_scale * LOG2E * stored_scale(kv_scales) if quantized else sm_scale * LOG2E
+
+    def out_scale(x, kv_scales):
+        return x * stored_scale(kv_scales) if quantized else x
+
+    def to_model(half):
+        return half if dtype == "float16" else T.Cast(dtype, T.Cast("float32", half))
 
     def col(row, d):
         return swizzled(row, d, W)
@@ -145,6 +166,49 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                     kv.ptr_to([stage * KC + r, col(r, p * 8)]), pages.ptr_to([rows[r] // ps, rows[r] % ps, p * 8]), 16,
                     T.Cast("uint32", T.if_then_else(j0 + r < row_hi, 16, 0))))
         T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    # 8-bit pages: the ring holds the chunks' bytes (stage s: rows KC + s KC / 2 .. of the
+    # model-dtype tile, half a row per latent row), converted into rows 0 .. KC at each step
+    NVB, WPR = W // 16, W // 4  # 16-byte pieces and 32-bit words of a latent row of bytes
+    KB_IT, CW_IT = ceildiv(KC * NVB, NT), KC * WPR // NT
+
+    @T.macro
+    def issue_bytes(kv, pages, rows, stage, j0, row_hi, tx):
+        """:func:`issue` over 8-bit pages: the chunk's bytes into byte stage ``stage``."""
+        for it in T.unroll(KB_IT):
+            if it * NT + tx < KC * NVB:
+                r: T.let[T.int32] = (it * NT + tx) // NVB
+                p: T.let[T.int32] = (it * NT + tx) % NVB
+                T.evaluate(T.ptx["cp.async.cg.shared.global"](
+                    kv.ptr_to([KC + stage * (KC // 2) + r // 2, r % 2 * (W // 2) + p * 8]),
+                    pages.ptr_to([rows[r] // ps, rows[r] % ps, p * 16]), 16,
+                    T.Cast("uint32", T.if_then_else(j0 + r < row_hi, 16, 0))))
+        T.evaluate(T.ptx["cp.async.commit_group"]())
+
+    @T.macro
+    def convert(kv, stage, tx):
+        """Rows 0 .. KC of the tile = byte stage ``stage`` in the model dtype, by moving bits
+        (:func:`fp8_pairs`; ``stored_scale`` restores the values): all words read first, then
+        written (no barrier between a thread's reads and writes)."""
+        words = T.sblock_alloc_buffer((CW_IT,), "uint32", scope="local")
+        for it in T.unroll(CW_IT):
+            words[it] = T.reinterpret("uint32", kv[KC + stage * (KC // 2) + (it * NT + tx) // WPR // 2,
+                                                   T.ramp((it * NT + tx) // WPR % 2 * (W // 2)
+                                                          + (it * NT + tx) % WPR * 2, 1, 2)])
+        for it in T.unroll(CW_IT):
+            r: T.let[T.int32] = (it * NT + tx) // WPR
+            c4: T.let[T.int32] = (it * NT + tx) % WPR * 4
+            kv[r, col(r, c4)] = to_model(half_of(fp8_pairs(fmt, words[it])[0], False))
+            kv[r, col(r, c4 + 1)] = to_model(half_of(fp8_pairs(fmt, words[it])[1], False))
+            kv[r, col(r, c4 + 2)] = to_model(half_of(fp8_pairs(fmt, words[it])[0], True))
+            kv[r, col(r, c4 + 3)] = to_model(half_of(fp8_pairs(fmt, words[it])[1], True))
+
+    fill = issue_bytes if quantized else issue
+
+    def tile_stage(c):
+        """The tile rows scores and P V read in step c: ring stage c % STAGES, or over 8-bit
+        pages the converted rows (stage 0)."""
+        return 0 if quantized else c % STAGES
 
     @T.macro
     def scores(sp, qf, kv, stage, bf, sacc, ks, cg, tx):
@@ -230,7 +294,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 T.evaluate(mma(pf, vf, oacc, 2 * pair + 1, b_at=4))
 
     @T.macro
-    def store(ws_o, ws_lse, oacc, stat, mrow, lrow, qrow0, sp_id, nq, hg, w, g, t, tx):
+    def store(ws_o, ws_lse, oacc, stat, mrow, lrow, qrow0, sp_id, nq, hg, w, g, t, tx, kv_scales):
         """The rows' owners publish (max, sum); every warp scales and stores its columns."""
         if tx % LPR == 0:
             stat[w * RPW + tx % 32 // LPR, 0] = mrow[0]
@@ -241,14 +305,15 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                 for nn in T.unroll(NO):
                     for e in T.unroll(2):
                         ws_o[(qrow0 + (g + hr * 8) // HG) * Hq + hg * HG + (g + hr * 8) % HG, sp_id,
-                             w * CW + nn * 8 + 2 * t + e] = oacc[nn * 4 + hr * 2 + e] * T.if_then_else(
-                                 stat[g + hr * 8, 1] > ZERO, ONE / stat[g + hr * 8, 1], ZERO)
+                             w * CW + nn * 8 + 2 * t + e] = out_scale(oacc[nn * 4 + hr * 2 + e] * T.if_then_else(
+                                 stat[g + hr * 8, 1] > ZERO, ONE / stat[g + hr * 8, 1], ZERO), kv_scales)
                 if T.And(w == 0, t == 0):
                     ws_lse[(qrow0 + (g + hr * 8) // HG) * Hq + hg * HG + (g + hr * 8) % HG, sp_id] = T.if_then_else(
                         stat[g + hr * 8, 1] > ZERO, stat[g + hr * 8, 0] + T.log2(stat[g + hr * 8, 1]), NEG_INF)
 
     @T.macro
-    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q):
+    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
+            kv_scales):
         ws_o = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ)), DV), "float32")
         ws_lse = T.sblock_alloc_buffer((total_q * Hq, splits(ceildiv(total_q, TQ))), "float32")
         nsplit: T.let[T.int32] = splits(ceildiv(total_q, TQ))
@@ -300,7 +365,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                                 plan_rows(rows, page_indices, page_indptr[b], (c_lo + s) * KC, row_hi, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 if c_lo + s < c_hi:
-                                    issue(kv, pages, rows, s, (c_lo + s) * KC, row_hi, tx)
+                                    fill(kv, pages, rows, s, (c_lo + s) * KC, row_hi, tx)
                                 else:
                                     T.evaluate(T.ptx["cp.async.commit_group"]())
                                 T.evaluate(T.tvm_storage_sync("shared"))
@@ -312,20 +377,23 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
                             for c in T.serial(c_lo, T.max(c_hi, c_lo)):
                                 T.evaluate(T.ptx["cp.async.wait_group"](STAGES - 1))
                                 T.evaluate(T.tvm_storage_sync("shared"))
-                                scores(sp, qf, kv, (c - c_lo) % STAGES, bf, sacc, w // CG, w % CG, tx)
+                                if quantized:
+                                    convert(kv, (c - c_lo) % STAGES, tx)
+                                    T.evaluate(T.tvm_storage_sync("shared"))
+                                scores(sp, qf, kv, tile_stage(c - c_lo), bf, sacc, w // CG, w % CG, tx)
                                 plan_rows(rows, page_indices, page_indptr[b], (c + STAGES) * KC, row_hi, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
-                                softmax(sp, kv, al, mrow, lrow, sv, red, sm_scale * LOG2E, c * KC, row_hi,
-                                        kv_len, q_len, found[1], causal, w, tx)
+                                softmax(sp, kv, al, mrow, lrow, sv, red, score_scale(sm_scale, kv_scales), c * KC,
+                                        row_hi, kv_len, q_len, found[1], causal, w, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
-                                pv(oacc, al, kv, (c - c_lo) % STAGES, pf, vf, w, g, tx)
+                                pv(oacc, al, kv, tile_stage(c - c_lo), pf, vf, w, g, tx)
                                 T.evaluate(T.tvm_storage_sync("shared"))
                                 if c + STAGES < c_hi:
-                                    issue(kv, pages, rows, (c - c_lo) % STAGES, (c + STAGES) * KC, row_hi, tx)
+                                    fill(kv, pages, rows, (c - c_lo) % STAGES, (c + STAGES) * KC, row_hi, tx)
                                 else:
                                     T.evaluate(T.ptx["cp.async.commit_group"]())
                             store(ws_o, ws_lse, oacc, stat, mrow, lrow, qo_indptr[b] + found[1], by, nq, bx % NHG, w,
-                                  g, t, tx)
+                                  g, t, tx, kv_scales)
         merge(ws_o, ws_lse, o, lse, total_q * Hq, nsplit)
 
     return run

@@ -225,8 +225,15 @@ def prefixed_kv_rows(spec):
 def latent_kv_access(spec):
     """``elem(kv_src, h, j, kv, d)`` of a sequence's MLA page list (``kv_src`` as paged, pages
     ``(num_pages, page_size, width)``): K and V are the same latent row (V is its first
-    ``v_head_dim`` features), so ``kv`` and ``h`` (one latent head) are not used."""
+    ``v_head_dim`` features), so ``kv`` and ``h`` (one latent head) are not used; 8-bit pages
+    are dequantized by the one scale of the layer (``kv_src[5]``, ``kv_scales (2, 1)``)."""
     ps = spec.page_size
+    if spec.quantized:  # 8-bit pages: times the layer's one scale, kv_src[5][0, 0]
+        def elem_dequantized(kv_src, h, j, kv: int, d):
+            stored = kv_src[0][kv_src[1][kv_src[2] + j // ps], j % ps, d]
+            return T.Cast(spec.dtype, T.Cast("float32", fp8_to_half(spec.kv_dtype, stored)) * kv_src[5][0, 0])
+
+        return elem_dequantized
 
     def elem(kv_src, h, j, kv: int, d):
         return kv_src[0][kv_src[1][kv_src[2] + j // ps], j % ps, d]

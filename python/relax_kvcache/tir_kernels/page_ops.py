@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .schedule import GpuSchedule, Schedule
-from .macros import dequantized, quantized, without_param
+from .macros import dequantized, fp8_to_half, quantized, without_param
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
@@ -276,8 +276,9 @@ def move_latent_span(dst, dst_index, src, src_index, d0, lanes: T.int32):
         dst[dst_index + (d0 + d,)] = src[src_index + (d0 + d,)]
 
 
-def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move):
-    """Loop nest over ``n`` latent rows; ``row_move(bufs, i, d0, lanes)`` moves one span of row i."""
+def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move, lanes_of=None):
+    """Loop nest over ``n`` latent rows; ``row_move(bufs, i, d0, lanes)`` moves one span of row i
+    (GPU: spans of ``lanes_of(model dtype lanes)`` elements, default as they are)."""
     W = spec.width
     if not isinstance(sched, GpuSchedule):
         @T.macro
@@ -290,6 +291,8 @@ def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move
         return cpu_nest
 
     lanes, nt = gpu_lanes(sched, spec.dtype, W), sched.copy_threads
+    if lanes_of is not None:
+        lanes = lanes_of(lanes)
     nv = W // lanes
 
     @T.macro
@@ -306,8 +309,11 @@ def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move
 
 def make_transpose_append_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
     """``transpose_append_mla(pages, kv, position_map)``: token i's latent row ``kv[i]`` goes to
-    position ``position_map[i]`` (skipped when it is -1)."""
+    position ``position_map[i]`` (skipped when it is -1). 8-bit pages take a last argument
+    ``kv_scales (2, 1) float32`` and store ``kv / kv_scales[0, 0]`` saturated."""
     W, ps, dtype = spec.width, spec.page_size, spec.dtype
+    if spec.quantized:
+        return _transpose_append_mla_quantized(spec, sched)
 
     @T.macro
     def append_row(bufs, i, d0, lanes: T.int32):
@@ -331,6 +337,36 @@ def make_transpose_append_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.Pri
     return transpose_append_mla
 
 
+def _transpose_append_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
+    """:func:`make_transpose_append_mla` over 8-bit pages (element by element, as
+    :func:`store_span`)."""
+    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+
+    @T.macro
+    def append_row(bufs, i, d0, lanes: T.int32):
+        """bufs = (pages, kv, position_map, kv_scales)."""
+        if bufs[2][i] != -1:
+            for d in T.serial(lanes):
+                bufs[0][bufs[2][i] // ps, bufs[2][i] % ps, d0 + d] = quantized(spec, bufs[1][i, d0 + d], bufs[3][0, 0])
+
+    nest = _latent_rows_nest(spec, sched, "append_mla", append_row)
+
+    @T.prim_func(s_tir=True)
+    def transpose_append_mla(var_pages: T.handle, var_kv: T.handle, var_position_map: T.handle,
+                             var_kv_scales: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        P = T.int64()
+        n = T.int32()
+        off_pos = T.int32()
+        pages = T.match_buffer(var_pages, (P, ps, W), spec.page_dtype)
+        kv = T.match_buffer(var_kv, (n, W), dtype)
+        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+        kv_scales = T.match_buffer(var_kv_scales, (2, 1), "float32")
+        nest((pages, kv, position_map, kv_scales), n)
+
+    return transpose_append_mla
+
+
 def make_copy_single_page_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
     """``copy_single_page_mla(pages, src_page_id, tgt_page_id, copy_length)``: the first
     ``copy_length`` rows of a page."""
@@ -341,14 +377,16 @@ def make_copy_single_page_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.Pri
         """bufs = (pages, src_page, dst_page)."""
         move_latent_span(bufs[0], (bufs[2], slot), bufs[0], (bufs[1], slot), d0, lanes)
 
-    nest = _latent_rows_nest(spec, sched, "copy_mla", copy_row)
+    # bytes move as they are: spans of the pages' element type
+    nest = _latent_rows_nest(spec, sched, "copy_mla", copy_row,
+                             lambda lanes: gpu_lanes(sched, spec.page_dtype, W) if spec.quantized else lanes)
 
     @T.prim_func(s_tir=True)
     def copy_single_page_mla(var_pages: T.handle, src_page_id: T.int64, tgt_page_id: T.int64,
                              copy_length: T.int64):
         T.func_attr({"tirx.noalias": True})
         P = T.int64()
-        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
+        pages = T.match_buffer(var_pages, (P, ps, W), spec.page_dtype)
         nest((pages, src_page_id, tgt_page_id), T.min(copy_length, T.int64(ps)))
 
     return copy_single_page_mla
@@ -356,8 +394,12 @@ def make_copy_single_page_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.Pri
 
 def make_debug_get_kv_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
     """``debug_get_kv_mla(pages, position_map, kv_out, layer_id)``: ``kv_out[layer_id, i]`` =
-    the latent row at position ``position_map[i]``; ``kv_out`` is ``(num_layers, n, width)``."""
+    the latent row at position ``position_map[i]``; ``kv_out`` is ``(num_layers, n, width)``.
+    8-bit pages take a last argument ``kv_scales (2, 1) float32`` and are dequantized (``stored *
+    kv_scales[0, 0]`` in the model dtype)."""
     W, ps, dtype = spec.width, spec.page_size, spec.dtype
+    if spec.quantized:
+        return _debug_get_kv_mla_quantized(spec, sched)
 
     @T.macro
     def gather_row(bufs, i, d0, lanes: T.int32):
@@ -378,5 +420,35 @@ def make_debug_get_kv_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFun
         position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
         kv = T.match_buffer(var_kv, (L, n, W), dtype)
         nest((pages, position_map, kv, layer_id), n)
+
+    return debug_get_kv_mla
+
+
+def _debug_get_kv_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
+    """:func:`make_debug_get_kv_mla` over 8-bit pages."""
+    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+
+    @T.macro
+    def gather_row(bufs, i, d0, lanes: T.int32):
+        """bufs = (pages, position_map, kv, layer_id, kv_scales)."""
+        for d in T.vectorized(lanes):
+            bufs[2][bufs[3], i, d0 + d] = T.Cast(dtype, T.Cast("float32", fp8_to_half(
+                spec.kv_dtype, bufs[0][bufs[1][i] // ps, bufs[1][i] % ps, d0 + d])) * bufs[4][0, 0])
+
+    nest = _latent_rows_nest(spec, sched, "gather_mla", gather_row, spec.load_lanes)
+
+    @T.prim_func(s_tir=True)
+    def debug_get_kv_mla(var_pages: T.handle, var_position_map: T.handle, var_kv: T.handle,
+                         layer_id: T.int64, var_kv_scales: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        P = T.int64()
+        L = T.int64()
+        n = T.int64()
+        off_pos = T.int64()
+        pages = T.match_buffer(var_pages, (P, ps, W), spec.page_dtype)
+        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+        kv = T.match_buffer(var_kv, (L, n, W), dtype)
+        kv_scales = T.match_buffer(var_kv_scales, (2, 1), "float32")
+        nest((pages, position_map, kv, layer_id, kv_scales), n)
 
     return debug_get_kv_mla

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import SUPPORTED_DTYPES, LayerSpan
+from ..config import KV_DTYPE_MAX, SUPPORTED_DTYPES, LayerSpan
 
 
 def _check(cond: bool, message: str) -> None:
@@ -22,7 +22,7 @@ def _check_dtype(dtype: str) -> None:
 
 
 #: 8-bit float formats pages may store (``kv_dtype``) and their largest finite values
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+FP8_MAX = KV_DTYPE_MAX
 
 
 class _KVStorage:
@@ -70,16 +70,20 @@ class PageLayoutSpec(_KVStorage):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LatentPageSpec:
-    """Layout of one MLA layer's pages: ``(num_pages, page_size, width)``, ``width =
-    kv_lora_rank + qk_rope_head_dim``. Keys the ``*_mla`` page kernels."""
+class LatentPageSpec(_KVStorage):
+    """Layout of one MLA layer's pages: ``(num_pages, page_size, width)`` of ``page_dtype``,
+    ``width = kv_lora_rank + qk_rope_head_dim``. Keys the ``*_mla`` page kernels. Over 8-bit
+    pages (:class:`_KVStorage`) one scale serves the whole latent row: ``kv_scales[0, 0]`` of
+    ``kv_scales (2, 1) float32`` (K and V are the same row)."""
 
     width: int
     page_size: int
     dtype: str
+    kv_dtype: "str | None" = None
 
     def __post_init__(self) -> None:
         _check_dtype(self.dtype)
+        self._check_kv_dtype()
         for name in ("width", "page_size"):
             _check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
