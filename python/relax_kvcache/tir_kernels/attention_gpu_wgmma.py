@@ -165,18 +165,24 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
 
     @T.macro
     def convert8(smem, dst, kv_src, h, slot, kv: int, c, full, cw):
-        """8-bit pages: the 8 bytes of (slot, kv, dims c .. c + 8) dequantized to float16 at
-        ``smem[dst ..]`` (zeros unless ``full``), synchronously: two 32-bit loads, the hardware
-        conversion, the scale in float32."""
+        """8-bit pages: the 8 bytes of (slot, kv, dims c .. c + 8) as float16 at ``smem[dst ..]``
+        (zeros unless ``full``), synchronously: two 32-bit loads, the hardware conversion (the
+        scales apply to the scores and the output)."""
         for w in T.unroll(2):
             cw[2] = T.if_then_else(full, T.reinterpret("uint32", kv_src[0][slot // ps, kv, h, slot % ps,
                                                                           T.ramp(c + 4 * w, 1, 4)]), T.uint32(0))
             T.evaluate(FP8X2_TO_HALF2[fmt](cw[0], T.Cast("uint16", cw[2])))
             T.evaluate(FP8X2_TO_HALF2[fmt](cw[1], T.Cast("uint16", T.shift_right(cw[2], T.uint32(16)))))
-            smem[dst + 4 * w] = T.Cast(dtype, T.Cast("float32", half_of(cw[0], False)) * kv_src[5][kv, h])
-            smem[dst + 4 * w + 1] = T.Cast(dtype, T.Cast("float32", half_of(cw[0], True)) * kv_src[5][kv, h])
-            smem[dst + 4 * w + 2] = T.Cast(dtype, T.Cast("float32", half_of(cw[1], False)) * kv_src[5][kv, h])
-            smem[dst + 4 * w + 3] = T.Cast(dtype, T.Cast("float32", half_of(cw[1], True)) * kv_src[5][kv, h])
+            smem[T.ramp(dst + 4 * w, 1, 2)] = T.reinterpret("float16x2", cw[0])
+            smem[T.ramp(dst + 4 * w + 2, 1, 2)] = T.reinterpret("float16x2", cw[1])
+
+    def k_scaled(sm_scale, kv_src, h):
+        """The score scale: times the K scale over 8-bit pages (their rows are staged unscaled)."""
+        return sm_scale * kv_src[5][0, h] if spec.quantized else sm_scale
+
+    def v_scaled(inv, kv_src, h):
+        """The output's normalizer: times the V scale over 8-bit pages."""
+        return inv * kv_src[5][1, h] if spec.quantized else inv
 
     @T.macro
     def copy_row(smem, dst, elem, kv_src, h, slot, c, full):
@@ -237,11 +243,11 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                     sacc[nn * 4 + e] * scale, NEG_INF)
 
     @T.macro
-    def store(out, oacc, m2, l2, inv, h, qbeg, tile0, nq, row0, g, t):
+    def store(out, oacc, m2, l2, inv, h, qbeg, tile0, nq, row0, g, t, kv_src):
         for hr in T.unroll(2):
             l2[hr] = l2[hr] + shfl(l2[hr], 1)
             l2[hr] = l2[hr] + shfl(l2[hr], 2)
-            inv[hr] = T.if_then_else(l2[hr] > ZERO, ONE / l2[hr], ZERO)
+            inv[hr] = T.if_then_else(l2[hr] > ZERO, v_scaled(ONE / l2[hr], kv_src, h), ZERO)
         for hr in T.unroll(2):
             if T.And((row0 + g + hr * 8) // G < nq, row0 + g + hr * 8 < TQ * G):
                 for nn in T.unroll(NO):
@@ -455,7 +461,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 fence_registers(oacc, NO * 4, *FENCES["float32"])
         T.evaluate(T.ptx["cp.async.wait_group"](0))  # no copy outlives the block
-        store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t)
+        store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t, kv_src)
 
     @T.macro
     def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,
@@ -469,6 +475,6 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         k_pos0_: T.let[T.int32] = k_pos0
         kv_base: T.let[T.int32] = kv_src[2]
         tile(q, out, q_rope_position, (kv_src[0], kv_src[1], kv_base) + tuple(kv_src[3:]), h, qbeg_, q_len_,
-             tile0_, kv_len_, k_pos0_, causal, sm_scale, tree_src, active, tx)
+             tile0_, kv_len_, k_pos0_, causal, k_scaled(sm_scale, kv_src, h), tree_src, active, tx)
 
     return attend_tile
