@@ -72,6 +72,27 @@ def bitwise(a, b):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+def mla_step(c, seq, ids, with_ids=True):
+    """One step of MLA cache ``c`` appending ``ids`` to ``seq`` (latent rows a function of token,
+    position and layer; fixed queries): each layer's cross-attention output and LSE."""
+    cfg = c.config
+    start, n, width = c.get_sequence_length(seq), len(ids), cfg.head_dim
+    c.begin_forward([seq], [n], token_ids=ids if with_ids else None)
+    outs = []
+    for layer in range(cfg.num_layers):
+        latent = np.stack([np.random.default_rng([t, start + i, layer]).standard_normal(width)
+                           for i, t in enumerate(ids)]).astype(np.float32)
+        c.append_mla_kv(layer, tvm.runtime.tensor(latent))
+        q = tvm.runtime.tensor(np.random.default_rng([n, layer]).standard_normal(
+            (n, cfg.num_qo_heads, width)).astype(np.float32))
+        o = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.v_head_dim), np.nan, np.float32))
+        lse = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads), np.nan, np.float32))
+        c.cross_attention(layer, q, o, lse, 0.1)
+        outs += [o.numpy(), lse.numpy()]
+    c.end_forward()
+    return outs
+
+
 @pytest.fixture
 def cache():
     return rk.PagedAttentionKVCache(CFG, tvm.cpu())
@@ -267,26 +288,7 @@ def test_mla_latent_pages_are_cached_and_reused(kernel_build):
     kernels = KernelSet.from_module(kernel_build(cfg))
     cache, fresh = (rk.PagedAttentionKVCache(c, tvm.cpu(), kernels=kernels)
                     for c in (cfg, dataclasses.replace(cfg, prefix_caching=False)))
-    ps, width = cfg.page_size, cfg.head_dim
-
-    def latent(ids, start, layer):
-        return np.stack([np.random.default_rng([t, start + i, layer]).standard_normal(width)
-                         for i, t in enumerate(ids)]).astype(np.float32)
-
-    def mla_step(c, seq, ids):
-        start, n = c.get_sequence_length(seq), len(ids)
-        c.begin_forward([seq], [n], token_ids=ids)
-        outs = []
-        for layer in range(cfg.num_layers):
-            c.append_mla_kv(layer, tvm.runtime.tensor(latent(ids, start, layer)))
-            q = tvm.runtime.tensor(np.random.default_rng([n, layer]).standard_normal(
-                (n, cfg.num_qo_heads, width)).astype(np.float32))
-            o = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.v_head_dim), np.nan, np.float32))
-            lse = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads), np.nan, np.float32))
-            c.cross_attention(layer, q, o, lse, 0.1)
-            outs += [o.numpy(), lse.numpy()]
-        c.end_forward()
-        return outs
+    ps = cfg.page_size
 
     ids = prompt(22, 3 * ps + 2)
     cache.add_sequence(0, ids)
@@ -299,7 +301,7 @@ def test_mla_latent_pages_are_cached_and_reused(kernel_build):
     for a, b in zip(got, exp):
         bitwise(a, b)
     n = cache.get_sequence_length(1)
-    read = [tvm.runtime.tensor(np.full((cfg.num_layers, n, width), np.nan, np.float32)) for _ in range(2)]
+    read = [tvm.runtime.tensor(np.full((cfg.num_layers, n, cfg.head_dim), np.nan, np.float32)) for _ in range(2)]
     cache.debug_get_kv_mla(1, 0, n, read[0])
     fresh.debug_get_kv_mla(0, 0, n, read[1])
     bitwise(read[0].numpy(), read[1].numpy())

@@ -20,7 +20,7 @@ import relax_kvcache as rk
 from relax_kvcache.errors import ConfigError
 from relax_kvcache.paging import PagingState
 from support.small_cache import CFG as PLAIN
-from test_prefix_cache import bitwise, kv, prompt, step
+from test_prefix_cache import bitwise, kv, mla_step, prompt, step
 
 CFG = dataclasses.replace(PLAIN, prefix_caching=True, host_cache_pages=12)  # 26 device pages of 8 tokens
 PS = CFG.page_size
@@ -154,24 +154,7 @@ def test_mla_latent_pages_back_from_the_host_equal_the_fresh_computation(kernel_
     cfg = dataclasses.replace(base, prefix_caching=True, host_cache_pages=8)
     kernels = KernelSet.from_module(kernel_build(base))
     cache, fresh = (rk.PagedAttentionKVCache(c, tvm.cpu(), kernels=kernels) for c in (cfg, base))
-    ps, width = cfg.page_size, cfg.head_dim
-
-    def mla_step(c, seq, ids, with_ids=True):
-        start, n = c.get_sequence_length(seq), len(ids)
-        c.begin_forward([seq], [n], token_ids=ids if with_ids else None)
-        outs = []
-        for layer in range(cfg.num_layers):
-            latent = np.stack([np.random.default_rng([t, start + i, layer]).standard_normal(width)
-                               for i, t in enumerate(ids)]).astype(np.float32)
-            c.append_mla_kv(layer, tvm.runtime.tensor(latent))
-            q = tvm.runtime.tensor(np.random.default_rng([n, layer]).standard_normal(
-                (n, cfg.num_qo_heads, width)).astype(np.float32))
-            o = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads, cfg.v_head_dim), np.nan, np.float32))
-            lse = tvm.runtime.tensor(np.full((n, cfg.num_qo_heads), np.nan, np.float32))
-            c.cross_attention(layer, q, o, lse, 0.1)
-            outs += [o.numpy(), lse.numpy()]
-        c.end_forward()
-        return outs
+    ps = cfg.page_size
 
     ids = prompt(38, 3 * ps + 2)
     cache.add_sequence(0, ids)
