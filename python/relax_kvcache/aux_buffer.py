@@ -1,14 +1,14 @@
 """One int32 buffer that carries a step's metadata arrays to the device in one copy. On CPU the
-host buffer is the device buffer; on CUDA it is pinned and copied on a side stream (ctypes: TVM's
-Python API copies synchronously), which ``wait()`` orders the compute stream after; other GPUs
-copy synchronously."""
+host buffer is the device buffer; on CUDA it is pinned and copied on a side stream (`SideStream`,
+also the host tier's; ctypes: TVM's Python API copies synchronously), which ``wait()`` orders the
+compute stream after; other GPUs copy synchronously."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import itertools
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tvm
@@ -47,62 +47,73 @@ def check_status(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {status} ({lib.cudaGetErrorString(status).decode()})")
 
 
-class PinnedUploader:
-    """A pinned int32 host buffer copied to a CUDA device buffer on its own stream."""
+class SideStream:
+    """Pinned host memory of ``nbytes`` and a non-blocking CUDA copy stream, ordered against the
+    compute stream of ``device`` by two events: copies queued on `stream` between `begin` and `end`
+    run after the compute stream's work so far, and before its work queued after `wait`; the host
+    does not block. ``alloc_error(status)``: the exception for a failed ``cudaMallocHost``."""
 
-    def __init__(self, device: tvm.runtime.Device, capacity: int) -> None:
-        lib = cudart()
+    def __init__(self, device: tvm.runtime.Device, nbytes: int,
+                 alloc_error: Optional[Callable[[int], Exception]] = None) -> None:
+        self._lib = lib = cudart()
         self._device = device
-        self.device_buffer = tvm.runtime.empty((capacity,), "int32", device)
         ptr = ctypes.c_void_p()
-        check_status(lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(4 * capacity)), "cudaMallocHost")
-        self._host_ptr = ptr
-        self.host = np.ctypeslib.as_array((ctypes.c_int32 * capacity).from_address(ptr.value))
-        self._stream = ctypes.c_void_p()
-        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), NON_BLOCKING), "cudaStreamCreate")
-        self._copied, self._computed = ctypes.c_void_p(), ctypes.c_void_p()
-        for event in (self._copied, self._computed):
+        status = lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        if status and alloc_error is not None:
+            raise alloc_error(status)
+        check_status(status, "cudaMallocHost")
+        self.host_ptr: Optional[ctypes.c_void_p] = ptr
+        self.stream = ctypes.c_void_p()
+        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), NON_BLOCKING), "cudaStreamCreate")
+        self._computed, self._copied = ctypes.c_void_p(), ctypes.c_void_p()
+        for event in (self._computed, self._copied):
             check_status(lib.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING), "cudaEventCreate")
-        self._copy_issued = False
-        self._pending_wait = False
+        self._copy_issued = self._pending_wait = False
 
-    def _compute_stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
+    def array(self, ctype: Any, count: int, offset: int = 0) -> np.ndarray:
+        """A numpy array over ``count`` ``ctype`` items of the pinned memory from byte ``offset``."""
+        address = self.host_ptr.value + offset  # type: ignore[union-attr]
+        return np.ctypeslib.as_array((ctype * count).from_address(address))
+
+    def begin(self) -> None:
+        """Make the copy stream wait for the compute stream's work so far (it may still use the
+        memory that the next copies write)."""
+        lib, compute = self._lib, ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
+        check_status(lib.cudaEventRecord(self._computed, compute), "cudaEventRecord")
+        check_status(lib.cudaStreamWaitEvent(self.stream, self._computed, 0), "cudaStreamWaitEvent")
+
+    def end(self) -> None:
+        """Record the copies queued on `stream` since `begin`, for `wait` and `ready_for_write`."""
+        check_status(self._lib.cudaEventRecord(self._copied, self.stream), "cudaEventRecord")
+        self._copy_issued = self._pending_wait = True
 
     def ready_for_write(self) -> None:
-        """Block until the previous copy has read the host buffer (normally long done)."""
+        """Block until the last copy has read the pinned memory (normally long done)."""
         if self._copy_issued:
-            check_status(cudart().cudaEventSynchronize(self._copied), "cudaEventSynchronize")
-
-    def copy(self, count: int) -> None:
-        """Copy ``host[:count]`` to the device buffer on the side stream, after the compute
-        stream's work so far (it may still read the previous metadata)."""
-        lib = cudart()
-        device_ptr = ctypes.c_void_p(self.device_buffer.data_ptr())
-        check_status(lib.cudaEventRecord(self._computed, self._compute_stream()), "cudaEventRecord")
-        check_status(lib.cudaStreamWaitEvent(self._stream, self._computed, 0), "cudaStreamWaitEvent")
-        check_status(lib.cudaMemcpyAsync(device_ptr, self._host_ptr, ctypes.c_size_t(4 * count), _H2D,
-                                         self._stream), "cudaMemcpyAsync")
-        check_status(lib.cudaEventRecord(self._copied, self._stream), "cudaEventRecord")
-        self._copy_issued = True
-        self._pending_wait = True
+            check_status(self._lib.cudaEventSynchronize(self._copied), "cudaEventSynchronize")
 
     def wait(self) -> None:
-        """Make the compute stream wait for the last copy (once per copy; host does not block)."""
+        """Make the compute stream wait for the copies up to the last `end` (once; host does not block)."""
         if self._pending_wait:
-            check_status(cudart().cudaStreamWaitEvent(self._compute_stream(), self._copied, 0), "cudaStreamWaitEvent")
+            compute = ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
+            check_status(self._lib.cudaStreamWaitEvent(compute, self._copied, 0), "cudaStreamWaitEvent")
             self._pending_wait = False
 
+    def synchronize(self) -> None:
+        """Block until the copies queued so far are done."""
+        check_status(self._lib.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
+
     def close(self) -> None:
+        """Wait for the copy stream, then free the events, the stream and the pinned memory."""
         lib = _LIB
-        if lib is None or self._host_ptr is None:
+        if lib is None or self.host_ptr is None:
             return
-        lib.cudaStreamSynchronize(self._stream)
+        lib.cudaStreamSynchronize(self.stream)
         lib.cudaEventDestroy(self._copied)
         lib.cudaEventDestroy(self._computed)
-        lib.cudaStreamDestroy(self._stream)
-        lib.cudaFreeHost(self._host_ptr)
-        self._host_ptr = None
+        lib.cudaStreamDestroy(self.stream)
+        lib.cudaFreeHost(self.host_ptr)
+        self.host_ptr = None
 
     def __del__(self) -> None:
         try:
@@ -118,28 +129,29 @@ class AuxBuffer:
         self._device = device
         self._on_cpu = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         self._on_cuda = device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
-        self._pinned = None
+        self._side: Optional[SideStream] = None
         self._allocate(max(int(capacity), 1024))
 
     def _allocate(self, capacity: int) -> None:
         self._capacity = capacity
         self._views: Dict[Tuple[Tuple[int, ...], int], tvm.runtime.Tensor] = {}
+        if self._side is not None:
+            self._side.ready_for_write()
+            self._side.close()
+        self._device_buffer = tvm.runtime.empty((capacity,), "int32", self._device)
         if self._on_cuda:
-            if self._pinned is not None:
-                self._pinned.ready_for_write()
-                self._pinned.close()
-            self._pinned = PinnedUploader(self._device, capacity)
-            self._device_buffer, self._host = self._pinned.device_buffer, self._pinned.host
+            self._device_ptr = ctypes.c_void_p(self._device_buffer.data_ptr())
+            self._side = SideStream(self._device, 4 * capacity)
+            self._host = self._side.array(ctypes.c_int32, capacity)
         else:
-            self._device_buffer = tvm.runtime.empty((capacity,), "int32", self._device)
             self._host = (np.from_dlpack(self._device_buffer) if self._on_cpu
                           else np.empty(capacity, dtype=np.int32))
         self._dtype = self._device_buffer.dtype
 
     def wait(self) -> None:
         """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""
-        if self._pinned is not None:
-            self._pinned.wait()
+        if self._side is not None:
+            self._side.wait()
 
     def upload(self, arrays: Sequence[np.ndarray]) -> List[tvm.runtime.Tensor]:
         """Copy ``arrays`` to the device in one transfer; return one device view per array."""
@@ -164,14 +176,18 @@ class AuxBuffer:
 
     def write(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> None:
         """Write ``arrays`` at element ``offsets`` and copy them to the device."""
-        if self._pinned is not None:
-            self._pinned.ready_for_write()
+        side = self._side
+        if side is not None:
+            side.ready_for_write()
         host = self._host
         for array, offset in zip(arrays, offsets):
             host[offset:offset + array.size] = array if array.ndim == 1 else array.ravel()
         count = offsets[len(arrays) - 1] + arrays[-1].size if arrays else 0
-        if self._pinned is not None:
-            self._pinned.copy(count)
+        if side is not None:
+            side.begin()
+            check_status(cudart().cudaMemcpyAsync(self._device_ptr, side.host_ptr, ctypes.c_size_t(4 * count), _H2D,
+                                                  side.stream), "cudaMemcpyAsync")
+            side.end()
         elif not self._on_cpu and count:
             self.view((count,), 0).copyfrom(self._host[:count])
 

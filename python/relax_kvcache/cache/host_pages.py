@@ -12,18 +12,17 @@ elsewhere they are TVM's (synchronous) copies between host and device tensors.
 from __future__ import annotations
 
 import ctypes
-from typing import List, NamedTuple, Optional, Sequence
+from typing import List, NamedTuple, Sequence
 
 import numpy as np
 import tvm
-import tvm_ffi
 
-from ..aux_buffer import NON_BLOCKING, check_status, cudart
+from ..aux_buffer import SideStream, check_status, cudart
+from ..errors import ConfigError
 from ..paging.host_tier import HostMove
 from ..tensors import allocate, view
 
 _D2H, _H2D = 2, 1  # cudaMemcpyDeviceToHost, cudaMemcpyHostToDevice
-_DISABLE_TIMING = 2  # cudaEventDisableTiming
 
 
 class Run(NamedTuple):
@@ -57,9 +56,11 @@ class HostPages:
         self._page_bytes = int(np.prod(self._page_shape)) * pages[0].dtype.itemsize
         self.capacity = capacity
         self._cuda = device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
-        self._host_ptr: Optional[ctypes.c_void_p] = None
         if self._cuda:
-            self._open_cuda()
+            size = len(self._pages) * capacity * self._page_bytes
+            self._side = SideStream(device, size, lambda status: ConfigError(
+                f"host_cache_pages {capacity}: {size} bytes of pinned host memory could not be allocated "
+                f"(CUDA error {status})"))
         else:
             self._host = [allocate((capacity, *self._page_shape), str(p.dtype), tvm.cpu(), "host cache pages")
                           for p in self._pages]
@@ -80,10 +81,9 @@ class HostPages:
     def read(self, layer: int, slot: int) -> np.ndarray:
         """The bytes of host slot ``slot`` of ``layer`` (uint8; for tests and debugging)."""
         if self._cuda:
-            self._sync()
+            self._side.synchronize()
             size = self._page_bytes
-            base = self._host_ptr.value + (layer * self.capacity + slot) * size  # type: ignore[union-attr]
-            return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(base)).copy()
+            return self._side.array(ctypes.c_uint8, size, (layer * self.capacity + slot) * size).copy()
         return self._view(self._host[layer], slot, 1).numpy().reshape(-1)
 
     def _view(self, tensor: tvm.runtime.Tensor, first: int, count: int) -> tvm.runtime.Tensor:
@@ -91,29 +91,10 @@ class HostPages:
 
     # ------------------------------------------------------------------ CUDA
 
-    def _open_cuda(self) -> None:
-        lib = cudart()
-        ptr = ctypes.c_void_p()
-        size = len(self._pages) * self.capacity * self._page_bytes
-        status = lib.cudaMallocHost(ctypes.byref(ptr), ctypes.c_size_t(size))
-        if status:
-            from ..errors import ConfigError
-            raise ConfigError(f"host_cache_pages {self.capacity}: {size} bytes of pinned host memory could not be "
-                              f"allocated (CUDA error {status})")
-        self._host_ptr = ptr
-        self._stream, self._queued, self._copied = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self._stream), NON_BLOCKING), "cudaStreamCreate")
-        for event in (self._queued, self._copied):
-            check_status(lib.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING), "cudaEventCreate")
-
-    def _compute_stream(self) -> ctypes.c_void_p:
-        return ctypes.c_void_p(tvm_ffi.get_raw_stream(self._device) or None)
-
     def _run_cuda(self, merged: List[Run]) -> None:
-        lib, stream, compute = cudart(), self._stream, self._compute_stream()
-        check_status(lib.cudaEventRecord(self._queued, compute), "cudaEventRecord")
-        check_status(lib.cudaStreamWaitEvent(stream, self._queued, 0), "cudaStreamWaitEvent")
-        size, host = self._page_bytes, self._host_ptr.value  # type: ignore[union-attr]
+        lib, side = cudart(), self._side
+        side.begin()
+        size, host, stream = self._page_bytes, side.host_ptr.value, side.stream  # type: ignore[union-attr]
         for run in merged:
             nbytes = ctypes.c_size_t(run.count * size)
             for layer, pages in enumerate(self._pages):
@@ -121,26 +102,10 @@ class HostPages:
                 host_ptr = ctypes.c_void_p(host + (layer * self.capacity + run.slot) * size)
                 dst, src, kind = (host_ptr, device_ptr, _D2H) if run.to_host else (device_ptr, host_ptr, _H2D)
                 check_status(lib.cudaMemcpyAsync(dst, src, nbytes, kind, stream), "cudaMemcpyAsync")
-        check_status(lib.cudaEventRecord(self._copied, stream), "cudaEventRecord")
-        check_status(lib.cudaStreamWaitEvent(compute, self._copied, 0), "cudaStreamWaitEvent")
-
-    def _sync(self) -> None:
-        check_status(cudart().cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        side.end()
+        side.wait()
 
     def close(self) -> None:
         """Free the pinned memory, the stream and the events (CUDA)."""
-        if self._host_ptr is None:
-            return
-        lib = cudart()
-        lib.cudaStreamSynchronize(self._stream)
-        lib.cudaEventDestroy(self._queued)
-        lib.cudaEventDestroy(self._copied)
-        lib.cudaStreamDestroy(self._stream)
-        lib.cudaFreeHost(self._host_ptr)
-        self._host_ptr = None
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+        if self._cuda:
+            self._side.close()
