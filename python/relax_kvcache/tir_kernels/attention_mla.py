@@ -8,7 +8,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .attention import make_attend_sequence
-from .macros import latent_kv_access, paged_kv_len, with_kv_scales
+from .macros import latent_kv_access, paged_kv_len, with_kv_scales, without_param
 from .schedule import GpuSchedule, Schedule
 from .spec import AttentionSpec
 
@@ -61,37 +61,10 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
     else:
         run = _cpu_mla_grid(spec, sched)
 
-    if not spec.quantized:
-        @T.prim_func(s_tir=True)
-        def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                      var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
-                      causal: T.int32, sm_scale: T.float32):
-            T.func_attr({"tirx.noalias": True})
-            B = T.int32()
-            total_q = T.int32()
-            P = T.int64()
-            nnz = T.int32()
-            off_qo = T.int32()
-            off_indptr = T.int32()
-            off_indices = T.int32()
-            off_len = T.int32()
-            q = T.match_buffer(var_q, (total_q, Hq, W), dtype)
-            qo_indptr = T.match_buffer(var_qo_indptr, (B + 1,), "int32", elem_offset=off_qo)
-            pages = T.match_buffer(var_pages, (P, ps, W), dtype)
-            page_indptr = T.match_buffer(var_page_indptr, (B + 1,), "int32", elem_offset=off_indptr)
-            page_indices = T.match_buffer(var_page_indices, (nnz,), "int32", elem_offset=off_indices)
-            length_info = T.match_buffer(var_length_info, (B,), "int32", elem_offset=off_len)
-            o = T.match_buffer(var_o, (total_q, Hq, DV), dtype)
-            lse = T.match_buffer(var_lse, (total_q, Hq), "float32")
-            run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
-                None)
-
-        return paged_mla
-
     @T.prim_func(s_tir=True)
-    def paged_mla_scaled(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
-                         var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
-                         causal: T.int32, sm_scale: T.float32, var_kv_scales: T.handle):
+    def paged_mla(var_q: T.handle, var_qo_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+                  var_page_indices: T.handle, var_length_info: T.handle, var_o: T.handle, var_lse: T.handle,
+                  causal: T.int32, sm_scale: T.float32, var_kv_scales: T.handle):
         T.func_attr({"tirx.noalias": True})
         B = T.int32()
         total_q = T.int32()
@@ -113,4 +86,5 @@ def make_paged_mla(spec: AttentionSpec, sched: Schedule) -> tirx.PrimFunc:
         run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
             kv_scales)
 
-    return paged_mla_scaled
+    # pages of the model dtype: TVM's signature, without kv_scales (which the body then does not read)
+    return paged_mla if spec.quantized else without_param(paged_mla, 10)

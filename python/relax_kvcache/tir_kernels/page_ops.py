@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .schedule import GpuSchedule, Schedule
-from .macros import dequantized, fp8_to_half, quantized, without_param
+from .macros import dequantized, quantized, without_param
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
@@ -270,10 +270,16 @@ def make_debug_get_kv(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFunc:
     return debug_get_kv if spec.quantized else without_param(debug_get_kv, 5)
 
 
-@T.macro
-def move_latent_span(dst, dst_index, src, src_index, d0, lanes: T.int32):
-    for d in T.vectorized(lanes):
-        dst[dst_index + (d0 + d,)] = src[src_index + (d0 + d,)]
+def latent_span(convert=lambda value, scales: value, loop=T.vectorized):
+    """Macro moving one span ``[d0, d0 + lanes)`` of ``src[src_index]`` to ``dst[dst_index]``,
+    each element as ``convert(element, kv_scales)`` (default: as it is)."""
+
+    @T.macro
+    def move(dst, dst_index, src, src_index, d0, lanes: T.int32, scales):
+        for d in loop(lanes):
+            dst[dst_index + (d0 + d,)] = convert(src[src_index + (d0 + d,)], scales)
+
+    return move
 
 
 def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move, lanes_of=None):
@@ -310,44 +316,17 @@ def _latent_rows_nest(spec: LatentPageSpec, sched: Schedule, name: str, row_move
 def make_transpose_append_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
     """``transpose_append_mla(pages, kv, position_map)``: token i's latent row ``kv[i]`` goes to
     position ``position_map[i]`` (skipped when it is -1). 8-bit pages take a last argument
-    ``kv_scales (2, 1) float32`` and store ``kv / kv_scales[0, 0]`` saturated."""
+    ``kv_scales (2, 1) float32`` and store ``kv / kv_scales[0, 0]`` saturated, element by element
+    (as :func:`store_span`)."""
     W, ps, dtype = spec.width, spec.page_size, spec.dtype
-    if spec.quantized:
-        return _transpose_append_mla_quantized(spec, sched)
-
-    @T.macro
-    def append_row(bufs, i, d0, lanes: T.int32):
-        """bufs = (pages, kv, position_map)."""
-        if bufs[2][i] != -1:
-            move_latent_span(bufs[0], (bufs[2][i] // ps, bufs[2][i] % ps), bufs[1], (i,), d0, lanes)
-
-    nest = _latent_rows_nest(spec, sched, "append_mla", append_row)
-
-    @T.prim_func(s_tir=True)
-    def transpose_append_mla(var_pages: T.handle, var_kv: T.handle, var_position_map: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        P = T.int64()
-        n = T.int32()
-        off_pos = T.int32()
-        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
-        kv = T.match_buffer(var_kv, (n, W), dtype)
-        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
-        nest((pages, kv, position_map), n)
-
-    return transpose_append_mla
-
-
-def _transpose_append_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
-    """:func:`make_transpose_append_mla` over 8-bit pages (element by element, as
-    :func:`store_span`)."""
-    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+    store = latent_span(lambda value, scales: quantized(spec, value, scales[0, 0]), T.serial) if spec.quantized \
+        else latent_span()
 
     @T.macro
     def append_row(bufs, i, d0, lanes: T.int32):
         """bufs = (pages, kv, position_map, kv_scales)."""
         if bufs[2][i] != -1:
-            for d in T.serial(lanes):
-                bufs[0][bufs[2][i] // ps, bufs[2][i] % ps, d0 + d] = quantized(spec, bufs[1][i, d0 + d], bufs[3][0, 0])
+            store(bufs[0], (bufs[2][i] // ps, bufs[2][i] % ps), bufs[1], (i,), d0, lanes, bufs[3])
 
     nest = _latent_rows_nest(spec, sched, "append_mla", append_row)
 
@@ -364,18 +343,19 @@ def _transpose_append_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> ti
         kv_scales = T.match_buffer(var_kv_scales, (2, 1), "float32")
         nest((pages, kv, position_map, kv_scales), n)
 
-    return transpose_append_mla
+    return transpose_append_mla if spec.quantized else without_param(transpose_append_mla, 3)
 
 
 def make_copy_single_page_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
     """``copy_single_page_mla(pages, src_page_id, tgt_page_id, copy_length)``: the first
     ``copy_length`` rows of a page."""
-    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+    W, ps = spec.width, spec.page_size
+    move = latent_span()
 
     @T.macro
     def copy_row(bufs, slot, d0, lanes: T.int32):
         """bufs = (pages, src_page, dst_page)."""
-        move_latent_span(bufs[0], (bufs[2], slot), bufs[0], (bufs[1], slot), d0, lanes)
+        move(bufs[0], (bufs[2], slot), bufs[0], (bufs[1], slot), d0, lanes, None)
 
     # bytes move as they are: spans of the pages' element type
     nest = _latent_rows_nest(spec, sched, "copy_mla", copy_row,
@@ -398,42 +378,12 @@ def make_debug_get_kv_mla(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFun
     8-bit pages take a last argument ``kv_scales (2, 1) float32`` and are dequantized (``stored *
     kv_scales[0, 0]`` in the model dtype)."""
     W, ps, dtype = spec.width, spec.page_size, spec.dtype
-    if spec.quantized:
-        return _debug_get_kv_mla_quantized(spec, sched)
-
-    @T.macro
-    def gather_row(bufs, i, d0, lanes: T.int32):
-        """bufs = (pages, position_map, kv, layer_id)."""
-        move_latent_span(bufs[2], (bufs[3], i), bufs[0], (bufs[1][i] // ps, bufs[1][i] % ps), d0, lanes)
-
-    nest = _latent_rows_nest(spec, sched, "gather_mla", gather_row)
-
-    @T.prim_func(s_tir=True)
-    def debug_get_kv_mla(var_pages: T.handle, var_position_map: T.handle, var_kv: T.handle,
-                         layer_id: T.int64):
-        T.func_attr({"tirx.noalias": True})
-        P = T.int64()
-        L = T.int64()
-        n = T.int64()
-        off_pos = T.int64()
-        pages = T.match_buffer(var_pages, (P, ps, W), dtype)
-        position_map = T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
-        kv = T.match_buffer(var_kv, (L, n, W), dtype)
-        nest((pages, position_map, kv, layer_id), n)
-
-    return debug_get_kv_mla
-
-
-def _debug_get_kv_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> tirx.PrimFunc:
-    """:func:`make_debug_get_kv_mla` over 8-bit pages."""
-    W, ps, dtype = spec.width, spec.page_size, spec.dtype
+    load = latent_span(lambda stored, scales: dequantized(spec, stored, (None,) * 5 + (scales,), 0, 0))
 
     @T.macro
     def gather_row(bufs, i, d0, lanes: T.int32):
         """bufs = (pages, position_map, kv, layer_id, kv_scales)."""
-        for d in T.vectorized(lanes):
-            bufs[2][bufs[3], i, d0 + d] = T.Cast(dtype, T.Cast("float32", fp8_to_half(
-                spec.kv_dtype, bufs[0][bufs[1][i] // ps, bufs[1][i] % ps, d0 + d])) * bufs[4][0, 0])
+        load(bufs[2], (bufs[3], i), bufs[0], (bufs[1][i] // ps, bufs[1][i] % ps), d0, lanes, bufs[4])
 
     nest = _latent_rows_nest(spec, sched, "gather_mla", gather_row, spec.load_lanes)
 
@@ -451,4 +401,4 @@ def _debug_get_kv_mla_quantized(spec: LatentPageSpec, sched: Schedule) -> tirx.P
         kv_scales = T.match_buffer(var_kv_scales, (2, 1), "float32")
         nest((pages, position_map, kv, layer_id, kv_scales), n)
 
-    return debug_get_kv_mla
+    return debug_get_kv_mla if spec.quantized else without_param(debug_get_kv_mla, 4)
