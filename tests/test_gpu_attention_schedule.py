@@ -178,7 +178,7 @@ def _dynamic_shared_allocation(func, target) -> int:
     return seen[0]
 
 
-@pytest.mark.parametrize("arch,chunk", [("sm_90a", 64), ("sm_80", 64), ("sm_89", 32)])
+@pytest.mark.parametrize("arch,chunk", [("sm_90", 64), ("sm_80", 64), ("sm_89", 32)])
 def test_mla_tile_fits_the_shared_memory_it_claims(arch, chunk):
     """The absorbed MLA kernel picks its KV chunk from ``MlaTile.shared_bytes``; that estimate
     must bound what TVM really allocates (else the launch fails on the GPU) and fit the target."""
@@ -192,6 +192,73 @@ def test_mla_tile_fits_the_shared_memory_it_claims(arch, chunk):
     assert tile.kv_chunk == chunk
     assert _dynamic_shared_allocation(make_paged_mla(mla, sched), target) <= tile.shared_bytes() \
         <= sched.dynamic_shared_bytes
+
+
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+def test_mla_wgmma_tile_fits_the_shared_memory_it_claims(heads):
+    """sm_90a's absorbed MLA kernel (warpgroup MMA): its tile buffer and the exchanged partial
+    scores bound what TVM allocates and fit the GPU (below 64 heads the kernel also holds the
+    mma.sync schedule for decode batches: two allocations, one per kernel)."""
+    from relax_kvcache.tir_kernels import make_paged_mla
+    from relax_kvcache.tir_kernels.attention_gpu_mla_wgmma import MlaWgmmaTile
+
+    target = make_target("cuda", arch="sm_90a")
+    sched = schedule_for(target)
+    mla = spec("float16", heads=(heads, 1), dim=576, v_dim=512)
+    tile = MlaWgmmaTile.choose(mla, sched)
+    assert (tile.kv_chunk, tile.stages) == (32, 3)
+    assert tile.kv_chunk * tile.width * 2 % 1024 == 0  # stages stay 1024-byte aligned
+    assert tile.shared_bytes <= sched.dynamic_shared_bytes
+    if heads >= 64:
+        assert _dynamic_shared_allocation(make_paged_mla(mla, sched), target) <= 2 * tile.shared_elems
+
+
+@pytest.mark.parametrize("case", [
+    ({"arch": "sm_90"}, {}),  # no wgmma
+    ({"arch": "sm_90a"}, {"kv_dtype": "float8_e4m3fn"}),  # 8-bit pages: the mma.sync kernel
+    ({"arch": "sm_90a"}, {"heads": (48, 1)}),  # neither divides nor is a multiple of 64 rows
+    ({"arch": "sm_90a"}, {"dim": 544}),  # not whole 64-wide column blocks
+    ({"arch": "sm_90a"}, {"v_dim": 640, "dim": 704}),  # a warpgroup's half of O over 256 columns
+])
+def test_mla_wgmma_tile_not_used(case):
+    from relax_kvcache.tir_kernels.attention_gpu_mla_wgmma import MlaWgmmaTile
+
+    target, kw = case
+    mla = spec("float16", **{"heads": (16, 1), "dim": 576, "v_dim": 512, **kw})
+    assert MlaWgmmaTile.choose(mla, schedule_for(make_target("cuda", **target))) is None
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_sm90a_mla_runs_on_warpgroup_mma(tmp_path, dtype):
+    """sm_90a's absorbed MLA kernel: Q K^T as 64 x 32 score tiles and P V over 256-column halves
+    of O, on wgmma; chunk c's P V overlaps chunk c + 1's Q K^T, and ptxas keeps the groups
+    asynchronous (no C7514 serialization)."""
+    import subprocess
+
+    from relax_kvcache.tir_kernels import make_paged_mla
+
+    target = make_target("cuda", arch="sm_90a")
+    func = make_paged_mla(spec(dtype, heads=(128, 1), dim=576, v_dim=512), schedule_for(target))
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        ex = tvm.compile(tvm.IRModule({"k": func.with_attr("global_symbol", "k")}), target=target)
+    code = ex.mod.imports[0].inspect_source()
+    operand = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"{WGMMA}.m64n32k16.f32.{operand}.{operand}" in code
+    assert f"{WGMMA}.m64n256k16.f32.{operand}.{operand}" in code
+    assert "wgmma.wait_group.sync.aligned 1" in code and MMA not in code
+    # fewer heads: decode batches take the mma.sync schedule, chosen at run time
+    func16 = make_paged_mla(spec(dtype, heads=(16, 1), dim=576, v_dim=512), schedule_for(target))
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        ex16 = tvm.compile(tvm.IRModule({"k": func16.with_attr("global_symbol", "k")}), target=target)
+    code16 = ex16.mod.imports[0].inspect_source()
+    assert f"{WGMMA}.m64n32k16" in code16 and MMA in code16
+    source = tmp_path / "mla.cu"
+    source.write_text(code)
+    proc = subprocess.run(["nvcc", "--cubin", "-O3", "-w", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
+                           "-o", str(tmp_path / "mla.cubin"), str(source)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "C7514" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- Hopper (wgmma) tile

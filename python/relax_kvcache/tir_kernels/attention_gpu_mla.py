@@ -20,6 +20,8 @@ from tvm.script import tirx as T
 from .attention_gpu import find_tile, swizzled
 from .attention_gpu_decode import merge_splits
 from .attention_gpu_decode_mma import FP8_HALF_FACTOR, fp8_pairs, half_of
+from .attention_gpu_mla_wgmma import MlaWgmmaTile, mla_wgmma_grid
+from .attention_gpu_wgmma import WG_ROWS
 from .attention_gpu_mma import ldmatrix_x4, mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
 from .schedule import GpuSchedule
@@ -85,7 +87,36 @@ def check_mla_gpu(spec: AttentionSpec, sched: GpuSchedule) -> None:
 
 def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
     """Macro running absorbed MLA attention over a batch on CUDA tensor cores: the body of
-    :func:`.attention_mla.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``)."""
+    :func:`.attention_mla.make_paged_mla` (its buffers, then ``causal, sm_scale, B, total_q``).
+
+    Warpgroup MMA (:mod:`.attention_gpu_mla_wgmma`) where it applies, else this module's
+    ``mma.sync`` schedule. With fewer than 64 heads a decode batch (one query per sequence)
+    would fill a quarter or less of the warpgroup tile's 64 rows: such batches take the
+    ``mma.sync`` schedule (16-row tiles), chosen at run time."""
+    wgmma_tile = MlaWgmmaTile.choose(spec, sched)
+    if wgmma_tile is None:
+        return _mma_sync_grid(spec, sched)
+    fast = mla_wgmma_grid(spec, sched, wgmma_tile)
+    if spec.num_qo_heads >= WG_ROWS:
+        return fast
+    plain = _mma_sync_grid(spec, sched)
+
+    @T.macro
+    def run(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
+            kv_scales):
+        # loops of 0 / 1 trips, not an `if`: TVM's barrier planner refuses kernels inside conditions
+        for _prefill in T.serial(T.if_then_else(total_q > B, 1, 0)):
+            fast(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
+                 kv_scales)
+        for _decode in T.serial(T.if_then_else(total_q > B, 0, 1)):
+            plain(q, qo_indptr, pages, page_indptr, page_indices, length_info, o, lse, causal, sm_scale, B, total_q,
+                  kv_scales)
+
+    return run
+
+
+def _mma_sync_grid(spec: AttentionSpec, sched: GpuSchedule):
+    """Macro of :func:`mla_grid` on ``mma.sync`` (16-row tiles)."""
     tile = MlaTile.choose(spec, sched)
     Hq, W, DV, ps, dtype = spec.num_qo_heads, spec.qk_head_dim, spec.v_head_dim, spec.page_size, spec.dtype
     KC, CG, KS = tile.kv_chunk, tile.col_groups, tile.k_slices
