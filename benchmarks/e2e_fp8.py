@@ -31,7 +31,7 @@ def tolerance(kv_dtype: str, fp16_tolerance: float) -> float:
 def greedy_rows(bench, runner, device, plan, prompt: np.ndarray, feed: Sequence[int] = ()) -> np.ndarray:
     """Logit rows ``(STEPS, vocab)`` of one sequence: the prefill's last row, then decode steps fed
     ``feed`` (else each row's argmax)."""
-    cache = runner.create(1, bench._round_up(len(prompt) + STEPS + bench.PAGE), plan.chunk)
+    cache = runner.create(1, bench.round_up(len(prompt) + STEPS + bench.PAGE), plan.chunk)
     runner.add(cache, 0)
     rows = [runner.forward(cache, runner.prefill_fn, device.tokens(prompt[None]), [0], [len(prompt)]).numpy()]
     for step in range(STEPS - 1):
