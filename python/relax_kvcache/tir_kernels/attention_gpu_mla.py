@@ -91,7 +91,7 @@ def mla_grid(spec: AttentionSpec, sched: GpuSchedule):
 
     Warpgroup MMA (:mod:`.attention_gpu_mla_wgmma`) where it applies, else this module's
     ``mma.sync`` schedule. With fewer than 64 heads a decode batch (one query per sequence)
-    would fill a quarter or less of the warpgroup tile's 64 rows: such batches take the
+    would fill half or less of the warpgroup tile's 64 rows: such batches take the
     ``mma.sync`` schedule (16-row tiles), chosen at run time."""
     wgmma_tile = MlaWgmmaTile.choose(spec, sched)
     if wgmma_tile is None:
