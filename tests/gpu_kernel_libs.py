@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     import os
 
     os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str(pathlib.Path(args.directory) / "cache"))
-    from relax_kvcache import build
+    from relax_kvcache import build, launch
     from relax_kvcache.targets import make_target
     from support.kernel_cases import CONFIGS, LONGROPE_CONFIGS, ROTARY_CONFIGS, TILE_CONFIGS
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     for dtype in mla.DTYPES:
         funcs = mla.kernel_funcs(dtype, schedule_for(target), attention=mla_has_attention(dtype))
         with tvm.transform.PassContext(opt_level=3, config=build._pass_config(target)):
-            executable = tvm.compile(tvm.IRModule(funcs), target=target)
+            executable = tvm.compile(tvm.IRModule(funcs), target=target, tir_pipeline=launch.register())
         _export(executable, _mla_file(dtype, args.directory), args.arch)
         print(f"mla {dtype}: {_mla_file(dtype, args.directory)}", flush=True)
     for config in (mla_cache_config(), *mla_fp8_cache_configs()):

@@ -132,6 +132,39 @@ def test_cuda_gqa_decode_loads_tensor_core_fragments_from_pages():
     assert "*(uint4*)(kr" in source and "*(uint4*)(vr" in source
 
 
+def _lowered_kernels(func, target) -> dict:
+    """The device kernels of ``func`` after the build's TIR pipeline, by name."""
+    from relax_kvcache import launch
+
+    func = func.with_attr("global_symbol", "k").with_attr("target", tvm.target.Target(target, host="llvm"))
+    with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
+        mod = tvm.tirx.get_tir_pipeline(launch.register())[0](tvm.IRModule({"k": func}))
+    return {gv.name_hint: f for gv, f in mod.functions_items() if "tirx.kernel_launch_params" in f.attrs}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("kernel", ["decode", "mla"])
+def test_decode_kernels_take_part_in_dependent_launch_from_sm90(arch, kernel):
+    """On sm_90+ each decode kernel (splits and merge; MHA and MLA) opens with
+    ``griddepcontrol.wait``, and the build's pipeline marks exactly those kernels for
+    programmatic dependent launch; before sm_90 there is neither."""
+    from relax_kvcache.tir_kernels import make_paged_mla
+
+    target = make_target("cuda", arch=arch)
+    func = (make_paged_decode(spec(heads=(8, 2)), schedule_for(target)) if kernel == "decode"
+            else make_paged_mla(spec(heads=(16, 1), dim=576, v_dim=512), schedule_for(target)))
+    kernels = _lowered_kernels(func, target)
+    # decode: (inline RoPE, plain) x (splits, merge); MLA: (splits, merge), on sm_90a under 64
+    # heads for both schedules (mma.sync for decode batches, wgmma for prefill)
+    assert len(kernels) == (4 if kernel == "decode" or arch == "sm_90a" else 2)
+    for name, f in kernels.items():
+        tags = [str(t) for t in f.attrs["tirx.kernel_launch_params"]]
+        opens = f.script().count('griddepcontrol("wait"') == 1
+        assert opens == (arch == "sm_90a"), name
+        assert ("tirx.use_programtic_dependent_launch" in tags) == opens, (name, tags)
+        assert "tirx.use_dyn_shared_memory" not in tags[:-1]  # the runtime wants it last
+
+
 @pytest.mark.parametrize("kind", ["metal", "webgpu", "opencl"])
 def test_decode_without_warp_shuffles(kind):
     source = device_source(make_paged_decode, "float32" if kind == "webgpu" else "float16", (("kind", kind),))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Union
 
 import tvm
 
+from . import launch
 from .config import KVCacheConfig
 from .kernel_cache import (LIBRARY_FORMAT, build_key, cache_dir, cache_path, cached_intact,
                            copy_atomic, export_atomic)
@@ -176,7 +177,7 @@ def _compile(spec: AnyKernelSetSpec, target: tvm.target.Target, progress: Progre
     funcs.update(_identity_functions(identity))
     mod = tvm.IRModule({role: f.with_attr("global_symbol", role) for role, f in funcs.items()})
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
-        return tvm.compile(mod, target=target)
+        return tvm.compile(mod, target=target, tir_pipeline=launch.register())
 
 
 def _pass_config(target: tvm.target.Target) -> Dict[str, object]:

@@ -17,6 +17,7 @@ from tvm import relax as rx
 from tvm.s_tir import dlight as dl
 from tvm.relax.frontend import nn
 
+from . import launch
 from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
 from .config import KV_DTYPE_CODES, AttnKind, KVCacheConfig, RopeMode
 from .errors import ConfigError
@@ -214,6 +215,7 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # n
         bounds = {str(k): int(v) for k, v in upper_bounds.items()}
         mod = tvm.IRModule({gv: f.with_attr("tir_var_upper_bound", bounds) if isinstance(f, rx.Function) else f
                             for gv, f in mod.functions_items()}, attrs=mod.attrs)
+    kwargs.setdefault("tir_pipeline", launch.register())
     if target.kind.name == "cuda" and "relax_pipeline" not in kwargs:
         kwargs["relax_pipeline"] = _cuda_relax_pipeline(target)
     with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):

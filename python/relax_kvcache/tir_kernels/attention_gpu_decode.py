@@ -15,7 +15,8 @@ from tvm.script import tirx as T
 
 from .attention_gpu_decode_mma import CHUNK as MMA_CHUNK
 from .attention_gpu_decode_mma import decode_mma_applies, make_decode_mma_item
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row, rope_inv_freq_expr
+from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row, grid_dependency,
+                     rope_inv_freq_expr)
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -267,6 +268,7 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, singl
     (``single_done``: nothing to do for ``nsplit == 1``, see :func:`copy_single_split`)."""
     DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
     least = 2 if single_done else 1  # fewest splits that need merging
+    opening = grid_dependency(sched)
 
     @T.macro
     def merge(ws_o, ws_lse, o, lse, rows, nsplit):
@@ -277,6 +279,7 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, singl
                     T.writes()
                     w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    opening()
                     if nsplit >= least:
                         red[0] = NEG_INF
                         for sp in T.unroll(max_splits):
@@ -337,6 +340,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
                   else make_decode_item(spec, sched, kv_rows, rope=False)[0])
     wave = sched.decode_mma_wave_blocks if tensor_cores else sched.decode_wave_blocks
     merge, copy = merge_splits(spec, sched, sched.decode_splits, True), copy_single_split(spec, sched)
+    opening = grid_dependency(sched)
 
     # KV rows one step of a block covers: every warp's chunk (tensor cores) or every row group's rows
     step_rows = sched.threads // 32 * MMA_CHUNK if tensor_cores else shape.bdy * shape.unroll
@@ -362,6 +366,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
                         with T.sblock("work"):
                             T.reads()
                             T.writes()
+                            opening()
                             src = seq_src(bufs, bx // Hkv)
                             work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
                                  bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)

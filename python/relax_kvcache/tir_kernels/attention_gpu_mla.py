@@ -23,7 +23,7 @@ from .attention_gpu_decode_mma import FP8_HALF_FACTOR, fp8_pairs, half_of
 from .attention_gpu_mla_wgmma import MlaWgmmaTile, mla_wgmma_grid
 from .attention_gpu_wgmma import WG_ROWS
 from .attention_gpu_mma import ldmatrix_x4, mma_m16n8k16, shfl_xor
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, grid_dependency, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -132,7 +132,7 @@ def _mma_sync_grid(spec: AttentionSpec, sched: GpuSchedule):
     NVEC = W // 8  # 16-byte pieces of a latent row
     K_IT = ceildiv(KC * NVEC, NT)
     SMS = sched.mla_wave_blocks
-    merge = merge_splits(spec, sched, sched.mla_decode_splits)
+    merge, opening = merge_splits(spec, sched, sched.mla_decode_splits), grid_dependency(sched)
     mma, ldmatrix, shfl = mma_m16n8k16(dtype), ldmatrix_x4(dtype), shfl_xor
     quantized, fmt = spec.quantized, spec.kv_dtype
 
@@ -356,6 +356,7 @@ def _mma_sync_grid(spec: AttentionSpec, sched: GpuSchedule):
                     with T.sblock("work"):
                         T.reads()
                         T.writes()
+                        opening()
                         # the KV ring, then the P tile (a buffer of its own trips TVM 0.27's
                         # lowering of access pointers into merged shared memory)
                         kv = T.sblock_alloc_buffer((P0 + PROWS, W), dtype, scope="shared.dyn")

@@ -28,7 +28,7 @@ from .attention_gpu_decode import merge_splits
 from .attention_gpu_mma import fold_scores, rescale_rows, shfl_xor
 from .attention_gpu_wgmma import (ALIGN_ELEMS, FENCES, SWIZZLE_128B, WG_ROWS, WG_THREADS, _ptx, fence_registers,
                                   sw128)
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_kv_len
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, grid_dependency, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -91,7 +91,7 @@ def mla_wgmma_grid(spec: AttentionSpec, sched: GpuSchedule, tile: MlaWgmmaTile):
     mma_pv = _ptx(f"wgmma.mma_async.sync.aligned.m64n{DVH}k16.f32.{ab}.{ab}")
     cvt_pair = _ptx(f"cvt.rn.{ab}x2.f32")
     fold, rescale, shfl = fold_scores(NS), rescale_rows(NO), shfl_xor
-    merge = merge_splits(spec, sched, sched.mla_decode_splits)
+    merge, opening = merge_splits(spec, sched, sched.mla_decode_splits), grid_dependency(sched)
     SMS = sched.mla_wave_blocks
 
     def k_at(stage):
@@ -323,6 +323,7 @@ def mla_wgmma_grid(spec: AttentionSpec, sched: GpuSchedule, tile: MlaWgmmaTile):
                     with T.sblock("work"):
                         T.reads()
                         T.writes()
+                        opening()
                         found = T.sblock_alloc_buffer((3,), "int32", scope="local")
                         find_tile(qo_indptr, B, bx // NHG, TQ, found)
                         # blocks past the last tile have nothing to do (a loop of 0 / 1 trips: TVM

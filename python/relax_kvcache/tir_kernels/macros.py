@@ -30,6 +30,24 @@ def ceildiv(a, b):
     return (a + b - 1) // b
 
 
+def grid_dependency(sched):
+    """Macro opening a kernel launched programmatically dependent on the grid before it
+    (``sched.dependent_launch``; nothing otherwise): it waits, unconditionally and first in the
+    block, until that grid has finished and its writes are visible. Such a kernel's blocks are
+    resident before then, so the launch overlaps the predecessor's last blocks; one that skipped
+    the wait could read its predecessor's output early. No kernel triggers its dependents
+    explicitly: triggering at block start measured slower (early dependents hold SM slots), at
+    block end no faster than the implicit trigger at exit."""
+    enabled = bool(sched.dependent_launch)
+
+    @T.macro
+    def opening():
+        if enabled:
+            T.evaluate(T.ptx.griddepcontrol.wait())
+
+    return opening
+
+
 def paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):
     """Number of KV rows of sequence b in its page list (TVM's ``length_info`` layouts)."""
     if not sliding_window:

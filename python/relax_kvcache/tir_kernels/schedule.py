@@ -73,6 +73,11 @@ class GpuSchedule:
         use ``mma.sync`` (CUDA sm_80+, 16-bit dtypes), warpgroup MMA (CUDA ``sm_90a``), and the
         hardware conversion of two 8-bit floats to two float16 (``cvt.rn.f16x2.e4m3x2``, CUDA
         sm_89+).
+    dependent_launch : bool
+        Whether the decode kernels (splits and merge) are launched programmatically dependent on
+        the grid before them (CUDA sm_90+): each opens with ``griddepcontrol.wait``, and the
+        build's pipeline (:mod:`relax_kvcache.launch`) marks such kernels, so that a launch
+        overlaps the end of the grid before it.
     wgmma_warpgroups, wgmma_stages, wgmma_kv_chunk : int
         Warpgroups (128 threads, 64 query rows each) of a warpgroup-MMA prefill block, K/V
         chunks in its shared-memory ring (fewer where they do not fit, at least 2), KV rows per
@@ -99,6 +104,7 @@ class GpuSchedule:
     mma: bool = False
     wgmma: bool = False
     fp8_convert: bool = False
+    dependent_launch: bool = False
     wgmma_warpgroups: int = 2
     wgmma_stages: int = 3
     wgmma_kv_chunk: int = 0
@@ -131,6 +137,7 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
                            mma=kind == "cuda" and _sm_version(target) >= 80,
                            wgmma=kind == "cuda" and _arch(target) == "sm_90a",
                            fp8_convert=kind == "cuda" and _sm_version(target) >= 89,
+                           dependent_launch=kind == "cuda" and _sm_version(target) >= 90,
                            dynamic_shared_bytes=_dynamic_shared_bytes(target))
     if kind != "llvm":
         raise NotImplementedError(
