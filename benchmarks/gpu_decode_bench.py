@@ -50,8 +50,8 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
     from tvm.s_tir import dlight as dl
 
     from relax_kvcache import tir_kernels as tk
-    from relax_kvcache.build import KernelSetSpec, _pass_config
     from relax_kvcache import launch
+    from relax_kvcache.build import KernelSetSpec, _pass_config
     from relax_kvcache.targets import make_target
 
     target = make_target("cuda", arch=arch)
@@ -73,7 +73,7 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
             with target:
                 mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
         with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
-            built = tvm.tirx.build(mod, target=target, pipeline=launch.register())
+            built = tvm.tirx.build(mod, target=target, pipeline="default" if name == "tvm" else launch.register())
         built.export_library(str(out / f"{name}.so"))
         gpu_prepare.precompile(gpu_prepare.cuda_source(built), arch, out)
         print(f"{name}.so: {time.perf_counter() - start:.0f} s", flush=True)

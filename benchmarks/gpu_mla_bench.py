@@ -59,7 +59,6 @@ def prepare(out: pathlib.Path, heads, arch: str) -> None:
 
     from relax_kvcache import build
     from relax_kvcache.build import _pass_config
-    from relax_kvcache import launch
     from relax_kvcache.targets import make_target
 
     target = make_target("cuda", arch=arch)
@@ -82,7 +81,7 @@ def prepare(out: pathlib.Path, heads, arch: str) -> None:
         with target:
             mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
         with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
-            built = tvm.tirx.build(mod, target=target, pipeline=launch.register())
+            built = tvm.tirx.build(mod, target=target)
         built.export_library(str(out / f"tvm-h{h}.so"))
         gpu_prepare.precompile(gpu_prepare.cuda_source(built), arch, out)
         print(f"heads {h}: {path.name}, tvm-h{h}.so", flush=True)

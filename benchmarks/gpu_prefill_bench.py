@@ -83,8 +83,8 @@ def prepare(out: pathlib.Path, arch: str, dtypes, variants: Dict[str, Dict[str, 
     from tvm.s_tir import dlight as dl
 
     from relax_kvcache import tir_kernels as tk
-    from relax_kvcache.build import KernelSetSpec, _pass_config
     from relax_kvcache import launch
+    from relax_kvcache.build import KernelSetSpec, _pass_config
     from relax_kvcache.targets import make_target
 
     target = make_target("cuda", arch=arch)
@@ -111,7 +111,7 @@ def prepare(out: pathlib.Path, arch: str, dtypes, variants: Dict[str, Dict[str, 
                 with target:
                     mod = dl.ApplyDefaultSchedule(dl.gpu.Fallback())(mod)
             with tvm.transform.PassContext(opt_level=3, config=_pass_config(target)):
-                built = tvm.tirx.build(mod, target=target, pipeline=launch.register())
+                built = tvm.tirx.build(mod, target=target, pipeline="default" if name == "tvm" else launch.register())
             path = out / f"{name}-{dtype}.so"
             built.export_library(str(path))
             gpu_prepare.precompile(gpu_prepare.cuda_source(built), arch, out)
