@@ -23,9 +23,13 @@ def _mark_dependent_launch(mod, _ctx):
     """Add the dependent-launch tag to the launch parameters of each CUDA kernel that waits."""
     import tvm
 
+    from .tir_kernels.schedule import GPU_TARGET_KINDS, schedule_for
+
     for gvar, func in list(mod.functions_items()):
         attrs = func.attrs if isinstance(func, tvm.tirx.PrimFunc) and func.attrs else {}
-        if _LAUNCH_PARAMS not in attrs or attrs["target"].kind.name != "cuda":
+        if _LAUNCH_PARAMS not in attrs or attrs["target"].kind.name not in GPU_TARGET_KINDS:
+            continue
+        if not schedule_for(attrs["target"]).dependent_launch:  # no kernel of this target waits
             continue
         tags = [str(t) for t in attrs[_LAUNCH_PARAMS]]
         if _DEPENDENT in tags or 'griddepcontrol("wait"' not in func.script():
