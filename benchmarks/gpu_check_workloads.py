@@ -82,14 +82,32 @@ def wl_prefix_chain(c: Check) -> None:
     c.check_contents()
 
 
-def _random_tree(rng: np.random.Generator, size: int, shape: str) -> List[int]:
+#: The tree shapes of :func:`random_tree`.
+TREE_SHAPES = ("chain", "star", "binary", "deep", "wide", "forest", "random")
+
+
+def random_tree(r: np.random.Generator, size: int, shape: str) -> List[int]:
+    """Parent pointers of a token tree of ``size`` nodes in one of :data:`TREE_SHAPES` (node 0 a
+    root, parents before children; a forest has up to 4 roots)."""
+    if size == 1:
+        return [-1]
     if shape == "chain":
         return [i - 1 for i in range(size)]
     if shape == "star":
         return [-1] + [0] * (size - 1)
     if shape == "binary":
         return [(i - 1) // 2 for i in range(size)]
-    return [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
+    if shape == "deep":  # a long spine with short side branches
+        return [-1] + [i - 1 if r.random() < 0.8 else max(0, i - 1 - int(r.integers(1, 4)))
+                       for i in range(1, size)]
+    if shape == "wide":  # a few hubs under the root, each with many children
+        hubs = max(1, min(3, size // 4))
+        return [-1] + [0 if i <= hubs else int(r.integers(0, hubs + 1)) for i in range(1, size)]
+    if shape == "forest":  # up to 4 roots, random subtrees
+        roots = {0} | {int(x) for x in r.choice(np.arange(1, size), size=min(3, size - 1), replace=False)}
+        return [-1 if i in roots else int(r.integers(0, i)) for i in range(size)]
+    assert shape == "random", shape
+    return [-1] + [int(r.integers(0, i)) for i in range(1, size)]
 
 
 def wl_token_tree(c: Check) -> None:
@@ -101,10 +119,10 @@ def wl_token_tree(c: Check) -> None:
     c.step([(0, 10), (1, 21), (2, 8), (3, 40)])
     c.fork(1, 4, 13)  # a shared prefix: two block depths
     c.step([(4, 3)])
-    shapes = ["chain", "star", "binary", "random"]
     for round_ in range(3):
         sizes = {seq: int(rng.integers(1, 20)) for seq in range(5)}
-        trees = {seq: _random_tree(rng, sizes[seq], shapes[(seq + round_) % 4]) for seq in range(5)}
+        trees = {seq: random_tree(rng, sizes[seq], TREE_SHAPES[(seq + round_) % len(TREE_SHAPES)])
+                 for seq in range(5)}
         c.step([(seq, sizes[seq]) for seq in range(5)], trees=trees)
         c.commit({seq: int(rng.integers(-1, sizes[seq])) for seq in range(5)})
         c.check_contents()

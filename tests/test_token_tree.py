@@ -13,6 +13,8 @@ from support.snapshot import assert_same, snapshot
 from support.harness import Harness, make_config
 from support.small_cache import CFG, run_step
 
+from gpu_check_workloads import TREE_SHAPES, random_tree
+
 
 class TreeHarness(Harness):
     def tree_step(self, batch, trees):
@@ -39,19 +41,6 @@ class TreeHarness(Harness):
             self.ref.commit(seq, leaves[seq])
 
 
-def _random_tree(rng, size, shape):
-    if shape == "chain":
-        return [i - 1 for i in range(size)]
-    if shape == "star":
-        return [-1] + [0] * (size - 1)
-    if shape == "binary":
-        return [(i - 1) // 2 for i in range(size)]
-    if shape == "forest":
-        return [-1 if i in (0, size // 2) else int(rng.integers(0 if i < size // 2 else size // 2, i))
-                for i in range(size)]
-    return [-1] + [int(rng.integers(0, i)) for i in range(1, size)]  # random
-
-
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL])
 def test_random_trees_commit_and_continue(rope_mode):
     cfg = make_config(rope_mode=rope_mode, page_size=8, max_total_seq_len=2048)
@@ -63,9 +52,9 @@ def test_random_trees_commit_and_continue(rope_mode):
     h.fork(1, 4, 13)  # a sequence with a shared prefix (two block depths)
     h.step([(4, 3)])
     for round_ in range(4):
-        shapes = ["chain", "star", "binary", "forest", "random"]
         sizes = {seq: int(rng.integers(1, 20)) for seq in range(5)}
-        trees = {seq: _random_tree(rng, sizes[seq], shapes[(seq + round_) % 5]) for seq in range(5)}
+        trees = {seq: random_tree(rng, sizes[seq], TREE_SHAPES[(seq + round_) % len(TREE_SHAPES)])
+                 for seq in range(5)}
         batch = [(seq, sizes[seq]) for seq in range(5)]
         h.tree_step(batch, trees)
         free_before = h.cache.get_num_available_pages()

@@ -37,6 +37,7 @@ import relax_kvcache as rk
 import native_baseline as tb
 from reference_model import CacheModel, attend, rope
 from reference_model import tree_depths as cm_tree_depths
+from gpu_check_workloads import TREE_SHAPES, random_tree
 
 pytestmark = pytest.mark.tvm_native
 
@@ -1548,31 +1549,7 @@ def test_sink_zero_append_longer_than_window(batch):
 # the sequence ids it is given: a commit must list the last step's sequences in the same order
 # (or a prefix of them). Ours resolves each sequence by id.
 
-TREE_SHAPES = ("chain", "star", "binary", "deep", "wide", "forest", "random")
 TREE_SHAPE_KW = dict(max_total_seq_len=4096, prefill_chunk_size=256, max_num_seqs=16)
-
-
-def random_tree(r: np.random.Generator, size: int, shape: str) -> List[int]:
-    """Parent pointers of a tree of ``size`` nodes (node 0 a root, parents before children)."""
-    if size == 1:
-        return [-1]
-    if shape == "chain":
-        return [i - 1 for i in range(size)]
-    if shape == "star":
-        return [-1] + [0] * (size - 1)
-    if shape == "binary":
-        return [(i - 1) // 2 for i in range(size)]
-    if shape == "deep":  # a long spine with short side branches
-        return [-1] + [i - 1 if r.random() < 0.8 else max(0, i - 1 - int(r.integers(1, 4)))
-                       for i in range(1, size)]
-    if shape == "wide":  # a few hubs under the root, each with many children
-        hubs = max(1, min(3, size // 4))
-        return [-1] + [0 if i <= hubs else int(r.integers(0, hubs + 1)) for i in range(1, size)]
-    if shape == "forest":  # up to 4 roots, random subtrees
-        roots = {0} | {int(x) for x in r.choice(np.arange(1, size), size=min(3, size - 1), replace=False)}
-        return [-1 if i in roots else int(r.integers(0, i)) for i in range(size)]
-    assert shape == "random"
-    return [-1] + [int(r.integers(0, i)) for i in range(1, size)]
 
 
 def is_chain(parents: Sequence[int]) -> bool:
