@@ -6,7 +6,11 @@ parallelism; 128: one GPU). Both caches get the same latent rows (``append_mla_k
 decode step: ``append_mla_kv`` and the absorbed ``cross_attention`` (TVM's
 ``attention_prefill_mla`` kernel in the native cache, ours in ours). Checked: ours against TVM
 and against float64 numpy on sampled sequences. Timed: ``cross_attention`` (repeated inside the
-step; it changes nothing). Roofline: latent bytes read / measured copy bandwidth, and FLOPs
+step; it changes nothing). Anchors, where PyTorch is installed: SDPA's backends on the same
+absorbed step over contiguous latents (q of 576 dims against K = the latent rows, V = their
+first 512 dims, the one latent head broadcast to every query head), GPU time by CUDA events;
+"n/a" where a backend refuses the shapes (FlashAttention-2 and cuDNN stop at head dim 256).
+Roofline: latent bytes read / measured copy bandwidth, and FLOPs
 (``2 Hq (W + DV)`` per cached token) / measured fp16 matmul rate.
 
 Usage::
@@ -111,6 +115,45 @@ class Result:
     err: float
     bytes: int
     flops: int
+    anchors: dict = dataclasses.field(default_factory=dict)  # SDPA backend -> (seconds, max err) or None
+
+
+#: SDPA backends timed as anchors (name, ``torch.nn.attention.SDPBackend`` member)
+SDPA_BACKENDS = (("fa2", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION"),
+                 ("math", "MATH"))
+
+
+def sdpa_anchors(latents, new, q, scale: float, refs, min_time: float) -> dict:
+    """SDPA's backends on the absorbed decode step (see the module docstring): backend ->
+    (seconds per call, max error against ``refs`` ``{sequence: float64 output}``), or None
+    where the backend refuses the shapes."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from gpu_decode_bench import event_time_per_call
+
+    rows = torch.from_numpy(np.stack([np.concatenate([lat, new[s:s + 1]]) for s, lat in enumerate(latents)]))
+    heads = q.shape[1]
+    # the one latent head as every query head's K / V (a broadcast view: SDPA's fused kernels take
+    # no GQA of dense inputs)
+    k = rows.cuda().unsqueeze(1).expand(-1, heads, -1, -1)  # (batch, heads, context + 1, W)
+    v = k[..., :LORA]
+    qt = torch.from_numpy(q).cuda().unsqueeze(2)  # (batch, heads, 1, W)
+    found = {}
+    for name, member in SDPA_BACKENDS:
+        with sdpa_kernel([getattr(SDPBackend, member)]):
+            call = lambda: F.scaled_dot_product_attention(qt, k, v, scale=scale)  # noqa: E731
+            try:
+                out = call()
+            except (RuntimeError, torch.OutOfMemoryError):
+                found[name] = None
+                continue
+            t = event_time_per_call(call, min_time)
+        got = out[:, :, 0].double().cpu().numpy()
+        found[name] = (t, max(float(np.abs(got[s] - ref).max()) for s, ref in refs.items()))
+        del out
+    return found
 
 
 def run(libs: pathlib.Path, heads: int, device, rng, min_time: float) -> Result:
@@ -156,16 +199,23 @@ def run(libs: pathlib.Path, heads: int, device, rng, min_time: float) -> Result:
         times.append(time_per_call(attend, device, min_time))
         g["kv_state_end_forward"](c)
     diff = float(np.abs(outs[0][0] - outs[1][0]).max())
-    err = 0.0
+    refs = {}
     for s in rng.choice(BATCH, 4, replace=False):
         rows = np.concatenate([latents[s], new[s:s + 1]]).astype(np.float64)
         logits = q[s].astype(np.float64) @ rows.T * scale
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
-        ref = (p / p.sum(axis=1, keepdims=True)) @ rows[:, :LORA]
-        err = max(err, float(np.abs(outs[0][0][s] - ref).max()))
+        refs[int(s)] = (p / p.sum(axis=1, keepdims=True)) @ rows[:, :LORA]
+    err = max(float(np.abs(outs[0][0][s] - ref).max()) for s, ref in refs.items())
     tokens = BATCH * (CONTEXT + 1)
+    anchors = sdpa_anchors(latents, new, q, scale, refs, min_time) if _has_torch() else {}
     return Result(heads, times[0], times[1], diff, err, tokens * W * 2 + 2 * q.nbytes,
-                  2 * heads * (W + LORA) * tokens)
+                  2 * heads * (W + LORA) * tokens, anchors)
+
+
+def _has_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
 
 
 def main(argv=None) -> int:
@@ -195,6 +245,14 @@ def main(argv=None) -> int:
               f"{100 * r.bytes / r.ours_s / bandwidth:>9.1f}% {r.flops / r.ours_s / 1e12:>8.1f} "
               f"{r.bytes / bandwidth * 1e6:>10.1f} {r.flops / matmul * 1e6 if matmul else float('nan'):>12.1f} "
               f"{r.diff:>10.2e} {r.err:>8.2e}")
+    if any(r.anchors for r in results):
+        print("\nSDPA anchors on the same step (GPU time by CUDA events): us, ours' speedup over it, max err vs "
+              "float64")
+        print(f"{'heads':>5} " + " ".join(f"{'sdpa-' + name:>26}" for name, _ in SDPA_BACKENDS))
+        for r in results:
+            cells = [f"{a[0] * 1e6:9.1f} {a[0] / r.ours_s:6.2f}x {a[1]:8.1e}" if a else "n/a"
+                     for a in (r.anchors.get(name) for name, _ in SDPA_BACKENDS)]
+            print(f"{r.heads:>5} " + " ".join(f"{c:>26}" for c in cells))
     return 0
 
 
