@@ -1,10 +1,11 @@
 #!/bin/bash
-# Run the GPU correctness check and benchmark on a CUDA host with runtime-only TVM.
+# Run the GPU correctness workloads (tests/test_workloads.py) and benchmark on a CUDA host with
+# runtime-only TVM.
 #
 # From the repository root, after `python benchmarks/gpu_prepare.py --bundle` built .gpu/ here:
 #   bash benchmarks/gpu_host.sh [gpu_bench.py options, e.g. --quick]
 # Environment: LIBS (prepared folder, default .gpu), BUNDLE (default $LIBS/bundle),
-# CHECK=0 / BENCH=0 skip that part, CHECK_ARGS (extra gpu_check.py options, e.g. --tvm-kernels),
+# CHECK=0 / BENCH=0 skip that part, CHECK_ARGS (extra pytest options, e.g. -k d128),
 # OUT (folder for the logs; default $LIBS/logs).
 # Exit status: 0 when the check passed and the benchmark ran without a flagged difference.
 set -u
@@ -19,7 +20,8 @@ export RELAX_KVCACHE_CACHE_DIR=${RELAX_KVCACHE_CACHE_DIR:-$(cd "$libs" && pwd)/c
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee "$logs/device.txt"
 rc=0
 if [ "${CHECK:-1}" != 0 ]; then
-    python3 benchmarks/gpu_check.py --libs "$libs" ${CHECK_ARGS:-} 2>&1 | tee "$logs/gpu_check.log"
+    RELAX_KVCACHE_TEST_DEVICE=cuda RELAX_KVCACHE_WORKLOAD_LIBS="$libs" python3 -m pytest -s -q -p no:cacheprovider \
+        tests/test_workloads.py ${CHECK_ARGS:-} 2>&1 | tee "$logs/workloads.log"
     [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "${BENCH:-1}" != 0 ]; then

@@ -64,7 +64,7 @@ def _check_config(**overrides) -> Dict[str, Any]:
 _LAYER_WINDOWS = dict(attn_kinds=[int(rk.AttnKind.MHA_SLIDING), int(rk.AttnKind.MHA)], layer_sliding_window_size=40)
 _CHUNKED = dict(attn_kinds=[int(rk.AttnKind.MHA_CHUNKED_LOCAL), int(rk.AttnKind.MHA)], attention_chunk_size=40)
 
-#: Check configurations: name -> (KVCacheConfig fields, workloads run on it; see gpu_check.py).
+#: Check configurations: name -> (KVCacheConfig fields, workloads run on it; see tests/test_workloads.py).
 #: RoPE mode is no kernel parameter, so configurations differing only in it share a library.
 CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d128-normal": (_check_config(head_dim=128, rope_theta=5e5, rope_scale=0.5),

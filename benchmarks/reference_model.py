@@ -4,7 +4,7 @@
   helpers) is written independently of ``relax_kvcache.reference``; the differential tests, the
   state machine (``state_machine_model``) and the GPU LongRoPE check use it.
 * :class:`ReferenceCache` keeps RoPE positions per token and masks attention by them (attention
-  from :func:`relax_kvcache.reference.attention`); the cache tests and ``gpu_check.py`` use it.
+  from :func:`relax_kvcache.reference.attention`); the cache tests and the workloads of ``tests/test_workloads.py`` use it.
 * :class:`MLAModel` and :class:`MLAWeights`: DeepSeek's multi-head latent attention.
 
 :class:`CacheModel` keeps every sequence's K/V as the

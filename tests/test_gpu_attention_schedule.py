@@ -5,7 +5,7 @@ invariants the kernels rely on; the generated CUDA source is checked for the ins
 schedule is about (tensor-core ``mma.sync`` in prefill on sm_80+, warp shuffles in decode) and
 for their absence where the target cannot run them. Numerics of these kernels are checked on a
 real GPU by ``test_kernels.py`` (``RELAX_KVCACHE_TEST_DEVICE=cuda``) and
-``benchmarks/gpu_check.py``.
+``test_workloads.py``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from support.snapshot import assert_same, snapshot
 from support.harness import Harness, make_config
 from support.small_cache import CFG, run_step
 
-from gpu_check_workloads import TREE_SHAPES, random_tree
+from support.workloads import TREE_SHAPES, random_tree
 
 
 class TreeHarness(Harness):

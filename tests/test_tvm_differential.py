@@ -37,7 +37,7 @@ import relax_kvcache as rk
 import native_baseline as tb
 from reference_model import CacheModel, attend, rope
 from reference_model import tree_depths as cm_tree_depths
-from gpu_check_workloads import TREE_SHAPES, random_tree
+from support.workloads import TREE_SHAPES, random_tree
 
 pytestmark = pytest.mark.tvm_native
 

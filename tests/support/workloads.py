@@ -1,6 +1,7 @@
-"""``gpu_check.py``'s workloads: random sequences of cache operations, each run on a fresh cache
-through a :class:`gpu_check_harness.Check` (every output against the float64 reference).
-:data:`WORKLOADS` names them (``gpu_prepare.CHECK_CONFIGS`` lists those run per configuration)."""
+"""Random sequences of cache operations, each run on a fresh cache through a
+:class:`.workload_check.Check` (every output against the float64 reference; run by
+``tests/test_workloads.py``). :data:`WORKLOADS` names them (``gpu_prepare.CHECK_CONFIGS`` lists
+those run per configuration)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import tvm
 
 from relax_kvcache.reference import attention, merge_states
-from gpu_check_harness import GRID_SCALES, Check
+from .workload_check import GRID_SCALES, Check
 
 
 def wl_random(c: Check, steps: int = 40) -> None:

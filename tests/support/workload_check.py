@@ -1,6 +1,6 @@
-"""``gpu_check.py``'s harness: :class:`Check` drives a cache and the float64 ``ReferenceCache``
-with the same operations, poisons outputs with NaN before the kernels write them, and records
-every mismatch (see ``gpu_check.py``'s docstring for what is compared and how)."""
+"""The workloads' harness: :class:`Check` drives a cache and the float64 ``ReferenceCache`` with
+the same operations, poisons outputs with NaN before the kernels write them, and records every
+mismatch (``tests/test_workloads.py`` says what is compared and how)."""
 
 from __future__ import annotations
 
