@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 import sys
 import time
@@ -207,15 +208,9 @@ def run(libs: pathlib.Path, heads: int, device, rng, min_time: float) -> Result:
         refs[int(s)] = (p / p.sum(axis=1, keepdims=True)) @ rows[:, :LORA]
     err = max(float(np.abs(outs[0][0][s] - ref).max()) for s, ref in refs.items())
     tokens = BATCH * (CONTEXT + 1)
-    anchors = sdpa_anchors(latents, new, q, scale, refs, min_time) if _has_torch() else {}
+    anchors = sdpa_anchors(latents, new, q, scale, refs, min_time) if importlib.util.find_spec("torch") else {}
     return Result(heads, times[0], times[1], diff, err, tokens * W * 2 + 2 * q.nbytes,
                   2 * heads * (W + LORA) * tokens, anchors)
-
-
-def _has_torch() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
 
 
 def main(argv=None) -> int:

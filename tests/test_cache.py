@@ -15,65 +15,13 @@ import tvm
 import relax_kvcache as rk
 from relax_kvcache.reference import attention, merge_states
 from support.harness import CONFIGS, Harness
-
-
-def _random_workload(h: Harness, steps: int) -> None:
-    rng = h.rng
-    cfg = h.cfg
-    next_id = 0
-    live = []
-    for _ in range(steps):
-        op = rng.choice(["step", "step", "step", "add", "fork", "popn", "remove"])
-        if op == "add" or not live:
-            h.add(next_id)
-            live.append(next_id)
-            next_id += 1
-            op = "step"
-        if op == "fork":
-            parent = int(rng.choice(live))
-            length = h.ref.length(parent)
-            pos = int(rng.choice([-1, 0, length, rng.integers(0, length + 1),
-                                  (length // cfg.page_size) * cfg.page_size]))
-            h.fork(parent, next_id, pos)
-            live.append(next_id)
-            next_id += 1
-            h.check_contents()
-        elif op == "popn":
-            seq = int(rng.choice(live))
-            h.popn(seq, int(rng.integers(0, h.ref.length(seq) + 1)))
-            h.check_contents()
-        elif op == "remove" and len(live) > 1:
-            seq = int(rng.choice(live))
-            h.remove(seq)
-            live.remove(seq)
-            h.check_contents()
-        elif op == "step":
-            members = rng.choice(live, size=min(len(live), int(rng.integers(1, 6))), replace=False)
-            budget = cfg.prefill_chunk_size
-            batch = []
-            for seq in members:
-                length = 1 if rng.random() < 0.5 else int(rng.integers(2, 40))
-                length = min(length, budget - (len(members) - len(batch) - 1))
-                if length < 1:
-                    break
-                budget -= length
-                batch.append((int(seq), length))
-            if h.cache.get_num_available_pages() < len(batch) * 4 + 8:
-                for seq in list(live)[:-1]:
-                    h.remove(seq)
-                    live.remove(seq)
-                continue
-            h.step(batch)
-    h.check_contents()
-    for seq in list(live):
-        h.remove(seq)
-    assert h.cache.empty()
+from support.workloads import wl_random
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_random_workload_matches_reference(cache_factory, name):
     cache = cache_factory(CONFIGS[name])
-    _random_workload(Harness(cache, np.random.default_rng(abs(hash(name)) % 2 ** 32)), steps=40)
+    wl_random(Harness(cache, np.random.default_rng(abs(hash(name)) % 2 ** 32)), steps=40, max_length=40)
 
 
 def test_decode_uses_decode_path_and_long_chains(cache_factory):
@@ -170,4 +118,4 @@ def test_creation_function_with_our_kernels_matches_direct_cache(cache_factory):
         mod["compact_copy"])
     assert isinstance(cache, rk.PagedAttentionKVCache)
     assert cache.config == cfg
-    _random_workload(Harness(cache, np.random.default_rng(11)), steps=20)
+    wl_random(Harness(cache, np.random.default_rng(11)), steps=20, max_length=40)

@@ -14,6 +14,7 @@ import relax_kvcache as rk
 from relax_kvcache.reference import attention
 
 from support.harness import Harness, layer_window_config, make_config
+from support.workloads import wl_seq_windows
 from support.small_cache import CFG, assert_refused
 
 
@@ -103,22 +104,7 @@ def test_sequence_windows_with_sinks_match_reference(rope_mode):
     """Windowed and plain sequences in one batch, appends longer than the window, forks in the sink."""
     cfg = _seq_window_config(rope_mode=rope_mode)
     h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(5))
-    specs = {0: (20, 6), 1: (25, 0), 2: (33, 17)}  # seq -> (window, sink)
-    for seq, (window, sink) in specs.items():
-        h.add(seq)
-        h.cache.enable_sliding_window_for_seq(seq, window, sink)
-        h.ref.enable_window(seq, window, sink)
-    h.add(3)  # a plain sequence in the same batches
-    h.step([(0, 4), (1, 6), (2, 30), (3, 5)])
-    h.step([(0, 20), (1, 19), (2, 9), (3, 3)])
-    h.step([(0, 40), (1, 3), (2, 2), (3, 1)])  # 40 > window: slides inside one step
-    h.check_contents()
-    for _ in range(25):
-        h.step([(0, 1), (1, 1), (2, 1), (3, 1)])
-    h.check_contents()
-    h.fork(2, 4, 12)  # within sequence 2's sink of 17
-    h.step([(4, 5), (2, 2)])
-    h.check_contents()
+    wl_seq_windows(h)
     window_pages = math.ceil(33 / cfg.page_size) + 2
     used = cfg.num_total_pages - h.cache.get_num_available_pages()
     plain_pages = math.ceil(h.ref.length(3) / cfg.page_size)

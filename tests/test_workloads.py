@@ -48,6 +48,7 @@ TVM_KERNEL_WORKLOADS = ("random", "prefix_chain", "token_tree", "self_cross_merg
 CASES = [(name, workload) for name, (_, workloads) in gp.CHECK_CONFIGS.items() for workload in workloads]
 CASES += [("tvm-kernels", workload) for workload in TVM_KERNEL_WORKLOADS]
 CUDA = os.environ.get("RELAX_KVCACHE_TEST_DEVICE", "cpu") == "cuda"
+DEVICE = tvm.cuda(0) if CUDA else tvm.cpu(0)
 #: workload -> why it does not run on the CPU
 CPU_SKIPS = {"graph_decode": "CUDA graphs: CUDA only",
              "long_context": "its float64 reference takes minutes: run on a GPU host"}
@@ -60,14 +61,13 @@ def workload_case() -> Callable[[str], Tuple[rk.KVCacheConfig, rk.KernelSet]]:
     libs = os.environ.get("RELAX_KVCACHE_WORKLOAD_LIBS")
     if CUDA and not libs:
         pytest.fail("RELAX_KVCACHE_TEST_DEVICE=cuda needs RELAX_KVCACHE_WORKLOAD_LIBS (a folder of gpu_prepare.py)")
-    device = tvm.cuda(0) if CUDA else tvm.cpu(0)
     manifest = gp.read_manifest(pathlib.Path(libs)) if libs else None
     modules: Dict[str, tvm.runtime.Module] = {}
     cases: Dict[str, Tuple[rk.KVCacheConfig, rk.KernelSet]] = {}
 
     def load(file: str) -> tvm.runtime.Module:
         if file not in modules:
-            modules[file] = gp.load_library(pathlib.Path(libs) / file, device)
+            modules[file] = gp.load_library(pathlib.Path(libs) / file, DEVICE)
         return modules[file]
 
     def get(name: str) -> Tuple[rk.KVCacheConfig, rk.KernelSet]:
@@ -108,9 +108,8 @@ def test_workload(name, workload, workload_case):
     if not CUDA and workload in CPU_SKIPS:
         pytest.skip(CPU_SKIPS[workload])
     config, kernels = workload_case(name)
-    device = tvm.cuda(0) if CUDA else tvm.cpu(0)
     rng = np.random.default_rng([0, sum(map(ord, name + workload))])
-    check = Check(rk.PagedAttentionKVCache(config, device, kernels=kernels), rng, DEFAULT_TOLERANCE[config.dtype])
+    check = Check(rk.PagedAttentionKVCache(config, DEVICE, kernels=kernels), rng, DEFAULT_TOLERANCE[config.dtype])
     WORKLOADS[workload](check)
     print(f"{name:<20} {workload:<17} steps {check.steps:>3}  max err {check.max_error:8.2e}")
     assert check.steps > 0

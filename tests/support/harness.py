@@ -76,6 +76,13 @@ class Harness:
         self.cache.remove_sequence(seq)
         self.ref.remove(seq)
 
+    def enable_window(self, seq, window, sink):
+        self.cache.enable_sliding_window_for_seq(seq, window, sink)
+        self.ref.enable_window(seq, window, sink)
+
+    def expect_equal(self, what, got, expected):
+        assert np.array_equal(np.asarray(got), np.asarray(expected)), f"{what}: got {got}, expected {expected}"
+
     def step(self, batch):
         cfg = self.cfg
         n = sum(length for _, length in batch)

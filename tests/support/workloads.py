@@ -15,8 +15,10 @@ from relax_kvcache.reference import attention, merge_states
 from .workload_check import GRID_SCALES, Check
 
 
-def wl_random(c: Check, steps: int = 40) -> None:
-    """Random add / fork (any position) / popn / remove and steps mixing decode and prefill chunks."""
+def wl_random(c: Check, steps: int = 40, max_length: int = 60) -> None:
+    """Random add / fork (any position) / popn / remove and steps mixing decode and prefill chunks
+    of up to ``max_length`` tokens per sequence (``c``: a :class:`Check`, or the tests'
+    ``support.harness.Harness``, which asserts instead of recording)."""
     rng, cfg = c.rng, c.cfg
     live: List[int] = []
     next_id = 0
@@ -49,7 +51,7 @@ def wl_random(c: Check, steps: int = 40) -> None:
             members = rng.choice(live, size=min(len(live), int(rng.integers(1, 6))), replace=False)
             budget, batch = cfg.prefill_chunk_size, []
             for i, seq in enumerate(members):
-                length = 1 if rng.random() < 0.5 else int(rng.integers(2, 60))
+                length = 1 if rng.random() < 0.5 else int(rng.integers(2, max_length))
                 length = min(length, budget - (len(members) - i - 1))
                 if length < 1:
                     break
@@ -193,7 +195,8 @@ def wl_self_cross_merge(c: Check) -> None:
 
 def wl_seq_windows(c: Check) -> None:
     """Per-sequence sliding windows with attention sinks beside a plain sequence: appends longer
-    than the window, long decode, a fork inside the sink."""
+    than the window, long decode, a fork inside the sink (``c``: a :class:`Check` or a
+    ``support.harness.Harness``)."""
     specs = {0: (20, 6), 1: (25, 0), 2: (33, 17)}  # seq -> (window, sink)
     for seq, (window, sink) in specs.items():
         c.add(seq)
