@@ -64,8 +64,9 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
     if sched.fp8_convert:  # the software conversion beside the hardware one
         builds.append(("ours-swcvt-fp8", fp8.kernel_function("attention_decode",
                                                              dataclasses.replace(sched, fp8_convert=False))))
-    for name, knobs in variants.items():
-        builds.append((f"ours-{name}", spec.kernel_function("attention_decode", dataclasses.replace(sched, **knobs))))
+    for name, knobs in variants.items():  # a name ending in -fp8: over 8-bit pages
+        kernels = fp8 if name.endswith("-fp8") else spec
+        builds.append((f"ours-{name}", kernels.kernel_function("attention_decode", dataclasses.replace(sched, **knobs))))
     for name, func in builds:
         start = time.perf_counter()
         mod = tvm.IRModule({"attention_decode": func.with_attr("global_symbol", "attention_decode")})

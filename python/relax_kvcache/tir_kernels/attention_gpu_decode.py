@@ -15,8 +15,8 @@ from tvm.script import tirx as T
 
 from .attention_gpu_decode_mma import CHUNK as MMA_CHUNK
 from .attention_gpu_decode_mma import decode_mma_applies, make_decode_mma_item
-from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row, grid_dependency,
-                     rope_inv_freq_expr)
+from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, early_start, grid_dependency, rope_inv_freq_expr,
+                     split_rows)
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -244,10 +244,8 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
         hq0: T.let[T.int32] = h * G + tz * GR
         pos: T.let[T.int32] = q_rope_position[b]
         # rows a window or attention chunk leaves visible: positions in [first visible, pos]
-        lo: T.let[T.int32] = first_visible_row(span, pos, k_pos0)
-        per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
-        s_lo: T.let[T.int32] = lo + split * per_split
-        s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)
+        s_lo: T.let[T.int32] = split_rows(span, pos, k_pos0, kv_len, split, nsplit)[0]
+        s_hi: T.let[T.int32] = split_rows(span, pos, k_pos0, kv_len, split, nsplit)[1]
         steps: T.let[T.int32] = ceildiv(T.max(s_hi - s_lo, 0), BY * U)
         load_q(qr, q, b, hq0, pos, rope_scale, rope_theta, sm_scale * LOG2E, lane)
         for i in T.unroll(GR):
@@ -262,13 +260,22 @@ def make_decode_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, *, rope: 
     return item, shape
 
 
-def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, single_done: bool = False):
+#: Fewest splits at which the merge lets the grid after it start at once: a merge of fewer, longer
+#: splits (many sequences) measured faster without (the waiting blocks hold SM slots).
+EARLY_TRIGGER_SPLITS = 8
+
+
+def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, single_done: bool = False,
+                 trigger: bool = False):
     """Macro merging ``nsplit`` (at most ``max_splits``) partial states per (row, head) by LSE
-    into o / lse: a block per row, a thread per output element, unrolled branch-free loads
-    (``single_done``: nothing to do for ``nsplit == 1``, see :func:`copy_single_split`)."""
+    into o / lse: a block per row, a thread per output element, unrolled branch-free loads of the
+    LSEs and partial outputs together (one round trip), ``single_done``: nothing to do for
+    ``nsplit == 1``, see :func:`copy_single_split`. ``trigger``: a merge of many splits lets the
+    grid after it start at once (:func:`.macros.early_start`)."""
     DV, dtype, NT, Hq = spec.v_head_dim, spec.dtype, sched.threads, spec.num_qo_heads
     least = 2 if single_done else 1  # fewest splits that need merging
     opening = grid_dependency(sched)
+    KD = ceildiv(DV, NT)  # output elements per thread
 
     @T.macro
     def merge(ws_o, ws_lse, o, lse, rows, nsplit):
@@ -278,14 +285,22 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, singl
                     T.reads()
                     T.writes()
                     w = T.sblock_alloc_buffer((max_splits,), "float32", scope="local")
+                    part = T.sblock_alloc_buffer((KD, max_splits), "float32", scope="local")
                     red = T.sblock_alloc_buffer((3,), "float32", scope="local")
+                    if trigger:
+                        if nsplit >= EARLY_TRIGGER_SPLITS:
+                            T.evaluate(T.ptx.griddepcontrol.launch_dependents())
                     opening()
                     if nsplit >= least:
+                        # loads unconditional (clamped), the selection on the loaded values: a
+                        # load inside a condition would be a branch, one load at a time
+                        for sp in T.unroll(max_splits):
+                            w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
+                        for k in T.unroll(KD):
+                            for sp in T.unroll(max_splits):
+                                part[k, sp] = ws_o[bx, T.min(sp, nsplit - 1), T.min(k * NT + tx, DV - 1)]
                         red[0] = NEG_INF
                         for sp in T.unroll(max_splits):
-                            # the load unconditional (clamped), the selection on the loaded value:
-                            # a load inside a condition would be a branch, one load at a time
-                            w[sp] = ws_lse[bx, T.min(sp, nsplit - 1)]
                             w[sp] = T.if_then_else(sp < nsplit, w[sp], NEG_INF)
                             red[0] = T.max(red[0], w[sp])
                         red[1] = ZERO
@@ -293,11 +308,11 @@ def merge_splits(spec: AttentionSpec, sched: GpuSchedule, max_splits: int, singl
                             # an empty row (every LSE -inf) gets weight 0, not exp2(-inf + inf)
                             w[sp] = T.if_then_else(w[sp] == NEG_INF, ZERO, T.exp2(w[sp] - red[0]))
                             red[1] = red[1] + w[sp]
-                        for k in T.unroll(ceildiv(DV, NT)):
+                        for k in T.unroll(KD):
                             if k * NT + tx < DV:
                                 red[2] = ZERO
                                 for sp in T.unroll(max_splits):
-                                    red[2] = red[2] + w[sp] * ws_o[bx, T.min(sp, nsplit - 1), k * NT + tx]
+                                    red[2] = red[2] + w[sp] * part[k, sp]
                                 o[bx // Hq, bx % Hq, k * NT + tx] = T.Cast(
                                     dtype, T.if_then_else(red[1] > ZERO, red[2] / red[1], ZERO))
                         if tx == 0:
@@ -336,10 +351,12 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
     :func:`.attention_gpu_decode_mma.decode_mma_applies`)."""
     rope_item, shape = make_decode_item(spec, sched, kv_rows, rope=True)
     tensor_cores = decode_mma_applies(spec, sched)
-    plain_item = (make_decode_mma_item(spec, sched, kv_rows) if tensor_cores
-                  else make_decode_item(spec, sched, kv_rows, rope=False)[0])
+    early = bool(tensor_cores and early_start(spec, sched))  # page lookups before the wait
+    plain_item = (make_decode_mma_item(spec, sched, kv_rows, grid_dependency(sched) if early else None)
+                  if tensor_cores else make_decode_item(spec, sched, kv_rows, rope=False)[0])
     wave = sched.decode_mma_wave_blocks if tensor_cores else sched.decode_wave_blocks
-    merge, copy = merge_splits(spec, sched, sched.decode_splits, True), copy_single_split(spec, sched)
+    merge = merge_splits(spec, sched, sched.decode_splits, True, early_start(spec, sched))
+    copy = copy_single_split(spec, sched)
     opening = grid_dependency(sched)
 
     # KV rows one step of a block covers: every warp's chunk (tensor cores) or every row group's rows
@@ -353,7 +370,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
         return T.min(NS, T.max(1, T.min(wave // T.max(batch * Hkv, 1), by_rows)))
     Hq, Hkv, DV, NT, NS = spec.num_qo_heads, spec.num_kv_heads, spec.v_head_dim, shape.threads, sched.decode_splits
 
-    def make_run(work):
+    def make_run(work, waits: bool):
         @T.macro
         def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rope_scale, rope_theta, sm_scale):
             # workspace of the splits that run (large batches: one split, a small workspace)
@@ -366,8 +383,9 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
                         with T.sblock("work"):
                             T.reads()
                             T.writes()
-                            opening()
                             src = seq_src(bufs, bx // Hkv)
+                            if not waits:
+                                opening()
                             work(q, (ws_o, ws_lse, bx // Hkv * Hq, by), q_rope_position, src[0], bx // Hkv,
                                  bx % Hkv, src[1], src[2], rope_scale, rope_theta, sm_scale, by, nsplit, tx)
                             copy(ws_o, ws_lse, o, lse, bx, nsplit, tx)
@@ -375,7 +393,7 @@ def decode_grid(spec: AttentionSpec, sched: GpuSchedule, kv_rows, seq_src):
 
         return run
 
-    inline, plain = make_run(rope_item), make_run(plain_item)
+    inline, plain = make_run(rope_item, False), make_run(plain_item, early)
 
     @T.macro
     def run(q, o, lse, q_rope_position, batch, num_pages, bufs, rotary_mode, rope_scale, rope_theta, sm_scale):

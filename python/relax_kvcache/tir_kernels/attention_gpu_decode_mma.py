@@ -19,7 +19,7 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .attention_gpu_mma import fold_scores, mma_m16n8k16, shfl_xor
-from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, first_visible_row
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, split_rows
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
@@ -63,9 +63,11 @@ FP8_HALF_FACTOR = {"float8_e4m3fn": 256.0, "float8_e5m2": 1.0}
 FP8X2_TO_HALF2 = {"float8_e4m3fn": T.ptx.cvt.rn.f16x2.e4m3x2, "float8_e5m2": T.ptx.cvt.rn.f16x2.e5m2x2}
 
 
-def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
+def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows, opening=None):
     """Macro computing one (sequence, KV head, split) into the split workspace on tensor cores
-    (the arguments of :func:`.attention_gpu_decode.make_decode_item`'s rope-free item)."""
+    (the arguments of :func:`.attention_gpu_decode.make_decode_item`'s rope-free item).
+    ``opening``: the grid-dependency wait, which the item then runs itself after its first page
+    lookups (host data) and before its first read of q."""
     locate, elem_at, _ = kv_rows
     G, D, DV, dtype, span = spec.group_size, spec.qk_head_dim, spec.v_head_dim, spec.dtype, spec.span
     quantized = spec.quantized
@@ -235,12 +237,13 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
         g: T.let[T.int32] = tx % 32 // 4
         t: T.let[T.int32] = tx % 4
         pos: T.let[T.int32] = q_rope_position[b]
-        lo: T.let[T.int32] = first_visible_row(span, pos, k_pos0)
-        per_split: T.let[T.int32] = ceildiv(T.max(kv_len - lo, 0), nsplit)
-        s_lo: T.let[T.int32] = lo + split * per_split
-        s_hi: T.let[T.int32] = T.min(kv_len, s_lo + per_split)
+        s_lo: T.let[T.int32] = split_rows(span, pos, k_pos0, kv_len, split, nsplit)[0]
+        s_hi: T.let[T.int32] = split_rows(span, pos, k_pos0, kv_len, split, nsplit)[1]
         # this warp's chunks: s_lo + (w + NW i) CHUNK for i < steps
         steps: T.let[T.int32] = ceildiv(T.max(ceildiv(T.max(s_hi - s_lo, 0), CHUNK) - w, 0), NW)
+        if opening is not None:
+            locate_chunk(slots, kv_src, s_lo + w * CHUNK, s_hi, g, t)
+            opening()
         # Q fragments (rows g, g + 8: heads of the group, zero past G), k-steps in order
         for kk in T.unroll(KK):
             for x in T.unroll(4):
@@ -252,7 +255,8 @@ def make_decode_mma_item(spec: AttentionSpec, sched: GpuSchedule, kv_rows):
             l2[hr] = ZERO
         for x in T.unroll(MT * 4):
             oacc[x] = ZERO
-        locate_chunk(slots, kv_src, s_lo + w * CHUNK, s_hi, g, t)
+        if opening is None:
+            locate_chunk(slots, kv_src, s_lo + w * CHUNK, s_hi, g, t)
         if quantized:  # 8-bit pages: the K scale joins the score scale, the V scale the output's
             kw = T.sblock_alloc_buffer((2, KQ // 4), "uint32", scope="local")
             vw = T.sblock_alloc_buffer((4, W // 4), "uint32", scope="local")

@@ -35,9 +35,10 @@ def grid_dependency(sched):
     (``sched.dependent_launch``; nothing otherwise): it waits, unconditionally and first in the
     block, until that grid has finished and its writes are visible. Such a kernel's blocks are
     resident before then, so the launch overlaps the predecessor's last blocks; one that skipped
-    the wait could read its predecessor's output early. No kernel triggers its dependents
-    explicitly: triggering at block start measured slower (early dependents hold SM slots), at
-    block end no faster than the implicit trigger at exit."""
+    the wait could read its predecessor's output early. Split kernels do not trigger their
+    dependents explicitly: at block start measured slower (the waiting merge blocks hold SM
+    slots), at block end no faster than the implicit trigger at exit (see :func:`early_start`
+    for the grids that do)."""
     enabled = bool(sched.dependent_launch)
 
     @T.macro
@@ -46,6 +47,22 @@ def grid_dependency(sched):
             T.evaluate(T.ptx.griddepcontrol.wait())
 
     return opening
+
+
+def split_rows(span, pos, k_pos0, kv_len, split, nsplit):
+    """``(first, end)`` KV rows of decode split ``split`` of ``nsplit``: the rows a query at
+    ``pos`` sees (:func:`first_visible_row` on), cut into equal runs."""
+    lo = first_visible_row(span, pos, k_pos0)
+    per_split = ceildiv(T.max(kv_len - lo, 0), nsplit)
+    return lo + split * per_split, T.min(kv_len, lo + split * per_split + per_split)
+
+
+def early_start(spec, sched) -> bool:
+    """Whether decode over ``spec``'s pages starts early under dependent launch: the grid before
+    a split kernel (the append, a merge of many splits) lets it start at once, and its blocks
+    look up their first pages (host data) before they wait. 16-bit pages only: 8-bit pages
+    measured slower so (their split kernel is shorter and its registers fuller)."""
+    return bool(sched.dependent_launch and not spec.quantized)
 
 
 def paged_kv_len(npages, page_size: int, length_info, b, sliding_window: bool):

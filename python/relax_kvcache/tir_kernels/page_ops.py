@@ -92,6 +92,7 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     else:
         lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
         nv = D // lanes  # spans of one head
+        trigger = bool(sched.dependent_launch and not spec.quantized)  # see macros.early_start
 
         @T.macro
         def nest(pages, k, v, position_map, n, scales):
@@ -100,6 +101,8 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
                     with T.sblock("append"):
                         T.reads()
                         T.writes()
+                        if trigger:  # a dependent decode may start its page lookups at once
+                            T.evaluate(T.ptx.griddepcontrol.launch_dependents())
                         if bx * nt + tx < n * H * nv:
                             pos: T.let[T.int32] = position_map[(bx * nt + tx) // (H * nv)]
                             if pos != -1:

@@ -75,9 +75,12 @@ class GpuSchedule:
         sm_89+).
     dependent_launch : bool
         Whether the decode kernels (splits and merge) are launched programmatically dependent on
-        the grid before them (CUDA sm_90+): each opens with ``griddepcontrol.wait``, and the
-        build's pipeline (:mod:`relax_kvcache.launch`) marks such kernels, so that a launch
-        overlaps the end of the grid before it.
+        the grid before them (CUDA sm_90+): each waits (``griddepcontrol.wait``) before it reads
+        what that grid writes, and the build's pipeline (:mod:`relax_kvcache.launch`) marks such
+        kernels, so that a launch overlaps the end of the grid before it. Over 16-bit pages the
+        grids before a split kernel (the append, a merge of 8 or more splits) let it start at
+        once (``griddepcontrol.launch_dependents``), so that its blocks' first page lookups
+        overlap that grid.
     wgmma_warpgroups, wgmma_stages, wgmma_kv_chunk : int
         Warpgroups (128 threads, 64 query rows each) of a warpgroup-MMA prefill block, K/V
         chunks in its shared-memory ring (fewer where they do not fit, at least 2), KV rows per
