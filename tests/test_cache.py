@@ -70,9 +70,9 @@ def test_self_cross_attention_and_merge(cache_factory):
     batch = [(0, 3), (1, 1), (2, 5)]  # sequence 2 has nothing cached
     n = sum(length for _, length in batch)
     hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
-    q, k, v = h.tensor((n, hq, d)), h.tensor((n, hkv, d)), h.tensor((n, hkv, d))
-    o_self, o_cross = h.nan((n, hq, d)), h.nan((n, hq, d))
-    lse_self, lse_cross = h.nan((n, hq), np.float32), h.nan((n, hq), np.float32)
+    q, k, v = h.random((n, hq, d))[0], h.random((n, hkv, d))[0], h.random((n, hkv, d))[0]
+    o_self, o_cross = h.poisoned((n, hq, d)), h.poisoned((n, hq, d))
+    lse_self, lse_cross = h.poisoned((n, hq), "float32"), h.poisoned((n, hq), "float32")
     h.cache.begin_forward([s for s, _ in batch], [length for _, length in batch])
     positions = h.cache.get_query_positions().numpy()
     np.testing.assert_array_equal(positions, [21, 22, 23, 40, 0, 1, 2, 3, 4])
@@ -91,7 +91,7 @@ def test_self_cross_attention_and_merge(cache_factory):
         full, full_lse = attention(qs, np.concatenate([k_cached[0], ks]), np.concatenate([v_cached[0], vs]),
                                    h.sm_scale, causal=True)
         np.testing.assert_allclose(exp_o, full, atol=1e-9)  # the reference merge is exact
-        np.testing.assert_allclose(o_merged.numpy()[rows].astype(np.float64), full, atol=h.tol)
+        np.testing.assert_allclose(o_merged.numpy()[rows].astype(np.float64), full, atol=h.tolerance)
         np.testing.assert_allclose(lse_merged.numpy()[rows], full_lse, atol=1e-2)
         got_cross_lse = lse_cross.numpy()[rows]
         if length and k_cached.shape[1] == 0:

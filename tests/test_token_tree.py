@@ -16,35 +16,10 @@ from support.small_cache import CFG, run_step
 from support.workloads import TREE_SHAPES, random_tree
 
 
-class TreeHarness(Harness):
-    def tree_step(self, batch, trees):
-        """A step appending ``trees[seq]`` (parent pointers of the new nodes) to each sequence."""
-        cfg = self.cfg
-        n = sum(length for _, length in batch)
-        qkvs = [self.tensor((n, cfg.num_qo_heads + 2 * cfg.num_kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-        outs = [self.nan((n, cfg.num_qo_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
-        parents = [p for seq, _ in batch for p in trees[seq]]
-        self.cache.begin_forward([s for s, _ in batch], [length for _, length in batch], parents)
-        for layer in range(cfg.num_layers):
-            self.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], self.sm_scale)
-        self.cache.end_forward()
-        expected = self.ref.step(batch, [q.numpy().astype(np.float64) for q in qkvs], self.sm_scale, trees=trees)
-        for layer, (out, exp) in enumerate(zip(outs, expected)):
-            got = out.numpy().astype(np.float64)
-            assert np.isfinite(got).all(), f"layer {layer}: output not fully written"
-            np.testing.assert_allclose(got, exp, atol=self.tol, rtol=0, err_msg=f"layer {layer} batch {batch}")
-
-    def commit(self, leaves):
-        seqs = list(leaves)
-        self.cache.commit_accepted_token_tree_nodes(seqs, [leaves[s] for s in seqs])
-        for seq in seqs:
-            self.ref.commit(seq, leaves[seq])
-
-
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL])
 def test_random_trees_commit_and_continue(rope_mode):
     cfg = make_config(rope_mode=rope_mode, page_size=8, max_total_seq_len=2048)
-    h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(int(rope_mode)))
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(int(rope_mode)))
     rng = h.rng
     for seq in range(4):
         h.add(seq)
@@ -56,7 +31,7 @@ def test_random_trees_commit_and_continue(rope_mode):
         trees = {seq: random_tree(rng, sizes[seq], TREE_SHAPES[(seq + round_) % len(TREE_SHAPES)])
                  for seq in range(5)}
         batch = [(seq, sizes[seq]) for seq in range(5)]
-        h.tree_step(batch, trees)
+        h.step(batch, trees)
         free_before = h.cache.get_num_available_pages()
         leaves = {seq: int(rng.integers(-1, sizes[seq])) for seq in range(5)}
         h.commit(leaves)
@@ -73,14 +48,14 @@ def test_random_trees_commit_and_continue(rope_mode):
 def test_tree_grown_over_steps_then_committed():
     """A tree extended over several steps (previous nodes in the pages: the paged tree kernel)."""
     cfg = make_config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
-    h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(9))
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(9))
     for seq in range(3):
         h.add(seq)
     h.step([(0, 10), (1, 17), (2, 5)])
     full = [(k - 1) // 2 for k in range(15)]  # binary tree of 4 levels, appended level by level
     for level in range(4):
         lo, hi = 2 ** level - 1, 2 ** (level + 1) - 1
-        h.tree_step([(seq, hi - lo) for seq in range(3)], {seq: full[lo:hi] for seq in range(3)})
+        h.step([(seq, hi - lo) for seq in range(3)], {seq: full[lo:hi] for seq in range(3)})
     # Leaves in the whole tree's numbering: paths [0, 2, 5, 11], [0, 1] and nothing.
     h.commit({0: 11, 1: 1, 2: -1})
     assert [h.cache.get_sequence_length(seq) for seq in range(3)] == [10 + 4, 17 + 2, 5]
@@ -92,15 +67,15 @@ def test_tree_grown_over_steps_then_committed():
 def test_chain_tree_uses_causal_path_and_decode_after():
     """A chain is plain causal attention; committing its leaf 3 keeps the prefix + 4 nodes."""
     cfg = make_config(rope_mode=rk.RopeMode.NORMAL)
-    h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(2))
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(2))
     h.add(0)
     h.step([(0, 20)])
-    h.tree_step([(0, 6)], {0: [-1, 0, 1, 2, 3, 4]})
+    h.step([(0, 6)], {0: [-1, 0, 1, 2, 3, 4]})
     h.commit({0: 3})
     assert h.cache.get_sequence_length(0) == 24
     h.check_contents()
     h.step([(0, 1)])
-    h.tree_step([(0, 1)], {0: [-1]})  # a one-node tree (decode with a tree)
+    h.step([(0, 1)], {0: [-1]})  # a one-node tree (decode with a tree)
     h.commit({0: -1})                 # reject it: the step's token is popped
     assert h.cache.get_sequence_length(0) == 25
     h.step([(0, 1)])
@@ -132,7 +107,7 @@ TREE_ERRORS = {
 @pytest.mark.parametrize("name", list(TREE_ERRORS))
 def test_tree_errors_leave_state_unchanged(name):
     cache = rk.PagedAttentionKVCache(make_config(rope_mode=rk.RopeMode.NORMAL, prefill_chunk_size=512), tvm.cpu())
-    h = TreeHarness(cache, np.random.default_rng(1))
+    h = Harness(cache, np.random.default_rng(1))
     h.add(0)
     h.add(1)
     h.step([(0, 5), (1, 5)])
@@ -146,10 +121,10 @@ def test_tree_errors_leave_state_unchanged(name):
 
 def test_uncommitted_tree_rules():
     cache = rk.PagedAttentionKVCache(make_config(rope_mode=rk.RopeMode.NORMAL), tvm.cpu())
-    h = TreeHarness(cache, np.random.default_rng(4))
+    h = Harness(cache, np.random.default_rng(4))
     h.add(0)
     h.step([(0, 5)])
-    h.tree_step([(0, 3)], {0: [-1, 0, 0]})
+    h.step([(0, 3)], {0: [-1, 0, 0]})
     before = cache._paging.debug_snapshot()
     with pytest.raises(rk.SequenceError, match="commit"):
         cache.begin_forward([0], [1])  # a step without a tree needs the tree committed first
@@ -180,13 +155,13 @@ def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
     a commit of a tree grown over two steps keeps exactly the accepted path (TVM resolves it
     against the last step's tokens and keeps earlier steps' rejected nodes)."""
     cfg = make_config(rope_mode=rk.RopeMode.NORMAL, page_size=8)
-    h = TreeHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(11))
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(11))
     h.add(1)
     h.step([(1, 8)])
     h.fork(1, 0, 8)
     h.step([(0, 2)])
-    h.tree_step([(0, 3)], {0: [-1, 0, 0]})
-    h.tree_step([(0, 2)], {0: [1, 3]})
+    h.step([(0, 3)], {0: [-1, 0, 0]})
+    h.step([(0, 2)], {0: [1, 3]})
     before = snapshot(h.cache, pages=True)
     with pytest.raises(rk.SequenceError, match="uncommitted token-tree"):
         h.cache.popn(0, 4)
@@ -194,7 +169,7 @@ def test_tree_pop_refused_and_multi_step_commit_keeps_the_path():
     h.commit({0: 1})  # path [0, 1]: both from the first tree step
     assert h.cache.get_sequence_length(0) == 10 + 2 and h.cache.get_sequence_length(1) == 8
     h.check_contents()
-    h.tree_step([(0, 2)], {0: [-1, 0]})
+    h.step([(0, 2)], {0: [-1, 0]})
     h.commit({0: -1})  # drops the whole tree
     assert h.cache.get_sequence_length(0) == 12
     h.check_contents()

@@ -18,21 +18,11 @@ from support.workloads import wl_seq_windows
 from support.small_cache import CFG, assert_refused
 
 
-class WindowHarness(Harness):
-    """Harness whose reference applies the cache's per-layer windows."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        cfg = self.cache.config
-        self.ref.layer_windows = [cfg.layer_sliding_window_size if kind == rk.AttnKind.MHA_SLIDING else 0
-                                  for kind in cfg.attn_kinds]
-
-
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL, rk.RopeMode.INLINE])
 def test_layer_windows_match_reference(rope_mode):
     """Chunks longer than the window, decode, forks (prefixes at several depths), popn."""
     cache = rk.PagedAttentionKVCache(layer_window_config(rope_mode=rope_mode), tvm.cpu())
-    h = WindowHarness(cache, np.random.default_rng(int(rope_mode) + 10))
+    h = Harness(cache, np.random.default_rng(int(rope_mode) + 10))
     h.add(0)
     h.add(1)
     h.step([(0, 50), (1, 7)])          # 50 > window 20: the window applies inside the chunk
@@ -52,7 +42,7 @@ def test_layer_windows_match_reference(rope_mode):
 def test_layer_window_longer_than_everything_is_plain_attention():
     """A window longer than every sequence sees everything: equal to plain MHA layers."""
     cfg = layer_window_config(layer_sliding_window_size=4096, rope_mode=rk.RopeMode.NORMAL)
-    h = WindowHarness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(3))
+    h = Harness(rk.PagedAttentionKVCache(cfg, tvm.cpu()), np.random.default_rng(3))
     h.ref.layer_windows = [0, 0, 0]
     h.add(0)
     h.step([(0, 40)])

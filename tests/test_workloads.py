@@ -2,7 +2,7 @@
 
 Each configuration of ``gpu_prepare.CHECK_CONFIGS`` runs its workloads (``support/workloads.py``)
 on a fresh ``PagedAttentionKVCache``, every output compared with the numpy float64
-``ReferenceCache`` of ``reference_model.py`` (harness: ``support/workload_check.py``): chunked
+``ReferenceCache`` of ``reference_model.py`` (harness: ``support/harness.py``): chunked
 prefill mixed with decode over several sequences, forks at arbitrary positions (mid-page
 included), popn, remove, per-sequence sliding windows with attention sinks, per-layer windows
 (``MHA_SLIDING``, ``MHA_CHUNKED_LOCAL``), token trees (``begin_forward`` with parent pointers,
@@ -40,7 +40,7 @@ import tvm
 
 import gpu_prepare as gp
 import relax_kvcache as rk
-from support.workload_check import DEFAULT_TOLERANCE, Check
+from support.harness import TOLERANCE, Check
 from support.workloads import WORKLOADS
 
 #: The workloads of our cache on TVM's kernels.
@@ -109,7 +109,7 @@ def test_workload(name, workload, workload_case):
         pytest.skip(CPU_SKIPS[workload])
     config, kernels = workload_case(name)
     rng = np.random.default_rng([0, sum(map(ord, name + workload))])
-    check = Check(rk.PagedAttentionKVCache(config, DEVICE, kernels=kernels), rng, DEFAULT_TOLERANCE[config.dtype])
+    check = Check(rk.PagedAttentionKVCache(config, DEVICE, kernels=kernels), rng, TOLERANCE[config.dtype])
     WORKLOADS[workload](check)
     print(f"{name:<20} {workload:<17} steps {check.steps:>3}  max err {check.max_error:8.2e}")
     assert check.steps > 0

@@ -1,5 +1,5 @@
 """Random sequences of cache operations, each run on a fresh cache through a
-:class:`.workload_check.Check` (every output against the float64 reference; run by
+:class:`.harness.Check` (every output against the float64 reference; run by
 ``tests/test_workloads.py``). :data:`WORKLOADS` names them (``gpu_prepare.CHECK_CONFIGS`` lists
 those run per configuration)."""
 
@@ -12,13 +12,13 @@ import numpy as np
 import tvm
 
 from relax_kvcache.reference import attention, merge_states
-from .workload_check import GRID_SCALES, Check
+from .harness import GRID_SCALES, Check
 
 
 def wl_random(c: Check, steps: int = 40, max_length: int = 60) -> None:
     """Random add / fork (any position) / popn / remove and steps mixing decode and prefill chunks
-    of up to ``max_length`` tokens per sequence (``c``: a :class:`Check`, or the tests'
-    ``support.harness.Harness``, which asserts instead of recording)."""
+    of up to ``max_length`` tokens per sequence (``c``: a :class:`Check`, or a
+    :class:`.harness.Harness`, which asserts instead of recording)."""
     rng, cfg = c.rng, c.cfg
     live: List[int] = []
     next_id = 0
@@ -196,7 +196,7 @@ def wl_self_cross_merge(c: Check) -> None:
 def wl_seq_windows(c: Check) -> None:
     """Per-sequence sliding windows with attention sinks beside a plain sequence: appends longer
     than the window, long decode, a fork inside the sink (``c``: a :class:`Check` or a
-    ``support.harness.Harness``)."""
+    :class:`.harness.Harness`)."""
     specs = {0: (20, 6), 1: (25, 0), 2: (33, 17)}  # seq -> (window, sink)
     for seq, (window, sink) in specs.items():
         c.add(seq)
