@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from .schedule import GpuSchedule, Schedule
-from .macros import dequantized, quantized, without_param
+from .macros import dequantized, early_start, quantized, without_param
 from .spec import LatentPageSpec, PageLayoutSpec
 
 
@@ -92,7 +92,7 @@ def make_transpose_append(spec: PageLayoutSpec, sched: Schedule) -> tirx.PrimFun
     else:
         lanes, nt = gpu_lanes(sched, spec.dtype, D), sched.copy_threads
         nv = D // lanes  # spans of one head
-        trigger = bool(sched.dependent_launch and not spec.quantized)  # see macros.early_start
+        trigger = early_start(spec, sched)
 
         @T.macro
         def nest(pages, k, v, position_map, n, scales):
