@@ -17,10 +17,11 @@ import tvm
 
 from relax_kvcache.build import _pass_config
 from relax_kvcache.targets import make_target
-from relax_kvcache.tir_kernels import AttentionSpec, make_paged_decode, make_ragged_prefill
+from relax_kvcache.tir_kernels import AttentionSpec, make_paged_decode, make_ragged_prefill, make_transpose_append
 from relax_kvcache.tir_kernels.attention_gpu_decode import DecodeShape
 from relax_kvcache.tir_kernels.attention_gpu_mma import MmaTileShape
 from relax_kvcache.tir_kernels.schedule import GpuSchedule, schedule_for
+from relax_kvcache.tir_kernels.spec import PageLayoutSpec
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32"
 
@@ -163,6 +164,28 @@ def test_decode_kernels_take_part_in_dependent_launch_from_sm90(arch, kernel):
         assert opens == (arch == "sm_90a"), name
         assert ("tirx.use_programtic_dependent_launch" in tags) == opens, (name, tags)
         assert "tirx.use_dyn_shared_memory" not in tags[:-1]  # the runtime wants it last
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_decode_starts_early_over_16_bit_pages_from_sm90(arch, kv_dtype):
+    """On sm_90+ over 16-bit pages the append and the decode merges trigger their dependents,
+    and the tensor-core split kernel looks up its first pages before it waits; over 8-bit pages
+    and before sm_90 no kernel triggers and no page is looked up before the wait."""
+    target = make_target("cuda", arch=arch)
+    sched = schedule_for(target)
+    early = arch == "sm_90a" and kv_dtype is None
+    decode = _lowered_kernels(make_paged_decode(spec(heads=(8, 2), kv_dtype=kv_dtype), sched), target)
+    append = _lowered_kernels(make_transpose_append(
+        PageLayoutSpec(num_kv_heads=2, head_dim=128, page_size=16, dtype="float16", kv_dtype=kv_dtype), sched), target)
+    scripts = {name: f.script() for name, f in decode.items()}
+    triggering = [name for name, s in scripts.items() if "launch_dependents" in s]
+    assert len(triggering) == (2 if early else 0), triggering  # the merges of both kernel pairs
+    assert all(("launch_dependents" in f.script()) == early for f in append.values())
+    # page lookups (reads of the page indices, ``src_0_1``) before the wait: the plain split kernel
+    looked_up = [name for name, s in scripts.items() if 'griddepcontrol("wait"' in s
+                 and "src_0_1[" in s[:s.index('griddepcontrol("wait"')]]
+    assert len(looked_up) == (1 if early else 0), looked_up
 
 
 @pytest.mark.parametrize("kind", ["metal", "webgpu", "opencl"])
