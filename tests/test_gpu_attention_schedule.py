@@ -331,7 +331,8 @@ def test_wgmma_tile_shape(dim, group):
     shape = WgmmaTileShape.choose(spec(heads=(2 * group, 2), dim=dim), sched)
     assert shape.rows == 64 * shape.warpgroups and shape.q_tokens == shape.rows // group >= 1
     assert shape.kv_chunk % 16 == 0 and shape.kv_chunk * dim * 2 % 1024 == 0  # stages stay 1024-byte aligned
-    assert 2 <= shape.stages <= sched.wgmma_stages and 2 * shape.shared_elems <= sched.dynamic_shared_bytes
+    assert 2 <= shape.stages <= sched.wgmma_stages and shape.shared_bytes <= sched.dynamic_shared_bytes
+    assert shape.producer and shape.threads == 128 * (shape.warpgroups + 1) and shape.loaders == 128
 
 
 @pytest.mark.parametrize("case", [
@@ -360,6 +361,48 @@ def test_sm90a_prefill_uses_warpgroup_mma(factory, dtype):
     assert "cp.async.cg.shared.global" in source and "fence.proxy.async" in source
     assert "wgmma.wait_group.sync.aligned 1" in source  # P V of a chunk overlaps the next Q K^T
     assert MMA in source
+
+
+@pytest.mark.parametrize("factory", ["make_ragged_prefill", "make_paged_prefill"])
+def test_sm90a_prefill_is_warp_specialized(factory):
+    """A producer warpgroup (few registers) fills the ring through shared-memory barriers; the two
+    consumer warpgroups (the registers it gave back) take turns issuing their products."""
+    from relax_kvcache import tir_kernels
+
+    source = device_source(getattr(tir_kernels, factory), "float16", SM90)
+    assert "__launch_bounds__(384)" in source
+    assert "setmaxnreg.dec.sync.aligned.u32 80;" in source and "setmaxnreg.inc.sync.aligned.u32 208;" in source
+    assert "mbarrier.init.shared::cta.b64" in source and "mbarrier.try_wait.parity.shared::cta.b64" in source
+    assert "bar.sync %0, %1;" in source and "bar.arrive %0, %1;" in source  # ping-pong
+
+
+def test_prefixed_prefill_and_8_bit_pages_copy_with_every_thread():
+    """The prefixed kernel's two K/V sources and 8-bit pages (converted by the copying threads)
+    keep the tile without a producer: every thread copies, one block barrier per chunk."""
+    from relax_kvcache import tir_kernels
+    from relax_kvcache.tir_kernels.attention_gpu_wgmma import WgmmaTileShape
+
+    sched = schedule_for(make_target("cuda", arch="sm_90a"))
+    assert WgmmaTileShape.choose(spec(), sched).producer
+    assert not WgmmaTileShape.choose(spec(), sched, one_source=False).producer
+    fp8 = WgmmaTileShape.choose(spec(kv_dtype="float8_e4m3fn"), sched)
+    assert fp8 is not None and not fp8.producer and fp8.threads == 256
+    source = device_source(tir_kernels.make_prefixed_prefill, "float16", SM90)
+    assert "setmaxnreg" not in source and "mbarrier" not in source and WGMMA in source
+
+
+@pytest.mark.parametrize("producer_regs", range(24, 169, 8))
+def test_consumers_take_no_more_registers_than_the_producer_gives_back(producer_regs):
+    """setmaxnreg.inc waits until the block's released registers cover it: budgets that ask for
+    more than the producer releases would hang every block."""
+    from relax_kvcache.tir_kernels.hopper import register_budgets
+
+    start = 168  # 64 Ki registers over 384 threads, in steps of 8
+    (consumer_name, _), (producer_name, _) = register_budgets(producer_regs)
+    consumer = int(consumer_name.rsplit("_", 1)[1])
+    assert producer_name.endswith(f"_{producer_regs}") and consumer % 8 == 0 and consumer >= start
+    assert 2 * 128 * (consumer - start) <= 128 * (start - producer_regs)
+    assert 2 * 128 * (consumer + 8 - start) > 128 * (start - producer_regs)  # and takes all it can
 
 
 @pytest.mark.parametrize("arch,shared,chunk", [("sm_80", 163, 128), ("sm_86", 99, 64), ("sm_90", 227, 128)])

@@ -436,7 +436,7 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
         shape = TileShape.choose(spec, sched)
         tile = make_tile(spec, shape, kv_elem, tree=tree)
     grid = _tile_grid(spec, seq_src, tile, shape.q_tokens, shape.threads, heavy_first=False)
-    wg_shape = None if tree or kv_rows is None else WgmmaTileShape.choose(spec, sched)
+    wg_shape = None if tree or kv_rows is None else WgmmaTileShape.choose(spec, sched, one_source=kv_rows[2] is None)
     if wg_shape is None:
         return grid
     io = tile_io(spec, rows=wg_shape.rows, kv_chunk=wg_shape.kv_chunk, threads=wg_shape.threads, lanes=8,

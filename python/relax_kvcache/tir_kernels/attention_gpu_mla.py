@@ -21,7 +21,7 @@ from .attention_gpu import find_tile, swizzled
 from .attention_gpu_decode import merge_splits
 from .attention_gpu_decode_mma import FP8_HALF_FACTOR, fp8_pairs, half_of
 from .attention_gpu_mla_wgmma import MlaWgmmaTile, mla_wgmma_grid
-from .attention_gpu_wgmma import WG_ROWS
+from .hopper import WG_ROWS
 from .attention_gpu_mma import ldmatrix_x4, mma_m16n8k16, shfl_xor
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, grid_dependency, paged_kv_len
 from .schedule import GpuSchedule

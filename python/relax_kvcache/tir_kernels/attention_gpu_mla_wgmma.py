@@ -4,7 +4,7 @@ design: ``docs/kernels.md``).
 A block is two warpgroups over 64 query rows (one token's heads, or several tokens' heads where
 num_qo_heads < 64) and one split of the sequence's latent rows; the splits are merged by LSE as
 in :mod:`.attention_gpu_mla`. The query tile and a ring of latent chunks live in dynamic shared
-memory in the 128-byte swizzled layout (:func:`~.attention_gpu_wgmma.sw128`). Per chunk:
+memory in the 128-byte swizzled layout (:func:`~.hopper.sw128`). Per chunk:
 
 * ``S = Q K^T`` is split over the features: warpgroup w multiplies features ``[64 b + 32 w,
   64 b + 32 w + 32)`` of every 64-wide column block b. The two partial scores meet in shared
@@ -26,8 +26,7 @@ from tvm.script import tirx as T
 from .attention_gpu import find_tile
 from .attention_gpu_decode import merge_splits
 from .attention_gpu_mma import fold_scores, rescale_rows, shfl_xor
-from .attention_gpu_wgmma import (ALIGN_ELEMS, FENCES, SWIZZLE_128B, WG_ROWS, WG_THREADS, _ptx, fence_registers,
-                                  sw128)
+from .hopper import ALIGN_ELEMS, FENCES, SWIZZLE_128B, WG_ROWS, WG_THREADS, fence_registers, ptx, sw128
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, grid_dependency, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -87,9 +86,9 @@ def mla_wgmma_grid(spec: AttentionSpec, sched: GpuSchedule, tile: MlaWgmmaTile):
     assert KC * 8 == NT, "load_kv: eight threads a latent row"
     KV_OFF = ROWS * W  # the ring after the query tile
     ab = "f16" if dtype == "float16" else "bf16"
-    mma_qk = _ptx(f"wgmma.mma_async.sync.aligned.m64n{KC}k16.f32.{ab}.{ab}")
-    mma_pv = _ptx(f"wgmma.mma_async.sync.aligned.m64n{DVH}k16.f32.{ab}.{ab}")
-    cvt_pair = _ptx(f"cvt.rn.{ab}x2.f32")
+    mma_qk = ptx(f"wgmma.mma_async.sync.aligned.m64n{KC}k16.f32.{ab}.{ab}")
+    mma_pv = ptx(f"wgmma.mma_async.sync.aligned.m64n{DVH}k16.f32.{ab}.{ab}")
+    cvt_pair = ptx(f"cvt.rn.{ab}x2.f32")
     fold, rescale, shfl = fold_scores(NS), rescale_rows(NO), shfl_xor
     merge, opening = merge_splits(spec, sched, sched.mla_decode_splits), grid_dependency(sched)
     SMS = sched.mla_wave_blocks

@@ -1,37 +1,41 @@
 """The ring prefill tile (CUDA float16 / bfloat16): warpgroup MMA on sm_90a, ``mma.sync``
 without it (design: ``docs/kernels.md``).
 
-A block is ``warpgroups`` groups of 4 warps; warp i of group w owns query rows ``64 w + 16 i ..
-+ 16`` (GQA packed). The query tile and a ring of ``stages`` K/V chunks live in dynamic shared
-memory in the 128-byte swizzled layout (:func:`sw128`). Accumulators have the ``mma.sync``
-layout either way (:func:`~.attention_gpu_mma.fold_scores`).
+A block is ``warpgroups`` consumer groups of 4 warps; warp i of group w owns query rows ``64 w +
+16 i .. + 16`` (GQA packed). The query tile and a ring of ``stages`` K/V chunks live in dynamic
+shared memory in the 128-byte swizzled layout (:func:`sw128`). Accumulators have the
+``mma.sync`` layout either way (:func:`~.attention_gpu_mma.fold_scores`).
+
+On sm_90a the block is warp-specialized (FlashAttention-3's design): one more warpgroup, the
+producer, copies Q and the K/V chunks into the ring with few registers; the consumers wait for
+each chunk on a shared-memory barrier, free its stage on another, and take turns issuing their
+matrix products (ping-pong), so that one group's softmax runs while the other's products do.
+Elsewhere every thread copies and computes, with one block barrier per chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
-from tvm import tirx
 from tvm.script import tirx as T
 
-from .attention_gpu_decode_mma import FP8X2_TO_HALF2, half_of
+from .attention_gpu_decode_mma import FP8X2_TO_HALF2
 from .attention_gpu_mma import fold_scores, ldmatrix_x4, mma_m16n8k16, rescale_rows, shfl_xor
+from .hopper import (ALIGN_ELEMS, FENCES, MBAR_ARRIVE, MBAR_INIT, MBAR_WAIT, SWIZZLE_128B, WG_ROWS, WG_THREADS, call,
+                     fence_registers, ping_pong, ptx, register_budgets, sw128)
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
 
-WG_THREADS = 128
-WG_ROWS = 64  # query rows of one warpgroup: wgmma's M
-SWIZZLE_128B = 3  # T.cuda.wgmma.encode_matrix_descriptor's code for the 128-byte swizzle
-ALIGN_ELEMS = 512  # slack of the shared buffer (1024 bytes of 16-bit elements) for aligning it
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WgmmaTileShape:
     """A warpgroup-MMA tile: ``rows = 64 * warpgroups`` query rows (``q_tokens`` tokens x group
-    heads, padded), ``kv_chunk`` KV rows per step, a ring of ``stages`` K/V chunks."""
+    heads, padded), ``kv_chunk`` KV rows per step, a ring of ``stages`` K/V chunks. ``sync``:
+    on ``mma.sync``; ``producer``: warp-specialized, the producer warpgroup keeping
+    ``producer_regs`` registers a thread; ``pingpong``: the consumers take turns issuing."""
 
     rows: int
     q_tokens: int
@@ -40,22 +44,39 @@ class WgmmaTileShape:
     stages: int
     head_dim: int
     sync: bool = False
+    producer: bool = False
+    pingpong: bool = False
+    producer_regs: int = 80
 
     @property
     def threads(self) -> int:
-        return self.warpgroups * WG_THREADS
+        """Threads of a block: the consumer warpgroups, and the producer's where there is one."""
+        return (self.warpgroups + self.producer) * WG_THREADS
+
+    @property
+    def loaders(self) -> int:
+        """Threads that copy Q and K/V into shared memory: the producer's, or every thread."""
+        return WG_THREADS if self.producer else self.threads
 
     @property
     def shared_elems(self) -> int:
         """16-bit elements of the shared buffer: Q tile, K/V ring, alignment slack."""
         return self.rows * self.head_dim + 2 * self.stages * self.kv_chunk * self.head_dim + ALIGN_ELEMS
 
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory of a block: the buffer and the producer's barriers (two per stage)."""
+        return 2 * self.shared_elems + (16 * self.stages if self.producer else 0)
+
     @staticmethod
-    def choose(spec: AttentionSpec, sched: GpuSchedule) -> Optional["WgmmaTileShape"]:
+    def choose(spec: AttentionSpec, sched: GpuSchedule, one_source: bool = True) -> Optional["WgmmaTileShape"]:
         """The shape for ``spec``, or None where the ring tile does not apply (no tensor cores,
         float32, 8-bit pages without the hardware conversion or of a bfloat16 model, head dims
         other than 64 / 128 / 256 or unequal, groups wider than the tile).
-        Without ``wgmma`` (sm_80 - sm_89, sm_90 without ``a``) the tile runs ``mma.sync``."""
+        Without ``wgmma`` (sm_80 - sm_89, sm_90 without ``a``) the tile runs ``mma.sync``. The
+        producer warpgroup serves 16-bit K/V from one source (ragged rows or pages): 8-bit pages
+        (converted by the copying threads) and the prefixed kernel's two sources measured
+        faster with every thread copying."""
         G, D = spec.group_size, spec.qk_head_dim
         if not (sched.wgmma or sched.mma) or spec.dtype not in ("float16", "bfloat16"):
             return None
@@ -72,38 +93,14 @@ class WgmmaTileShape:
         for chunk in chunks:  # the widest chunk, then the deepest ring, that fits
             for stages in range(sched.wgmma_stages, 1, -1):
                 shape = WgmmaTileShape(rows=rows, q_tokens=rows // G, kv_chunk=chunk, warpgroups=warpgroups,
-                                       stages=stages, head_dim=D, sync=not sched.wgmma)
-                if 2 * shape.shared_elems <= sched.dynamic_shared_bytes:
+                                       stages=stages, head_dim=D, sync=not sched.wgmma,
+                                       producer=bool(sched.wgmma_producer and sched.wgmma and warpgroups == 2
+                                                     and one_source and not spec.quantized),
+                                       pingpong=bool(sched.wgmma_pingpong),
+                                       producer_regs=sched.wgmma_producer_regs)
+                if shape.shared_bytes <= sched.dynamic_shared_bytes:
                     return shape
         return None
-
-
-def sw128(r, c, rows: int):
-    """Element offset of (row r, column c) in a ``rows``-row tile in the 128-byte swizzled
-    layout (``rows x 64`` column blocks, 16-byte pieces XOR-permuted by ``r % 8``)."""
-    return (c // 64) * (rows * 64) + r * 64 + tirx.bitwise_xor((c % 64) // 8, r % 8) * 8 + c % 8
-
-
-#: (function name, CUDA source) of the register fences, by register dtype
-FENCES = {
-    "float32": ("relax_kvcache_fence_f32", "__forceinline__ __device__ void relax_kvcache_fence_f32(float& r) "
-                '{ asm volatile("" : "+f"(r) :: "memory"); }'),
-    "uint32": ("relax_kvcache_fence_u32", "__forceinline__ __device__ void relax_kvcache_fence_u32(unsigned int& r) "
-               '{ asm volatile("" : "+r"(r) :: "memory"); }'),
-}
-
-
-@T.macro
-def fence_registers(buf, count, name, source):
-    """Tie ``count`` registers of ``buf`` to this point (an empty ``asm volatile``; ``name`` /
-    ``source``: one of :data:`FENCES`), so that no access to them moves above a wgmma wait."""
-    for i in T.unroll(count):
-        T.evaluate(T.cuda.func_call(name, buf[i], source_code=source))
-
-
-def _ptx(name: str):
-    """``T.ptx.<name>`` for a dotted PTX instruction name."""
-    return functools.reduce(getattr, name.split("."), T.ptx)
 
 
 def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
@@ -112,19 +109,24 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
     locate, elem_at, elem_new = kv_rows
     one_source = elem_new is None
     G, D, dtype = spec.group_size, spec.qk_head_dim, spec.dtype
-    R, TQ, KC, NT, S = shape.rows, shape.q_tokens, shape.kv_chunk, shape.threads, shape.stages
+    R, TQ, KC, S = shape.rows, shape.q_tokens, shape.kv_chunk, shape.stages
     NS, NO = KC // 8, D // 8  # accumulator n-tiles of S and O
     PIECES = D // 8  # 16-byte pieces of a row
-    Q_IT, KV_IT = ceildiv(R * PIECES, NT), ceildiv(KC * PIECES, NT)
+    LT = shape.loaders
+    Q_IT, KV_IT = ceildiv(R * PIECES, LT), ceildiv(KC * PIECES, LT)
     KV_OFF = R * D  # the ring after the Q tile; stage s: K at KV_OFF + 2 s KC D, V after it
     ab = "f16" if dtype == "float16" else "bf16"
-    mma_qk = _ptx(f"wgmma.mma_async.sync.aligned.m64n{KC}k16.f32.{ab}.{ab}")
-    mma_pv = _ptx(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}")
-    cvt_pair = _ptx(f"cvt.rn.{ab}x2.f32")
+    mma_qk = ptx(f"wgmma.mma_async.sync.aligned.m64n{KC}k16.f32.{ab}.{ab}")
+    mma_pv = ptx(f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}")
+    cvt_pair = ptx(f"cvt.rn.{ab}x2.f32")
     visible, chunk_range = io.visible, io.chunk_range
     fold, rescale, shfl = fold_scores(NS), rescale_rows(NO), shfl_xor
     local = spec.is_local  # window / chunk masks: every chunk is masked by the general predicate
     SYNC = shape.sync
+    PRODUCER, WGS = shape.producer, shape.warpgroups
+    PINGPONG = shape.pingpong
+    REGS_CONSUMER, REGS_PRODUCER = register_budgets(shape.producer_regs)
+    first_turn, my_turn, your_turn = ping_pong(PINGPONG)
     Q_REGS = D <= 128  # mma.sync: the query fragments stay in registers (64 per lane at most)
     mma, ldmatrix = mma_m16n8k16(dtype), ldmatrix_x4(dtype)
 
@@ -155,9 +157,9 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         """Copy the query tile: row r = token tile0 + r // G, head h G + r % G (zeros past nq
         tokens)."""
         for it in T.unroll(Q_IT):
-            if it * NT + tx < R * PIECES:
-                r: T.let[T.int32] = (it * NT + tx) // PIECES
-                c: T.let[T.int32] = (it * NT + tx) % PIECES * 8
+            if it * LT + tx < R * PIECES:
+                r: T.let[T.int32] = (it * LT + tx) // PIECES
+                c: T.let[T.int32] = (it * LT + tx) % PIECES * 8
                 copy16(smem, base + sw128(r, c, R),
                        q[qbeg + tile0 + T.min(r // G, T.max(nq - 1, 0)), h * G + r % G, c], r // G < nq)
 
@@ -205,9 +207,9 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         """Start copying KV rows j0 .. j0 + KC into ring stage ``stage`` (zeros past kv_len =
         ``seq[2]``; 8-bit pages are converted here and now), then close the copy group."""
         for it in T.unroll(KV_IT):
-            if it * NT + tx < KC * PIECES:
-                r: T.let[T.int32] = (it * NT + tx) // PIECES
-                c: T.let[T.int32] = (it * NT + tx) % PIECES * 8
+            if it * LT + tx < KC * PIECES:
+                r: T.let[T.int32] = (it * LT + tx) // PIECES
+                c: T.let[T.int32] = (it * LT + tx) % PIECES * 8
                 slot: T.let[T.int32] = locate(kv_src, T.max(T.min(j0 + r, seq[2] - 1), 0), seq)
                 if one_source:
                     stage_row(smem, base + k_at(stage) + sw128(r, c, KC), elem_at, kv_src, h, slot, c,
@@ -372,53 +374,25 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             values_sync(smem, base, oacc, pa, vf, c, c_lo, tx % 32)
 
     @T.macro
-    def tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal, sm_scale, tree_src,
-             active, tx):
-        smem = T.sblock_alloc_buffer((shape.shared_elems,), dtype, scope="shared.dyn")
-        sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
-        oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
-        pa = T.sblock_alloc_buffer((NS * 2,), "uint32", scope="local")
-        cw = T.sblock_alloc_buffer((3,), "uint32", scope="local")  # 8-bit pages: conversion registers
-        dq = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-        dk = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-        dv = T.sblock_alloc_buffer((1,), "uint64", scope="local")
-        m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        alpha = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        red = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
-        lim = T.sblock_alloc_buffer((2,), "int32", scope="local")
-        qf = T.sblock_alloc_buffer(((D // 16 if Q_REGS else 1) * 8,), dtype, scope="local")
-        bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-        vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-        # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
-        base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
-            T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
-        wg: T.let[T.int32] = tx // WG_THREADS
-        row0: T.let[T.int32] = wg * WG_ROWS + tx % WG_THREADS // 32 * 16
-        g: T.let[T.int32] = tx % 32 // 4
-        t: T.let[T.int32] = tx % 4
-        nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
-        if spec.is_local:
-            query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
-        c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
-        c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
-        vis_src = (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0)
-        for hr in T.unroll(2):  # first key row g / g + 8 does not see (causal: past its own position)
-            lim[hr] = T.if_then_else(causal > 0, T.min(kv_len, kv_len - q_len + tile0 + (row0 + g + hr * 8) // G + 1),
-                                     kv_len)
-        # ring: chunk c in stage (c - c_lo) % S; S chunks in flight from the start (a group each)
+    def init_state(m2, l2, oacc):
+        """No keys yet: running maxima -inf, sums and outputs 0."""
+        for hr in T.unroll(2):
+            m2[hr] = NEG_INF
+            l2[hr] = ZERO
+        for x in T.unroll(NO * 4):
+            oacc[x] = ZERO
+
+    @T.macro
+    def shared_ring(smem, base, q, out, sacc, oacc, pa, qf, bf, vf, dq, dk, dv, m2, l2, alpha, red, lim, cw, c_lo,
+                    c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, wg):
+        """Every thread copies and computes; one block barrier per chunk."""
         load_q(smem, base, q, h, qbeg, tile0, nq, tx)
         for s in T.unroll(S):
             if c_lo + s < c_hi:
                 load_kv(smem, base, s, kv_src, h, (c_lo + s) * KC, (qbeg, q_len, kv_len), tx, cw)
             else:
                 T.evaluate(T.ptx["cp.async.commit_group"]())
-        for hr in T.unroll(2):
-            m2[hr] = NEG_INF
-            l2[hr] = ZERO
-        for x in T.unroll(NO * 4):
-            oacc[x] = ZERO
+        init_state(m2, l2, oacc)
         if SYNC:
             ring_sync(smem, base, sacc, oacc, pa, qf, bf, vf, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h, qbeg,
                       q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, cw)
@@ -462,6 +436,143 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                 fence_registers(oacc, NO * 4, *FENCES["float32"])
         T.evaluate(T.ptx["cp.async.wait_group"](0))  # no copy outlives the block
         store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t, kv_src)
+
+    @T.macro
+    def produce(smem, base, bars, q, cw, c_lo, c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq, tx):
+        """The producer warpgroup: the query tile with chunk c_lo, then chunk after chunk into the
+        ring, each once the consumers have freed its stage (``bars[S + stage]``); a chunk's
+        ``bars[stage]`` completes once its copies have landed (and are visible to the tensor
+        cores). Before it blocks on a stage, the chunk before is complete, so that the consumers
+        can always go on."""
+        T.evaluate(call(REGS_PRODUCER))
+        for k in T.serial(c_hi - c_lo):
+            if k >= S:
+                T.evaluate(T.ptx["cp.async.wait_group"](0))
+                T.ptx.fence.proxy.async_()
+                T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[(k - 1) % S])))
+                T.evaluate(call(MBAR_WAIT, T.address_of(bars[S + k % S]), T.Cast("uint32", (k // S - 1) % 2)))
+            if k == 0:
+                load_q(smem, base, q, h, qbeg, tile0, nq, tx)
+            load_kv(smem, base, k % S, kv_src, h, (c_lo + k) * KC, (qbeg, q_len, kv_len), tx, cw)
+            if T.And(k >= 1, k < S):
+                T.evaluate(T.ptx["cp.async.wait_group"](1))
+                T.ptx.fence.proxy.async_()
+                T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[(k - 1) % S])))
+        T.evaluate(T.ptx["cp.async.wait_group"](0))
+        T.ptx.fence.proxy.async_()
+        if c_lo < c_hi:
+            T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[(c_hi - c_lo - 1) % S])))
+
+    @T.macro
+    def chunk_landed(bars, c, c_lo):
+        T.evaluate(call(MBAR_WAIT, T.address_of(bars[(c - c_lo) % S]), T.Cast("uint32", (c - c_lo) // S % 2)))
+        T.ptx.fence.proxy.async_()
+
+    @T.macro
+    def consume(smem, base, bars, out, sacc, oacc, pa, dq, dk, dv, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src, h,
+                qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, wg):
+        """A consumer warpgroup: the loop of :func:`shared_ring` on wgmma, waiting for each chunk's
+        barrier instead of the block's, and freeing each chunk's stage once its ``P V`` is done."""
+        T.evaluate(call(REGS_CONSUMER))
+        init_state(m2, l2, oacc)
+        first_turn(wg, c_lo < c_hi)
+        if c_lo < c_hi:
+            chunk_landed(bars, c_lo, c_lo)
+            my_turn(wg)
+            scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
+            your_turn(wg, False)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(sacc, NS * 4, *FENCES["float32"])
+            to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                     row0, g, t)
+            pack(sacc, pa)
+        for c in T.serial(c_lo, T.max(c_hi - 1, c_lo)):
+            chunk_landed(bars, c + 1, c_lo)
+            my_turn(wg)
+            scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
+            values(smem, base, oacc, pa, dv, c, c_lo)
+            your_turn(wg, False)
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            fence_registers(sacc, NS * 4, *FENCES["float32"])
+            to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                     row0, g, t)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(oacc, NO * 4, *FENCES["float32"])
+            fence_registers(pa, NS * 2, *FENCES["uint32"])
+            T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[S + (c - c_lo) % S])))  # chunk c's stage is free
+            rescale(oacc, alpha)
+            pack(sacc, pa)
+        if c_lo < c_hi:
+            my_turn(wg)
+            values(smem, base, oacc, pa, dv, c_hi - 1, c_lo)
+            your_turn(wg, True)
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            fence_registers(oacc, NO * 4, *FENCES["float32"])
+        store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t, kv_src)
+
+    @T.macro
+    def specialized(smem, base, bars, q, out, sacc, oacc, pa, dq, dk, dv, m2, l2, alpha, red, lim, cw, c_lo, c_hi,
+                    kv_src, h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, wg):
+        """Warp-specialized ring: the last warpgroup produces (:func:`produce`), the others consume
+        (:func:`consume`); stage s is filled once ``bars[s]`` completes and free once ``bars[S + s]``
+        does (each completes once per use of the stage)."""
+        if tx == 0:
+            for s in T.unroll(S):
+                T.evaluate(call(MBAR_INIT, T.address_of(bars[s]), T.uint32(WG_THREADS)))
+                T.evaluate(call(MBAR_INIT, T.address_of(bars[S + s]), T.uint32(WGS * WG_THREADS)))
+        T.evaluate(T.tvm_storage_sync("shared"))
+        if wg == WGS:
+            produce(smem, base, bars, q, cw, c_lo, c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq,
+                    tx - WGS * WG_THREADS)
+        else:
+            consume(smem, base, bars, out, sacc, oacc, pa, dq, dk, dv, m2, l2, alpha, red, lim, c_lo, c_hi, kv_src,
+                    h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, wg)
+
+    @T.macro
+    def tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal, sm_scale, tree_src,
+             active, tx):
+        smem = T.sblock_alloc_buffer((shape.shared_elems,), dtype, scope="shared.dyn")
+        sacc = T.sblock_alloc_buffer((NS * 4,), "float32", scope="local")
+        oacc = T.sblock_alloc_buffer((NO * 4,), "float32", scope="local")
+        pa = T.sblock_alloc_buffer((NS * 2,), "uint32", scope="local")
+        cw = T.sblock_alloc_buffer((3,), "uint32", scope="local")  # 8-bit pages: conversion registers
+        dq = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        dk = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        dv = T.sblock_alloc_buffer((1,), "uint64", scope="local")
+        m2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        l2 = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        alpha = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        red = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        bounds = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        lim = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        qf = T.sblock_alloc_buffer(((D // 16 if Q_REGS else 1) * 8,), dtype, scope="local")
+        bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+        vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
+        # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
+        base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
+            T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
+        wg: T.let[T.int32] = tx // WG_THREADS
+        row0: T.let[T.int32] = wg * WG_ROWS + tx % WG_THREADS // 32 * 16
+        g: T.let[T.int32] = tx % 32 // 4
+        t: T.let[T.int32] = tx % 4
+        nq: T.let[T.int32] = T.if_then_else(active, T.min(TQ, q_len - tile0), 0)
+        if spec.is_local:
+            query_position_range(bounds, q_rope_position, qbeg + tile0, nq)
+        c_lo, c_end = chunk_range(q_rope_position, qbeg, tile0, nq, q_len, kv_len, k_pos0, causal, bounds)
+        c_hi: T.let[T.int32] = T.if_then_else(active, c_end, c_lo)
+        vis_src = (q_rope_position, tree_src, qbeg, q_len, kv_len, k_pos0, causal, tile0)
+        for hr in T.unroll(2):  # first key row g / g + 8 does not see (causal: past its own position)
+            lim[hr] = T.if_then_else(causal > 0, T.min(kv_len, kv_len - q_len + tile0 + (row0 + g + hr * 8) // G + 1),
+                                     kv_len)
+        # ring: chunk c in stage (c - c_lo) % S; S chunks in flight from the start (a group each)
+        if PRODUCER:
+            bars = T.sblock_alloc_buffer((2 * S,), "uint64", scope="shared")
+            specialized(smem, base, bars, q, out, sacc, oacc, pa, dq, dk, dv, m2, l2, alpha, red, lim, cw, c_lo, c_hi,
+                        kv_src, h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, wg)
+        else:
+            shared_ring(smem, base, q, out, sacc, oacc, pa, qf, bf, vf, dq, dk, dv, m2, l2, alpha, red, lim, cw,
+                        c_lo, c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g,
+                        t, tx, wg)
 
     @T.macro
     def attend_tile(q, out, q_rope_position, kv_src, h, qbeg, q_len, tile0, kv_len, k_pos0, causal,

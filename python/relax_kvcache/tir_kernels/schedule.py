@@ -85,6 +85,11 @@ class GpuSchedule:
         Warpgroups (128 threads, 64 query rows each) of a warpgroup-MMA prefill block, K/V
         chunks in its shared-memory ring (fewer where they do not fit, at least 2), KV rows per
         step (0: 128, or 64 for head_dim 256).
+    wgmma_producer, wgmma_pingpong, wgmma_producer_regs : bool, bool, int
+        Whether a warpgroup-MMA block (two consumer warpgroups) gets a producer warpgroup that
+        fills its ring through shared-memory barriers, whether the consumers take turns issuing
+        their matrix products, and the registers a producer thread keeps (``setmaxnreg``; the
+        consumers take the rest).
     """
 
     threads: int = 128
@@ -111,6 +116,9 @@ class GpuSchedule:
     wgmma_warpgroups: int = 2
     wgmma_stages: int = 3
     wgmma_kv_chunk: int = 0
+    wgmma_producer: bool = True
+    wgmma_pingpong: bool = True
+    wgmma_producer_regs: int = 80
 
     def lanes_for(self, dtype_bits: int, extent: int) -> int:
         """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
