@@ -26,7 +26,8 @@ from tvm.script import tirx as T
 from .attention_gpu import find_tile
 from .attention_gpu_decode import merge_splits
 from .attention_gpu_mma import fold_scores, rescale_rows, shfl_xor
-from .hopper import ALIGN_ELEMS, FENCES, SWIZZLE_128B, WG_ROWS, WG_THREADS, fence_registers, ptx, sw128
+from .hopper import (ALIGN_ELEMS, FENCES, SWIZZLE_128B, WG_ROWS, WG_THREADS, aligned_base, fence_registers, ptx,
+                     sw128)
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, grid_dependency, paged_kv_len
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -275,9 +276,7 @@ def mla_wgmma_grid(spec: AttentionSpec, sched: GpuSchedule, tile: MlaWgmmaTile):
         alpha = T.sblock_alloc_buffer((2,), "float32", scope="local")
         red = T.sblock_alloc_buffer((2,), "float32", scope="local")
         lim = T.sblock_alloc_buffer((2,), "int32", scope="local")
-        # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
-        base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
-            T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
+        base: T.let[T.int32] = aligned_base(smem)
         wg: T.let[T.int32] = tx // WG_THREADS
         row0: T.let[T.int32] = tx % WG_THREADS // 32 * 16
         g: T.let[T.int32] = tx % 32 // 4

@@ -23,7 +23,7 @@ from tvm.script import tirx as T
 from .attention_gpu_decode_mma import FP8X2_TO_HALF2
 from .attention_gpu_mma import fold_scores, ldmatrix_x4, mma_m16n8k16, rescale_rows, shfl_xor
 from .hopper import (ALIGN_ELEMS, FENCES, MBAR_ARRIVE, MBAR_INIT, MBAR_WAIT, SWIZZLE_128B, WG_ROWS, WG_THREADS, call,
-                     fence_registers, ping_pong, ptx, register_budgets, sw128)
+                     aligned_base, fence_registers, ping_pong, ptx, register_budgets, sw128)
 from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range
 from .schedule import GpuSchedule
 from .spec import AttentionSpec
@@ -383,6 +383,27 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             oacc[x] = ZERO
 
     @T.macro
+    def fold_first(sacc, pa, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale, row0,
+                   g, t):
+        """Once chunk c's issued ``Q K^T`` is done: its probabilities, packed for its ``P V``."""
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence_registers(sacc, NS * 4, *FENCES["float32"])
+        to_probs(sacc, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale, row0, g, t)
+        pack(sacc, pa)
+
+    @T.macro
+    def fold_next(sacc, oacc, pa, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                  row0, g, t):
+        """With chunk c's ``Q K^T`` and chunk c - 1's ``P V`` issued: chunk c's probabilities once
+        its scores are done (the ``P V`` still running), then wait for the ``P V``."""
+        T.ptx.wgmma.wait_group.sync.aligned(1)
+        fence_registers(sacc, NS * 4, *FENCES["float32"])
+        to_probs(sacc, m2, l2, alpha, red, lim, c, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale, row0, g, t)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        fence_registers(oacc, NO * 4, *FENCES["float32"])
+        fence_registers(pa, NS * 2, *FENCES["uint32"])
+
+    @T.macro
     def shared_ring(smem, base, q, out, sacc, oacc, pa, qf, bf, vf, dq, dk, dv, m2, l2, alpha, red, lim, cw, c_lo,
                     c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq, causal, vis_src, sm_scale, row0, g, t, tx, wg):
         """Every thread copies and computes; one block barrier per chunk."""
@@ -403,11 +424,8 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             T.evaluate(T.tvm_storage_sync("shared"))
             if c_lo < c_hi:
                 scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(sacc, NS * 4, *FENCES["float32"])
-                to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                         row0, g, t)
-                pack(sacc, pa)
+                fold_first(sacc, pa, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src,
+                           sm_scale, row0, g, t)
             # chunk c: P_c V_c runs on the tensor cores while chunk c + 1's scores are folded. The
             # loop body issues the same wgmma groups on every trip (the last chunk is peeled off):
             # otherwise ptxas cannot tell which group wait_group(1) leaves in flight and serializes.
@@ -415,13 +433,8 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
                 chunk_ready(tx)
                 scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
                 values(smem, base, oacc, pa, dv, c, c_lo)
-                T.ptx.wgmma.wait_group.sync.aligned(1)
-                fence_registers(sacc, NS * 4, *FENCES["float32"])
-                to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                         row0, g, t)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                fence_registers(oacc, NO * 4, *FENCES["float32"])
-                fence_registers(pa, NS * 2, *FENCES["uint32"])
+                fold_next(sacc, oacc, pa, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src,
+                          sm_scale, row0, g, t)
                 rescale(oacc, alpha)
                 pack(sacc, pa)
                 # every warpgroup is done with chunk c's stage: refill it with chunk c + S
@@ -481,24 +494,16 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
             my_turn(wg)
             scores(smem, base, sacc, dq, dk, c_lo, c_lo, wg)
             your_turn(wg, False)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(sacc, NS * 4, *FENCES["float32"])
-            to_probs(sacc, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                     row0, g, t)
-            pack(sacc, pa)
+            fold_first(sacc, pa, m2, l2, alpha, red, lim, c_lo, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
+                       row0, g, t)
         for c in T.serial(c_lo, T.max(c_hi - 1, c_lo)):
             chunk_landed(bars, c + 1, c_lo)
             my_turn(wg)
             scores(smem, base, sacc, dq, dk, c + 1, c_lo, wg)
             values(smem, base, oacc, pa, dv, c, c_lo)
             your_turn(wg, False)
-            T.ptx.wgmma.wait_group.sync.aligned(1)
-            fence_registers(sacc, NS * 4, *FENCES["float32"])
-            to_probs(sacc, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src, sm_scale,
-                     row0, g, t)
-            T.ptx.wgmma.wait_group.sync.aligned(0)
-            fence_registers(oacc, NO * 4, *FENCES["float32"])
-            fence_registers(pa, NS * 2, *FENCES["uint32"])
+            fold_next(sacc, oacc, pa, m2, l2, alpha, red, lim, c + 1, kv_len, q_len, tile0, nq, causal, vis_src,
+                      sm_scale, row0, g, t)
             T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[S + (c - c_lo) % S])))  # chunk c's stage is free
             rescale(oacc, alpha)
             pack(sacc, pa)
@@ -548,9 +553,7 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         qf = T.sblock_alloc_buffer(((D // 16 if Q_REGS else 1) * 8,), dtype, scope="local")
         bf = T.sblock_alloc_buffer((8,), dtype, scope="local")
         vf = T.sblock_alloc_buffer((8,), dtype, scope="local")
-        # the swizzle pattern follows absolute shared addresses: tiles start 1024-byte aligned
-        base: T.let[T.int32] = T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
-            T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
+        base: T.let[T.int32] = aligned_base(smem)
         wg: T.let[T.int32] = tx // WG_THREADS
         row0: T.let[T.int32] = wg * WG_ROWS + tx % WG_THREADS // 32 * 16
         g: T.let[T.int32] = tx % 32 // 4

@@ -21,6 +21,14 @@ def sw128(r, c, rows: int):
     return (c // 64) * (rows * 64) + r * 64 + tirx.bitwise_xor((c % 64) // 8, r % 8) * 8 + c % 8
 
 
+def aligned_base(smem):
+    """Element offset of the first 1024-byte aligned 16-bit element of the shared buffer
+    ``smem``: the swizzle pattern follows absolute shared addresses, so tiles start there
+    (``ALIGN_ELEMS`` of slack cover it)."""
+    return T.Cast("int32", ((T.uint32(1024) - (T.cuda.cvta_generic_to_shared(
+        T.address_of(smem[0])) & T.uint32(1023))) & T.uint32(1023)) >> T.uint32(1))
+
+
 #: (function name, CUDA source) of the register fences, by register dtype
 FENCES = {
     "float32": ("relax_kvcache_fence_f32", "__forceinline__ __device__ void relax_kvcache_fence_f32(float& r) "
