@@ -173,9 +173,10 @@ def bench_prefill(batch: int, length: int, cached: int, rng) -> dict:
 
 
 def bench_host(batch_sizes: Tuple[int, ...], repeat: int,
-               layer_window: Optional[int] = None) -> List[Tuple[int, float, float, float]]:
+               layer_window: Optional[int] = None) -> List[Tuple[int, float, float, float, float]]:
     """Median seconds of begin_forward + metadata sync + end_forward for decode batches of
-    sequences of ~100 tokens: (n, ours repeated, ours planned in full, native). With
+    sequences of ~100 tokens: (n, ours repeated, ours planned in full, native, FFI floor:
+    :func:`ffi_floor`). With
     ``layer_window`` the layer is MHA_SLIDING (Mistral / Gemma style): ours then recomputes the
     window pages of repeated steps too.
 
@@ -214,7 +215,28 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int,
                             drv.popn(drv.cache, s, 1)
                 results[(drv.name, n, mode)] = statistics.median(times)
     return [(n, results[("ours", n, "repeated")], results[("ours", n, "full")],
-             statistics.median([results[("native", n, m)] for m in ("repeated", "full")])) for n in batch_sizes]
+             statistics.median([results[("native", n, m)] for m in ("repeated", "full")]),
+             ffi_floor(drivers[0].cache, n, repeat)) for n in batch_sizes]
+
+
+def ffi_floor(cache, n: int, repeat: int) -> float:
+    """Median seconds of the three calls of a host step (begin_forward with n ids and lengths,
+    get_query_positions, end_forward) made to Python functions that do nothing, registered and
+    called as our builtins are: the least any Python cache pays for a step through vm.builtin."""
+    for name, arity in (("begin", 3), ("positions", 1), ("end", 1)):
+        tvm.register_global_func(f"relax_kvcache_bench.noop_{name}",
+                                 (lambda *a: None) if arity != 3 else (lambda c, i, l: None), override=True)
+    begin, positions, end = (tvm.get_global_func(f"relax_kvcache_bench.noop_{name}")
+                             for name in ("begin", "positions", "end"))
+    ids, ones = ShapeTuple(list(range(n))), ShapeTuple([1] * n)
+    times = []
+    for _ in range(repeat * 10):
+        start = time.perf_counter()
+        begin(cache, ids, ones)
+        positions(cache)
+        end(cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int) -> None:
@@ -225,17 +247,20 @@ def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int) -> None:
         print(f"Host: begin_forward + metadata sync + end_forward, decode batch (us){title}; ours repeated = the "
               "same batch as the step before, ours full = a new batch")
         print(f"{'sequences':>10} {'ours repeated':>14} {'ours full':>10} {'native':>8} {'repeated/native':>16} "
-              f"{'full/native':>12}")
-        for n, repeated, full, native in rows:
+              f"{'full/native':>12} {'FFI floor':>10} {'floor/native':>13}")
+        for n, repeated, full, native, floor in rows:
             print(f"{n:>10} {repeated * 1e6:14.1f} {full * 1e6:10.1f} {native * 1e6:8.1f} "
-                  f"{repeated / native:15.2f}x {full / native:11.1f}x")
+                  f"{repeated / native:15.2f}x {full / native:11.1f}x {floor * 1e6:10.1f} {floor / native:12.2f}x")
+    print("(FFI floor: the same three calls made to Python functions that do nothing, registered and called as "
+          "ours are)")
 
 
-def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float, float]:
+def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, ...]:
     """Python cost of one ``attention_with_fused_qkv`` decode call with every kernel replaced by
     a no-op (what the cache adds on top of its kernel launches): (direct, via vm.builtin, via
-    vm.builtin with new tensor objects every call, as a Relax VM passes them). The first two
-    pass the same qkv / o every call (checked once per step)."""
+    vm.builtin with new tensor objects every call, as a Relax VM passes them, and the FFI floor:
+    a Python function that does nothing, registered and called the same way, with the same and
+    with new tensors). The first two pass the same qkv / o every call (checked once per step)."""
     import types
 
     cfg = rk.KVCacheConfig(num_layers=1, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PAGE,
@@ -255,9 +280,15 @@ def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, float, float]:
     views = iter([(tvm.runtime.tensor(np.ones((1, HQ + 2 * HKV, D), DTYPE)), tvm.runtime.empty((1, HQ, D), DTYPE))
                   for _ in range(repeat)])
     fresh = statistics.median(_timeit(lambda: attn(cache, 0, 0.1, *next(views)), repeat))
+    tvm.register_global_func("relax_kvcache_bench.noop_attention", lambda c, layer, scale, a, b: None, override=True)
+    noop = tvm.get_global_func("relax_kvcache_bench.noop_attention")
+    floor = statistics.median(_timeit(lambda: noop(cache, 0, 0.1, qkv, out), repeat))
+    views = iter([(tvm.runtime.tensor(np.ones((1, HQ + 2 * HKV, D), DTYPE)), tvm.runtime.empty((1, HQ, D), DTYPE))
+                  for _ in range(repeat)])
+    floor_fresh = statistics.median(_timeit(lambda: noop(cache, 0, 0.1, *next(views)), repeat))
     cache._attention.kernels = kernels
     cache.end_forward()
-    return direct, builtin, fresh
+    return direct, builtin, fresh, floor, floor_fresh
 
 
 def main() -> None:
@@ -317,12 +348,13 @@ def main() -> None:
     print_layer_overhead(layer_overhead)
 
 
-def print_layer_overhead(layer_overhead: Tuple[float, float, float]) -> None:
+def print_layer_overhead(layer_overhead: Tuple[float, ...]) -> None:
+    direct, builtin, fresh, floor, floor_fresh = (t * 1e6 for t in layer_overhead)
     print()
     print(f"Per-layer Python cost of attention_with_fused_qkv (kernels replaced by no-ops, decode of 1): "
-          f"{layer_overhead[0] * 1e6:.1f} us called directly, {layer_overhead[1] * 1e6:.1f} us through "
-          f"vm.builtin from Python, {layer_overhead[2] * 1e6:.1f} us through vm.builtin with new qkv / o "
-          "tensors every call")
+          f"{direct:.1f} us called directly, {builtin:.1f} us through vm.builtin from Python, {fresh:.1f} us "
+          f"through vm.builtin with new qkv / o tensors every call; FFI floor (a registered Python function that "
+          f"does nothing, same arguments): {floor:.1f} us, {floor_fresh:.1f} us with new tensors")
 
 
 if __name__ == "__main__":
