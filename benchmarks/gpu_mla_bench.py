@@ -26,7 +26,6 @@ import dataclasses
 import importlib.util
 import pathlib
 import sys
-import time
 
 import numpy as np
 

@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import pathlib
 import statistics
 import sys

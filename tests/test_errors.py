@@ -133,7 +133,6 @@ def test_errors_inside_a_step_leave_state_unchanged(cache, name):
     for a, p in zip(pages_before, cache._pages):
         np.testing.assert_array_equal(a, p.numpy())
     # The step is still usable after the error.
-    rng = np.random.default_rng(5)
     for layer in range(CFG.num_layers):
         o = tvm.runtime.tensor(np.full((2, 4, 32), np.nan, "float32"))
         cache.attention_with_fused_qkv(layer, rand((2, 8, 32)), o, 0.1)
