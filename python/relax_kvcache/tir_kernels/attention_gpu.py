@@ -12,7 +12,7 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range,
+from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, query_position_range,
                      rope_inv_freq_expr)
 from .attention_gpu_mma import MmaTileShape, make_mma_tile
 from .attention_gpu_wgmma import WgmmaTileShape, make_wgmma_tile
