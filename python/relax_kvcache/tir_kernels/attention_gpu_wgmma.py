@@ -451,6 +451,14 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         store(out, oacc, m2, l2, alpha, h, qbeg, tile0, nq, row0, g, t, kv_src)
 
     @T.macro
+    def arrive_full(bars, k, pending):
+        """The producer's copies of chunk k have landed (all but ``pending`` newer groups) and are
+        visible to the tensor cores: complete its stage's barrier."""
+        T.evaluate(T.ptx["cp.async.wait_group"](pending))
+        T.ptx.fence.proxy.async_()
+        T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[k % S])))
+
+    @T.macro
     def produce(smem, base, bars, q, cw, c_lo, c_hi, kv_src, h, qbeg, q_len, tile0, kv_len, nq, tx):
         """The producer warpgroup: the query tile with chunk c_lo, then chunk after chunk into the
         ring, each once the consumers have freed its stage (``bars[S + stage]``); a chunk's
@@ -460,17 +468,13 @@ def make_wgmma_tile(spec: AttentionSpec, shape: WgmmaTileShape, io, kv_rows):
         T.evaluate(call(REGS_PRODUCER))
         for k in T.serial(c_hi - c_lo):
             if k >= S:
-                T.evaluate(T.ptx["cp.async.wait_group"](0))
-                T.ptx.fence.proxy.async_()
-                T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[(k - 1) % S])))
+                arrive_full(bars, k - 1, 0)
                 T.evaluate(call(MBAR_WAIT, T.address_of(bars[S + k % S]), T.Cast("uint32", (k // S - 1) % 2)))
             if k == 0:
                 load_q(smem, base, q, h, qbeg, tile0, nq, tx)
             load_kv(smem, base, k % S, kv_src, h, (c_lo + k) * KC, (qbeg, q_len, kv_len), tx, cw)
             if T.And(k >= 1, k < S):
-                T.evaluate(T.ptx["cp.async.wait_group"](1))
-                T.ptx.fence.proxy.async_()
-                T.evaluate(call(MBAR_ARRIVE, T.address_of(bars[(k - 1) % S])))
+                arrive_full(bars, k - 1, 1)
         T.evaluate(T.ptx["cp.async.wait_group"](0))
         T.ptx.fence.proxy.async_()
         if c_lo < c_hi:
