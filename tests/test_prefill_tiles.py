@@ -15,8 +15,9 @@ import math
 
 import numpy as np
 import pytest
+import tvm
 
-from support.kernel_cases import (TILE_CONFIGS, PagedBatch, check_attention_outputs, nan_like, plain_layout, randn,
+from support.kernel_cases import (DEV, TILE_CONFIGS, PagedBatch, check_attention_outputs, nan_like, plain_layout, randn,
                                   reference_attention, rope_args, seed_of, tensor)
 
 #: (q_len, kv_len): kv_len >= q_len (the cache's causal steps); a sequence without queries and
@@ -57,6 +58,51 @@ def test_ragged_prefill_many_tiles(kernel_build, name, causal, rotary):
                                              k_pos0=k_pos0[b], theta=theta, scale=scale, sm_scale=sm_scale)
         check_attention_outputs(got_o[qs], got_lse[qs], exp_o, exp_lse, cfg.dtype, f"seq {b} ({nq} x {nkv})",
                                 rotary)
+
+
+#: Query tokens of one sequence long enough that CUDA prefill grids take bf16_gqa128's tiles head
+#: by head (above 8 MiB of K/V over its 2 KV heads of 128 dims); shorter batches take a tile's
+#: heads side by side (every other test here).
+LONG = 8200
+
+
+@pytest.mark.skipif(DEV.dlpack_device_type() != tvm.cpu().dlpack_device_type(),
+                    reason="imports the kernel compiler, which a runtime-only GPU host lacks")
+def test_long_sequence_takes_heads_one_by_one():
+    from relax_kvcache.targets import make_target
+    from relax_kvcache.tir_kernels import AttentionSpec, schedule_for
+    from relax_kvcache.tir_kernels.attention_gpu import heads_fastest_tokens
+
+    cfg = TILE_CONFIGS["bf16_gqa128"]
+    spec = AttentionSpec(num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, qk_head_dim=cfg.head_dim,
+                         v_head_dim=cfg.head_dim, dtype=cfg.dtype)
+    tokens = heads_fastest_tokens(spec, schedule_for(make_target("cuda", arch="sm_90a")))
+    assert max(s[0] for s in SHAPES) <= tokens < LONG
+
+
+@pytest.mark.skipif(DEV.dlpack_device_type() == tvm.cpu().dlpack_device_type(),
+                    reason="the order of a GPU grid's blocks (a CPU would take minutes over 8200 tokens)")
+def test_ragged_prefill_long_sequence(kernel_build):
+    """One causal sequence of LONG tokens (blocks take the tiles head by head): sampled rows
+    against float64."""
+    cfg = TILE_CONFIGS["bf16_gqa128"]
+    mod = kernel_build(cfg)
+    rng = np.random.default_rng(seed_of("ragged_long"))
+    q, q_pos, theta, scale = _inputs(rng, cfg, [LONG])
+    k = randn(rng, (LONG, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    v = randn(rng, (LONG, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+    indptr = np.array([0, LONG], np.int32)
+    o, lse = tensor(nan_like(q.shape, cfg.dtype)), tensor(nan_like(q.shape[:2], np.float32))
+    sm_scale = 1.3 / math.sqrt(cfg.head_dim)
+    mod["attention_prefill_ragged"](tensor(q), tensor(indptr), tensor(k), tensor(v), tensor(indptr), tensor(q_pos),
+                                    tensor(np.zeros(1, np.int32)), o, lse, 1, 0, scale, theta, sm_scale)
+    got_o, got_lse = o.numpy(), lse.numpy()
+    rows = {0, 1, 127, 128, 4095, LONG - 129, LONG - 2, LONG - 1, *rng.integers(0, LONG, 8).tolist()}
+    for i in sorted(rows):
+        exp_o, exp_lse = reference_attention(q[i:i + 1], k[:i + 1], v[:i + 1], causal=1, rotary=0,
+                                             q_pos=q_pos[i:i + 1], k_pos0=0, theta=theta, scale=scale,
+                                             sm_scale=sm_scale)
+        check_attention_outputs(got_o[i:i + 1], got_lse[i:i + 1], exp_o, exp_lse, cfg.dtype, f"row {i}")
 
 
 def _layouts(rng, cfg, sliding: bool):

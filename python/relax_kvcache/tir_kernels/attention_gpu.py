@@ -402,6 +402,13 @@ def make_tile(spec: AttentionSpec, shape: TileShape, kv_elem, *, tree: bool = Fa
     return attend_tile
 
 
+def heads_fastest_tokens(spec: AttentionSpec, sched: GpuSchedule) -> int:
+    """Mean query tokens per sequence up to which a prefill grid runs a tile's KV heads side by
+    side: ``sched.prefill_heads_fastest_bytes`` over the K/V bytes of one token's KV heads."""
+    row_bytes = spec.num_kv_heads * (spec.qk_head_dim + spec.v_head_dim) * (8 if spec.quantized else 16) // 8
+    return sched.prefill_heads_fastest_bytes // row_bytes
+
+
 @T.macro
 def find_tile(qo_indptr, batch, tile_id, q_tokens: T.int32, found):
     """found = (sequence, first token of the tile in it) of the ``tile_id``-th tile of
@@ -435,14 +442,17 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     else:
         shape = TileShape.choose(spec, sched)
         tile = make_tile(spec, shape, kv_elem, tree=tree)
-    grid = _tile_grid(spec, seq_src, tile, shape.q_tokens, shape.threads, heavy_first=False)
+    across = heads_fastest_tokens(spec, sched) if mma_shape is not None else 0
+    grid = _tile_grid(spec, seq_src, tile, shape.q_tokens, shape.threads, heavy_first=across > 0,
+                      heads_fastest_tokens=across)
     wg_shape = None if tree or kv_rows is None else WgmmaTileShape.choose(spec, sched, one_source=kv_rows[2] is None)
     if wg_shape is None:
         return grid
     io = tile_io(spec, rows=wg_shape.rows, kv_chunk=wg_shape.kv_chunk, threads=wg_shape.threads, lanes=8,
                  v_lanes=8, kv_elem=kv_elem, tree=False)
     wg_grid = _tile_grid(spec, seq_src, make_wgmma_tile(spec, wg_shape, io, kv_rows), wg_shape.q_tokens,
-                         wg_shape.threads, heavy_first=True)
+                         wg_shape.threads, heavy_first=True,
+                         heads_fastest_tokens=heads_fastest_tokens(spec, sched))
 
     @T.macro
     def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
@@ -458,32 +468,60 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     return run
 
 
-def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_first: bool):
+def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_first: bool,
+               heads_fastest_tokens: int = 0):
     """Macro launching ``tile`` on blocks of ``NT`` threads over (tile of ``TQ`` query tokens,
     KV head). ``heavy_first``: blocks take the tiles in reverse order, so that the last tiles
-    of causal sequences, which see the most keys, start first."""
-    Hkv = spec.num_kv_heads
+    of causal sequences, which see the most keys, start first. ``heads_fastest_tokens`` (0:
+    never): where the sequences average at most this many query tokens, consecutive blocks take
+    one tile's KV heads, so that (with ``heavy_first``) the heaviest tiles of every head start
+    before any lighter one; else they go head by head, each head's K/V reused from L2 by its
+    tiles."""
+    Hkv, heavy_first = spec.num_kv_heads, bool(heavy_first)
+
+    @T.macro
+    def body(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
+             rope_scale, rope_theta, sm_scale, bx, by, tx):
+        with T.sblock("work"):
+            T.reads()
+            T.writes()
+            found = T.sblock_alloc_buffer((3,), "int32", scope="local")
+            if heavy_first:
+                find_tile(qo_indptr, batch, ceildiv(total_q, TQ) + batch - 1 - bx, TQ, found)
+            else:
+                find_tile(qo_indptr, batch, bx, TQ, found)
+            # no branch around the tile (its barriers must not sit in a condition):
+            # a block past the last tile runs an empty one
+            b: T.let[T.int32] = T.max(found[0], 0)
+            src = seq_src(bufs, b)
+            tile(q, (o, lse), q_rope_position, src[0], by, qo_indptr[b],
+                 qo_indptr[b + 1] - qo_indptr[b], found[1], src[1], src[2], causal,
+                 rotary_mode, rope_scale, rope_theta, sm_scale, src[3], found[0] >= 0, tx)
 
     @T.macro
     def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
             rope_scale, rope_theta, sm_scale):
-        for bx in T.thread_binding(ceildiv(total_q, TQ) + batch, thread="blockIdx.x"):
-            for by in T.thread_binding(Hkv, thread="blockIdx.y"):
+        if heads_fastest_tokens > 0:
+            tiles: T.let[T.int32] = ceildiv(total_q, TQ) + batch
+            for bxy in T.thread_binding(tiles * Hkv, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    with T.sblock("work"):
+                    with T.sblock("order"):
                         T.reads()
                         T.writes()
-                        found = T.sblock_alloc_buffer((3,), "int32", scope="local")
-                        if heavy_first:
-                            find_tile(qo_indptr, batch, ceildiv(total_q, TQ) + batch - 1 - bx, TQ, found)
+                        item = T.sblock_alloc_buffer((2,), "int32", scope="local")  # (tile, KV head)
+                        if total_q <= heads_fastest_tokens * batch:
+                            item[0] = bxy // Hkv
+                            item[1] = bxy % Hkv
                         else:
-                            find_tile(qo_indptr, batch, bx, TQ, found)
-                        # no branch around the tile (its barriers must not sit in a condition):
-                        # a block past the last tile runs an empty one
-                        b: T.let[T.int32] = T.max(found[0], 0)
-                        src = seq_src(bufs, b)
-                        tile(q, (o, lse), q_rope_position, src[0], by, qo_indptr[b],
-                             qo_indptr[b + 1] - qo_indptr[b], found[1], src[1], src[2], causal,
-                             rotary_mode, rope_scale, rope_theta, sm_scale, src[3], found[0] >= 0, tx)
+                            item[0] = T.truncmod(bxy, tiles)
+                            item[1] = T.truncdiv(bxy, tiles)
+                        body(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
+                             rope_scale, rope_theta, sm_scale, item[0], item[1], tx)
+        else:
+            for bx in T.thread_binding(ceildiv(total_q, TQ) + batch, thread="blockIdx.x"):
+                for by in T.thread_binding(Hkv, thread="blockIdx.y"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        body(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
+                             rope_scale, rope_theta, sm_scale, bx, by, tx)
 
     return run

@@ -90,6 +90,12 @@ class GpuSchedule:
         fills its ring through shared-memory barriers, whether the consumers take turns issuing
         their matrix products, and the registers a producer thread keeps (``setmaxnreg``; the
         consumers take the rest).
+    prefill_heads_fastest_bytes : int
+        Tensor-core prefill grids (``mma`` / ``wgmma``) start the heaviest tiles of every KV head
+        first, a tile's heads side by side, where the sequences' K/V averages at most this many
+        bytes over all KV heads (mean query tokens x KV heads x K and V row bytes), so that it
+        stays in L2; longer ones run head by head, each head's K/V shared through L2 by its
+        tiles. 0: head by head always.
     """
 
     threads: int = 128
@@ -119,6 +125,7 @@ class GpuSchedule:
     wgmma_producer: bool = True
     wgmma_pingpong: bool = True
     wgmma_producer_regs: int = 80
+    prefill_heads_fastest_bytes: int = 0
 
     def lanes_for(self, dtype_bits: int, extent: int) -> int:
         """Elements per vector access: widest power of two <= vector_bytes that divides ``extent``."""
@@ -149,6 +156,7 @@ def schedule_for(target: tvm.target.Target) -> Schedule:
                            wgmma=kind == "cuda" and _arch(target) == "sm_90a",
                            fp8_convert=kind == "cuda" and _sm_version(target) >= 89,
                            dependent_launch=kind == "cuda" and _sm_version(target) >= 90,
+                           prefill_heads_fastest_bytes=8 << 20 if kind == "cuda" else 0,
                            dynamic_shared_bytes=_dynamic_shared_bytes(target))
     if kind != "llvm":
         raise NotImplementedError(
