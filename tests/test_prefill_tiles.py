@@ -69,13 +69,12 @@ LONG = 8200
 @pytest.mark.skipif(DEV.dlpack_device_type() != tvm.cpu().dlpack_device_type(),
                     reason="imports the kernel compiler, which a runtime-only GPU host lacks")
 def test_long_sequence_takes_heads_one_by_one():
+    from relax_kvcache.kernel_specs import KernelSetSpec
     from relax_kvcache.targets import make_target
-    from relax_kvcache.tir_kernels import AttentionSpec, schedule_for
+    from relax_kvcache.tir_kernels import schedule_for
     from relax_kvcache.tir_kernels.attention_gpu import heads_fastest_tokens
 
-    cfg = TILE_CONFIGS["bf16_gqa128"]
-    spec = AttentionSpec(num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, qk_head_dim=cfg.head_dim,
-                         v_head_dim=cfg.head_dim, dtype=cfg.dtype)
+    spec = KernelSetSpec.from_config(TILE_CONFIGS["bf16_gqa128"]).attention
     tokens = heads_fastest_tokens(spec, schedule_for(make_target("cuda", arch="sm_90a")))
     assert max(s[0] for s in SHAPES) <= tokens < LONG
 
