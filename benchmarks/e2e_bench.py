@@ -98,7 +98,9 @@ def make_vm(side: str, executable, device: Device) -> VirtualMachine:
 def native_process(libs: pathlib.Path, model: str, plan: Plan) -> Callable[[int, int], dict]:
     """``native_decode(context, batch)`` running one native decode configuration in a process of
     its own (``--native-decode``): TVM's native cache failed a batch-8 decode with an illegal
-    address on an H100 once other native caches had been used in the same process."""
+    address on an H100 once other native caches had been used in the same process (its copy
+    stream overwrites the step metadata that queued kernels still read,
+    results/e2e_native_race_h100.log)."""
     def native_decode(context: int, batch: int) -> dict:
         cmd = [sys.executable, __file__, "--libs", str(libs), "--models", model, "--steps", str(plan.steps),
                "--native-decode", str(context), str(batch)]
