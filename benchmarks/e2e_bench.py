@@ -103,7 +103,7 @@ def native_process(libs: pathlib.Path, model: str, plan: Plan) -> Callable[[int,
     results/e2e_native_race_h100.log)."""
     def native_decode(context: int, batch: int) -> dict:
         cmd = [sys.executable, __file__, "--libs", str(libs), "--models", model, "--steps", str(plan.steps),
-               "--native-decode", str(context), str(batch)]
+               "--native-decode", str(context), str(batch), *(["--sync-steps"] if plan.sync_steps else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)]
         if proc.returncode or not lines:
@@ -172,7 +172,7 @@ def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], 
     for name, cfg in models.items():
         result = run_model(name, cfg, executables_for(name), device, plan, graphs,
                            native_decode=native_process(libs, name, plan) if libs else None, kv_dtype=kv_dtype)
-        result["chunk"] = plan.chunk
+        result["chunk"], result["sync_steps"] = plan.chunk, plan.sync_steps
         report(result)
         if "fp8" in result:
             e2e_fp8.report(result)
@@ -193,7 +193,8 @@ def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], 
 
 def _plan(plan: Plan, args) -> Plan:
     """``plan`` with the counts given on the command line."""
-    given = {"steps": args.steps, "contexts": args.contexts, "batches": args.batches, "ttft": args.ttft}
+    given = {"steps": args.steps, "contexts": args.contexts, "batches": args.batches, "ttft": args.ttft,
+             "sync_steps": args.sync_steps or None}
     plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
     return dataclasses.replace(plan, chunk=max([plan.chunk, *plan.ttft]))
 
@@ -221,6 +222,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ttft", type=int, nargs="*", help="TTFT prompt lengths (default 512 2048 8192; none: "
                         "no TTFT)")
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
+    parser.add_argument("--sync-steps", action="store_true", help="wait for the GPU before every decode step, "
+                        "on both sides (TVM's native cache faults when its steps queue up)")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES,
                         help="also ours over 8-bit pages of this format (--prepare: build it; else: run it "

@@ -142,12 +142,17 @@ def fill(runner: Runner, cache, device: Device, cfg: LlamaConfig, plan: Plan, se
 def measure(step: Callable[[list], None], device: Device, plan: Plan) -> dict:
     """``step(marks)`` appends four perf_counter marks (before begin_forward, after it, after the
     VM call, after end_forward). Step time: ``plan.steps`` steps back to back, one sync at the
-    end. Host time: steps issued one at a time after a sync (the GPU queue empty), not waited for."""
+    end (``plan.sync_steps``: a sync before each). Host time: steps issued one at a time after a
+    sync (the GPU queue empty), not waited for."""
     for _ in range(plan.warmup):
+        if plan.sync_steps:
+            device.sync()
         step([])
     device.sync()
     start = time.perf_counter()
     for _ in range(plan.steps):
+        if plan.sync_steps:
+            device.sync()
         step([])
     device.sync()
     step_s = (time.perf_counter() - start) / plan.steps

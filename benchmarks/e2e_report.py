@@ -48,7 +48,8 @@ def report(result: dict, log=print) -> None:
         return
     graph_na = "" if result["graphs"] else f" (graph: n/a, {result.get('graph_error', 'needs CUDA')})"
     log("")
-    log("Decode (tokens/s, steps queued back to back; speed = ours / native tokens/s)" + graph_na)
+    queued = "one at a time after a sync" if result.get("sync_steps") else "queued back to back"
+    log(f"Decode (tokens/s, steps {queued}; speed = ours / native tokens/s)" + graph_na)
     log(f"{'batch x ctx':>12} {'ours':>9} {'graph':>9} {'native':>9} {'ours/nat':>9} {'graph/nat':>9}")
     for context, sides in result["decode"].items():
         for batch, row in sides["ours"]["rows"].items():
@@ -59,7 +60,7 @@ def report(result: dict, log=print) -> None:
                 f"{_num(rate(graph), 1, 9, 0) if graph else format('n/a', '>9')} {_num(rate(native), 1, 9, 0)} "
                 f"{_speed(ours, native)} {_speed(graph, native)}")
     log("")
-    log("Where a decode step's time goes (ms): step = back to back; host = begin_forward + VM call issue + "
+    log(f"Where a decode step's time goes (ms): step = {queued}; host = begin_forward + VM call issue + "
         "end_forward, issued after a sync and not waited for (GPU work excluded"
         + ("; on the CPU the call computes: host = step)" if result["device"].startswith("CPU") else ")"))
     log(f"{'batch x ctx':>12} {'side':>7} {'step':>8} {'host':>8} {'begin':>8} {'call':>8} {'end':>8}")

@@ -44,6 +44,9 @@ class Plan:
     ttft_reps: int
     check_prompt: int
     check_steps: int
+    #: wait for the GPU before every decode step, on both sides (TVM's native cache races when its
+    #: steps queue up: results/e2e_native_race_h100.log); step time then includes the host's
+    sync_steps: bool = False
 
     @property
     def extra(self) -> int:

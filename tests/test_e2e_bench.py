@@ -176,3 +176,31 @@ def test_cpu_smoke_over_8_bit_pages_checks_logits_against_float16_pages_and_time
     assert sorted(map(int, rows)) == [1, 3] and all(row["eager"]["step"] > 0 for row in rows.values())
     report = capsys.readouterr().out
     assert "float8_e4m3fn pages vs float16 pages" in report and "PASS" in report and "ratio" in report
+
+
+@pytest.mark.parametrize("sync_steps", [False, True])
+def test_measure_waits_for_the_gpu_before_every_timed_step_only_with_sync_steps(sync_steps):
+    """``--sync-steps`` (TVM's native cache races when its steps queue up): a sync before every
+    warm-up and timed step; without it, the timed steps run back to back."""
+    import dataclasses
+
+    import e2e_phases
+    from e2e_runtime import SMOKE_PLAN
+
+    events = []
+
+    class FakeDevice:
+        def sync(self):
+            events.append("sync")
+
+    def step(marks):
+        events.append("step")
+        marks.extend([0.0, 1.0, 2.0, 3.0])
+
+    plan = dataclasses.replace(SMOKE_PLAN, warmup=2, steps=3, sync_steps=sync_steps)
+    result = e2e_phases.measure(step, FakeDevice(), plan)
+    each = ["sync", "step"] if sync_steps else ["step"]
+    warm_up, timed = each * 2 + ["sync"], each * 3 + ["sync"]
+    host_split = ["sync", "step"] * 3 + ["sync"]  # steps one at a time either way
+    assert events == warm_up + timed + host_split
+    assert result["host"] == pytest.approx(3.0)
