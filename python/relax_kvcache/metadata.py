@@ -222,6 +222,8 @@ def _chunk_depth(blocks: List[Optional[Block]], append_lengths: Sequence[int], p
             coalesced[-1] = (block, coalesced[-1][1] + length, min(coalesced[-1][2], position))
         else:
             coalesced.append((block, length, position))
+    if len(coalesced) == len(uncoalesced):  # nothing coalesced: the page ratio is 1 (or 0 / 0)
+        return uncoalesced, is_decode
     pages_uncoalesced = sum(len(b.page_ids) for b in blocks if b is not None)
     pages_coalesced = sum(len(b.page_ids) for b, _, _ in coalesced if b is not None)
     ratio = pages_uncoalesced / pages_coalesced if pages_coalesced > 0 else 0.0
@@ -240,11 +242,13 @@ def build_depths(paging: PagingState, structure: BatchStructure, *, sliding_wind
     depths = []
     for d, chunks in enumerate(structure.chunks):
         heads = [b if b is not None else _EMPTY_BLOCK for b, _, _ in chunks]
-        chains = ([[h, *trail] for h, trail in zip(heads, structure.trailing)]
-                  if d == MAX_BLOCK_DEPTH - 1 else [[h] for h in heads])
-        page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
-        lengths = [sum(blk.seq_length for blk in chain) for chain in chains]
-        lasts = [chain[-1] for chain in chains]
+        if d == MAX_BLOCK_DEPTH - 1:  # a chunk reads its block and the trailing ones
+            chains = [[h, *trail] for h, trail in zip(heads, structure.trailing)]
+            page_lists = [[p for blk in chain for p in blk.page_ids] for chain in chains]
+            lengths = [sum(blk.seq_length for blk in chain) for chain in chains]
+            lasts = [chain[-1] for chain in chains]
+        else:
+            page_lists, lengths, lasts = [h.page_ids for h in heads], [h.seq_length for h in heads], heads
         last_page_len = [(n - b.sink_length + b.sliding_window_offset - 1) % page_size + 1 if n > 0 else 0
                          for n, b in zip(lengths, lasts)]
         if sliding_window:
