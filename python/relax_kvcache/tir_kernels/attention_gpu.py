@@ -12,8 +12,7 @@ import dataclasses
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .macros import (LOG2E, NEG_INF, ONE, ZERO, ceildiv, paged_row_offset, query_position_range,
-                     rope_inv_freq_expr)
+from .macros import LOG2E, NEG_INF, ONE, ZERO, ceildiv, query_position_range, rope_inv_freq_expr
 from .attention_gpu_mma import MmaTileShape, make_mma_tile
 from .attention_gpu_wgmma import WgmmaTileShape, make_wgmma_tile
 from .schedule import GpuSchedule
@@ -442,7 +441,8 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     else:
         shape = TileShape.choose(spec, sched)
         tile = make_tile(spec, shape, kv_elem, tree=tree)
-    across = heads_fastest_tokens(spec, sched) if mma_shape is not None else 0
+    tokens = heads_fastest_tokens(spec, sched)  # the tensor-core grids' block order
+    across = tokens if mma_shape is not None else 0
     grid = _tile_grid(spec, seq_src, tile, shape.q_tokens, shape.threads, heavy_first=across > 0,
                       heads_fastest_tokens=across)
     wg_shape = None if tree or kv_rows is None else WgmmaTileShape.choose(spec, sched, one_source=kv_rows[2] is None)
@@ -451,8 +451,7 @@ def prefill_grid(spec: AttentionSpec, sched: GpuSchedule, kv_elem, seq_src, *, t
     io = tile_io(spec, rows=wg_shape.rows, kv_chunk=wg_shape.kv_chunk, threads=wg_shape.threads, lanes=8,
                  v_lanes=8, kv_elem=kv_elem, tree=False)
     wg_grid = _tile_grid(spec, seq_src, make_wgmma_tile(spec, wg_shape, io, kv_rows), wg_shape.q_tokens,
-                         wg_shape.threads, heavy_first=True,
-                         heads_fastest_tokens=heads_fastest_tokens(spec, sched))
+                         wg_shape.threads, heavy_first=True, heads_fastest_tokens=tokens)
 
     @T.macro
     def run(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
@@ -477,7 +476,7 @@ def _tile_grid(spec: AttentionSpec, seq_src, tile, TQ: int, NT: int, *, heavy_fi
     one tile's KV heads, so that (with ``heavy_first``) the heaviest tiles of every head start
     before any lighter one; else they go head by head, each head's K/V reused from L2 by its
     tiles."""
-    Hkv, heavy_first = spec.num_kv_heads, bool(heavy_first)
+    Hkv = spec.num_kv_heads
 
     @T.macro
     def body(q, o, lse, q_rope_position, qo_indptr, batch, total_q, bufs, causal, rotary_mode,
