@@ -45,7 +45,7 @@ class Plan:
     check_prompt: int
     check_steps: int
     #: wait for the GPU before every decode step, on both sides (TVM's native cache races when its
-    #: steps queue up: results/e2e_native_race_h100.log); step time then includes the host's
+    #: steps queue up: results/e2e_native_race_h100.log); step time then includes the host's part
     sync_steps: bool = False
 
     @property
