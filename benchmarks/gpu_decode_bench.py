@@ -11,7 +11,10 @@ attention kernel and, where the KV is split across blocks, the merge of the spli
 PyTorch is installed, SDPA's FlashAttention-2 and cuDNN backends run the same step over
 contiguous K/V as anchors, and every column is GPU time from CUDA events (PyTorch's host cost
 of ~50 us per SDPA call would otherwise hide its kernels). Every output is checked against float64 attention on sampled
-sequences.
+sequences. Two ceilings of the same size run beside them (with PyTorch): ``read``, PyTorch's
+sum of as many float16 bytes as the step's KV (one read-only reduction kernel: what any single
+call that reads those bytes costs), and ``copy``, a device-to-device copy of those bytes
+(percentages count its bytes read and written, as the copy bandwidth does).
 
     python benchmarks/gpu_decode_bench.py --prepare .gpu/decode [--variants NAME:knob=v,...]
     python benchmarks/gpu_decode_bench.py --libs .gpu/decode                 # GPU host
@@ -83,12 +86,13 @@ def prepare(out: pathlib.Path, arch: str, variants) -> None:
 class Case:
     """``batch`` sequences of ``context`` cached tokens in scattered pages, one query each."""
 
-    def __init__(self, batch: int, context: int, device, rng) -> None:
+    def __init__(self, batch: int, context: int, device, rng, ordered: bool = False) -> None:
         per_seq = -(-context // PAGE)
         n = batch * per_seq
         self.batch, self.context = batch, context
         self.pages_host = rng.standard_normal((n, 2, HKV, PAGE, D), dtype=np.float32).astype(DTYPE)
-        self.order = rng.permutation(n).astype("int32")
+        # each sequence's pages: at random over the pool, or (``ordered``) consecutive
+        self.order = (np.arange(n) if ordered else rng.permutation(n)).astype("int32")
         self.q_host = rng.standard_normal((batch, HQ, D), dtype=np.float32).astype(DTYPE)
         ints = lambda v: tvm.runtime.tensor(np.asarray(v, dtype="int32"), device)  # noqa: E731
         self.args = (tvm.runtime.tensor(self.q_host, device), tvm.runtime.tensor(self.pages_host, device),
@@ -183,7 +187,21 @@ def sdpa_cells(case: Case, bandwidth: float, min_time: float):
     return cells
 
 
-def run(libs: pathlib.Path, min_time: float, cases) -> None:
+def ceiling_cells(case: Case, bandwidth: float, min_time: float):
+    """A read-only reduction (PyTorch's sum, float32 accumulation) of as many bytes as the
+    step's KV, and a device-to-device copy of them (percent of copy bandwidth counting read and
+    written bytes): what one call moving these bytes costs on this GPU, launch and tail included."""
+    import torch
+
+    x = torch.randn(case.bytes // 2, dtype=torch.float16, device="cuda")
+    y = torch.empty_like(x)
+    read = event_time_per_call(lambda: torch.sum(x, dtype=torch.float32), min_time)
+    copy = event_time_per_call(lambda: y.copy_(x), min_time)
+    return [f"{read * 1e6:7.1f} {100 * case.bytes / read / bandwidth:5.1f}%",
+            f"{copy * 1e6:7.1f} {200 * case.bytes / copy / bandwidth:5.1f}%"]
+
+
+def run(libs: pathlib.Path, min_time: float, cases, ordered: bool = False) -> None:
     import gpu_bench as gb
     import gpu_prepare as gp
 
@@ -191,17 +209,17 @@ def run(libs: pathlib.Path, min_time: float, cases) -> None:
     kernels = {p.stem: gp.load_library(p, device)["attention_decode"] for p in sorted(libs.glob("*.so"))}
     names = ["ours", "tvm"] + sorted(n for n in kernels if n.startswith("ours-"))
     bandwidth = gb.measure_copy_bandwidth(device, 1 << 30, min_time)
-    anchors = ["sdpa-fa2", "sdpa-cudnn"] if importlib.util.find_spec("torch") else []
+    anchors = ["sdpa-fa2", "sdpa-cudnn", "read", "copy"] if importlib.util.find_spec("torch") else []
     timing = "GPU time by CUDA events" if anchors else "wall time per call"
     print(f"decode kernels on {gp.describe_device(device)}; {DTYPE}, {HQ}/{HKV} heads, head_dim {D}, page {PAGE}; "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s. Per kernel ({timing}): us, % of copy bandwidth; "
-          "max error vs float64")
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; pages {'consecutive' if ordered else 'at random'}. "
+          f"Per kernel ({timing}): us, % of copy bandwidth; max error vs float64")
     extra = ["fp16/fp8"] if "ours-fp8" in kernels else []
     print(f"{'batch x ctx':>14} " + " ".join(f"{n:>20}" for n in [*(n for n in names if n in kernels), *anchors,
                                                                   *extra]))
     rng = np.random.default_rng(0)
     for batch, context in cases:
-        case = Case(batch, context, device, rng)
+        case = Case(batch, context, device, rng, ordered)
         cells, times = [], {}
         for name in names:
             if name not in kernels:
@@ -215,7 +233,7 @@ def run(libs: pathlib.Path, min_time: float, cases) -> None:
             read = case.bytes // 2 if fp8 else case.bytes
             cells.append(f"{t * 1e6:7.1f} {100 * read / t / bandwidth:5.1f}% {err:6.0e}")
         if anchors:
-            cells += sdpa_cells(case, bandwidth, min_time)
+            cells += sdpa_cells(case, bandwidth, min_time) + ceiling_cells(case, bandwidth, min_time)
         if "ours-fp8" in times:
             cells.append(f"{times['ours'] / times['ours-fp8']:5.2f}x")
         print(f"{batch:>6} x {context:<6} " + " ".join(f"{c:>20}" for c in cells), flush=True)
@@ -230,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--libs", type=pathlib.Path, help="folder built by --prepare (GPU host)")
     parser.add_argument("--min-time", type=float, default=0.2)
     parser.add_argument("--cases", nargs="+", help="BATCHxCONTEXT (default: all)")
+    parser.add_argument("--ordered-pages", action="store_true",
+                        help="each sequence's pages consecutive in the pool (default: at random)")
     args = parser.parse_args(argv)
     if args.prepare:
         prepare(args.prepare, args.arch, gpb.parse_variants(args.variants))
@@ -237,7 +257,7 @@ def main(argv=None) -> int:
     if not args.libs:
         parser.error("--prepare DIR (here) or --libs DIR (GPU host)")
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases] if args.cases else CASES
-    run(args.libs, args.min_time, cases)
+    run(args.libs, args.min_time, cases, args.ordered_pages)
     return 0
 
 
