@@ -55,9 +55,15 @@ def allocate(shape: Tuple[int, ...], dtype: str, device: tvm.runtime.Device, wha
         raise ConfigError(f"cannot allocate the {what} {tuple(shape)} {dtype} on {device}: {error}") from None
 
 
+def raw_words(handle: int) -> Any:
+    """The six ``DLTensor`` words of the tensor at FFI handle ``handle``, indexable in place
+    (read only where `RAW_READABLE`)."""
+    return _DLTENSOR_WORDS.from_address(handle + 24)
+
+
 def raw_fields(tensor: tvm.runtime.Tensor) -> Tuple[int, ...]:
     """The six ``DLTensor`` words of a tensor (read only where `RAW_READABLE`)."""
-    return tuple(_DLTENSOR_WORDS.from_address(tensor.__chandle__() + 24)[:])
+    return tuple(raw_words(tensor.__chandle__())[:])
 
 
 def _layout_verified() -> bool:

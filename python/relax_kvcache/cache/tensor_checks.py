@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import tvm
 
-from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields
+from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields, raw_words
 
 
 class TensorChecks:
@@ -53,12 +53,16 @@ class TensorChecks:
         words = self._words
         if words is None or not handle:
             return None
-        data, device, ndim_dtype, _, _, offset = raw_fields(value)
-        if (device != words[0] or ndim_dtype >> 32 != words[1] or offset or data % DATA_ALIGNMENT
+        raw = raw_words(handle)  # data, device, ndim | dtype << 32, shape, strides, byte offset
+        if (raw[1] != words[0] or raw[2] >> 32 != words[1] or raw[5] or raw[0] % DATA_ALIGNMENT
                 or not value.is_contiguous()):
             return None
-        shape = tuple(value.shape)
-        self._remember(value, shape)
+        shape = value.shape  # a tuple
+        passed = self._passed
+        if len(passed) < self._limit:
+            passed[handle] = (value, shape)
+        else:
+            self._remember(value, shape)
         return shape
 
     def forget(self) -> None:
