@@ -68,7 +68,8 @@ _CHUNKED = dict(attn_kinds=[int(rk.AttnKind.MHA_CHUNKED_LOCAL), int(rk.AttnKind.
 #: RoPE mode is no kernel parameter, so configurations differing only in it share a library.
 CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d128-normal": (_check_config(head_dim=128, rope_theta=5e5, rope_scale=0.5),
-                    ["random", "prefix_chain", "token_tree", "self_cross_merge", "checkpoint", "graph_decode"]),
+                    ["random", "prefix_chain", "token_tree", "self_cross_merge", "checkpoint", "graph_decode",
+                     "graph_batches"]),
     "d64-none": (_check_config(rope_mode=int(rk.RopeMode.NONE)),
                  ["random", "token_tree", "self_cross_merge"]),
     "d128-inline": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.INLINE), rope_theta=5e5, rope_scale=0.5),
@@ -78,7 +79,7 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
     "d64-seqwin-none": (_check_config(support_sliding_window=True, max_num_seqs=8, rope_mode=int(rk.RopeMode.NONE)),
                         ["seq_windows"]),
     "d64-layerwin-normal": (_check_config(**_LAYER_WINDOWS), ["layer_windows", "shared_kv", "checkpoint",
-                                                              "graph_decode"]),
+                                                              "graph_decode", "graph_batches"]),
     "d64-layerwin-inline": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE)),
                             ["layer_windows", "shared_kv"]),
     "d64-chunked-normal": (_check_config(**_CHUNKED), ["layer_windows", "shared_kv", "checkpoint", "graph_decode"]),
@@ -86,7 +87,8 @@ CHECK_CONFIGS: Dict[str, Tuple[Dict[str, Any], List[str]]] = {
                            ["layer_windows", "graph_decode"]),
     # 8-bit pages (K / V on the 8-bit grid: stored exactly; RoPE NONE or INLINE keeps them there)
     "d128-fp8-e4m3": (_check_config(head_dim=128, rope_mode=int(rk.RopeMode.NONE), kv_dtype="float8_e4m3fn"),
-                      ["random", "prefix_chain", "token_tree", "self_cross_merge", "graph_decode", "checkpoint"]),
+                      ["random", "prefix_chain", "token_tree", "self_cross_merge", "graph_decode", "checkpoint",
+                       "graph_batches"]),
     "d64-fp8-e5m2-seqwin": (_check_config(support_sliding_window=True, max_num_seqs=8, kv_dtype="float8_e5m2"),
                             ["seq_windows", "random"]),
     "d64-fp8-layerwin": (_check_config(**_LAYER_WINDOWS, rope_mode=int(rk.RopeMode.INLINE), kv_dtype="float8_e4m3fn"),

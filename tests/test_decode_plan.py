@@ -279,6 +279,37 @@ def test_capturable_step_changes_with_the_batch(cache_factory):
     assert len({id(seen[0]) for seen in tokens.values()}) == 3
 
 
+def test_capturable_step_any_batch_stands_for_the_slots_of_a_size(cache_factory, monkeypatch):
+    """``capturable_step(any_batch=True)``: one object per batch size and structure, kept while
+    other sizes run (a set of slots each, the least recently used dropped beyond
+    MAX_SLOT_SETS); every step's outputs still against float64."""
+    monkeypatch.setattr(step_module, "MAX_SLOT_SETS", 2)
+    h = Harness(cache_factory(CONFIGS["fp32-gqa-normal"]), np.random.default_rng(10))
+    cache = h.cache
+    for s in range(5):
+        h.add(s)
+    h.step([(0, 5), (1, 9), (2, 6), (3, 10), (4, 3)])
+    slots, steps = {}, {}
+
+    def decode(*seqs):
+        h.step([(s, 1) for s in seqs], during=lambda: (
+            slots.setdefault(len(seqs), []).append(cache.capturable_step(any_batch=True)),
+            steps.setdefault(seqs, []).append(cache.capturable_step())))
+
+    for batch in [(0, 1), (2, 3), (0, 1, 2), (1, 0), (3, 4), (2, 3, 4), (0, 1), (0, 1)]:
+        decode(*batch)
+    assert all(x is not None for seen in slots.values() for x in seen)
+    assert len({id(x) for x in slots[2]}) == 1 and len({id(x) for x in slots[3]}) == 1
+    assert slots[2][0] is not slots[3][0]
+    assert steps[(0, 1)][-1] is steps[(0, 1)][-2]  # the same batch again: the same arguments
+    assert len({id(steps[b][0]) for b in [(0, 1), (2, 3), (1, 0), (3, 4)]}) == 4
+    decode(0)  # a third size: the least recently used set (size 3) goes
+    decode(1, 2, 3)
+    assert slots[3][-1] is not slots[3][0]
+    decode(2, 4)
+    assert slots[2][-1] is not slots[2][0]  # evicted by sizes 1 and 3 in turn
+
+
 def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
     from relax_kvcache.cuda_graph import DecodeGraphs
 
@@ -286,3 +317,7 @@ def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
         DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]))
     with pytest.raises(TypeError, match="PagedAttentionKVCache, got int"):
         DecodeGraphs(3)
+    with pytest.raises(TypeError, match="any_batch must be a bool, got int"):
+        DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=1)
+    with pytest.raises(ValueError, match="max_graphs must be a positive int, got 0"):
+        DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=True, max_graphs=0)

@@ -50,7 +50,7 @@ CASES += [("tvm-kernels", workload) for workload in TVM_KERNEL_WORKLOADS]
 CUDA = os.environ.get("RELAX_KVCACHE_TEST_DEVICE", "cpu") == "cuda"
 DEVICE = tvm.cuda(0) if CUDA else tvm.cpu(0)
 #: workload -> why it does not run on the CPU
-CPU_SKIPS = {"graph_decode": "CUDA graphs: CUDA only",
+CPU_SKIPS = {"graph_decode": "CUDA graphs: CUDA only", "graph_batches": "CUDA graphs: CUDA only",
              "long_context": "its float64 reference takes minutes: run on a GPU host"}
 
 

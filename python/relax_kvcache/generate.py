@@ -83,9 +83,10 @@ class Engine:
     ``vocab_size``; ``prefill_chunk_size`` (the most tokens a step feeds) against our cache's.
 
     ``cuda_graphs`` (default: whenever ``cache`` is our cache on a CUDA device): decode steps run
-    through :class:`relax_kvcache.cuda_graph.DecodeGraphs`, so that a batch repeated from the
-    step before replays the whole model call as one CUDA graph; prefill steps and changed
-    batches run eagerly.
+    through :class:`relax_kvcache.cuda_graph.DecodeGraphs` with ``any_batch``: the whole model
+    call is captured once per batch size and page-list structure (the second time one is
+    seen) and replayed as one CUDA graph for every later batch of them, whichever its
+    sequences; prefill steps, and the first step of a new batch size, run eagerly.
 
     ``prefill_rows``: prefill steps call ``vm["prefill_rows"](input_ids, rows, cache, *weights)``
     (logits of the rows ``rows`` only, ``(1, k, vocab)``) instead of ``vm["prefill"]``, asking
@@ -154,9 +155,8 @@ class Engine:
         if on_cuda if cuda_graphs is None else cuda_graphs:
             from .cuda_graph import DecodeGraphs
 
-            self._graphs = DecodeGraphs(cache)
+            self._graphs = DecodeGraphs(cache, any_batch=True)
         self._decode_ids: Dict[int, tvm.runtime.Tensor] = {}  # per batch size: a graph reads them
-        self._held = None  # the output of the decode call a graph replays
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> Request:
         """A new request; ValueError (nothing changed) on a bad prompt or budget, or one longer
@@ -358,13 +358,10 @@ class Engine:
             self._graphs.synchronize()
             return out
 
-        def forward() -> None:
-            self._held = fn(*inputs, self.cache, *self.weights)  # a replay writes into this one
-
-        if self._graphs.run(forward) == "replayed":
+        if self._graphs.run(lambda: fn(*inputs, self.cache, *self.weights)) == "replayed":
             self.stats.graph_replays += 1
         self._graphs.synchronize()
-        return self._held
+        return self._graphs.output  # a replay writes the output of the call it captured
 
     def close(self) -> None:
         """Release the CUDA graphs and their stream (if any)."""

@@ -389,6 +389,58 @@ def wl_graph_decode(c: Check, steps: int = 60) -> None:
     c.check_contents()
 
 
+def wl_graph_batches(c: Check, rounds: int = 6) -> None:
+    """Decode steps of changing batches through ``DecodeGraphs(any_batch=True)``: batches of
+    three sequences taken in turn from four (and of two, between them), so that a graph
+    captured on one batch replays for the others of its size; q / k / v and outputs in one
+    fixed set of tensors per batch size, every step's outputs against float64. Sequences
+    also take new pages on the way. CUDA only (a no-op on CPU)."""
+    from relax_kvcache.cuda_graph import DecodeGraphs
+
+    if c.device.dlpack_device_type() != tvm.cuda().dlpack_device_type():
+        return
+    cfg = c.cfg
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    for seq in range(4):
+        c.add(seq)
+    c.step([(0, 37), (1, 70), (2, 5), (3, 16)])
+    batches = [(0, 1, 2), (1, 2, 3), (0, 1), (2, 3, 0), (3, 0, 1), (2, 3)]
+    buffers = {n: ([tvm.runtime.empty((n, hq + 2 * hkv, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)],
+                   [tvm.runtime.empty((n, hq, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)])
+               for n in (2, 3)}
+    graphs, runs, seen = DecodeGraphs(c.cache, any_batch=True), {}, {}
+    with graphs.stream_context():
+        for step in range(rounds * len(batches)):
+            seqs = batches[step % len(batches)]
+            batch = [(s, 1) for s in seqs]
+            qkvs, outs = buffers[len(seqs)]
+
+            def forward(qkvs=qkvs, outs=outs) -> None:
+                for layer in range(cfg.num_layers):
+                    c.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], c.sm_scale)
+
+            host = [c.qkv_values(len(seqs)).astype(c.np_dtype) for _ in range(cfg.num_layers)]
+            for layer in range(cfg.num_layers):
+                qkvs[layer].copyfrom(host[layer])
+                outs[layer].copyfrom(np.full((len(seqs), hq, d), np.nan, c.np_dtype))
+            c.cache.begin_forward(list(seqs), [1] * len(seqs))
+            how = graphs.run(forward)
+            c.cache.end_forward()
+            graphs.synchronize()
+            runs[how] = runs.get(how, 0) + 1
+            if how == "replayed":  # a replay for another batch than the one captured
+                seen.setdefault(len(seqs), set()).add(seqs)
+            expected = c.ref.step(batch, [h.astype(np.float64) for h in host], c.sm_scale)
+            c.steps += 1
+            for layer in range(cfg.num_layers):
+                c.compare(f"graph step {c.steps} {seqs} ({how}) layer {layer}", outs[layer], expected[layer])
+    graphs.close()
+    if runs.get("captured", 0) != 2 or len(seen.get(3, ())) < 3 or len(seen.get(2, ())) < 2:
+        c.problems.append(f"graph_batches: expected one graph per batch size replayed for each batch, got {runs}, "
+                          f"replayed batches {seen}")
+    c.check_contents()
+
+
 def wl_prefix_cache(c: Check) -> None:
     """Prefix caching (a config with ``prefix_caching`` and a host tier): hits on a live and on
     a released sequence's pages, decode filling pages, a fork and a pop into a shared cached
@@ -437,6 +489,7 @@ def wl_prefix_cache(c: Check) -> None:
 WORKLOADS: Dict[str, Callable[[Check], None]] = {
     "prefix_cache": wl_prefix_cache,
     "graph_decode": wl_graph_decode,
+    "graph_batches": wl_graph_batches,
     "long_context": wl_long_context,
     "checkpoint": wl_checkpoint,
     "random": wl_random,

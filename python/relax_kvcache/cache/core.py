@@ -337,18 +337,23 @@ class PagedAttentionKVCache(StoredKVMethods):
         step.buffer.wait()
         return step
 
-    def capturable_step(self) -> Optional[object]:
+    def capturable_step(self, any_batch: bool = False) -> Optional[object]:
         """The current step's kernel arguments when a CUDA graph may capture them, else None.
 
-        Repeated decode steps of the same batch keep their metadata in fixed device slots, so a
-        graph captured on one replays on the next. The returned object stands for that set of
-        arguments (compare by identity); it changes when the batch (the list of sequence ids)
-        changes or the page lists outgrow their slots (sequences removed and added again under
-        the same ids count as the same batch). Also orders the current stream after the step's
-        metadata upload, as the first attention call would.
+        Decode steps keep their metadata in fixed device slots, a set per batch size and
+        page-list structure, so a graph captured on one replays on the next. The returned
+        object stands for that set of arguments (compare by identity); it changes when the
+        batch (the list of sequence ids) changes or the page lists outgrow their slots
+        (sequences removed and added again under the same ids count as the same batch). With
+        ``any_batch`` it stands for the slots alone, shared by every batch of their size and
+        structure: for callers whose graphed work reads its own inputs from the same tensors
+        for all of them (one set per batch size, as SGLang and vLLM do). Also orders the
+        current stream after the step's metadata upload, as the first attention call would.
         """
         step = self._active_step("capturable_step")
-        return step.device if step.fixed_slots else None
+        if not step.fixed_slots:
+            return None
+        return step.buffer if any_batch else step.device
 
     def get_query_positions(self) -> tvm.runtime.Tensor:
         """RoPE positions ``int32 (n,)`` of the step's tokens, on the device."""

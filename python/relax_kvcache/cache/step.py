@@ -17,6 +17,9 @@ from ..tensors import allocate, view
 
 #: Page ids per sequence that fixed decode slots leave free for the page lists to grow into.
 DECODE_PAGE_HEADROOM = 32
+#: Sets of fixed decode slots kept (one per batch size and page-list structure; the least
+#: recently used goes first).
+MAX_SLOT_SETS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +143,10 @@ class StepUploader:
         self._aux = AuxBuffer(device, 4 * (config.max_num_seqs + 1) * (md.MAX_BLOCK_DEPTH + 2)
                               + md.MAX_BLOCK_DEPTH * config.num_total_pages + 2 * config.prefill_chunk_size)
         self._scratch_views: Dict[int, Tuple[Optional[tvm.runtime.Tensor], ...]] = {}  # by row count
-        # repeated decode steps' fixed slots: (depths' has_pages, slots, a step on their views, batch)
-        self._slots: Optional[Tuple[Tuple[bool, ...], SlotBuffer, Step, Tuple[int, ...]]] = None
+        # repeated decode steps' fixed slots by (batch size, depths, has_pages of each page list),
+        # least recently used first: (slots, a step on their views, its batch)
+        self._slot_sets: Dict[Tuple[Any, ...], Tuple[SlotBuffer, Step, Tuple[int, ...]]] = {}
+        self._slots: Optional[Tuple[SlotBuffer, Step, Tuple[int, ...]]] = None  # the last step's
 
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
@@ -155,33 +160,40 @@ class StepUploader:
                 return step
         arrays = _packed_arrays(meta)
         if not repeated_decode:
+            self._slots = None
             return Step(meta, self._device_views(meta, self._aux.upload(arrays)), False, self._aux, meta.total_tokens)
-        # Fixed slots: the views stay the same while the batch keeps its structure and its page
-        # lists fit the slots' headroom (a captured CUDA graph replays on them).
-        has_pages = tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None])
-        slots = self._slots
-        if slots is not None and slots[0] == has_pages and slots[1].upload(arrays):
-            if slots[3] == meta.seq_ids:  # the step before's views (a captured CUDA graph replays on them)
-                return md.evolve(slots[2], meta=meta, appended=set())
-            # another batch of the same structure: new views, so no graph of the old one replays
-            buffer = slots[1]
+        # Fixed slots, a set per batch size and structure: the views stay the same while a batch
+        # of that size and structure fits the slots' headroom (a captured CUDA graph replays on them).
+        key = (meta.batch_size, len(meta.depths),
+               tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None]))
+        sets = self._slot_sets
+        slots = sets.pop(key, None)  # re-inserted last: the most recently used
+        if slots is not None and slots[0].upload(arrays):
+            buffer = slots[0]
+            if slots[2] != meta.seq_ids:  # another batch: new views (see PagedAttentionKVCache.capturable_step)
+                slots = (buffer, Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size),
+                         meta.seq_ids)
+            step = md.evolve(slots[1], meta=meta, appended=set())
         else:
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
             page_lists = _page_lists(meta)
             shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
             buffer = SlotBuffer(self._device, shapes, page_lists)
             buffer.upload(arrays)
-        step = Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size)
-        self._slots = (has_pages, buffer, step, meta.seq_ids)
+            step = Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size)
+            slots = (buffer, step, meta.seq_ids)
+        sets[key] = self._slots = slots
+        if len(sets) > MAX_SLOT_SETS:
+            del sets[next(iter(sets))]
         return step
 
     def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
         """``place`` of a step whose token arrays and last-page lengths alone changed, when the
         slots hold the step before (else None): two writes, the same views."""
         slots = self._slots
-        if slots is None or slots[3] != meta.seq_ids or len(meta.depths) != 1:
+        if slots is None or slots[2] != meta.seq_ids or len(meta.depths) != 1:
             return None
-        buffer, depth = slots[1], meta.depths[0]
+        buffer, depth = slots[0], meta.depths[0]
         if not (buffer.holds(0, meta.append_indptr) and buffer.holds(4, depth.qo_indptr)
                 and buffer.holds(5, depth.page_indptr) and buffer.holds(6, depth.page_indices)
                 and buffer.holds(8, depth.k_rope_pos_offset) and depth.window is None and depth.tree is None
@@ -189,7 +201,7 @@ class StepUploader:
             return None
         buffer.rewrite([(1, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)),
                         (7, depth.length_info, (depth.length_info,))])
-        return md.evolve(slots[2], meta=meta, appended=set())
+        return md.evolve(slots[1], meta=meta, appended=set())
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
