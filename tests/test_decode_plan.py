@@ -299,6 +299,12 @@ def test_capturable_step_any_batch_stands_for_the_slots_of_a_size(cache_factory,
     for batch in [(0, 1), (2, 3), (0, 1, 2), (1, 0), (3, 4), (2, 3, 4), (0, 1), (0, 1)]:
         decode(*batch)
     assert all(x is not None for seen in slots.values() for x in seen)
+
+    def refused() -> None:
+        with pytest.raises(rk.ArgumentError, match="any_batch must be a bool, got 1"):
+            cache.capturable_step(any_batch=1)
+
+    h.step([(0, 1), (1, 1)], during=refused)
     assert len({id(x) for x in slots[2]}) == 1 and len({id(x) for x in slots[3]}) == 1
     assert slots[2][0] is not slots[3][0]
     assert steps[(0, 1)][-1] is steps[(0, 1)][-2]  # the same batch again: the same arguments

@@ -350,6 +350,8 @@ class PagedAttentionKVCache(StoredKVMethods):
         for all of them (one set per batch size, as SGLang and vLLM do). Also orders the
         current stream after the step's metadata upload, as the first attention call would.
         """
+        if type(any_batch) is not bool:
+            raise ArgumentError(f"any_batch must be a bool, got {describe(any_batch)}")
         step = self._active_step("capturable_step")
         if not step.fixed_slots:
             return None
