@@ -168,18 +168,16 @@ class StepUploader:
                tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None]))
         sets = self._slot_sets
         slots = sets.pop(key, None)  # re-inserted last: the most recently used
-        if slots is not None and slots[0].upload(arrays):
-            buffer = slots[0]
-            if slots[2] != meta.seq_ids:  # another batch: new views (see PagedAttentionKVCache.capturable_step)
-                slots = (buffer, Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size),
-                         meta.seq_ids)
-            step = md.evolve(slots[1], meta=meta, appended=set())
-        else:
+        if slots is None or not slots[0].upload(arrays):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
             page_lists = _page_lists(meta)
             shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
-            buffer = SlotBuffer(self._device, shapes, page_lists)
-            buffer.upload(arrays)
+            slots = (SlotBuffer(self._device, shapes, page_lists), None, None)
+            slots[0].upload(arrays)
+        if slots[2] == meta.seq_ids:  # the same batch: the same views (a captured CUDA graph replays on them)
+            step = md.evolve(slots[1], meta=meta, appended=set())
+        else:  # new slots or another batch: new views (see PagedAttentionKVCache.capturable_step)
+            buffer = slots[0]
             step = Step(meta, self._device_views(meta, buffer.views), True, buffer, meta.batch_size)
             slots = (buffer, step, meta.seq_ids)
         sets[key] = self._slots = slots

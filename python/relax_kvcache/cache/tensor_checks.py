@@ -29,7 +29,7 @@ class TensorChecks:
                 e is None or g == e for g, e in zip(got, expected)))):
             return got
         got = check_tensor(name, value, shape=expected, dtype=self._dtype, device=self._device)
-        self._remember(value, got)
+        self._remember(value.__chandle__(), value, got)
         if self._words is None and RAW_READABLE and value.__chandle__():
             raw = raw_fields(value)
             self._words = (raw[1], raw[2] >> 32)
@@ -58,11 +58,7 @@ class TensorChecks:
                 or not value.is_contiguous()):
             return None
         shape = value.shape  # a tuple
-        passed = self._passed
-        if len(passed) < self._limit:
-            passed[handle] = (value, shape)
-        else:
-            self._remember(value, shape)
+        self._remember(handle, value, shape)
         return shape
 
     def forget(self) -> None:
@@ -70,8 +66,7 @@ class TensorChecks:
         if self._passed:
             self._passed.clear()
 
-    def _remember(self, value: Any, shape: Tuple[int, ...]) -> None:
-        handle = value.__chandle__()
+    def _remember(self, handle: int, value: Any, shape: Tuple[int, ...]) -> None:
         if not handle:
             return
         passed = self._passed
