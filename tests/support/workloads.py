@@ -345,6 +345,39 @@ def wl_checkpoint(c: Check) -> None:
     c.check_contents()
 
 
+def _graph_buffers(c: Check, n: int):
+    """Fixed per-layer qkv and output tensors of ``n`` rows (what a captured graph reads and writes)."""
+    cfg = c.cfg
+    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
+    return ([tvm.runtime.empty((n, hq + 2 * hkv, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)],
+            [tvm.runtime.empty((n, hq, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)])
+
+
+def _graph_step(c: Check, graphs, batch, buffers, label: str) -> str:
+    """One decode step of ``batch`` ``[(seq, 1)]`` through ``graphs.run``: fresh random q / k / v
+    copied into ``buffers`` (`_graph_buffers`), outputs poisoned with NaN, every layer's output
+    against float64; how the step ran."""
+    cfg, (qkvs, outs), n = c.cfg, buffers, len(batch)
+
+    def forward() -> None:
+        for layer in range(cfg.num_layers):
+            c.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], c.sm_scale)
+
+    host = [c.qkv_values(n).astype(c.np_dtype) for _ in range(cfg.num_layers)]
+    for layer in range(cfg.num_layers):
+        qkvs[layer].copyfrom(host[layer])
+        outs[layer].copyfrom(np.full((n, cfg.num_qo_heads, cfg.head_dim), np.nan, c.np_dtype))
+    c.cache.begin_forward([s for s, _ in batch], [k for _, k in batch])
+    how = graphs.run(forward)
+    c.cache.end_forward()
+    graphs.synchronize()
+    expected = c.ref.step(batch, [h.astype(np.float64) for h in host], c.sm_scale)
+    c.steps += 1
+    for layer in range(cfg.num_layers):
+        c.compare(f"graph step {c.steps}{label} ({how}) layer {layer}", outs[layer], expected[layer])
+    return how
+
+
 def wl_graph_decode(c: Check, steps: int = 60) -> None:
     """Repeated decode steps of one batch replayed as a CUDA graph (`cuda_graph.DecodeGraphs`):
     fixed q / k / v and output buffers, fresh random values copied in before each step, every
@@ -354,35 +387,15 @@ def wl_graph_decode(c: Check, steps: int = 60) -> None:
 
     if c.device.dlpack_device_type() != tvm.cuda().dlpack_device_type():
         return
-    cfg = c.cfg
-    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
     for seq in range(3):
         c.add(seq)
     c.step([(0, 37), (1, 70), (2, 5)])
-    batch = [(0, 1), (1, 1), (2, 1)]
-    qkvs = [tvm.runtime.empty((3, hq + 2 * hkv, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)]
-    outs = [tvm.runtime.empty((3, hq, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)]
-
-    def forward() -> None:
-        for layer in range(cfg.num_layers):
-            c.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], c.sm_scale)
-
+    batch, buffers = [(0, 1), (1, 1), (2, 1)], _graph_buffers(c, 3)
     graphs, runs = DecodeGraphs(c.cache), {}
     with graphs.stream_context():
         for _ in range(steps):
-            host = [c.qkv_values(3).astype(c.np_dtype) for _ in range(cfg.num_layers)]
-            for layer in range(cfg.num_layers):
-                qkvs[layer].copyfrom(host[layer])
-                outs[layer].copyfrom(np.full((3, hq, d), np.nan, c.np_dtype))
-            c.cache.begin_forward([s for s, _ in batch], [n for _, n in batch])
-            how = graphs.run(forward)
-            c.cache.end_forward()
-            graphs.synchronize()
+            how = _graph_step(c, graphs, batch, buffers, "")
             runs[how] = runs.get(how, 0) + 1
-            expected = c.ref.step(batch, [h.astype(np.float64) for h in host], c.sm_scale)
-            c.steps += 1
-            for layer in range(cfg.num_layers):
-                c.compare(f"graph step {c.steps} ({how}) layer {layer}", outs[layer], expected[layer])
     graphs.close()
     if runs.get("replayed", 0) < steps // 2:
         c.problems.append(f"graph_decode: too few replays {runs}")
@@ -399,41 +412,19 @@ def wl_graph_batches(c: Check, rounds: int = 6) -> None:
 
     if c.device.dlpack_device_type() != tvm.cuda().dlpack_device_type():
         return
-    cfg = c.cfg
-    hq, hkv, d = cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim
     for seq in range(4):
         c.add(seq)
     c.step([(0, 37), (1, 70), (2, 5), (3, 16)])
     batches = [(0, 1, 2), (1, 2, 3), (0, 1), (2, 3, 0), (3, 0, 1), (2, 3)]
-    buffers = {n: ([tvm.runtime.empty((n, hq + 2 * hkv, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)],
-                   [tvm.runtime.empty((n, hq, d), cfg.dtype, c.device) for _ in range(cfg.num_layers)])
-               for n in (2, 3)}
+    buffers = {n: _graph_buffers(c, n) for n in (2, 3)}
     graphs, runs, seen = DecodeGraphs(c.cache, any_batch=True), {}, {}
     with graphs.stream_context():
         for step in range(rounds * len(batches)):
             seqs = batches[step % len(batches)]
-            batch = [(s, 1) for s in seqs]
-            qkvs, outs = buffers[len(seqs)]
-
-            def forward(qkvs=qkvs, outs=outs) -> None:
-                for layer in range(cfg.num_layers):
-                    c.cache.attention_with_fused_qkv(layer, qkvs[layer], outs[layer], c.sm_scale)
-
-            host = [c.qkv_values(len(seqs)).astype(c.np_dtype) for _ in range(cfg.num_layers)]
-            for layer in range(cfg.num_layers):
-                qkvs[layer].copyfrom(host[layer])
-                outs[layer].copyfrom(np.full((len(seqs), hq, d), np.nan, c.np_dtype))
-            c.cache.begin_forward(list(seqs), [1] * len(seqs))
-            how = graphs.run(forward)
-            c.cache.end_forward()
-            graphs.synchronize()
+            how = _graph_step(c, graphs, [(s, 1) for s in seqs], buffers[len(seqs)], f" {seqs}")
             runs[how] = runs.get(how, 0) + 1
             if how == "replayed":  # a replay for another batch than the one captured
                 seen.setdefault(len(seqs), set()).add(seqs)
-            expected = c.ref.step(batch, [h.astype(np.float64) for h in host], c.sm_scale)
-            c.steps += 1
-            for layer in range(cfg.num_layers):
-                c.compare(f"graph step {c.steps} {seqs} ({how}) layer {layer}", outs[layer], expected[layer])
     graphs.close()
     if runs.get("captured", 0) != 2 or len(seen.get(3, ())) < 3 or len(seen.get(2, ())) < 2:
         c.problems.append(f"graph_batches: expected one graph per batch size replayed for each batch, got {runs}, "
