@@ -171,13 +171,16 @@ def bench_prefill(batch: int, length: int, cached: int, rng) -> dict:
     return result
 
 
-def bench_host(batch_sizes: Tuple[int, ...], repeat: int,
-               layer_window: Optional[int] = None) -> List[Tuple[int, float, float, float, float]]:
+def bench_host(batch_sizes: Tuple[int, ...], repeat: int, layer_window: Optional[int] = None,
+               staggered: bool = False) -> List[Tuple[int, float, float, float, float]]:
     """Median seconds of begin_forward + metadata sync + end_forward for decode batches of
     sequences of ~100 tokens: (n, ours repeated, ours planned in full, native, FFI floor:
     :func:`ffi_floor`). With
     ``layer_window`` the layer is MHA_SLIDING (Mistral / Gemma style): ours then recomputes the
-    window pages of repeated steps too.
+    window pages of repeated steps too. ``staggered``: sequence i starts with 100 + i % 16 tokens, so
+    that last pages fill at different steps, as in serving (else together, one step in 16).
+
+    Each cell is the median of ``repeat`` steps.
 
     "Repeated" is a serving loop's steady state: the same batch step after step (ours derives
     the step from the previous one, see ``relax_kvcache.decode_plan``). "Planned in full" pops
@@ -193,7 +196,7 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int,
             drv.add(drv.cache, s)
         for first in range(0, max_seqs, 16):
             ids = list(range(first, min(first + 16, max_seqs)))
-            drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100] * len(ids)))
+            drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100 + (s % PAGE if staggered else 0) for s in ids]))
             drv.end(drv.cache)
     results = {}
     for drv in drivers:
@@ -238,10 +241,14 @@ def ffi_floor(cache, n: int, repeat: int) -> float:
     return statistics.median(times)
 
 
-def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int) -> None:
-    """The host tables: a plain layer, then an MHA_SLIDING layer (window 64)."""
-    for title, window in (("", None), (" (MHA_SLIDING layer, window 64)", 64)):
-        rows = bench_host(batch_sizes, repeat, layer_window=window)
+def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int, rounds: int = 1) -> None:
+    """The host tables: a plain layer (sequences of equal, then of staggered lengths), then an
+    MHA_SLIDING layer (window 64); each cell the least of ``rounds`` runs of `bench_host` on new
+    caches (this machine's noise only adds)."""
+    for title, window, staggered in (("", None, False), (", staggered lengths", None, True),
+                                     (" (MHA_SLIDING layer, window 64)", 64, False)):
+        runs = [bench_host(batch_sizes, repeat, layer_window=window, staggered=staggered) for _ in range(rounds)]
+        rows = [tuple(min(column) for column in zip(*cells)) for cells in zip(*runs)]
         print()
         print(f"Host: begin_forward + metadata sync + end_forward, decode batch (us){title}; ours repeated = the "
               "same batch as the step before, ours full = a new batch")
@@ -299,7 +306,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.host_only:
         print(f"relax_kvcache CPU host benchmark, TVM {tvm.__version__}", flush=True)
-        print_host_tables((1, 8, 32, 64, 128, 256), repeat=20)
+        print_host_tables((1, 8, 32, 64, 128, 256), repeat=20, rounds=5)
         print_layer_overhead(bench_layer_overhead())
         return
     rng = np.random.default_rng(0)

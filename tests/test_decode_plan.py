@@ -13,6 +13,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from tvm.runtime import ShapeTuple
+
 import relax_kvcache as rk
 from relax_kvcache.cache import step as step_module
 from support.harness import CONFIGS, Harness
@@ -33,7 +35,7 @@ LOCAL = {
 class Twin:
     """A `Harness` (shipped cache vs float64) plus a cache that plans every step in full."""
 
-    def __init__(self, cache_factory, config, seed):
+    def __init__(self, cache_factory, config, seed, shape_tuples=False):
         self.h = Harness(cache_factory(config), np.random.default_rng(seed))
         self.h.ref.layer_windows = [config.layer_sliding_window_size if k == rk.AttnKind.MHA_SLIDING else 0
                                     for k in config.attn_kinds]
@@ -54,6 +56,16 @@ class Twin:
             return step
 
         planner.next_step = counted
+        self.shape_tuples = shape_tuples  # pass the batch as vm.builtin does (the in-place path takes only that)
+        self.in_place_steps = 0
+        repeat = planner.repeat
+
+        def counted_repeat(*args):
+            step = repeat(*args)
+            self.in_place_steps += step is not None
+            return step
+
+        planner.repeat = counted_repeat
 
     def op(self, name, *args):
         getattr(self.h, name)(*args)
@@ -68,8 +80,10 @@ class Twin:
         self.full.end_forward()
         original_begin = self.h.cache.begin_forward
 
-        def begin_and_compare(*args):
-            original_begin(*args)
+        def begin_and_compare(seq_ids, append_lengths, *args):
+            if self.shape_tuples:
+                seq_ids, append_lengths = ShapeTuple(seq_ids), ShapeTuple(append_lengths)
+            original_begin(seq_ids, append_lengths, *args)
             same_step(self.h.cache._step.meta, expected)
 
         self.h.cache.begin_forward = begin_and_compare
@@ -136,6 +150,16 @@ def test_repeated_decode_matches_full_planning(cache_factory, name):
     _decode_runs(t, np.random.default_rng(5), rounds=8)
     assert t.incremental_steps > 40  # the runs really took the incremental path
     assert t.depths_seen == {1, 2}  # with and without shared prefixes
+
+
+@pytest.mark.parametrize("name", CHECKED)
+def test_in_place_decode_steps_match_full_planning(cache_factory, name):
+    """Batches passed as ShapeTuples (vm.builtin's way) take `DecodePlanner.repeat` where no
+    page fills: the step before, updated in place, with the sequences' lengths caught up lazily.
+    Every step's metadata, the paging state and the outputs are checked as above."""
+    t = Twin(cache_factory, CONFIGS[name], seed=12, shape_tuples=True)
+    _decode_runs(t, np.random.default_rng(6), rounds=12)
+    assert t.in_place_steps > 20 and t.incremental_steps > 20  # both paths ran
 
 
 def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import itertools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -192,6 +193,14 @@ class AuxBuffer:
             self.view((count,), 0).copyfrom(self._host[:count])
 
 
+    def writer(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> Callable[[], None]:
+        """A function that does ``write(arrays, offsets)`` again (1-D arrays the caller updates in
+        place); on CPU, where the host buffer is the device's, a plain copy of a single array."""
+        if self._on_cpu and len(arrays) == 1:
+            return functools.partial(np.copyto, self._host[offsets[0]:offsets[0] + arrays[0].size], arrays[0])
+        return functools.partial(self.write, list(arrays), list(offsets))
+
+
 class SlotBuffer:
     """Metadata arrays at fixed places (one slot of each of ``shapes``), so that repeated decode
     steps keep every kernel argument at one address, as a replayed CUDA graph needs.
@@ -206,19 +215,20 @@ class SlotBuffer:
         self._shapes = [tuple(s) for s in shapes]
         self.views = [self._buffer.view(s, o) for s, o in zip(self._shapes, self._offsets)]
         self._written: List[Optional[np.ndarray]] = [None] * len(self._shapes)  # what each slot holds
+        self.wait = self._buffer.wait  # orders the compute stream after the last upload (CUDA)
 
-    def upload(self, arrays: Sequence[np.ndarray]) -> bool:
+    def upload(self, arrays: Sequence[np.ndarray], every: bool = False) -> bool:
         """Write ``arrays`` into their slots and copy them to the device when they all fit (each
         no larger than its slot); whether they did (else nothing changes). Arrays that are the
-        very objects the slots hold already (metadata arrays are never changed in place) are not
-        written again."""
-        written, shapes, partial = self._written, self._shapes, self._partial
-        if len(arrays) != len(shapes):
+        very objects the slots hold already are not written again, unless ``every`` (a step
+        whose arrays may have changed in place, `DecodePlanner.repeat`)."""
+        written = self._written
+        if len(arrays) != len(written):
             return False
         changed = []
         for i, a in enumerate(arrays):
-            if a is not written[i]:
-                if a.shape != shapes[i] and not (partial[i] and a.ndim == 1 and a.size <= shapes[i][0]):
+            if every or a is not written[i]:
+                if not self.fits(i, a):
                     return False
                 changed.append(i)
         if changed:
@@ -226,6 +236,11 @@ class SlotBuffer:
             for i in changed:
                 written[i] = arrays[i]
         return True
+
+    def fits(self, i: int, array: np.ndarray) -> bool:
+        """Whether ``array`` may go in slot ``i`` (see `upload`)."""
+        shape = self._shapes[i]
+        return array.shape == shape or (self._partial[i] and array.ndim == 1 and array.size <= shape[0])
 
     def holds(self, i: int, array: np.ndarray) -> bool:
         """Whether slot ``i`` holds ``array`` (the object last written there)."""
@@ -239,6 +254,8 @@ class SlotBuffer:
         for i, _, arrays in runs:
             self._written[i:i + len(arrays)] = arrays
 
-    def wait(self) -> None:
-        """Order the compute stream after the last upload (CUDA; no-op elsewhere)."""
-        self._buffer.wait()
+    def rewriter(self, slots: Sequence[Tuple[int, np.ndarray]]) -> Callable[[], None]:
+        """A function that writes each ``(i, block)`` of ``slots`` over the slots from ``i``
+        again (`rewrite`), for blocks the caller updates in place (the slots hold them already)."""
+        return self._buffer.writer([block for _, block in slots], [self._offsets[i] for i, _ in slots])
+

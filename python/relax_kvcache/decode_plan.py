@@ -32,10 +32,10 @@ class DecodePlanner:
         # per depth: the rows (sequences) whose last block it attends, and whether that is all
         self._last_depth_rows: Tuple[Tuple[np.ndarray, bool], ...] = ()
         self._ones: Tuple[int, ...] = ()
-        self._tokens = np.zeros(0, dtype=np.int32)  # [positions | positions | slots] of the last step
+        self._tokens = np.zeros(0, dtype=np.int32)  # the last step's `plain_tokens` (a plain step's)
         self._plain = False
         self._plain_step: Optional[md.StepMetadata] = None
-        self._ones_like_tokens = self._ones_like_rows = self._ps_like_rows = self._tokens
+        self._ones_like_tokens = self._tokens
         # window pages of the step before, by its page lists: id -> (page_indices, WindowPages, drop)
         self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
@@ -66,12 +66,31 @@ class DecodePlanner:
         self._plain = (len(step.depths) == 1 and self._last_depth_rows[0][1] and step.depths[0].window is None
                        and step.depths[0].length_info.ndim == 1)
         positions = step.q_rope_position.astype(np.int32)
-        self._tokens = np.concatenate([positions, positions, last_slots(lane, self._page_size)]).astype(np.int32)
+        parts = [positions, positions, last_slots(lane, self._page_size)]
+        if self._plain:  # and the last-page lengths
+            parts.append(step.depths[0].length_info)
+        self._tokens = np.concatenate(parts).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
-        rows = len(step.seq_ids)
-        self._ones_like_rows, self._ps_like_rows = self._ones_like_tokens[:rows], np.full(rows, self._page_size, np.int32)
         self._lane = lane
         return lane
+
+    def repeat(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
+        """`next_step`'s common case, or None: a batch (a ``ShapeTuple``, as ``vm.builtin``
+        passes it) that repeats a plain step (`plain_tokens`). Its token arrays and last-page
+        lengths (views of one array) were made here and are no one else's: they are updated in
+        place (the step before has ended). Where no last page fills, the step is the one
+        before; else a new one with those lists grown."""
+        prev, lane = self._plain_step, self._lane
+        if (prev is None or type(seq_ids) is not ShapeTuple or type(append_lengths) is not ShapeTuple
+                or lane.version != paging.version or seq_ids != prev.seq_ids or append_lengths != self._ones):
+            return None
+        full, new_pages = paging.advance_lane(lane)
+        self._tokens += self._ones_like_tokens
+        if not full:
+            return prev
+        self._new_pages(self._tokens, full, new_pages)
+        self._step = self._plain_step = md.evolve(prev, depths=(self._plain_depth(prev, full, new_pages),))
+        return self._step
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
         """The step ``begin_forward(seq_ids, append_lengths)``, its pages reserved, when it repeats
@@ -90,29 +109,49 @@ class DecodePlanner:
             return None
         full, new_pages = paging.advance_lane(lane)
         tokens = self._tokens + self._ones_like_tokens
+        self._new_pages(tokens, full, new_pages)
         b = len(lane.seq_ids)
-        if len(full):
-            tokens[2 * b + full] = np.asarray(new_pages, dtype=np.int64) * self._page_size
         positions = tokens[:b]
         self._next_windows = {}
-        plain = self._plain and not len(full)
-        if plain:  # only the last page of each list fills
-            length_info = np.remainder(prev.depths[0].length_info, self._ps_like_rows)  # arrays of one shape:
-            length_info += self._ones_like_rows  # cheaper operands than scalars
-            depths: Tuple[md.DepthMetadata, ...] = (md.evolve(prev.depths[0], length_info=length_info),)
+        self._tokens = tokens
+        if self._plain:
+            depths: Tuple[md.DepthMetadata, ...] = (self._plain_depth(prev, full, new_pages),)
         else:
-            depths = tuple(self._grow_depth(depth, rows, every, full, new_pages, positions)
+            full_rows = np.asarray(full, dtype=np.int64)
+            depths = tuple(self._grow_depth(depth, rows, every, full_rows, new_pages, positions)
                            for depth, (rows, every) in zip(prev.depths, self._last_depth_rows))
         step = md.evolve(prev, k_ragged_rope_pos_offset=positions, q_rope_position=tokens[b:2 * b],
-                         append_position=tokens[2 * b:], depths=depths)
-        self._tokens, self._step, self._windows = tokens, step, self._next_windows
-        self._plain_step = step if plain else None
+                         append_position=tokens[2 * b:3 * b], depths=depths)
+        self._step, self._windows = step, self._next_windows
+        self._plain_step = step if self._plain else None
         return step
 
+    def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:
+        """Put the new tokens of the rows ``full`` at the start of ``new_pages`` in ``tokens``
+        (`plain_tokens`' layout: the last-page lengths only for plain steps)."""
+        b, ps, plain = len(self._ones), self._page_size, self._plain
+        for row, page in zip(full, new_pages):
+            tokens[2 * b + row] = page * ps
+            if plain:
+                tokens[3 * b + row] = 1
+
+    def _plain_depth(self, prev: md.StepMetadata, full: Sequence[int], new_pages: Sequence[int]) -> md.DepthMetadata:
+        """The only depth of a plain step after ``prev``: last-page lengths from `_tokens`, the
+        page lists of the rows ``full`` grown by ``new_pages``."""
+        depth, b = prev.depths[0], len(self._ones)
+        changes: Dict[str, np.ndarray] = {}
+        if depth.length_info.base is not self._tokens:
+            changes["length_info"] = self._tokens[3 * b:]
+        if full:
+            changes["page_indptr"], changes["page_indices"] = _append_pages(
+                depth.page_indptr, depth.page_indices, full, new_pages)
+        return md.evolve(depth, **changes) if changes else depth
+
     def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
-        """For ``step``, the last one derived, when it changed only its token arrays (RoPE offsets,
-        positions and append slots: the thirds of the array returned, in that order) and the
-        last-page lengths of its only depth; else None."""
+        """For ``step``, the last one derived, when it is plain (one depth, every last block
+        in it, no window pages): the array its token arrays and last-page lengths are views
+        of (RoPE offsets, positions, append slots and last-page lengths, in that order); else
+        None."""
         return self._tokens if step is self._plain_step and step is not None else None
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
@@ -139,11 +178,8 @@ class DecodePlanner:
                 grown = rows[page_of[rows] >= 0]
                 pages = page_of[grown]
             if len(grown):
-                page_indptr = depth.page_indptr
-                changes["page_indices"] = np.insert(depth.page_indices, page_indptr[grown + 1], pages)
-                added = np.zeros(page_indptr.size, dtype=np.int32)
-                added[grown + 1] = 1
-                changes["page_indptr"] = page_indptr + np.cumsum(added, dtype=np.int32)
+                changes["page_indptr"], changes["page_indices"] = _append_pages(
+                    depth.page_indptr, depth.page_indices, grown, pages)
         return self._with_window(md.evolve(depth, **changes), positions)
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
@@ -166,6 +202,23 @@ class DecodePlanner:
 
 
 _ONE = np.int32(1)
+
+
+def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
+                  pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+    """Page lists ``(indptr, indices)`` with ``pages[j]`` appended to the list of ``rows[j]``
+    (ascending): a slice copy per row, cheaper than ``np.insert`` for the few rows of a step."""
+    new_indptr, new_indices = indptr.copy(), np.empty(indices.size + len(rows), indices.dtype)
+    done = at = 0
+    for row, page in zip(rows, pages):
+        cut = int(indptr[row + 1])
+        new_indices[at:at + cut - done] = indices[done:cut]
+        at += cut - done
+        new_indices[at] = page
+        at, done = at + 1, cut
+        new_indptr[row + 1:] += _ONE
+    new_indices[at:] = indices[done:]
+    return new_indptr, new_indices
 
 
 def _is_int_tuple(values: Any, expected: tuple) -> bool:

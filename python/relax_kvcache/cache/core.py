@@ -305,6 +305,12 @@ class PagedAttentionKVCache(StoredKVMethods):
         pages the step fills be registered when it ends; a sequence appended without ids (or
         in a token-tree step) stops registering. Ignored without prefix caching.
         """
+        decode = self._planner.decode
+        if self._busy is None and self._step is None and token_tree_parent_ptr is None and token_ids is None:
+            meta = decode.repeat(self._paging, seq_ids, append_lengths)  # takes no page: no host-tier copies
+            if meta is not None:
+                self._step = self._uploader.place(meta, repeated_decode=True, tokens=decode.plain_tokens(meta))
+                return
         self._check_not_busy("begin_forward")
         if self._step is not None:
             raise ForwardError("begin_forward called while a step is active; call end_forward first")
@@ -315,7 +321,7 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._sync_host()
         self._step_tokens = ids
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
-                                          tokens=self._planner.decode.plain_tokens(meta))
+                                          tokens=decode.plain_tokens(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""

@@ -4,7 +4,7 @@ that copies a planned step's host arrays to the device in one transfer (:class:`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import tvm
@@ -147,13 +147,20 @@ class StepUploader:
         # least recently used first: (slots, a step on their views, its batch)
         self._slot_sets: Dict[Tuple[Any, ...], Tuple[SlotBuffer, Step, Tuple[int, ...]]] = {}
         self._slots: Optional[Tuple[SlotBuffer, Step, Tuple[int, ...]]] = None  # the last step's
+        self._plain_placed: Optional[Step] = None  # the last step `_place_plain` made, and what
+        # (its token array, slots, a function that writes the array to the slots again)
+        self._rewrite_plain: Tuple[Any, Any, Callable[[], None]] = (None, None, lambda: None)
 
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
         ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots.
-        ``tokens``: ``meta`` is the step before's with new RoPE positions and append slots, the
-        concatenation ``tokens`` of its three token arrays, and new last-page lengths of its
-        only depth (`DecodePlanner.plain_tokens`)."""
+        ``tokens``: ``meta`` is the step before's with new token arrays and last-page lengths of
+        its only depth, the concatenation ``tokens`` (`DecodePlanner.plain_tokens`), which may
+        change in place."""
+        step = self.replace(meta)
+        if step is not None:
+            return step
+        self._plain_placed = None
         if tokens is not None:
             step = self._place_plain(meta, tokens)
             if step is not None:
@@ -168,7 +175,7 @@ class StepUploader:
                tuple([_has_pages(p) for d in meta.depths for p in (d, d.window) if p is not None]))
         sets = self._slot_sets
         slots = sets.pop(key, None)  # re-inserted last: the most recently used
-        if slots is None or not slots[0].upload(arrays):
+        if slots is None or not slots[0].upload(arrays, every=tokens is not None):
             headroom = DECODE_PAGE_HEADROOM * meta.batch_size
             page_lists = _page_lists(meta)
             shapes = [(a.size + headroom,) if page_list else a.shape for a, page_list in zip(arrays, page_lists)]
@@ -185,30 +192,50 @@ class StepUploader:
             del sets[next(iter(sets))]
         return step
 
+    def replace(self, meta: md.StepMetadata) -> Optional[Step]:
+        """``place`` of ``meta`` when it is the step before, updated in place (`DecodePlanner.repeat`):
+        its token arrays written again, the same views; else None."""
+        last = self._plain_placed
+        if last is None or last.meta is not meta:
+            return None
+        self._rewrite_plain[2]()
+        last.appended.clear()
+        return last
+
     def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
-        """``place`` of a step whose token arrays and last-page lengths alone changed, when the
-        slots hold the step before (else None): two writes, the same views."""
+        """``place`` of a plain step (`DecodePlanner.plain_tokens`) when the slots hold the step
+        before, but for its token arrays, last-page lengths and page lists (else None): the
+        same views."""
         slots = self._slots
         if slots is None or slots[2] != meta.seq_ids or len(meta.depths) != 1:
             return None
         buffer, depth = slots[0], meta.depths[0]
-        if not (buffer.holds(0, meta.append_indptr) and buffer.holds(4, depth.qo_indptr)
-                and buffer.holds(5, depth.page_indptr) and buffer.holds(6, depth.page_indices)
+        if not (buffer.holds(4, meta.append_indptr) and buffer.holds(5, depth.qo_indptr)
                 and buffer.holds(8, depth.k_rope_pos_offset) and depth.window is None and depth.tree is None
                 and meta.ragged_tree is None):
             return None
-        buffer.rewrite([(1, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position)),
-                        (7, depth.length_info, (depth.length_info,))])
-        return md.evolve(slots[1], meta=meta, appended=set())
+        runs = [(0, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position,
+                             depth.length_info))]
+        if not (buffer.holds(6, depth.page_indptr) and buffer.holds(7, depth.page_indices)):  # lists grew
+            if not buffer.fits(7, depth.page_indices):
+                return None
+            runs += [(6, depth.page_indptr, (depth.page_indptr,)), (7, depth.page_indices, (depth.page_indices,))]
+        buffer.rewrite(runs)
+        self._plain_placed = md.evolve(slots[1], meta=meta, appended=set())
+        if self._rewrite_plain[0] is not tokens or self._rewrite_plain[1] is not buffer:
+            self._rewrite_plain = (tokens, buffer, buffer.rewriter([(0, tokens)]))
+        return self._plain_placed
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
         """The `DeviceStep` of ``meta`` from its arrays' device views, in `_packed_arrays`' order."""
         views = iter(views)
-        head = [next(views) for _ in range(4)]
+        k_ragged_rope_pos_offset, q_rope_position, append_position = (next(views) for _ in range(3))
+        length_infos = [next(views) for _ in meta.depths]
+        append_indptr = next(views)
         depths = []
-        for depth in meta.depths:
-            qo_indptr = next(views)
-            pages = PageViews(*(next(views) for _ in range(4)), _has_pages(depth))
+        for depth, length_info in zip(meta.depths, length_infos):
+            qo_indptr, page_indptr, page_indices = (next(views) for _ in range(3))
+            pages = PageViews(page_indptr, page_indices, length_info, next(views), _has_pages(depth))
             window = (PageViews(*(next(views) for _ in range(4)), _has_pages(depth.window))
                       if depth.window is not None else None)
             tree = TreeViews(next(views), next(views)) if depth.tree is not None else None
@@ -218,8 +245,8 @@ class StepUploader:
                  if meta.grown is not None else None)
         q, k, v, tmp_o, tmp_lse, merged_lse = self._scratch_rows(meta.total_tokens)
         return DeviceStep(
-            append_indptr=head[0], k_ragged_rope_pos_offset=head[1], q_rope_position=head[2],
-            append_position=head[3], depths=tuple(depths), ragged_tree=ragged_tree,
+            append_indptr=append_indptr, k_ragged_rope_pos_offset=k_ragged_rope_pos_offset,
+            q_rope_position=q_rope_position, append_position=append_position, depths=tuple(depths), ragged_tree=ragged_tree,
             q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse, grown=grown,
         )
 
@@ -247,10 +274,12 @@ def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
 
 
 def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
-    """A step's arrays in upload order."""
-    arrays = [meta.append_indptr, meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position]
+    """A step's arrays in upload order: those a decode step changes first (token arrays, then
+    each depth's last-page lengths), then the rest."""
+    arrays = [meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position,
+              *(depth.length_info for depth in meta.depths), meta.append_indptr]
     for depth in meta.depths:
-        arrays += (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.length_info, depth.k_rope_pos_offset)
+        arrays += (depth.qo_indptr, depth.page_indptr, depth.page_indices, depth.k_rope_pos_offset)
         window = depth.window
         if window is not None:
             arrays += (window.page_indptr, window.page_indices, window.length_info, window.k_rope_pos_offset)
@@ -266,9 +295,9 @@ def _packed_arrays(meta: md.StepMetadata) -> List[np.ndarray]:
 def _page_lists(meta: md.StepMetadata) -> List[bool]:
     """Whether each of `_packed_arrays` is a page list (which may grow)."""
     page_set = [False, True, False, False]
-    flags = [False] * 4
+    flags = [False] * (4 + len(meta.depths))
     for depth in meta.depths:
-        flags += [False, *page_set, *(page_set if depth.window is not None else ()),
+        flags += [False, False, True, False, *(page_set if depth.window is not None else ()),
                   *((False, False) if depth.tree is not None else ())]
     return (flags + ([False, False] if meta.ragged_tree is not None else [])
             + ([False, True, False] if meta.grown is not None else []))

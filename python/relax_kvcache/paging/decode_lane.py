@@ -16,26 +16,20 @@ from .sequences import Sequence
 
 @dataclasses.dataclass(eq=False)
 class DecodeLane:
-    """A decode batch of B sequences, advanced by `PagingState`. The free token slots of each
-    last block's pages are ``room - pending`` (``room`` int64 [B] is brought up to date only
-    when some block fills up: a step where ``min_room > pending`` appends without a page)."""
+    """A decode batch of B sequences, advanced by `PagingState`. ``fills[t]`` lists (ascending)
+    the rows whose last block is full before the lane's ``t``-th token: those take a page then,
+    and fill again ``page_size`` tokens later; a step with no entry appends without a page."""
 
     version: int  # the PagingState.version the lane describes
     seq_ids: tuple[int, ...]
-    room: np.ndarray  # free slots of each last block's pages, ``pending`` steps ago
-    min_room: int  # room.min()
-    pending: int  # steps advanced since ``room`` was updated
+    steps: int  # tokens appended to each sequence since the lane opened
+    lagging: int  # steps advanced whose token is not in the lengths yet (`settle`)
+    fills: dict[int, list[int]] = dataclasses.field(repr=False)
     _pairs: tuple[tuple[Sequence, Block], ...] = dataclasses.field(repr=False)
 
-    def full_rows(self) -> np.ndarray:
-        """The rows whose last block needs a page for the next token (sorted)."""
-        if self.min_room > self.pending:
-            return _NO_ROWS
-        return np.flatnonzero(self.room == self.pending)
-
-
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.flags.writeable = False
+    def full_rows(self) -> collections.abc.Sequence[int]:
+        """The rows whose last block needs a page for the next token (ascending)."""
+        return self.fills.get(self.steps, ())
 
 
 def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
@@ -56,8 +50,10 @@ def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, vers
         lane_blocks.append(block)
     if len(set(map(id, lane_seqs))) != len(lane_seqs):
         return None
-    room = np.array([len(b.page_ids) * page_size - b.seq_length for b in lane_blocks], dtype=np.int64)
-    return DecodeLane(version=version, seq_ids=tuple(seq_ids), room=room, min_room=int(room.min()) if room.size else 0, pending=0,
+    fills: dict[int, list[int]] = {}
+    for row, block in enumerate(lane_blocks):  # a last block fills after its free slots
+        fills.setdefault(len(block.page_ids) * page_size - block.seq_length, []).append(row)
+    return DecodeLane(version=version, seq_ids=tuple(seq_ids), steps=0, lagging=0, fills=fills,
                       _pairs=tuple(zip(lane_seqs, lane_blocks)))
 
 
@@ -67,24 +63,28 @@ def last_slots(lane: DecodeLane, page_size: int) -> np.ndarray:
                      for _, b in lane._pairs], dtype=np.int64)
 
 
-def advance(lane: DecodeLane, full: np.ndarray, pages: PagePool, page_size: int, version: int) -> list[int]:
+def advance(lane: DecodeLane, full: collections.abc.Sequence[int], pages: PagePool, page_size: int,
+            version: int) -> list[int]:
     """Append one token to every sequence of ``lane``, a page to the last blocks at ``full``
-    (`DecodeLane.full_rows`); the pages, in the order of ``full``."""
+    (`DecodeLane.full_rows`); the pages, in its order. The lengths are left to `settle`."""
     new_pages: list[int] = []
-    if len(full):
+    if full:
         new_pages = pages.allocate(len(full))
         pairs = lane._pairs
-        for i, page in zip(full.tolist(), new_pages):
-            pairs[i][1].page_ids.append(page)
-        room = lane.room
-        room -= lane.pending
-        room[full] += page_size
-        room -= 1
-        lane.pending, lane.min_room = 0, int(room.min())
-    else:
-        lane.pending += 1
-    for seq, block in lane._pairs:  # last_append_length is 1 already (see open_lane)
-        seq.seq_length += 1
-        block.seq_length += 1
+        for row, page in zip(full, new_pages):
+            pairs[row][1].page_ids.append(page)
+        del lane.fills[lane.steps]
+        lane.fills[lane.steps + page_size] = list(full)  # each new page holds this token and page_size - 1 more
+    lane.steps += 1
+    lane.lagging += 1
     lane.version = version
     return new_pages
+
+
+def settle(lane: DecodeLane) -> None:
+    """Add the tokens `advance` appended to the lengths of the lane's sequences and blocks."""
+    n, lane.lagging = lane.lagging, 0
+    if n:
+        for seq, block in lane._pairs:
+            seq.seq_length += n
+            block.seq_length += n

@@ -59,6 +59,7 @@ class PagingState:
         self._slide_windows = bool(slide_windows)
         self._num_windowed = 0  # live sequences with a window: 0 keeps the fast append path
         self._version = 0  # bumped by every change; a DecodeLane is valid at one version
+        self._lagging: DecodeLane | None = None  # a lane whose last tokens are not in its lengths yet
 
     # ------------------------------------------------------------------ queries
 
@@ -132,10 +133,12 @@ class PagingState:
         return len(self._seqs)
 
     def total_sequence_length(self) -> int:
+        self._settle()
         return sum(seq.seq_length for seq in self._seqs.values())
 
     def block(self, idx: int) -> Block:
         """Live block ``idx`` (a live object: read it, do not modify it)."""
+        self._settle()
         return self._blocks.get(as_int("block index", idx))
 
     def block_trace(self, seq_id: int) -> list[int]:
@@ -168,6 +171,7 @@ class PagingState:
 
     def debug_snapshot(self) -> dict[str, object]:
         """A deep, plain-data copy of the whole state (for tests and debugging)."""
+        self._settle()
         live = self._blocks.live_indices()
         return {
             "free_pages": self._pages.free_page_ids(),
@@ -184,6 +188,7 @@ class PagingState:
 
     def clear(self) -> None:
         """Drop every sequence and block and free every page (TVM's ``Clear``)."""
+        self._settle()
         self._version += 1
         self._seqs.clear()
         self._num_windowed = 0
@@ -212,6 +217,7 @@ class PagingState:
         caching; nothing otherwise)."""
         if self._prefix is None:
             return
+        self._settle()
         at = 0
         for seq_id, n in zip(seq_ids, lengths):
             ids = None if token_ids is None else token_ids[at:at + n]
@@ -310,6 +316,7 @@ class PagingState:
         """Make room for ``lengths[i]`` new tokens of each sequence ``seq_ids[i]`` (TVM's
         ``ReserveAppendLengthInSeq`` and ``SlideWindowForSequence``, in batch order); returns
         the pages that slid out of a window and were handed to new tokens of the batch."""
+        self._settle()
         items, total = appends.plan(self._seqs, self._tree, seq_ids, lengths, self._seq)
         if self._num_windowed and self._slide_windows:
             plans = appends.plan_sliding(items, self._pages, self._page_size)
@@ -323,6 +330,7 @@ class PagingState:
     def import_sequence(self, seq_id: int, length: int) -> np.ndarray:
         """Give sequence ``seq_id`` (new, or empty without a window, tree or fork) ``length``
         tokens on fresh pages for a checkpoint import; their int32 slots."""
+        self._settle()
         seq_id, length = as_seq_id(seq_id), as_int("length", length)
         if length < 0:
             raise SequenceError(f"a sequence cannot hold {length} tokens; expected at least 0")
@@ -345,18 +353,22 @@ class PagingState:
 
     def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
         """Snapshot a decode batch for `advance_lane`, or None (see `decode_lane.open_lane`)."""
+        self._settle()
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
                                      seq_ids)
 
-    def advance_lane(self, lane: DecodeLane) -> tuple[np.ndarray, list[int]]:
+    def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], list[int]]:
         """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
         the rows whose last block took a page and those pages."""
         if lane.version != self._version:
             raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
                                f"state is at version {self._version}; open a new lane")
         full = lane.full_rows()  # last blocks needing a page
-        if len(full):
+        if full:
             self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        if self._lagging is not lane:  # the lengths catch up when the state is next read (`_settle`)
+            self._settle()
+            self._lagging = lane
         self._version += 1
         return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
@@ -377,7 +389,15 @@ class PagingState:
 
     # ------------------------------------------------------------- internals
 
+    def _settle(self) -> None:
+        """Add the tokens the lagging lane appended to its sequences' and blocks' lengths."""
+        lane, self._lagging = self._lagging, None
+        if lane is not None:
+            decode_lane.settle(lane)
+
     def _seq(self, seq_id: object) -> Sequence:
+        if self._lagging is not None:
+            self._settle()
         seq = self._seqs.get(seq_id) if type(seq_id) is int else None
         if seq is None:
             seq_id = as_seq_id(seq_id)
@@ -387,6 +407,7 @@ class PagingState:
         return seq
 
     def _check_absent(self, seq_id: object) -> int:
+        self._settle()
         seq_id = as_seq_id(seq_id)
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id} is already in the cache")
