@@ -367,7 +367,8 @@ def _graph_step(c: Check, graphs, batch, buffers, label: str) -> str:
     for layer in range(cfg.num_layers):
         qkvs[layer].copyfrom(host[layer])
         outs[layer].copyfrom(np.full((n, cfg.num_qo_heads, cfg.head_dim), np.nan, c.np_dtype))
-    c.cache.begin_forward([s for s, _ in batch], [k for _, k in batch])
+    # ShapeTuples, as vm.builtin passes them: repeated batches take the in-place decode path
+    c.cache.begin_forward(tvm.runtime.ShapeTuple([s for s, _ in batch]), tvm.runtime.ShapeTuple([k for _, k in batch]))
     how = graphs.run(forward)
     c.cache.end_forward()
     graphs.synchronize()
