@@ -192,7 +192,6 @@ class AuxBuffer:
         elif not self._on_cpu and count:
             self.view((count,), 0).copyfrom(self._host[:count])
 
-
     def writer(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> Callable[[], None]:
         """A function that does ``write(arrays, offsets)`` again (1-D arrays the caller updates in
         place); on CPU, where the host buffer is the device's, a plain copy of a single array."""
@@ -258,4 +257,3 @@ class SlotBuffer:
         """A function that writes each ``(i, block)`` of ``slots`` over the slots from ``i``
         again (`rewrite`), for blocks the caller updates in place (the slots hold them already)."""
         return self._buffer.writer([block for _, block in slots], [self._offsets[i] for i, _ in slots])
-

@@ -157,9 +157,11 @@ class StepUploader:
         ``tokens``: ``meta`` is the step before's with new token arrays and last-page lengths of
         its only depth, the concatenation ``tokens`` (`DecodePlanner.plain_tokens`), which may
         change in place."""
-        step = self.replace(meta)
-        if step is not None:
-            return step
+        last = self._plain_placed
+        if last is not None and last.meta is meta:  # the step before, updated in place (`DecodePlanner.repeat`)
+            self._rewrite_plain[2]()
+            last.appended.clear()
+            return last
         self._plain_placed = None
         if tokens is not None:
             step = self._place_plain(meta, tokens)
@@ -191,16 +193,6 @@ class StepUploader:
         if len(sets) > MAX_SLOT_SETS:
             del sets[next(iter(sets))]
         return step
-
-    def replace(self, meta: md.StepMetadata) -> Optional[Step]:
-        """``place`` of ``meta`` when it is the step before, updated in place (`DecodePlanner.repeat`):
-        its token arrays written again, the same views; else None."""
-        last = self._plain_placed
-        if last is None or last.meta is not meta:
-            return None
-        self._rewrite_plain[2]()
-        last.appended.clear()
-        return last
 
     def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
         """``place`` of a plain step (`DecodePlanner.plain_tokens`) when the slots hold the step
@@ -246,7 +238,8 @@ class StepUploader:
         q, k, v, tmp_o, tmp_lse, merged_lse = self._scratch_rows(meta.total_tokens)
         return DeviceStep(
             append_indptr=append_indptr, k_ragged_rope_pos_offset=k_ragged_rope_pos_offset,
-            q_rope_position=q_rope_position, append_position=append_position, depths=tuple(depths), ragged_tree=ragged_tree,
+            q_rope_position=q_rope_position, append_position=append_position, depths=tuple(depths),
+            ragged_tree=ragged_tree,
             q=q, k=k, v=v, tmp_o=tmp_o, tmp_lse=tmp_lse, merged_lse=merged_lse, grown=grown,
         )
 
