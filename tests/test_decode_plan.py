@@ -162,10 +162,11 @@ def test_in_place_decode_steps_match_full_planning(cache_factory, name):
     assert t.in_place_steps > 20 and t.incremental_steps > 20  # both paths ran
 
 
-def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory):
+@pytest.mark.parametrize("shape_tuples", [False, True])
+def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory, shape_tuples):
     cfg = dataclasses.replace(CONFIGS["fp32-gqa-normal"], max_total_seq_len=6 * 16, max_num_seqs=4)  # 7 pages
     assert cfg.num_total_pages == 7
-    t = Twin(cache_factory, cfg, seed=3)
+    t = Twin(cache_factory, cfg, seed=3, shape_tuples=shape_tuples)
     for s in range(3):
         t.op("add", s)
     t.step([(0, 16), (1, 16), (2, 15)])  # 3 pages used, 4 free
@@ -174,10 +175,13 @@ def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory):
     cache = t.h.cache
     assert cache._planner.decode.current is not None
     before = cache._paging.debug_snapshot()
+    in_place = t.in_place_steps
+    batch = [[0, 1, 2], [1, 1, 1]]
     with pytest.raises(rk.CacheFullError, match=r"2 page\(s\) needed, 1 free"):  # 0 and 1 are full again, 1 page free
-        cache.begin_forward([0, 1, 2], [1, 1, 1])
+        cache.begin_forward(*(map(ShapeTuple, batch) if shape_tuples else batch))
     assert cache._paging.debug_snapshot() == before
     assert cache._step is None
+    assert t.in_place_steps == in_place and (in_place > 5) == shape_tuples
     t.op("remove", 2)
     steps = t.incremental_steps
     t.step([(0, 1), (1, 1)])
