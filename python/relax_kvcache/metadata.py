@@ -80,7 +80,9 @@ class DepthMetadata:
 class StepMetadata:
     """Everything the kernels of one forward step read. ``append_before_attn``: append the new
     K/V, then attend to pages only (decode batches, tree extensions). ``reused_pages``: pages
-    that slid out of a window in this step and hold some of its new tokens."""
+    that slid out of a window in this step and hold some of its new tokens. The arrays stay as
+    they are while the step runs; once it ended, `decode_plan.DecodePlanner.repeat` may update
+    a plain decode step's token arrays and last-page lengths in place for the next one."""
 
     seq_ids: Tuple[int, ...]
     append_lengths: Tuple[int, ...]
