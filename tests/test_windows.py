@@ -11,6 +11,8 @@ import pytest
 import tvm
 
 import relax_kvcache as rk
+from relax_kvcache import metadata as md
+from relax_kvcache.config import LayerSpan
 from relax_kvcache.reference import attention
 
 from support.harness import Harness, layer_window_config, make_config
@@ -18,9 +20,12 @@ from support.workloads import wl_seq_windows
 from support.small_cache import CFG, assert_refused
 
 
+@pytest.mark.parametrize("rows_in_python", [0, md.WINDOW_ROWS_IN_PYTHON])
 @pytest.mark.parametrize("rope_mode", [rk.RopeMode.NONE, rk.RopeMode.NORMAL, rk.RopeMode.INLINE])
-def test_layer_windows_match_reference(rope_mode):
-    """Chunks longer than the window, decode, forks (prefixes at several depths), popn."""
+def test_layer_windows_match_reference(rope_mode, rows_in_python, monkeypatch):
+    """Chunks longer than the window, decode, forks (prefixes at several depths), popn; window
+    pages computed with numpy (0) and, for the few chunks of these steps, row by row."""
+    monkeypatch.setattr(md, "WINDOW_ROWS_IN_PYTHON", rows_in_python)
     cache = rk.PagedAttentionKVCache(layer_window_config(rope_mode=rope_mode), tvm.cpu())
     h = Harness(cache, np.random.default_rng(int(rope_mode) + 10))
     h.add(0)
@@ -37,6 +42,34 @@ def test_layer_windows_match_reference(rope_mode):
     h.popn(0, 5)
     h.step([(0, 1), (4, 1)])
     h.check_contents()
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_window_pages_row_by_row_equal_numpy(seed, monkeypatch):
+    """`metadata.windowed` row by row (small batches) gives what its numpy path gives: random page
+    lists (some empty), last-page lengths, starts and query positions, sliding windows and local
+    chunks, with and without the result of the step before to reuse."""
+    r = np.random.default_rng(seed)
+    page_size = int(r.choice([1, 4, 16]))
+    span = LayerSpan(window=int(r.integers(1, 80))) if r.random() < 0.5 else LayerSpan(chunk=int(r.integers(1, 80)))
+    rows = int(r.integers(1, 9))
+    npages = r.integers(0, 6, rows) * (r.random(rows) < 0.85)
+    page_indptr = np.concatenate([[0], np.cumsum(npages)]).astype(np.int32)
+    page_indices = r.permutation(int(page_indptr[-1]) + 4)[:int(page_indptr[-1])].astype(np.int32)
+    last = np.where(npages > 0, r.integers(1, page_size + 1, rows), 0).astype(np.int32)
+    starts = r.integers(0, 100, rows).astype(np.int32)
+    lengths = np.maximum(npages * page_size + last - page_size, 0)
+    positions = (starts + lengths - r.integers(0, 3, rows)).clip(0).astype(np.int32)
+    args = (page_indptr, page_indices, last, starts, positions, span, page_size)
+    results = []
+    for in_python in (md.WINDOW_ROWS_IN_PYTHON, 0):
+        monkeypatch.setattr(md, "WINDOW_ROWS_IN_PYTHON", in_python)
+        first = md.windowed(*args)
+        later = md.windowed(*args[:4], positions + 1, span, page_size, reuse=first)
+        results.append((first, later))
+    for (got, want) in zip(results[0], results[1]):
+        for a, b in zip((*dataclasses.astuple(got[0]), got[1]), (*dataclasses.astuple(want[0]), want[1])):
+            assert a.dtype == b.dtype == np.int32 and np.array_equal(a, b), (seed, a, b)
 
 
 def test_layer_window_longer_than_everything_is_plain_attention():

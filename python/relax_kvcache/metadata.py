@@ -287,6 +287,10 @@ def _window_info(lengths: List[int], lasts: List[Block]) -> Tuple[List[int], Lis
     return offsets, sinks
 
 
+#: Most chunks `windowed` takes row by row in Python (fewer numpy calls than rows above it).
+WINDOW_ROWS_IN_PYTHON = 8
+
+
 def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray, starts: np.ndarray,
              min_positions: np.ndarray, span: LayerSpan, page_size: int,
              reuse: Optional[Tuple[WindowPages, np.ndarray]] = None) -> Tuple[WindowPages, np.ndarray]:
@@ -294,6 +298,9 @@ def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: n
     page lists whose first keys are at ``starts``, and the whole pages dropped from each list.
     ``reuse``: the result for the same page lists and earlier queries, whose kept pages stand where
     the same pages drop. int32 throughout: positions and slots fit it (first visible > -2**31)."""
+    if len(starts) <= WINDOW_ROWS_IN_PYTHON:
+        return _windowed_rows(page_indptr, page_indices, last_page_len, starts, min_positions, span, page_size,
+                              reuse)
     i32 = np.int32
     page_indptr = np.asarray(page_indptr, dtype=i32)
     npages = page_indptr[1:] - page_indptr[:-1]
@@ -330,6 +337,34 @@ def windowed(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: n
         k_rope_pos_offset[empty] = 0
     return WindowPages(page_indptr=new_indptr, page_indices=np.asarray(kept, dtype=i32), length_info=length_info,
                        k_rope_pos_offset=k_rope_pos_offset), drop
+
+
+def _windowed_rows(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_len: np.ndarray,
+                   starts: np.ndarray, min_positions: np.ndarray, span: LayerSpan, page_size: int,
+                   reuse: Optional[Tuple[WindowPages, np.ndarray]]) -> Tuple[WindowPages, np.ndarray]:
+    """`windowed` chunk by chunk on Python ints (the same results)."""
+    ptr = np.asarray(page_indptr).tolist()
+    drop, info, k_rope_pos_offset = [], [[], [], []], []  # info: last page length, window offset, sink
+    for begin, end, last, start, position in zip(ptr, ptr[1:], np.asarray(last_page_len).tolist(),
+                                                 np.asarray(starts).tolist(), np.asarray(min_positions).tolist()):
+        skip = max(span.first_visible(position) - start, 0)
+        empty = begin == end or skip >= (end - begin - 1) * page_size + last  # no key of the chunk is visible
+        drop.append(end - begin if empty else skip // page_size)
+        info[0].append(0 if empty else last)
+        info[1].append(0 if empty else skip % page_size)
+        info[2].append(0)
+        k_rope_pos_offset.append(0 if empty else start + skip)
+    drops = np.array(drop, dtype=np.int32)
+    if reuse is not None and np.array_equal(drops, reuse[1]):
+        new_indptr, kept = reuse[0].page_indptr, reuse[0].page_indices
+    elif any(drop):
+        new_indptr = indptr([end - begin - d for begin, end, d in zip(ptr, ptr[1:], drop)])
+        kept = np.concatenate([page_indices[begin + d:end] for begin, end, d in zip(ptr, ptr[1:], drop)])
+    else:
+        new_indptr, kept = np.asarray(page_indptr, dtype=np.int32) - np.int32(ptr[0]), page_indices
+    return WindowPages(page_indptr=new_indptr, page_indices=np.asarray(kept, dtype=np.int32),
+                       length_info=np.array(info, dtype=np.int32),
+                       k_rope_pos_offset=np.array(k_rope_pos_offset, dtype=np.int32)), drops
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
