@@ -354,8 +354,7 @@ def _windowed_rows(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_
         info[1].append(0 if empty else skip % page_size)
         info[2].append(0)
         k_rope_pos_offset.append(0 if empty else start + skip)
-    drops = np.array(drop, dtype=np.int32)
-    if reuse is not None and np.array_equal(drops, reuse[1]):
+    if reuse is not None and reuse[1].tolist() == drop:
         new_indptr, kept = reuse[0].page_indptr, reuse[0].page_indices
     elif any(drop):
         new_indptr = indptr([end - begin - d for begin, end, d in zip(ptr, ptr[1:], drop)])
@@ -364,7 +363,7 @@ def _windowed_rows(page_indptr: np.ndarray, page_indices: np.ndarray, last_page_
         new_indptr, kept = np.asarray(page_indptr, dtype=np.int32) - np.int32(ptr[0]), page_indices
     return WindowPages(page_indptr=new_indptr, page_indices=np.asarray(kept, dtype=np.int32),
                        length_info=np.array(info, dtype=np.int32),
-                       k_rope_pos_offset=np.array(k_rope_pos_offset, dtype=np.int32)), drops
+                       k_rope_pos_offset=np.array(k_rope_pos_offset, dtype=np.int32)), np.array(drop, dtype=np.int32)
 
 
 def build_token_maps(paging: PagingState, structure: BatchStructure) -> Tuple[np.ndarray, np.ndarray]:
