@@ -33,11 +33,14 @@ def rows(cfg, ids, start, layer):
     return out
 
 
-def step(cache, seqs, chunks, with_ids=True):
-    """Append ``chunks[i]`` (token ids) to ``seqs[i]``; the outputs of each layer."""
+def step(cache, seqs, chunks, with_ids=True, shape_tuples=False):
+    """Append ``chunks[i]`` (token ids) to ``seqs[i]``; the outputs of each layer. ``shape_tuples``:
+    the batch passed as ``vm.builtin`` passes it (a repeated decode batch is updated in place)."""
     starts = [cache.get_sequence_length(s) for s in seqs]
     n = sum(map(len, chunks))
-    cache.begin_forward(seqs, [len(c) for c in chunks], token_ids=[t for c in chunks for t in c] if with_ids else None)
+    batch = (list(seqs), [len(c) for c in chunks])
+    cache.begin_forward(*(map(tvm.runtime.ShapeTuple, batch) if shape_tuples else batch),
+                        token_ids=[t for c in chunks for t in c] if with_ids else None)
     outs, cfg = [], cache.config
     for layer in range(cfg.num_layers):
         qkv = np.concatenate([rows(cfg, c, s, layer) for c, s in zip(chunks, starts)])

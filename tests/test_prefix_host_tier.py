@@ -37,7 +37,20 @@ def evict_everything(cache, seq, seed):
     cache.remove_sequence(seq)
 
 
-def round_trip(cfg, scales=None):
+def evict_by_decode(cache, seq, seed):
+    """`evict_everything` by one-token steps passed as ShapeTuples (as ``vm.builtin`` passes them):
+    the in-place decode path, whose page fills evict the cached pages."""
+    cache.add_sequence(seq)
+    step(cache, [seq], [prompt(seed, 3)], with_ids=False)
+    token = 0
+    while cache.prefix_cache_stats()["evictable_pages"]:
+        step(cache, [seq], [[token % 97]], with_ids=False, shape_tuples=True)
+        token += 1
+    assert cache._planner.decode.current is not None  # the steps were derived, not planned in full
+    cache.remove_sequence(seq)
+
+
+def round_trip(cfg, scales=None, evict=evict_everything):
     """A prompt computed, evicted to the host, loaded back and continued; and the same fresh."""
     cache = rk.PagedAttentionKVCache(cfg, tvm.cpu())
     fresh = rk.PagedAttentionKVCache(dataclasses.replace(cfg, prefix_caching=False, host_cache_pages=0), tvm.cpu())
@@ -50,7 +63,7 @@ def round_trip(cfg, scales=None):
     pages = [int(p) for p in cache._paging.position_map(0)[::cfg.page_size] // cfg.page_size][:5]
     stored = [[layer.numpy().view(np.uint8)[p].reshape(-1).copy() for p in pages] for layer in cache._pages]
     cache.remove_sequence(0)
-    evict_everything(cache, 1, 31)
+    evict(cache, 1, 31)
     stats = cache.prefix_cache_stats()
     assert stats["spilled_pages"] == stats["host_pages"] == 5 and stats["loaded_pages"] == 0
     on_host = {entry.depth: slot for slot, entry in cache._paging.host_pages()}
@@ -73,6 +86,10 @@ def round_trip(cfg, scales=None):
 
 def test_pages_back_from_the_host_equal_the_fresh_computation_bit_for_bit():
     round_trip(CFG)
+
+
+def test_pages_evicted_by_repeated_decode_steps_come_back_bit_for_bit():
+    round_trip(CFG, evict=evict_by_decode)
 
 
 def test_8bit_pages_back_from_the_host_equal_the_fresh_computation_bit_for_bit():
