@@ -165,13 +165,19 @@ def test_a_salted_sequence_registers_for_its_salt_only(cache):
     assert cache.add_sequence(2, ids + [0], salt=b"a") == 3 * PS
 
 
-def test_pages_registered_as_decode_fills_them_and_forks_keep_the_chain(cache):
+@pytest.mark.parametrize("shape_tuples", [False, True])
+def test_pages_registered_as_decode_fills_them_and_forks_keep_the_chain(cache, shape_tuples):
+    """Decode steps register the pages they fill; passed as ShapeTuples, the steps after the
+    second are updated in place (`DecodePlanner.repeat`) and register the same pages."""
     ids = prompt(6, PS - 3)
     cache.add_sequence(0, ids)
     step(cache, [0], [ids])
+    repeat, in_place = cache._planner.decode.repeat, []
+    cache._planner.decode.repeat = lambda *args: in_place.append(repeat(*args)) or in_place[-1]
     for token in prompt(7, PS + 3):  # decode: one token a step, the first page fills on the way
-        step(cache, [0], [[token]])
+        step(cache, [0], [[token]], shape_tuples=shape_tuples)
         ids.append(token)
+    assert (sum(s is not None for s in in_place) > PS) == shape_tuples
     cache.fork_sequence(0, 1, 2 * PS - 4)
     child = ids[:2 * PS - 4] + prompt(8, 6)
     step(cache, [1], [child[2 * PS - 4:]])

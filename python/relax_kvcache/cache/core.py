@@ -305,18 +305,17 @@ class PagedAttentionKVCache(StoredKVMethods):
         pages the step fills be registered when it ends; a sequence appended without ids (or
         in a token-tree step) stops registering. Ignored without prefix caching.
         """
-        decode, meta = self._planner.decode, None
-        if self._busy is None and self._step is None and token_tree_parent_ptr is None and token_ids is None:
-            meta = decode.repeat(self._paging, seq_ids, append_lengths)  # the same batch again, in place
-        if meta is None:
-            self._check_not_busy("begin_forward")
-            if self._step is not None:
-                raise ForwardError("begin_forward called while a step is active; call end_forward first")
-            ids = None
-            if self._paging.prefix_caching and token_ids is not None:
-                ids = prefix.check_step_tokens(seq_ids, append_lengths, token_tree_parent_ptr, token_ids)
+        self._check_not_busy("begin_forward")
+        if self._step is not None:
+            raise ForwardError("begin_forward called while a step is active; call end_forward first")
+        ids = None
+        if self._paging.prefix_caching and token_ids is not None:
+            ids = prefix.check_step_tokens(seq_ids, append_lengths, token_tree_parent_ptr, token_ids)
+        decode = self._planner.decode
+        meta = None if token_tree_parent_ptr is not None else decode.repeat(self._paging, seq_ids, append_lengths)
+        if meta is None:  # not the same decode batch again (updated in place)
             meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
-            self._step_tokens = ids
+        self._step_tokens = ids
         self._sync_host()  # pages taken may have evicted cached pages to the host tier
         self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
                                           tokens=decode.plain_tokens(meta))
