@@ -192,12 +192,12 @@ class AuxBuffer:
         elif not self._on_cpu and count:
             self.view((count,), 0).copyfrom(self._host[:count])
 
-    def writer(self, arrays: Sequence[np.ndarray], offsets: Sequence[int]) -> Callable[[], None]:
-        """A function that does ``write(arrays, offsets)`` again (1-D arrays the caller updates in
-        place); on CPU, where the host buffer is the device's, a plain copy of a single array."""
-        if self._on_cpu and len(arrays) == 1:
-            return functools.partial(np.copyto, self._host[offsets[0]:offsets[0] + arrays[0].size], arrays[0])
-        return functools.partial(self.write, list(arrays), list(offsets))
+    def writer(self, array: np.ndarray, offset: int) -> Callable[[], None]:
+        """A function that does ``write([array], [offset])`` again (a 1-D array the caller updates
+        in place); on CPU, where the host buffer is the device's, a plain copy."""
+        if self._on_cpu:
+            return functools.partial(np.copyto, self._host[offset:offset + array.size], array)
+        return functools.partial(self.write, [array], [offset])
 
 
 class SlotBuffer:
@@ -247,13 +247,13 @@ class SlotBuffer:
 
     def rewrite(self, runs: Sequence[Tuple[int, np.ndarray, Sequence[np.ndarray]]]) -> None:
         """Write each run ``(i, block, arrays)``: ``block`` (1-D) over the slots from ``i``, which
-        then hold ``arrays``, as many as the slots it fills exactly (the caller's promise: each
-        array is as large as its slot and ``block`` is their concatenation)."""
+        then hold ``arrays`` (the caller's promise: ``block`` is their concatenation, each array
+        as large as its slot, or a single array that `fits` slot ``i``)."""
         self._buffer.write([block for _, block, _ in runs], [self._offsets[i] for i, _, _ in runs])
         for i, _, arrays in runs:
             self._written[i:i + len(arrays)] = arrays
 
-    def rewriter(self, slots: Sequence[Tuple[int, np.ndarray]]) -> Callable[[], None]:
-        """A function that writes each ``(i, block)`` of ``slots`` over the slots from ``i``
-        again (`rewrite`), for blocks the caller updates in place (the slots hold them already)."""
-        return self._buffer.writer([block for _, block in slots], [self._offsets[i] for i, _ in slots])
+    def rewriter(self, i: int, block: np.ndarray) -> Callable[[], None]:
+        """A function that writes ``block`` over the slots from ``i`` again (`rewrite`), for a
+        block the caller updates in place (the slots hold its arrays already)."""
+        return self._buffer.writer(block, self._offsets[i])

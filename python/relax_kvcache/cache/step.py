@@ -215,7 +215,7 @@ class StepUploader:
         buffer.rewrite(runs)
         self._plain_placed = md.evolve(slots[1], meta=meta, appended=set())
         if self._rewrite_plain[0] is not tokens or self._rewrite_plain[1] is not buffer:
-            self._rewrite_plain = (tokens, buffer, buffer.rewriter([(0, tokens)]))
+            self._rewrite_plain = (tokens, buffer, buffer.rewriter(0, tokens))
         return self._plain_placed
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
