@@ -63,7 +63,7 @@ def test_cli_build_reports_what_it_built(cpu_library):
     path, out = cpu_library
     assert path.is_file()
     assert f"built {path} (" in out
-    assert "15 kernels for llvm" in out and "float32, 4/2 heads, head_dim 32, page 16" in out
+    assert "16 kernels for llvm" in out and "float32, 4/2 heads, head_dim 32, page 16" in out
     assert "kernels: " + ", ".join(rk.KERNEL_ROLES) in out
 
 

@@ -11,6 +11,7 @@ import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
+from relax_kvcache.tensors import view
 from support.small_cache import CFG, assert_refused, create_with, one_sequence_cache, rand, run_step
 from support.snapshot import assert_same as _assert_same, snapshot as _snapshot
 
@@ -536,3 +537,42 @@ def test_factor_values_must_be_numbers(factors):
     with pytest.raises(rk.ConfigError, match="must hold numbers"):
         rk.KVCacheConfig(num_layers=1, num_qo_heads=4, num_kv_heads=2, head_dim=16, rope_ext_factors=factors,
                          rope_original_max_position_embeddings=8)
+
+
+def test_fused_qkv_check_of_our_library_refuses_what_the_python_checks_refuse(cache):
+    """Our libraries check ``attention_with_fused_qkv``'s tensors in one host call
+    (``check_fused_qkv``): it passes the step's tensors and refuses each wrong one; the cache
+    then names the argument (the Python checks) and changes nothing."""
+    check = cache._kernels.check_fused_qkv
+    assert check is not None, "our MHA library has no check_fused_qkv"
+    cache.begin_forward([0, 1], [1, 1])
+    positions = cache._step.device.q_rope_position
+    good_qkv, good_o = rand((2, 8, 32)), rand((2, 4, 32))
+    check(good_qkv, good_o, positions)
+    base = tvm.runtime.empty((2 * 8 * 32 + 64,), "float32")
+    wrong = {"dtype": (rand((2, 8, 32), "float16"), good_o, "float16"),
+             "heads": (rand((2, 9, 32)), good_o, r"\(\*, 8, 32\)"),
+             "o rows": (good_qkv, rand((3, 4, 32)), r"\(2, 4, 32\)"),
+             "device": (good_qkv, tvm.runtime.empty((2, 4, 32), "float32", tvm.cpu(1)), "cpu:1"),
+             "byte offset": (view(base, (2, 8, 32), 64), good_o, "offset")}
+    for name, (qkv, o, fragment) in wrong.items():
+        with pytest.raises(Exception):
+            check(qkv, o, positions)
+        assert_refused(cache, lambda: cache.attention_with_fused_qkv(0, qkv, o, 0.1), rk.KVCacheError, fragment)
+    # qkv / o with more rows than the step's tokens: refused by the library check, then served
+    # by views of their first rows
+    o = tvm.runtime.tensor(np.full((3, 4, 32), np.nan, "float32"))
+    cache.attention_with_fused_qkv(0, rand((3, 8, 32)), o, 0.1)
+    assert np.isfinite(o.numpy()[:2]).all() and np.isnan(o.numpy()[2]).all()
+    cache.end_forward()
+
+
+def test_fused_qkv_fast_path_runs_no_python_tensor_check(cache, monkeypatch):
+    """With our library, a call whose tensors pass ``check_fused_qkv`` skips the Python checks."""
+    monkeypatch.setattr(cache._tensor_checks, "fused_qkv", lambda *a: pytest.fail("Python check ran"))
+    cache.begin_forward([0, 1], [1, 1])
+    for layer in range(CFG.num_layers):
+        o = tvm.runtime.tensor(np.full((2, 4, 32), np.nan, "float32"))
+        cache.attention_with_fused_qkv(layer, rand((2, 8, 32)), o, 0.1)
+        assert np.isfinite(o.numpy()).all()
+    cache.end_forward()

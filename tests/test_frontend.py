@@ -74,6 +74,8 @@ def test_create_kv_cache_makes_our_cache(vm):
     # the frontend passes the prefixed prefill kernel (30th argument): prefill steps of plain
     # sequences take the cache's own path (append, then one causal paged pass)
     assert callable(cache._kernels.attention_prefill_prefixed)
+    # and check_fused_qkv (31st): attention_with_fused_qkv checks its tensors in one host call
+    assert callable(cache._kernels.check_fused_qkv)
 
 
 def test_fused_attention_matches_float64_reference(vm):

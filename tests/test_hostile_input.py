@@ -866,8 +866,8 @@ def test_hostile_creation_arguments(kernel_sets):
     for _ in range(CASES * 6):
         args = create_args(kernels)
         if rng.random() < 0.05:
-            n = int(rng.choice([0, 27, 31]))
-            args, index, words, hostile = (args + [None, None, None])[:n], None, ("28, 29 or 30",), Hostile("arity", n)
+            n = int(rng.choice([0, 27, 32]))
+            args, index, words, hostile = (args + [None] * 4)[:n], None, ("28 to 31",), Hostile("arity", n)
         else:
             index = sorted(table)[rng.integers(len(table))]
             words, pool = table[index]

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import tvm
 import tvm_ffi
 
 import relax_kvcache as rk
 from support.harness import layer_window_config
-from support.small_cache import CFG, assert_refused, create_args, create_with, one_sequence_cache
+from support.small_cache import CFG, assert_refused, create_args, create_with, one_sequence_cache, rand
 
 
 @pytest.fixture()
@@ -197,6 +198,27 @@ def test_the_prefixed_kernel_as_30th_creation_argument_is_checked(cache):
             create(*create_args(k), [], value)
     fresh = create(*create_args(k), [], ["tirx", k.attention_prefill_prefixed])
     assert fresh._kernels.attention_prefill_prefixed is not None and fresh.empty()
+
+
+def test_check_fused_qkv_as_31st_creation_argument(cache):
+    """Our 31st creation argument (``check_fused_qkv``, which the frontend passes): a function of
+    another parameter count is refused naming the argument; the right one is taken and checks
+    ``attention_with_fused_qkv``'s tensors (a wrong one still gets the error naming it)."""
+    from relax_kvcache.ffi_registry.create import paged_attention_kv_cache_create as create
+
+    k = cache._kernels
+    with pytest.raises(rk.ConfigError, match=r"argument 30 \(f_check_fused_qkv\) is a kernel of 4 parameters"):
+        create(*create_args(k), [], [], k.merge_inplace)
+    assert create(*create_args(k)).__dict__["_fused_qkv_check"] is None
+    fresh = create(*create_args(k), [], [], k.check_fused_qkv)
+    assert fresh._fused_qkv_check is k.check_fused_qkv
+    fresh.add_sequence(0)
+    fresh.begin_forward([0], [3])
+    o = tvm.runtime.tensor(np.full((3, 4, 32), np.nan, "float32"))
+    fresh.attention_with_fused_qkv(0, rand((3, 8, 32)), o, 0.1)
+    assert np.isfinite(o.numpy()).all()
+    with pytest.raises(rk.ForwardError, match=r"qkv has shape \(3, 9, 32\)"):
+        fresh.attention_with_fused_qkv(1, rand((3, 9, 32)), o, 0.1)
 
 
 def test_kernels_in_the_wrong_role_are_refused_at_creation(cache):

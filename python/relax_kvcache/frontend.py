@@ -142,9 +142,10 @@ class PagedKVCache(nn.Object):
             rx.Tuple(merges),
             function("split_rotary"), kernels["copy_single_page"], kernels["debug_get_kv"],
             function("compact_copy"),
-            # 29th and 30th arguments (TVM's creation ignores them): the windowed ragged kernel of
-            # local layers, the prefixed prefill kernel
+            # 29th to 31st arguments (TVM's creation ignores them): the windowed ragged kernel of
+            # local layers, the prefixed prefill kernel, the check of attention_with_fused_qkv
             attention("attention_prefill_ragged_sliding_window"), attention("attention_prefill_prefixed"),
+            function("check_fused_qkv"),
         ]
         return cls(_expr=rx.call_pure_packed(CREATE, *args, ty_args=rx.AnyType()), _name=name)
 

@@ -22,8 +22,9 @@ class Factory(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Role:
     """One kernel role: a KernelSet field and library function ``name``, its creation ``argument``
-    (None: not one), TVM's ``parameters`` counts (empty: ours only), our factories, and the
-    multi-head spec attribute it ``requires`` (None: always there)."""
+    (None: not one), TVM's ``parameters`` counts (empty: ours only), our factories, the
+    multi-head spec attribute it ``requires`` (None: always there), and whether it is a ``host``
+    function (no device kernel)."""
 
     name: str
     argument: Optional[int]
@@ -32,6 +33,7 @@ class Role:
     mha: Optional[Factory] = None
     mla: Optional[Factory] = None
     requires: Optional[str] = None
+    host: bool = False
 
 
 #: Every role, in the order the cache uses them.
@@ -66,11 +68,17 @@ CATALOGUE: Tuple[Role, ...] = (
     Role("attention_prefill_prefixed", 29, "f_attention_prefill_prefixed", (17,),
          mha=Factory("make_prefixed_prefill", "attention")),
     Role("attention_prefill_mla", 22, "f_mla_prefill", (10,), mla=Factory("make_paged_mla", "absorbed")),
+    #: ours only (a 31st creation argument): ``check_fused_qkv(qkv, o, position_map)``, a host
+    #: function whose argument binding checks an ``attention_with_fused_qkv`` call's tensors
+    Role("check_fused_qkv", 30, "f_check_fused_qkv", (3,), mha=Factory("make_fused_qkv_check", "rope"),
+         host=True),
 )
 
 ROLES: Dict[str, Role] = {role.name: role for role in CATALOGUE}
 #: Roles of the kernels of a multi-head set, in the order the cache uses them.
 KERNEL_ROLES: Tuple[str, ...] = tuple(role.name for role in CATALOGUE if role.mha)
+#: Roles of host functions (no device kernel).
+HOST_ROLES: Tuple[str, ...] = tuple(role.name for role in CATALOGUE if role.host)
 #: Roles of the kernels of an MLA set (``debug_get_kv`` with the latent layout).
 MLA_KERNEL_ROLES: Tuple[str, ...] = tuple(role.name for role in CATALOGUE if role.mla)
 #: argument index -> (role, TVM's name for it)

@@ -44,6 +44,8 @@ class KernelSet:
     attention_prefill_mla: Optional[Function] = None
     #: ours only: attention over a cached prefix and the step's own K/V in one kernel
     attention_prefill_prefixed: Optional[Function] = None
+    #: ours only: checks ``attention_with_fused_qkv``'s tensors in one host call
+    check_fused_qkv: Optional[Function] = None
     #: :func:`relax_kvcache.build.kernel_identity` pairs of the config the kernels were built
     #: for; set only by :meth:`from_module` (a replaced or foreign set is probed instead)
     identity: Optional[Tuple[Tuple[str, float], ...]] = dataclasses.field(default=None, init=False)
@@ -70,13 +72,14 @@ class KernelSet:
     @classmethod
     def from_creation_args(cls, args: Sequence[Any], quantized: bool = False) -> "KernelSet":
         """Kernels from the positional arguments 13..27 of ``paged_attention_kv_cache_create``
-        and the optional 29th and 30th (ours: the windowed ragged kernel, the prefixed prefill
-        kernel); a kernel whose parameter count is not its role's is refused, naming its argument."""
+        and the optional 29th to 31st (ours: the windowed ragged kernel, the prefixed prefill
+        kernel, ``check_fused_qkv``); a kernel whose parameter count is not its role's is refused,
+        naming its argument."""
         merges = _list(args[23], 23)
         if not merges:
             raise ConfigError("paged_attention_kv_cache_create: argument 23 (merge functions) is "
                               "empty; at least one merge_inplace function is required")
-        kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or index >= 28 else
+        kernels = {index: (_attention(args[index], index) if 15 <= index <= 22 or 28 <= index <= 29 else
                            None if args[index] is None else _function(args[index], index))
                    for index in roles.CREATION_KERNELS if index != 23 and index < len(args)}
         kernels[25] = _function(args[25], 25)

@@ -79,6 +79,7 @@ class MHAAttention(Attention):
         self._split_rope_argument = split_rotary_rope_argument(config, device)
         self._rope = (self.rotary_mode, config.rope_scale, config.rope_theta)  # kernel arguments before sm_scale
         self._sliding = tuple(windowed or config.slides_sequences for windowed in self.windowed)
+        self._decode: Tuple[Optional[Step], Tuple[Any, ...]] = (None, ())  # (step, its _decode_launches)
 
     def tree_refusal(self) -> Optional[KVCacheError]:
         cfg = self.config
@@ -97,8 +98,15 @@ class MHAAttention(Attention):
                   sm_scale: float) -> None:
         """Split ``qkv`` (n rows), append its K/V and attend (the order the step's plan says)."""
         k, dev = self.kernels, step.device
-        k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
+        if step is not self._decode[0]:
+            self._decode = (step, self._decode_launches(step))
         pages, scales = self.pages[layer], self._scale_args[layer]
+        decode = self._decode[1][layer]
+        k.split_rotary(qkv, dev.q_rope_position, dev.q, dev.k, dev.v, self._split_rope_argument)
+        if decode is not None:  # a plain decode step: append, then one decode kernel
+            k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
+            decode[0](dev.q, pages, *decode[1], o, dev.merged_lse, *self._rope, sm_scale, *scales)
+            return
         if step.meta.append_before_attn:  # then attention reads the new K/V from the pages
             k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
             self.paged(step, layer, dev.q, o, dev.merged_lse, sm_scale, first=True)
@@ -111,6 +119,24 @@ class MHAAttention(Attention):
         else:
             self.attend(step, layer, dev.q, dev.k, dev.v, o, dev.merged_lse, sm_scale)
             k.transpose_append(pages, dev.k, dev.v, dev.append_position, *scales)
+
+    def _decode_launches(self, step: Step) -> Tuple[Any, ...]:
+        """Per layer, ``(decode kernel, its page views and q_rope_position)`` where the step
+        attends by one decode kernel after appending (decode steps of one page depth); else None."""
+        dev = step.device
+        plain = (step.meta.append_before_attn and len(dev.depths) == 1 and dev.depths[0].use_decode_kernel
+                 and dev.depths[0].tree is None)
+        launches = []
+        for windowed, sliding in zip(self.windowed, self._sliding):
+            views = dev.depths_with_pages(windowed)
+            if not plain or len(views) != 1:
+                launches.append(None)
+                continue
+            v = views[0][1]
+            f = self.kernels.attention_decode_sliding_window if sliding else self.kernels.attention_decode
+            launches.append((f, (v.page_indptr, v.page_indices, v.length_info, v.k_rope_pos_offset,
+                                 dev.q_rope_position)))
+        return tuple(launches)
 
     def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""

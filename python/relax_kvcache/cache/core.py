@@ -19,7 +19,7 @@ from ..kernel_probe import ProbeCache, check_kernels
 from ..kernel_set import KernelSet
 from ..paging import PageCopy, PagingState
 from ..runtime import default_target
-from ..tensors import allocate, check_disjoint, check_tensor, view
+from ..tensors import DATA_ALIGNMENT, TENSOR_TYPES, allocate, check_disjoint, check_tensor
 from . import commit, prefix
 from .attention import Attention, MHAAttention
 from .debug import DebugReader
@@ -97,7 +97,6 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._host = HostPages(self._pages, config.host_cache_pages, device) if config.host_cache_pages else None
         self._kv_scales = KVScales(config, device)
         self._scratch = Scratch.allocate(config, device)
-        self._dtype = self._scratch.o.dtype
         self._attention: Attention = (
             MLAAttention(config, kernels, self._pages, self._paging, device, self._callback, self._kv_scales.args,
                          lazy_workspace=lazy_workspace) if config.is_mla
@@ -107,6 +106,8 @@ class PagedAttentionKVCache(StoredKVMethods):
         self._step: Optional[Step] = None
         self._step_tokens: Optional[list] = None  # prefix caching: the step's token ids, if given
         self._tensor_checks = TensorChecks(config.dtype, device)
+        self._fused_qkv_check = kernels.check_fused_qkv
+        self._qkv_heads = (config.num_qo_heads, config.num_kv_heads, config.head_dim)
         self._busy: Optional[str] = None  # the callback of ours running now, if any
         self._checkpoints = CheckpointIO(config, layer_offset, kernels, device, self._paging, self._pages,
                                          self._require_no_step, self._kv_scales)
@@ -384,17 +385,17 @@ class PagedAttentionKVCache(StoredKVMethods):
         mha = self._attention
         if not isinstance(mha, MHAAttention):
             self._component("attention_with_fused_qkv", MHAAttention)  # raises
-        cfg = self.config
         layer = self._local_layer(layer_id)
         step = self._active_step("attention_with_fused_qkv")
-        n, hq, d = step.total_tokens, cfg.num_qo_heads, cfg.head_dim
-        rows = self._tensor_checks.rows("qkv", qkv, (hq + 2 * cfg.num_kv_heads, d))
-        self._tensor_checks.shape("o", o, (rows, hq, d))
-        if rows < n:
-            raise ForwardError(f"qkv has {rows} rows, fewer than the {n} tokens of the step")
-        if rows != n:
-            width = hq + 2 * cfg.num_kv_heads
-            qkv, o = view(qkv, (n, width, d), 0, self._dtype), view(o, (n, hq, d), 0, self._dtype)
+        heads, check = self._qkv_heads, self._fused_qkv_check
+        if (check is not None and isinstance(qkv, TENSOR_TYPES) and isinstance(o, TENSOR_TYPES)
+                and not (qkv.data_ptr() | o.data_ptr()) % DATA_ALIGNMENT):
+            try:  # our libraries' check (one host call; it does not check alignment) where rows == n
+                check(qkv, o, step.device.q_rope_position)
+            except Exception as error:  # noqa: BLE001 - checked again, for the error naming the argument
+                qkv, o = self._tensor_checks.fused_qkv(step.total_tokens, qkv, o, heads, error)
+        else:
+            qkv, o = self._tensor_checks.fused_qkv(step.total_tokens, qkv, o, heads)
         if type(sm_scale) is not float or not -FLOAT32_MAX <= sm_scale <= FLOAT32_MAX:  # fast path of as_float
             sm_scale = as_float("sm_scale", sm_scale)
         if step.meta.reused_pages:

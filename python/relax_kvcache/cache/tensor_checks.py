@@ -10,7 +10,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import tvm
 
-from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields, raw_words
+from ..errors import ForwardError
+from ..tensors import DATA_ALIGNMENT, RAW_READABLE, TENSOR_TYPES, check_tensor, raw_fields, raw_words, view
 
 
 class TensorChecks:
@@ -43,6 +44,23 @@ class TensorChecks:
         if got is not None and got[1:] == tail:
             return got[0]
         return self.shape(name, value, (None, *tail))[0]
+
+    def fused_qkv(self, n: int, qkv: Any, o: Any, heads: Tuple[int, int, int],
+                  error: Optional[Exception] = None) -> Tuple[Any, Any]:
+        """``qkv (m, Hq + 2 Hkv, D)`` and ``o (m, Hq, D)`` of an ``attention_with_fused_qkv`` step
+        of ``n <= m`` tokens (``heads``: Hq, Hkv, D), as their first ``n`` rows (views where
+        ``m > n``); else the error naming what is wrong, or ``error`` (what the library's check
+        raised) where nothing here is."""
+        hq, hkv, d = heads
+        rows = self.rows("qkv", qkv, (hq + 2 * hkv, d))
+        self.shape("o", o, (rows, hq, d))
+        if rows < n:
+            raise ForwardError(f"qkv has {rows} rows, fewer than the {n} tokens of the step")
+        if rows == n:
+            if error is not None:
+                raise error
+            return qkv, o
+        return view(qkv, (n, hq + 2 * hkv, d)), view(o, (n, hq, d))
 
     def _known(self, name: str, value: Any) -> Optional[Tuple[int, ...]]:
         """The shape of the tensor last remembered as ``name``, or of a new one whose raw fields

@@ -1,5 +1,5 @@
 """``relax_kvcache.paged_attention_kv_cache_create``: TVM 0.27's creation arguments (docs/api.md)
-plus ours (a 7th to 10th ``cache_config`` entry, a 29th and a 30th argument), our cache."""
+plus ours (a 7th to 10th ``cache_config`` entry, a 29th to 31st argument), our cache."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def paged_attention_kv_cache_create(*args: Any) -> PagedAttentionKVCache:
     strings), flags bools or 0/1; a wrong type raises ``ArgumentError``, a bad value
     ``ConfigError`` (``NotImplementedError`` for features relax_kvcache lacks).
     """
-    if len(args) not in (28, 29, 30):
-        raise ArgumentError("paged_attention_kv_cache_create takes 28, 29 or 30 arguments, got "
+    if not 28 <= len(args) <= 31:
+        raise ArgumentError("paged_attention_kv_cache_create takes 28 to 31 arguments, got "
                             f"{len(args)}")
     cache_config = as_int_list("cache_config (argument 0)", args[0], max_len=10, error=ConfigError)
     if len(cache_config) not in (5, 6, 7, 8, 9, 10):

@@ -19,7 +19,7 @@ from .page_ops import (
     make_transpose_append,
     make_transpose_append_mla,
 )
-from .rope import make_split_rotary
+from .rope import make_fused_qkv_check, make_split_rotary
 from .schedule import CpuSchedule, schedule_for
 from .spec import AttentionSpec, LatentPageSpec, LayerSpan, LongRopeSpec, MergeSpec, PageLayoutSpec, RopeSplitSpec
 
@@ -37,6 +37,7 @@ __all__ = [
     "make_copy_single_page_mla",
     "make_debug_get_kv",
     "make_debug_get_kv_mla",
+    "make_fused_qkv_check",
     "make_merge_inplace",
     "make_paged_decode",
     "make_paged_mla",

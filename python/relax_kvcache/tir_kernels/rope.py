@@ -229,3 +229,23 @@ def make_split_rotary(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
         split(var_qkv, var_position_map, var_q, var_k, var_v, apply_rope != 0, 0)
 
     return split_rotary
+
+
+def make_fused_qkv_check(spec: RopeSplitSpec, sched: Schedule) -> tirx.PrimFunc:
+    """``check_fused_qkv(qkv, o, position_map)``: does nothing; its argument binding checks (dtype,
+    device, shape, contiguity, no byte offset) that ``qkv (n, Hq + 2 Hkv, D)`` and ``o (n, Hq, D)``
+    fit a step of ``n = len(position_map)`` tokens, in one host call (``attention_with_fused_qkv``;
+    the same on every target: ``sched`` is not used)."""
+    Hq, Hkv, D, dtype = spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+
+    @T.prim_func(s_tir=True)
+    def check_fused_qkv(var_qkv: T.handle, var_o: T.handle, var_position_map: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int32()
+        off_pos = T.int32()
+        T.match_buffer(var_qkv, (n, Hq + 2 * Hkv, D), dtype)
+        T.match_buffer(var_o, (n, Hq, D), dtype)
+        T.match_buffer(var_position_map, (n,), "int32", elem_offset=off_pos)
+        T.evaluate(0)
+
+    return check_fused_qkv
