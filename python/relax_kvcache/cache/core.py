@@ -306,24 +306,25 @@ class PagedAttentionKVCache(StoredKVMethods):
         pages the step fills be registered when it ends; a sequence appended without ids (or
         in a token-tree step) stops registering. Ignored without prefix caching.
         """
-        self._check_not_busy("begin_forward")
-        if self._step is not None:
-            raise ForwardError("begin_forward called while a step is active; call end_forward first")
+        if self._busy is not None or self._step is not None:
+            self._require_no_step("begin_forward")  # raises
         ids = None
-        if self._paging.prefix_caching and token_ids is not None:
+        if token_ids is not None and self._paging.prefix_caching:
             ids = prefix.check_step_tokens(seq_ids, append_lengths, token_tree_parent_ptr, token_ids)
         decode = self._planner.decode
         meta = None if token_tree_parent_ptr is not None else decode.repeat(self._paging, seq_ids, append_lengths)
         if meta is None:  # not the same decode batch again (updated in place)
             meta = self._planner.plan(seq_ids, append_lengths, token_tree_parent_ptr, self._checkpoints.importing_id)
         self._step_tokens = ids
-        self._sync_host()  # pages taken may have evicted cached pages to the host tier
-        self._step = self._uploader.place(meta, repeated_decode=self._planner.is_repeated_decode(meta),
-                                          tokens=decode.plain_tokens(meta))
+        if self._host is not None:  # pages taken may have evicted cached pages to the host tier
+            self._sync_host()
+        self._step = self._uploader.reuse(meta) or self._uploader.place(
+            meta, repeated_decode=self._planner.is_repeated_decode(meta), tokens=decode.plain_tokens(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""
-        self._check_not_busy("end_forward")
+        if self._busy is not None:
+            self._check_not_busy("end_forward")  # raises
         step = self._step
         if step is not None and self._paging.prefix_caching:  # an interrupted step registers nothing
             complete = len(step.appended) == self.config.num_layers

@@ -151,17 +151,22 @@ class StepUploader:
         # (its token array, slots, a function that writes the array to the slots again)
         self._rewrite_plain: Tuple[Any, Any, Callable[[], None]] = (None, None, lambda: None)
 
+    def reuse(self, meta: md.StepMetadata) -> Optional[Step]:
+        """The step before, its token block written to the slots again, when ``meta`` is its
+        metadata updated in place (`DecodePlanner.repeat`); else None (then `place`)."""
+        last = self._plain_placed
+        if last is None or last.meta is not meta:
+            return None
+        self._rewrite_plain[2]()
+        last.appended.clear()
+        return last
+
     def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
         ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots.
         ``tokens``: ``meta`` is the step before's with new token arrays and last-page lengths of
         its only depth, the concatenation ``tokens`` (`DecodePlanner.plain_tokens`), which may
         change in place."""
-        last = self._plain_placed
-        if last is not None and last.meta is meta:  # the step before, updated in place (`DecodePlanner.repeat`)
-            self._rewrite_plain[2]()
-            last.appended.clear()
-            return last
         self._plain_placed = None
         if tokens is not None:
             step = self._place_plain(meta, tokens)
