@@ -10,7 +10,7 @@ import tvm
 from ..config import LOCAL_KINDS, KVCacheConfig, RopeMode
 from ..errors import ForwardError, KVCacheError
 from ..kernel_set import KernelSet, split_rotary_rope_argument
-from .step import DepthViews, PageViews, Step
+from .step import DepthViews, DeviceStep, PageViews, Step
 
 
 class Attention:
@@ -126,17 +126,15 @@ class MHAAttention(Attention):
         dev = step.device
         plain = (step.meta.append_before_attn and len(dev.depths) == 1 and dev.depths[0].use_decode_kernel
                  and dev.depths[0].tree is None)
-        launches = []
-        for windowed, sliding in zip(self.windowed, self._sliding):
-            views = dev.depths_with_pages(windowed)
-            if not plain or len(views) != 1:
-                launches.append(None)
-                continue
-            v = views[0][1]
-            f = self.kernels.attention_decode_sliding_window if sliding else self.kernels.attention_decode
-            launches.append((f, (v.page_indptr, v.page_indices, v.length_info, v.k_rope_pos_offset,
-                                 dev.q_rope_position)))
-        return tuple(launches)
+        with_pages = [dev.depths_with_pages(windowed) for windowed in self.windowed]
+        return tuple(self._decode_launch(sliding, depths[0][1], dev) if plain and len(depths) == 1 else None
+                     for sliding, depths in zip(self._sliding, with_pages))
+
+    def _decode_launch(self, sliding: bool, views: PageViews, dev: DeviceStep) -> Tuple[Any, Tuple[Any, ...]]:
+        """``(decode kernel, its arguments after q and the pages, up to q_rope_position)``."""
+        f = self.kernels.attention_decode_sliding_window if sliding else self.kernels.attention_decode
+        return f, (views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
+                   dev.q_rope_position)
 
     def attend(self, step: Step, layer: int, q, k, v, o, lse, sm_scale: float) -> None:
         """Attention of q over a layer's cached KV and the step's k/v, into (o, lse)."""
@@ -177,9 +175,8 @@ class MHAAttention(Attention):
         sliding = self._sliding[layer]
         pages, scales = self.pages[layer], self._scale_args[layer]
         if depth.use_decode_kernel and depth.tree is None:
-            f = k.attention_decode_sliding_window if sliding else k.attention_decode
-            f(q, pages, views.page_indptr, views.page_indices, views.length_info, views.k_rope_pos_offset,
-              dev.q_rope_position, o, lse, *self._rope, sm_scale, *scales)
+            f, args = self._decode_launch(sliding, views, dev)
+            f(q, pages, *args, o, lse, *self._rope, sm_scale, *scales)
             return
         rope: Tuple[Any, ...] = (*self._rope, sm_scale)
         if depth.tree is not None:
