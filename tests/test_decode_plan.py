@@ -43,7 +43,9 @@ class Twin:
                                    for k in config.attn_kinds]
         self.full = cache_factory(config)
         self.full._planner.decode.next_step = lambda *args: None
+        self.full._planner.decode.fresh = lambda *args: None
         self.incremental_steps = 0
+        self.fresh_steps = 0
         self.depths_seen = set()
         planner = self.h.cache._planner.decode
         original = planner.next_step
@@ -66,6 +68,14 @@ class Twin:
             return step
 
         planner.repeat = counted_repeat
+        fresh = planner.fresh
+
+        def counted_fresh(*args):
+            step = fresh(*args)
+            self.fresh_steps += step is not None
+            return step
+
+        planner.fresh = counted_fresh
 
     def op(self, name, *args):
         getattr(self.h, name)(*args)
@@ -150,6 +160,8 @@ def test_repeated_decode_matches_full_planning(cache_factory, name):
     _decode_runs(t, np.random.default_rng(5), rounds=8)
     assert t.incremental_steps > 40  # the runs really took the incremental path
     assert t.depths_seen == {1, 2}  # with and without shared prefixes
+    # new batches of single-block sequences are planned from their blocks (not with local layers)
+    assert (t.fresh_steps > 3) == (name not in LOCAL)
 
 
 @pytest.mark.parametrize("name", CHECKED)
@@ -183,10 +195,39 @@ def test_incremental_step_that_runs_out_of_pages_changes_nothing(cache_factory, 
     assert cache._step is None
     assert t.in_place_steps == in_place and (in_place > 5) == shape_tuples
     t.op("remove", 2)
-    steps = t.incremental_steps
+    fresh, repeated = t.fresh_steps, t.incremental_steps + t.in_place_steps
     t.step([(0, 1), (1, 1)])
     t.step([(0, 1), (1, 1)])
-    assert t.incremental_steps == steps + 1  # a new batch is planned in full once
+    # a new batch is planned from its blocks once, then repeated
+    assert (t.fresh_steps, t.incremental_steps + t.in_place_steps) == (fresh + 1, repeated + 1)
+    t.h.check_contents()
+
+
+@pytest.mark.parametrize("shape_tuples", [False, True])
+def test_new_batch_that_runs_out_of_pages_changes_nothing(cache_factory, shape_tuples):
+    """A new decode batch planned from its blocks (`DecodePlanner.fresh`) that needs more pages
+    than are free is refused as the full planner refuses it, and changes nothing."""
+    cfg = dataclasses.replace(CONFIGS["fp32-gqa-normal"], max_total_seq_len=6 * 16, max_num_seqs=4)  # 7 pages
+    t = Twin(cache_factory, cfg, seed=4, shape_tuples=shape_tuples)
+    for s in range(3):
+        t.op("add", s)
+    t.step([(0, 32), (1, 32), (2, 31)])  # 6 pages used, 1 free
+    t.op("popn", 2, 0)  # nothing changes
+    cache = t.h.cache
+    before, planner = cache._paging.debug_snapshot(), cache._planner.decode
+    batch = [[1, 0, 2], [1, 1, 1]]  # another batch: 0 and 1 need a page each
+    for args in ([ShapeTuple(b) for b in batch] if shape_tuples else batch, batch):
+        with pytest.raises(rk.CacheFullError, match=r"append to 3 sequence\(s\): 2 page\(s\) needed, 1 free"):
+            cache.begin_forward(*args)
+        assert cache._paging.debug_snapshot() == before and cache._step is None
+    t.op("remove", 1)  # 3 pages free
+    fresh = t.fresh_steps
+    t.step([(2, 1), (0, 1)])  # planned from the blocks, then repeated
+    t.step([(2, 1), (0, 1)])
+    assert t.fresh_steps == fresh + 1
+    t.op("fork", 2, 3, 20)  # its first page moves to a shared parent block: planned in full
+    t.step([(3, 1), (0, 1)])
+    assert t.fresh_steps == fresh + 1 and planner.current is not None
     t.h.check_contents()
 
 

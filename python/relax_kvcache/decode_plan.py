@@ -17,7 +17,7 @@ from tvm.runtime import ShapeTuple
 from . import metadata as md
 from .config import LayerSpan
 from .paging import DecodeLane, PagingState
-from .paging.decode_lane import last_slots
+from .paging.decode_lane import first_step, last_slots
 
 
 class DecodePlanner:
@@ -40,6 +40,10 @@ class DecodePlanner:
         self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
+        # `fresh`'s steps of each batch size (their constant arrays shared, read-only), and the
+        # arrays a lane of that size needs
+        self._fresh_steps: Dict[int, md.StepMetadata] = {}
+        self._fresh_consts: Dict[int, Tuple[np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
@@ -124,6 +128,34 @@ class DecodePlanner:
                          append_position=tokens[2 * b:3 * b], depths=depths)
         self._step, self._windows = step, self._next_windows
         self._plain_step = step if self._plain else None
+        return step
+
+    def fresh(self, paging: PagingState, seq_ids: Any, append_lengths: Any,
+              max_tokens: int) -> Optional[md.StepMetadata]:
+        """A decode step of sequences with one block each (one token each; no window, tree or
+        shared block) planned from their blocks directly, its pages reserved, and remembered as
+        a plain step for `repeat` / `next_step`; None where the batch is not such a step (the
+        caller plans it in full). For caches without sliding or local layers."""
+        n = len(seq_ids) if isinstance(seq_ids, (ShapeTuple, tuple, list)) else 0
+        if not 0 < n <= max_tokens or not _is_int_tuple(append_lengths, (1,) * n):
+            return None
+        lane = paging.open_lane(seq_ids, fresh=True)
+        if lane is None:
+            return None
+        paging.advance_lane(lane)
+        tokens, page_indptr, page_indices = first_step(lane, self._page_size)
+        template = self._fresh_steps.get(n)
+        if template is None:
+            template = self._fresh_steps[n] = _fresh_template(n)
+            self._fresh_consts[n] = (np.ones(4 * n, dtype=np.int32), ((np.arange(n), True),))
+        step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
+                         q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n],
+                         depths=(md.evolve(template.depths[0], page_indptr=page_indptr, page_indices=page_indices,
+                                           length_info=tokens[3 * n:]),))
+        self._ones_like_tokens, self._last_depth_rows = self._fresh_consts[n]
+        self._lane, self._step, self._plain_step, self._plain, self._opening, self._windows = (
+            lane, step, step, True, None, {})
+        self._ones, self._tokens = step.append_lengths, tokens
         return step
 
     def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:
@@ -219,6 +251,15 @@ def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
         new_indptr[row + 1:] += _ONE
     new_indices[at:] = indices[done:]
     return new_indptr, new_indices
+
+
+def _fresh_template(n: int) -> md.StepMetadata:
+    """A decode step of ``n`` sequences with one block each, its per-step arrays to be set."""
+    counts, unset = np.arange(n + 1, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    depth = md.DepthMetadata(qo_indptr=counts, page_indptr=unset, page_indices=unset, length_info=unset,
+                             k_rope_pos_offset=np.zeros(n, dtype=np.int32), use_decode_kernel=True)
+    return md.StepMetadata(seq_ids=(), append_lengths=(1,) * n, append_indptr=counts, k_ragged_rope_pos_offset=unset,
+                           q_rope_position=unset, append_position=unset, depths=(depth,), append_before_attn=True)
 
 
 def _is_int_tuple(values: Any, expected: tuple) -> bool:

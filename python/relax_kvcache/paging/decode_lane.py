@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import itertools
 
 import numpy as np
 
-from ._checks import ceil_div
 from .block_pool import Block, BlockPool
 from .page_pool import PagePool
 from .sequences import Sequence
@@ -33,28 +33,31 @@ class DecodeLane:
 
 
 def open_lane(seqs: dict[int, Sequence], blocks: BlockPool, page_size: int, version: int,
-              seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
+              seq_ids: collections.abc.Sequence[int], fresh: bool = False) -> DecodeLane | None:
     """A lane over ``seq_ids``, or None unless every sequence is live, distinct, plain (no window,
-    no uncommitted tree), grew by one token last step and owns its unslid last block."""
-    lane_seqs, lane_blocks = [], []
-    for seq_id in seq_ids:
-        seq = seqs.get(seq_id) if type(seq_id) is int else None
+    no uncommitted tree) and owns its unslid last block, which is its only block (``fresh``) or
+    else grew by one token last step."""
+    pairs: list[tuple[Sequence, Block]] = []
+    fills: dict[int, list[int]] = {}  # rows by the free slots of their last blocks
+    get, ps = seqs.get, page_size
+    for row, seq_id in enumerate(seq_ids):  # per-step hot loop
+        seq = get(seq_id) if type(seq_id) is int else None
         if (seq is None or seq.sliding_window_size != -1 or not seq.accepted_indices_committed
-                or seq.last_append_length != 1):
+                or (seq.last_append_length != 1 and not fresh)):
             return None
         block = blocks[seq.last_block]
-        if (block.ref_count != 1 or block.sink_length or block.sliding_window_offset
-                or len(block.page_ids) != ceil_div(block.seq_length, page_size)):
+        free = len(block.page_ids) * ps - block.seq_length
+        if (block.ref_count != 1 or block.sink_length or block.sliding_window_offset or not 0 <= free < ps
+                or (fresh and (block.parent != -1 or block.start_pos))):
             return None
-        lane_seqs.append(seq)
-        lane_blocks.append(block)
-    if len(set(map(id, lane_seqs))) != len(lane_seqs):
+        pairs.append((seq, block))
+        if free in fills:
+            fills[free].append(row)
+        else:
+            fills[free] = [row]
+    if len(set(seq_ids)) != len(pairs):
         return None
-    fills: dict[int, list[int]] = {}
-    for row, block in enumerate(lane_blocks):  # a last block fills after its free slots
-        fills.setdefault(len(block.page_ids) * page_size - block.seq_length, []).append(row)
-    return DecodeLane(version=version, seq_ids=tuple(seq_ids), steps=0, lagging=0, fills=fills,
-                      _pairs=tuple(zip(lane_seqs, lane_blocks)))
+    return DecodeLane(version=version, seq_ids=tuple(seq_ids), steps=0, lagging=0, fills=fills, _pairs=tuple(pairs))
 
 
 def last_slots(lane: DecodeLane, page_size: int) -> np.ndarray:
@@ -63,10 +66,41 @@ def last_slots(lane: DecodeLane, page_size: int) -> np.ndarray:
                      for _, b in lane._pairs], dtype=np.int64)
 
 
+#: Most rows whose token arrays `first_step` computes in Python (numpy pays off above it).
+PYTHON_ROWS = 24
+
+
+def first_step(lane: DecodeLane, page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int32 arrays of the step a lane of single-block sequences has just advanced by its
+    first token: its tokens (positions [B], positions again, slots [B], last-page lengths [B]),
+    page_indptr [B + 1] and page_indices."""
+    blocks = [block for _, block in lane._pairs]
+    pages = [block.page_ids for block in blocks]
+    positions = [block.seq_length for block in blocks]  # the lengths lag the new token
+    lasts = [ids[-1] for ids in pages]
+    if len(blocks) <= PYTHON_ROWS:
+        offsets = [position % page_size for position in positions]
+        tokens = np.array(positions + positions + [last * page_size + offset for last, offset in zip(lasts, offsets)]
+                          + [offset + 1 for offset in offsets], dtype=np.int32)
+    else:
+        both, ps = np.array(positions + lasts, dtype=np.int32), np.int32(page_size)
+        offsets, slots = both[:len(blocks)] % ps, both[len(blocks):]
+        slots *= ps
+        slots += offsets
+        offsets += np.int32(1)
+        tokens = np.concatenate((both[:len(blocks)], both[:len(blocks)], slots, offsets))
+    page_indptr = np.array(list(itertools.accumulate(map(len, pages), initial=0)), dtype=np.int32)
+    page_indices = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=int(page_indptr[-1]))
+    return tokens, page_indptr, page_indices
+
+
 def advance(lane: DecodeLane, full: collections.abc.Sequence[int], pages: PagePool, page_size: int,
             version: int) -> list[int]:
     """Append one token to every sequence of ``lane``, a page to the last blocks at ``full``
     (`DecodeLane.full_rows`); the pages, in its order. The lengths are left to `settle`."""
+    if not lane.steps:  # a fresh lane's sequences may have appended more tokens last step
+        for seq, _ in lane._pairs:
+            seq.last_append_length = 1
     new_pages: list[int] = []
     if full:
         new_pages = pages.allocate(len(full))

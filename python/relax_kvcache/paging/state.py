@@ -351,11 +351,11 @@ class PagingState:
         self._seqs[seq_id].tokens = None  # its token ids are unknown: it does not register pages
         return self.position_map(seq_id)
 
-    def open_lane(self, seq_ids: collections.abc.Sequence[int]) -> DecodeLane | None:
+    def open_lane(self, seq_ids: collections.abc.Sequence[int], fresh: bool = False) -> DecodeLane | None:
         """Snapshot a decode batch for `advance_lane`, or None (see `decode_lane.open_lane`)."""
         self._settle()
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
-                                     seq_ids)
+                                     seq_ids, fresh)
 
     def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], list[int]]:
         """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
