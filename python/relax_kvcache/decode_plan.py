@@ -135,7 +135,7 @@ class DecodePlanner:
         """A decode step of sequences with one block each (one token each; no window, tree or
         shared block) planned from their blocks directly, its pages reserved, and remembered as
         a plain step for `repeat` / `next_step`; None where the batch is not such a step (the
-        caller plans it in full). For caches without sliding or local layers."""
+        caller plans it in full). For caches whose sequences do not slide."""
         n = len(seq_ids) if isinstance(seq_ids, (ShapeTuple, tuple, list)) else 0
         if not 0 < n <= max_tokens or not _is_int_tuple(append_lengths, (1,) * n):
             return None
@@ -148,14 +148,23 @@ class DecodePlanner:
         if template is None:
             template = self._fresh_steps[n] = _fresh_template(n)
             self._fresh_consts[n] = (np.ones(4 * n, dtype=np.int32), ((np.arange(n), True),))
+        depth = md.evolve(template.depths[0], page_indptr=page_indptr, page_indices=page_indices,
+                          length_info=tokens[3 * n:])
+        plain = not self._span
+        self._next_windows = {}
+        if not plain:  # local layers: the pages the new tokens' windows see
+            window, drop = md.windowed(page_indptr, page_indices, depth.length_info, depth.k_rope_pos_offset,
+                                       tokens[:n], self._span, self._page_size)
+            depth = md.evolve(depth, window=window)
+            self._next_windows[id(page_indices)] = (page_indices, window, drop)
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
-                         q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n],
-                         depths=(md.evolve(template.depths[0], page_indptr=page_indptr, page_indices=page_indices,
-                                           length_info=tokens[3 * n:]),))
-        self._ones_like_tokens, self._last_depth_rows = self._fresh_consts[n]
-        self._lane, self._step, self._plain_step, self._plain, self._opening, self._windows = (
-            lane, step, step, True, None, {})
-        self._ones, self._tokens = step.append_lengths, tokens
+                         q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
+        ones, self._last_depth_rows = self._fresh_consts[n]
+        if not plain:  # the token arrays only (`plain_tokens`' layout without the last-page lengths)
+            tokens, ones = tokens[:3 * n], ones[:3 * n]
+        self._lane, self._step, self._plain, self._opening, self._windows = lane, step, plain, None, self._next_windows
+        self._plain_step = step if plain else None
+        self._ones, self._tokens, self._ones_like_tokens = step.append_lengths, tokens, ones
         return step
 
     def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:

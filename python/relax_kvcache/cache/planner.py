@@ -36,7 +36,7 @@ class StepPlanner:
         self._grow_pages = not config.is_mla and kernels.attention_prefill_prefixed is not None
         self.decode = DecodePlanner(config.page_size, self._span)
         # decode batches of single-block sequences are planned from their blocks directly
-        self._fresh = not (self._slides or self._span)
+        self._fresh = not self._slides
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
