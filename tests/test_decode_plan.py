@@ -395,3 +395,24 @@ def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
         DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=1)
     with pytest.raises(ValueError, match="max_graphs must be a positive int, got 0"):
         DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=True, max_graphs=0)
+
+
+@pytest.mark.parametrize("grown", [1, 3, 6, 7, 40])
+def test_page_lists_grow_as_np_insert_grows_them(grown):
+    """`_append_pages` (one by one for a few rows, by masks for more) against ``np.insert``."""
+    from relax_kvcache.decode_plan import GROW_ROWS_ONE_BY_ONE, _append_pages
+
+    assert GROW_ROWS_ONE_BY_ONE in range(1, 40)  # both ways are tested
+    rng = np.random.default_rng(grown)
+    counts = rng.integers(0, 5, size=64)
+    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    indices = rng.permutation(10_000)[:indptr[-1]].astype(np.int32)
+    rows = np.sort(rng.choice(64, size=grown, replace=False))
+    pages = rng.integers(10_000, 20_000, size=grown)
+    before = (indptr.copy(), indices.copy())
+    new_indptr, new_indices = _append_pages(indptr, indices, list(rows), list(pages))
+    expected = np.insert(indices, indptr[rows + 1], pages)
+    assert new_indices.dtype == np.int32 and np.array_equal(new_indices, expected)
+    assert new_indptr.dtype == np.int32 and np.array_equal(new_indptr, np.concatenate(
+        ([0], np.cumsum(counts + np.isin(np.arange(64), rows)))))
+    assert np.array_equal(indptr, before[0]) and np.array_equal(indices, before[1])  # inputs unchanged

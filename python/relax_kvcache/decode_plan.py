@@ -245,10 +245,25 @@ class DecodePlanner:
 _ONE = np.int32(1)
 
 
+#: Most rows `_append_pages` grows one by one (a fixed dozen numpy calls above it).
+GROW_ROWS_ONE_BY_ONE = 6
+
+
 def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
                   pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
     """Page lists ``(indptr, indices)`` with ``pages[j]`` appended to the list of ``rows[j]``
-    (ascending): a slice copy per row, cheaper than ``np.insert`` for the few rows of a step."""
+    (ascending): a slice copy per row for a few rows (cheaper than ``np.insert``), else masks."""
+    if len(rows) > GROW_ROWS_ONE_BY_ONE:
+        rows = np.asarray(rows, dtype=np.int64)
+        at = indptr[rows + 1] + np.arange(rows.size)  # the new pages' places in the grown list
+        new_indices = np.empty(indices.size + rows.size, indices.dtype)
+        keep = np.ones(new_indices.size, dtype=bool)
+        keep[at] = False
+        new_indices[keep] = indices
+        new_indices[at] = pages
+        shift = np.zeros(indptr.size, dtype=indptr.dtype)
+        shift[rows + 1] = 1
+        return indptr + np.cumsum(shift, dtype=indptr.dtype), new_indices
     new_indptr, new_indices = indptr.copy(), np.empty(indices.size + len(rows), indices.dtype)
     done = at = 0
     for row, page in zip(rows, pages):

@@ -364,8 +364,8 @@ class PagingState:
             raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
                                f"state is at version {self._version}; open a new lane")
         full = lane.full_rows()  # last blocks needing a page
-        if full:
-            self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")
+        if full and len(full) > self._pages.num_free:
+            self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")  # raises
         if self._lagging is not lane:  # the lengths catch up when the state is next read (`_settle`)
             self._settle()
             self._lagging = lane
