@@ -163,12 +163,13 @@ def test_repeated_decode_matches_full_planning(cache_factory, name):
     assert t.fresh_steps > 3  # new batches of single-block sequences, planned from their blocks
 
 
-@pytest.mark.parametrize("name", CHECKED)
+@pytest.mark.parametrize("name", CHECKED + list(LOCAL))
 def test_in_place_decode_steps_match_full_planning(cache_factory, name):
     """Batches passed as ShapeTuples (vm.builtin's way) take `DecodePlanner.repeat` where no
-    page fills: the step before, updated in place, with the sequences' lengths caught up lazily.
-    Every step's metadata, the paging state and the outputs are checked as above."""
-    t = Twin(cache_factory, CONFIGS[name], seed=12, shape_tuples=True)
+    page fills: the step before, updated in place (window pages of local layers too, while the
+    same pages drop), with the sequences' lengths caught up lazily. Every step's metadata, the
+    paging state and the outputs are checked as above."""
+    t = Twin(cache_factory, LOCAL.get(name) or CONFIGS[name], seed=12, shape_tuples=True)
     _decode_runs(t, np.random.default_rng(6), rounds=12)
     assert t.in_place_steps > 20 and t.incremental_steps > 20  # both paths ran
 

@@ -40,6 +40,10 @@ class DecodePlanner:
         self._windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._next_windows: Dict[int, Tuple[np.ndarray, md.WindowPages, np.ndarray]] = {}
         self._ps = np.int32(page_size)  # numpy scalars: cheaper operands than Python ints
+        # a plain step's window pages (local layers): its length_info [3, B] and k_rope_pos_offset
+        # [B], views of one array (None without a window), and the pages dropped from each list
+        self._win: Optional[np.ndarray] = None
+        self._win_drop = np.zeros(0, dtype=np.int32)
         # `fresh`'s steps of each batch size (their constant arrays shared, read-only), and the
         # arrays a lane of that size needs
         self._fresh_steps: Dict[int, md.StepMetadata] = {}
@@ -49,6 +53,7 @@ class DecodePlanner:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
         whose sequences must qualify too, opens when the batch repeats)."""
         self._lane, self._step, self._opening, self._windows, self._plain_step = None, None, None, {}, None
+        self._win = None
         qualifies = (step.append_before_attn and step.ragged_tree is None
                      and all(n == 1 for n in step.append_lengths)
                      and all(d.use_decode_kernel and d.tree is None for d in step.depths))
@@ -66,14 +71,19 @@ class DecodePlanner:
         depth_of = np.asarray(last_depths, dtype=np.int64)
         rows = [np.flatnonzero(depth_of == d) for d in range(len(step.depths))]
         self._last_depth_rows = tuple((r, r.size == depth_of.size) for r in rows)
-        # one depth holding every sequence's last block, no window pages: the common case
-        self._plain = (len(step.depths) == 1 and self._last_depth_rows[0][1] and step.depths[0].window is None
-                       and step.depths[0].length_info.ndim == 1)
+        # one depth holding every sequence's last block: the common case
+        depth = step.depths[0]
+        self._plain = len(step.depths) == 1 and self._last_depth_rows[0][1] and depth.length_info.ndim == 1
         positions = step.q_rope_position.astype(np.int32)
         parts = [positions, positions, last_slots(lane, self._page_size)]
         if self._plain:  # and the last-page lengths
-            parts.append(step.depths[0].length_info)
+            parts.append(depth.length_info)
         self._tokens = np.concatenate(parts).astype(np.int32)
+        self._win = None
+        if self._plain and depth.window is not None:
+            window = depth.window
+            self._win = np.concatenate((window.length_info.ravel(), window.k_rope_pos_offset)).astype(np.int32)
+            self._win_drop = (np.diff(depth.page_indptr) - np.diff(window.page_indptr)).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
         self._lane = lane
         return lane
@@ -90,10 +100,13 @@ class DecodePlanner:
             return None
         full, new_pages = paging.advance_lane(lane)
         self._tokens += self._ones_like_tokens
-        if not full:
+        if not full and self._win is None:
             return prev
         self._new_pages(self._tokens, full, new_pages)
-        self._step = self._plain_step = md.evolve(prev, depths=(self._plain_depth(prev, full, new_pages),))
+        depth = self._plain_depth(prev, full, new_pages)
+        if depth is prev.depths[0]:  # window pages updated in place
+            return prev
+        self._step = self._plain_step = md.evolve(prev, depths=(depth,))
         return self._step
 
     def next_step(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
@@ -119,7 +132,7 @@ class DecodePlanner:
         self._next_windows = {}
         self._tokens = tokens
         if self._plain:
-            depths: Tuple[md.DepthMetadata, ...] = (self._plain_depth(prev, full, new_pages),)
+            depths: Tuple[md.DepthMetadata, ...] = (self._plain_depth(prev, full, new_pages, copy=True),)
         else:
             full_rows = np.asarray(full, dtype=np.int64)
             depths = tuple(self._grow_depth(depth, rows, every, full_rows, new_pages, positions)
@@ -150,21 +163,15 @@ class DecodePlanner:
             self._fresh_consts[n] = (np.ones(4 * n, dtype=np.int32), ((np.arange(n), True),))
         depth = md.evolve(template.depths[0], page_indptr=page_indptr, page_indices=page_indices,
                           length_info=tokens[3 * n:])
-        plain = not self._span
-        self._next_windows = {}
-        if not plain:  # local layers: the pages the new tokens' windows see
-            window, drop = md.windowed(page_indptr, page_indices, depth.length_info, depth.k_rope_pos_offset,
-                                       tokens[:n], self._span, self._page_size)
-            depth = md.evolve(depth, window=window)
-            self._next_windows[id(page_indices)] = (page_indices, window, drop)
+        self._tokens, self._ones, self._win = tokens, template.append_lengths, None
+        if self._span:  # local layers: the pages the new tokens' windows see
+            self._win = np.zeros(4 * n, dtype=np.int32)
+            depth = md.evolve(depth, window=self._slide_window(depth, True, False))
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
-        ones, self._last_depth_rows = self._fresh_consts[n]
-        if not plain:  # the token arrays only (`plain_tokens`' layout without the last-page lengths)
-            tokens, ones = tokens[:3 * n], ones[:3 * n]
-        self._lane, self._step, self._plain, self._opening, self._windows = lane, step, plain, None, self._next_windows
-        self._plain_step = step if plain else None
-        self._ones, self._tokens, self._ones_like_tokens = step.append_lengths, tokens, ones
+        self._ones_like_tokens, self._last_depth_rows = self._fresh_consts[n]
+        self._lane, self._step, self._plain_step, self._plain, self._opening, self._windows = (
+            lane, step, step, True, None, {})
         return step
 
     def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:
@@ -176,24 +183,63 @@ class DecodePlanner:
             if plain:
                 tokens[3 * b + row] = 1
 
-    def _plain_depth(self, prev: md.StepMetadata, full: Sequence[int], new_pages: Sequence[int]) -> md.DepthMetadata:
+    def _plain_depth(self, prev: md.StepMetadata, full: Sequence[int], new_pages: Sequence[int],
+                     copy: bool = False) -> md.DepthMetadata:
         """The only depth of a plain step after ``prev``: last-page lengths from `_tokens`, the
-        page lists of the rows ``full`` grown by ``new_pages``."""
+        page lists of the rows ``full`` grown by ``new_pages``, the window pages (`_slide_window`;
+        ``copy``: in new arrays). ``prev``'s depth itself where nothing but arrays it holds
+        changed."""
         depth, b = prev.depths[0], len(self._ones)
-        changes: Dict[str, np.ndarray] = {}
+        changes: Dict[str, Any] = {}
         if depth.length_info.base is not self._tokens:
             changes["length_info"] = self._tokens[3 * b:]
         if full:
             changes["page_indptr"], changes["page_indices"] = _append_pages(
                 depth.page_indptr, depth.page_indices, full, new_pages)
+        if self._win is not None:
+            window = self._slide_window(md.evolve(depth, **changes) if changes else depth, bool(full), copy)
+            if window is not None:
+                changes["window"] = window
         return md.evolve(depth, **changes) if changes else depth
+
+    def _slide_window(self, depth: md.DepthMetadata, grown: bool, copy: bool) -> Optional[md.WindowPages]:
+        """The window pages of a plain step's only ``depth`` (local layers) for the tokens of
+        `_tokens`, in `_win` (a new array with ``copy``): the page lists recomputed where they
+        ``grown`` or drop other pages, else kept; None where ``depth.window`` stands, its
+        arrays `_win`'s, updated in place. No chunk is empty: a decode token sees itself."""
+        b, ps, win = len(self._ones), self._ps, self._win
+        if copy:
+            win = self._win = win.copy()
+        positions, last_page_len, start = self._tokens[:b], self._tokens[3 * b:], depth.k_rope_pos_offset
+        skip = self._span.first_visible(positions)
+        skip -= start
+        np.maximum(skip, 0, out=skip)
+        drop = skip // ps
+        window = depth.window
+        if grown or (drop != self._win_drop).any():
+            window, self._win_drop = md.windowed(depth.page_indptr, depth.page_indices, last_page_len, start,
+                                                 positions, self._span, self._page_size)
+            win[:3 * b] = window.length_info.ravel()
+            win[3 * b:] = window.k_rope_pos_offset
+        else:
+            win[:b] = last_page_len
+            np.remainder(skip, ps, out=win[b:2 * b])
+            np.add(start, skip, out=win[3 * b:])
+            if window.k_rope_pos_offset.base is win:
+                return None
+        return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
 
     def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
         """For ``step``, the last one derived, when it is plain (one depth, every last block
-        in it, no window pages): the array its token arrays and last-page lengths are views
+        in it): the array its token arrays and last-page lengths are views
         of (RoPE offsets, positions, append slots and last-page lengths, in that order); else
         None."""
         return self._tokens if step is self._plain_step and step is not None else None
+
+    def plain_window(self, step: md.StepMetadata) -> Optional[np.ndarray]:
+        """For a plain ``step`` (`plain_tokens`) with window pages, the array its window's
+        length_info and k_rope_pos_offset are views of, in that order; else None."""
+        return self._win if step is self._plain_step and step is not None else None
 
     def _grow_depth(self, depth: md.DepthMetadata, rows: np.ndarray, every: bool, full: np.ndarray,
                     new_pages: Sequence[int], positions: np.ndarray) -> md.DepthMetadata:

@@ -319,7 +319,8 @@ class PagedAttentionKVCache(StoredKVMethods):
         if self._host is not None:  # pages taken may have evicted cached pages to the host tier
             self._sync_host()
         self._step = self._uploader.reuse(meta) or self._uploader.place(
-            meta, repeated_decode=self._planner.is_repeated_decode(meta), tokens=decode.plain_tokens(meta))
+            meta, repeated_decode=self._planner.is_repeated_decode(meta), tokens=decode.plain_tokens(meta),
+            window=decode.plain_window(meta))
 
     def end_forward(self) -> None:
         """End the current step (no-op when none is active)."""

@@ -4,6 +4,7 @@ that copies a planned step's host arrays to the device in one transfer (:class:`
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
@@ -148,8 +149,8 @@ class StepUploader:
         self._slot_sets: Dict[Tuple[Any, ...], Tuple[SlotBuffer, Step, Tuple[int, ...]]] = {}
         self._slots: Optional[Tuple[SlotBuffer, Step, Tuple[int, ...]]] = None  # the last step's
         self._plain_placed: Optional[Step] = None  # the last step `_place_plain` made, and what
-        # (its token array, slots, a function that writes the array to the slots again)
-        self._rewrite_plain: Tuple[Any, Any, Callable[[], None]] = (None, None, lambda: None)
+        # (its token array, window array, slots, a function that writes the arrays to the slots again)
+        self._rewrite_plain: Tuple[Any, Any, Any, Callable[[], None]] = (None, None, None, lambda: None)
 
     def reuse(self, meta: md.StepMetadata) -> Optional[Step]:
         """The step before, its token block written to the slots again, when ``meta`` is its
@@ -157,19 +158,21 @@ class StepUploader:
         last = self._plain_placed
         if last is None or last.meta is not meta:
             return None
-        self._rewrite_plain[2]()
+        self._rewrite_plain[3]()
         last.appended.clear()
         return last
 
-    def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None) -> Step:
+    def place(self, meta: md.StepMetadata, *, repeated_decode: bool, tokens: Optional[np.ndarray] = None,
+              window: Optional[np.ndarray] = None) -> Step:
         """Upload ``meta``'s arrays (asynchronously on CUDA); the step that reads them.
         ``repeated_decode``: a step the decode planner keeps, placed in the fixed slots.
         ``tokens``: ``meta`` is the step before's with new token arrays and last-page lengths of
-        its only depth, the concatenation ``tokens`` (`DecodePlanner.plain_tokens`), which may
-        change in place."""
+        its only depth, the concatenation ``tokens`` (`DecodePlanner.plain_tokens`), and the
+        window's length_info and k_rope_pos_offset, the concatenation ``window``
+        (`DecodePlanner.plain_window`), both of which may change in place."""
         self._plain_placed = None
         if tokens is not None:
-            step = self._place_plain(meta, tokens)
+            step = self._place_plain(meta, tokens, window)
             if step is not None:
                 return step
         arrays = _packed_arrays(meta)
@@ -199,28 +202,37 @@ class StepUploader:
             del sets[next(iter(sets))]
         return step
 
-    def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray) -> Optional[Step]:
+    def _place_plain(self, meta: md.StepMetadata, tokens: np.ndarray, win: Optional[np.ndarray]) -> Optional[Step]:
         """``place`` of a plain step (`DecodePlanner.plain_tokens`) when the slots hold the step
-        before, but for its token arrays, last-page lengths and page lists (else None): the
-        same views."""
+        before, but for its token arrays, last-page lengths, window arrays and page lists (else
+        None): the same views."""
         slots = self._slots
         if slots is None or slots[2] != meta.seq_ids or len(meta.depths) != 1:
             return None
         buffer, depth = slots[0], meta.depths[0]
+        window = depth.window
         if not (buffer.holds(4, meta.append_indptr) and buffer.holds(5, depth.qo_indptr)
-                and buffer.holds(8, depth.k_rope_pos_offset) and depth.window is None and depth.tree is None
-                and meta.ragged_tree is None):
+                and buffer.holds(8, depth.k_rope_pos_offset) and (window is None) == (win is None)
+                and depth.tree is None and meta.ragged_tree is None):
             return None
         runs = [(0, tokens, (meta.k_ragged_rope_pos_offset, meta.q_rope_position, meta.append_position,
                              depth.length_info))]
-        if not (buffer.holds(6, depth.page_indptr) and buffer.holds(7, depth.page_indices)):  # lists grew
-            if not buffer.fits(7, depth.page_indices):
-                return None
-            runs += [(6, depth.page_indptr, (depth.page_indptr,)), (7, depth.page_indices, (depth.page_indices,))]
+        lists = [(6, depth)] + ([(9, window)] if window is not None else [])
+        for i, pages in lists:  # page lists that grew (or dropped pages)
+            if not (buffer.holds(i, pages.page_indptr) and buffer.holds(i + 1, pages.page_indices)):
+                if not buffer.fits(i + 1, pages.page_indices):
+                    return None
+                runs += [(i, pages.page_indptr, (pages.page_indptr,)), (i + 1, pages.page_indices, (pages.page_indices,))]
+        if window is not None:
+            runs.append((11, win, (window.length_info, window.k_rope_pos_offset)))
         buffer.rewrite(runs)
         self._plain_placed = md.evolve(slots[1], meta=meta, appended=set())
-        if self._rewrite_plain[0] is not tokens or self._rewrite_plain[1] is not buffer:
-            self._rewrite_plain = (tokens, buffer, buffer.rewriter(0, tokens))
+        rewrite = self._rewrite_plain
+        if rewrite[0] is not tokens or rewrite[1] is not win or rewrite[2] is not buffer:
+            write = buffer.rewriter(0, tokens)
+            if win is not None:
+                write = functools.partial(_run_both, write, buffer.rewriter(11, win))
+            self._rewrite_plain = (tokens, win, buffer, write)
         return self._plain_placed
 
     def _device_views(self, meta: md.StepMetadata, views: Sequence[tvm.runtime.Tensor]) -> DeviceStep:
@@ -265,6 +277,11 @@ class StepUploader:
                 self._scratch_views.clear()
             self._scratch_views[n] = views
         return views
+
+
+def _run_both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    first()
+    second()
 
 
 def _has_pages(p: Any) -> bool:  # a DepthMetadata or WindowPages
