@@ -417,3 +417,23 @@ def test_page_lists_grow_as_np_insert_grows_them(grown):
     assert new_indptr.dtype == np.int32 and np.array_equal(new_indptr, np.concatenate(
         ([0], np.cumsum(counts + np.isin(np.arange(64), rows)))))
     assert np.array_equal(indptr, before[0]) and np.array_equal(indices, before[1])  # inputs unchanged
+
+
+def test_page_lists_drop_their_first_pages():
+    """`_drop_pages` against a list-by-list reference."""
+    from relax_kvcache.decode_plan import _drop_pages
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(1, 6, size=40)
+    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    indices = rng.permutation(5_000)[:indptr[-1]].astype(np.int32)
+    rows = np.sort(rng.choice(40, size=9, replace=False))
+    dropped = np.array([rng.integers(0, counts[r] + 1) for r in rows], dtype=np.int32)
+    before = (indptr.copy(), indices.copy())
+    new_indptr, new_indices = _drop_pages(indptr, indices, rows, dropped)
+    lists = [list(indices[indptr[i]:indptr[i + 1]]) for i in range(40)]
+    for r, d in zip(rows, dropped):
+        lists[r] = lists[r][d:]
+    assert new_indptr.dtype == np.int32 and new_indptr.tolist() == np.cumsum([0] + [len(x) for x in lists]).tolist()
+    assert new_indices.dtype == np.int32 and new_indices.tolist() == [p for x in lists for p in x]
+    assert np.array_equal(indptr, before[0]) and np.array_equal(indices, before[1])  # inputs unchanged

@@ -166,7 +166,7 @@ class DecodePlanner:
         self._tokens, self._ones, self._win = tokens, template.append_lengths, None
         if self._span:  # local layers: the pages the new tokens' windows see
             self._win = np.zeros(4 * n, dtype=np.int32)
-            depth = md.evolve(depth, window=self._slide_window(depth, True, False))
+            depth = md.evolve(depth, window=self._slide_window(depth, None, (), False))
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
         self._ones_like_tokens, self._last_depth_rows = self._fresh_consts[n]
@@ -197,37 +197,49 @@ class DecodePlanner:
             changes["page_indptr"], changes["page_indices"] = _append_pages(
                 depth.page_indptr, depth.page_indices, full, new_pages)
         if self._win is not None:
-            window = self._slide_window(md.evolve(depth, **changes) if changes else depth, bool(full), copy)
+            window = self._slide_window(md.evolve(depth, **changes) if changes else depth, full, new_pages, copy)
             if window is not None:
                 changes["window"] = window
         return md.evolve(depth, **changes) if changes else depth
 
-    def _slide_window(self, depth: md.DepthMetadata, grown: bool, copy: bool) -> Optional[md.WindowPages]:
+    def _slide_window(self, depth: md.DepthMetadata, full: Optional[Sequence[int]], new_pages: Sequence[int],
+                      copy: bool) -> Optional[md.WindowPages]:
         """The window pages of a plain step's only ``depth`` (local layers) for the tokens of
-        `_tokens`, in `_win` (a new array with ``copy``): the page lists recomputed where they
-        ``grown`` or drop other pages, else kept; None where ``depth.window`` stands, its
-        arrays `_win`'s, updated in place. No chunk is empty: a decode token sees itself."""
+        `_tokens`, in `_win` (a new array with ``copy``), the rows ``full`` having taken
+        ``new_pages``: the window's page lists grown by those pages and cut by the pages that
+        dropped out of view (computed anew for ``full`` None, a new step); None where
+        ``depth.window`` stands, its arrays `_win`'s, updated in place. No chunk is empty: a
+        decode token sees itself."""
         b, ps, win = len(self._ones), self._ps, self._win
         if copy:
             win = self._win = win.copy()
         positions, last_page_len, start = self._tokens[:b], self._tokens[3 * b:], depth.k_rope_pos_offset
+        if full is None:
+            window, self._win_drop = md.windowed(depth.page_indptr, depth.page_indices, last_page_len, start,
+                                                 positions, self._span, self._page_size)
+            win[:3 * b] = window.length_info.ravel()
+            win[3 * b:] = window.k_rope_pos_offset
+            return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
         skip = self._span.first_visible(positions)
         skip -= start
         np.maximum(skip, 0, out=skip)
         drop = skip // ps
         window = depth.window
-        if grown or (drop != self._win_drop).any():
-            window, self._win_drop = md.windowed(depth.page_indptr, depth.page_indices, last_page_len, start,
-                                                 positions, self._span, self._page_size)
-            win[:3 * b] = window.length_info.ravel()
-            win[3 * b:] = window.k_rope_pos_offset
-        else:
-            win[:b] = last_page_len
-            np.remainder(skip, ps, out=win[b:2 * b])
-            np.add(start, skip, out=win[3 * b:])
-            if window.k_rope_pos_offset.base is win:
-                return None
-        return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
+        win[:b] = last_page_len
+        np.remainder(skip, ps, out=win[b:2 * b])
+        np.add(start, skip, out=win[3 * b:])
+        dropped = np.flatnonzero(drop != self._win_drop)
+        if not (full or dropped.size) and window.k_rope_pos_offset.base is win:
+            return None
+        page_indptr, page_indices = window.page_indptr, window.page_indices
+        if full:
+            page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages)
+        if dropped.size:  # positions only grow: pages only drop out of view
+            page_indptr, page_indices = _drop_pages(page_indptr, page_indices, dropped,
+                                                    drop[dropped] - self._win_drop[dropped])
+            self._win_drop = drop
+        return md.evolve(window, page_indptr=page_indptr, page_indices=page_indices,
+                         length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
 
     def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
         """For ``step``, the last one derived, when it is plain (one depth, every last block
@@ -321,6 +333,19 @@ def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
         new_indptr[row + 1:] += _ONE
     new_indices[at:] = indices[done:]
     return new_indptr, new_indices
+
+
+def _drop_pages(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray,
+                counts: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Page lists ``(indptr, indices)`` without the first ``counts[j]`` pages of the list of
+    ``rows[j]`` (ascending)."""
+    keep = np.ones(indices.size, dtype=bool)
+    for row, count in zip(rows.tolist(), counts.tolist()):
+        first = int(indptr[row])
+        keep[first:first + count] = False
+    shift = np.zeros(indptr.size, dtype=indptr.dtype)
+    shift[rows + 1] = counts
+    return indptr - np.cumsum(shift, dtype=indptr.dtype), indices[keep]
 
 
 def _fresh_template(n: int) -> md.StepMetadata:
