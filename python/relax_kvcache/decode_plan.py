@@ -340,9 +340,8 @@ def _drop_pages(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray,
     """Page lists ``(indptr, indices)`` without the first ``counts[j]`` pages of the list of
     ``rows[j]`` (ascending)."""
     keep = np.ones(indices.size, dtype=bool)
-    for row, count in zip(rows.tolist(), counts.tolist()):
-        first = int(indptr[row])
-        keep[first:first + count] = False
+    ends = np.cumsum(counts)  # row j's pages go at [indptr[rows[j]], + counts[j]) (one numpy pass for all)
+    keep[np.repeat(indptr[rows] - (ends - counts), counts) + np.arange(int(ends[-1]))] = False
     shift = np.zeros(indptr.size, dtype=indptr.dtype)
     shift[rows + 1] = counts
     return indptr - np.cumsum(shift, dtype=indptr.dtype), indices[keep]
