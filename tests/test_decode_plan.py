@@ -44,38 +44,34 @@ class Twin:
         self.full = cache_factory(config)
         self.full._planner.decode.next_step = lambda *args: None
         self.full._planner.decode.fresh = lambda *args: None
-        self.incremental_steps = 0
-        self.fresh_steps = 0
         self.depths_seen = set()
-        planner = self.h.cache._planner.decode
-        original = planner.next_step
-
-        def counted(*args):
-            step = original(*args)
-            self.incremental_steps += step is not None
-            if step is not None:
-                self.depths_seen.add(len(step.depths))
-            return step
-
-        planner.next_step = counted
         self.shape_tuples = shape_tuples  # pass the batch as vm.builtin does (the in-place path takes only that)
-        self.in_place_steps = 0
-        repeat = planner.repeat
+        self.steps = {"next_step": 0, "repeat": 0, "fresh": 0}  # steps each planner path made
+        planner = self.h.cache._planner.decode
+        for name in self.steps:
+            setattr(planner, name, self._counted(name, getattr(planner, name)))
 
-        def counted_repeat(*args):
-            step = repeat(*args)
-            self.in_place_steps += step is not None
+    def _counted(self, name, method):
+        def counted(*args):
+            step = method(*args)
+            if step is not None:
+                self.steps[name] += 1
+                if name == "next_step":
+                    self.depths_seen.add(len(step.depths))
             return step
+        return counted
 
-        planner.repeat = counted_repeat
-        fresh = planner.fresh
+    @property
+    def incremental_steps(self):
+        return self.steps["next_step"]
 
-        def counted_fresh(*args):
-            step = fresh(*args)
-            self.fresh_steps += step is not None
-            return step
+    @property
+    def in_place_steps(self):
+        return self.steps["repeat"]
 
-        planner.fresh = counted_fresh
+    @property
+    def fresh_steps(self):
+        return self.steps["fresh"]
 
     def op(self, name, *args):
         getattr(self.h, name)(*args)

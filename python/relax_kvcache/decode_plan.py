@@ -44,10 +44,9 @@ class DecodePlanner:
         # [B], views of one array (None without a window), and the pages dropped from each list
         self._win: Optional[np.ndarray] = None
         self._win_drop = np.zeros(0, dtype=np.int32)
-        # `fresh`'s steps of each batch size (their constant arrays shared, read-only), and the
-        # arrays a lane of that size needs
-        self._fresh_steps: Dict[int, md.StepMetadata] = {}
-        self._fresh_consts: Dict[int, Tuple[np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
+        # by batch size: `fresh`'s step (its constant arrays shared, read-only), and the ones and
+        # last-depth rows a lane of that size needs
+        self._fresh: Dict[int, Tuple[md.StepMetadata, np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
@@ -157,10 +156,10 @@ class DecodePlanner:
             return None
         paging.advance_lane(lane)
         tokens, page_indptr, page_indices = first_step(lane, self._page_size)
-        template = self._fresh_steps.get(n)
-        if template is None:
-            template = self._fresh_steps[n] = _fresh_template(n)
-            self._fresh_consts[n] = (np.ones(4 * n, dtype=np.int32), ((np.arange(n), True),))
+        made = self._fresh.get(n)
+        if made is None:
+            made = self._fresh[n] = (_fresh_template(n), np.ones(4 * n, dtype=np.int32), ((np.arange(n), True),))
+        template, self._ones_like_tokens, self._last_depth_rows = made
         depth = md.evolve(template.depths[0], page_indptr=page_indptr, page_indices=page_indices,
                           length_info=tokens[3 * n:])
         self._tokens, self._ones, self._win = tokens, template.append_lengths, None
@@ -169,7 +168,6 @@ class DecodePlanner:
             depth = md.evolve(depth, window=self._slide_window(depth, None, (), False))
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
-        self._ones_like_tokens, self._last_depth_rows = self._fresh_consts[n]
         self._lane, self._step, self._plain_step, self._plain, self._opening, self._windows = (
             lane, step, step, True, None, {})
         return step
@@ -319,9 +317,7 @@ def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
         keep[at] = False
         new_indices[keep] = indices
         new_indices[at] = pages
-        shift = np.zeros(indptr.size, dtype=indptr.dtype)
-        shift[rows + 1] = 1
-        return indptr + np.cumsum(shift, dtype=indptr.dtype), new_indices
+        return _resized(indptr, rows, 1), new_indices
     new_indptr, new_indices = indptr.copy(), np.empty(indices.size + len(rows), indices.dtype)
     done = at = 0
     for row, page in zip(rows, pages):
@@ -342,9 +338,14 @@ def _drop_pages(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray,
     keep = np.ones(indices.size, dtype=bool)
     ends = np.cumsum(counts)  # row j's pages go at [indptr[rows[j]], + counts[j]) (one numpy pass for all)
     keep[np.repeat(indptr[rows] - (ends - counts), counts) + np.arange(int(ends[-1]))] = False
+    return _resized(indptr, rows, -counts), indices[keep]
+
+
+def _resized(indptr: np.ndarray, rows: np.ndarray, change: Any) -> np.ndarray:
+    """``indptr`` after the lists ``rows`` changed length by ``change`` (one value or one each)."""
     shift = np.zeros(indptr.size, dtype=indptr.dtype)
-    shift[rows + 1] = counts
-    return indptr - np.cumsum(shift, dtype=indptr.dtype), indices[keep]
+    shift[rows + 1] = change
+    return indptr + np.cumsum(shift, dtype=indptr.dtype)
 
 
 def _fresh_template(n: int) -> md.StepMetadata:

@@ -35,8 +35,6 @@ class StepPlanner:
         # (with TVM's, which lack the prefixed kernel, the cache keeps TVM's kernel sequence)
         self._grow_pages = not config.is_mla and kernels.attention_prefill_prefixed is not None
         self.decode = DecodePlanner(config.page_size, self._span)
-        # decode batches of single-block sequences are planned from their blocks directly
-        self._fresh = not self._slides
 
     def plan(self, seq_ids: Any, append_lengths: Any, parent_ptr: Optional[Sequence[int]],
              importing: Optional[int]) -> md.StepMetadata:
@@ -45,7 +43,7 @@ class StepPlanner:
         step = None
         if parent_ptr is None:  # the same decode batch again: update the last step
             step = self.decode.next_step(self._paging, seq_ids, append_lengths)
-            if step is None and self._fresh and importing is None:
+            if step is None and not self._slides and importing is None:  # a new batch of single-block sequences
                 step = self.decode.fresh(self._paging, seq_ids, append_lengths, self._config.prefill_chunk_size)
         if step is None:
             seq_ids, append_lengths = self._check_batch(seq_ids, append_lengths, importing)
