@@ -394,12 +394,13 @@ def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
         DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=True, max_graphs=0)
 
 
-@pytest.mark.parametrize("grown", [1, 3, 6, 7, 40])
+@pytest.mark.parametrize("grown", [1, 2, 3, 7, 48, 49, 60])
 def test_page_lists_grow_as_np_insert_grows_them(grown):
-    """`_append_pages` (one by one for a few rows, by masks for more) against ``np.insert``."""
-    from relax_kvcache.decode_plan import GROW_ROWS_ONE_BY_ONE, _append_pages
+    """`_append_pages` (by slices for a few rows, by masks for more) against ``np.insert``;
+    the grown lists are one array, indptr first."""
+    from relax_kvcache.decode_plan import GROW_ROWS_BY_SLICES, _append_pages, grow_shifts
 
-    assert GROW_ROWS_ONE_BY_ONE in range(1, 40)  # both ways are tested
+    assert GROW_ROWS_BY_SLICES in range(3, 60)  # both ways are tested
     rng = np.random.default_rng(grown)
     counts = rng.integers(0, 5, size=64)
     indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
@@ -407,7 +408,11 @@ def test_page_lists_grow_as_np_insert_grows_them(grown):
     rows = np.sort(rng.choice(64, size=grown, replace=False))
     pages = rng.integers(10_000, 20_000, size=grown)
     before = (indptr.copy(), indices.copy())
-    new_indptr, new_indices = _append_pages(indptr, indices, list(rows), list(pages))
+    new_indptr, new_indices = _append_pages(indptr, indices, list(rows), list(pages),
+                                            grow_shifts([list(rows), [0, 5]], 65)[0])
+    block = new_indptr.base
+    assert new_indices.base is block and block.size == 65 + new_indices.size
+    assert np.array_equal(block, np.concatenate((new_indptr, new_indices)))
     expected = np.insert(indices, indptr[rows + 1], pages)
     assert new_indices.dtype == np.int32 and np.array_equal(new_indices, expected)
     assert new_indptr.dtype == np.int32 and np.array_equal(new_indptr, np.concatenate(

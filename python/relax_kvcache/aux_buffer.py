@@ -248,7 +248,7 @@ class SlotBuffer:
     def rewrite(self, runs: Sequence[Tuple[int, np.ndarray, Sequence[np.ndarray]]]) -> None:
         """Write each run ``(i, block, arrays)``: ``block`` (1-D) over the slots from ``i``, which
         then hold ``arrays`` (the caller's promise: ``block`` is their concatenation, each array
-        as large as its slot, or a single array that `fits` slot ``i``)."""
+        but the last as large as its slot, the last one that `fits` its slot)."""
         self._buffer.write([block for _, block, _ in runs], [self._offsets[i] for i, _, _ in runs])
         for i, _, arrays in runs:
             self._written[i:i + len(arrays)] = arrays

@@ -9,6 +9,7 @@ last block took a page); each last page at the sequences' last depth holds one m
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,6 +48,9 @@ class DecodePlanner:
         # by batch size: `fresh`'s step (its constant arrays shared, read-only), and the ones and
         # last-depth rows a lane of that size needs
         self._fresh: Dict[int, Tuple[md.StepMetadata, np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
+        # what page lists' indptr of a size gains when a group of rows takes pages (`_shift`); the
+        # lane's rows fill in the same groups every page_size steps
+        self._shifts: Dict[Tuple[int, Tuple[int, ...]], np.ndarray] = {}
 
     def start(self, paging: PagingState, step: md.StepMetadata, last_depths: Sequence[int]) -> bool:
         """Remember a fully planned step; whether it may be followed by `next_step` (its lane,
@@ -84,7 +88,7 @@ class DecodePlanner:
             self._win = np.concatenate((window.length_info.ravel(), window.k_rope_pos_offset)).astype(np.int32)
             self._win_drop = (np.diff(depth.page_indptr) - np.diff(window.page_indptr)).astype(np.int32)
         self._ones_like_tokens = np.ones_like(self._tokens)
-        self._lane = lane
+        self._lane, self._shifts = lane, {}
         return lane
 
     def repeat(self, paging: PagingState, seq_ids: Any, append_lengths: Any) -> Optional[md.StepMetadata]:
@@ -170,6 +174,7 @@ class DecodePlanner:
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
         self._lane, self._step, self._plain_step, self._plain, self._opening, self._windows = (
             lane, step, step, True, None, {})
+        self._shifts = {}
         return step
 
     def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:
@@ -193,7 +198,7 @@ class DecodePlanner:
             changes["length_info"] = self._tokens[3 * b:]
         if full:
             changes["page_indptr"], changes["page_indices"] = _append_pages(
-                depth.page_indptr, depth.page_indices, full, new_pages)
+                depth.page_indptr, depth.page_indices, full, new_pages, self._shift(full, depth.page_indptr.size))
         if self._win is not None:
             window = self._slide_window(md.evolve(depth, **changes) if changes else depth, full, new_pages, copy)
             if window is not None:
@@ -231,7 +236,8 @@ class DecodePlanner:
             return None
         page_indptr, page_indices = window.page_indptr, window.page_indices
         if full:
-            page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages)
+            page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages,
+                                                      self._shift(full, page_indptr.size))
         if dropped.size:  # positions only grow: pages only drop out of view
             page_indptr, page_indices = _drop_pages(page_indptr, page_indices, dropped,
                                                     drop[dropped] - self._win_drop[dropped])
@@ -276,8 +282,21 @@ class DecodePlanner:
                 pages = page_of[grown]
             if len(grown):
                 changes["page_indptr"], changes["page_indices"] = _append_pages(
-                    depth.page_indptr, depth.page_indices, grown, pages)
+                    depth.page_indptr, depth.page_indices, grown, pages, self._shift(grown, depth.page_indptr.size))
         return self._with_window(md.evolve(depth, **changes), positions)
+
+    def _shift(self, rows: Sequence[int], size: int) -> np.ndarray:
+        """`grow_shifts` of ``rows`` for an indptr of ``size``; on a miss, made for every group
+        of rows that fill together in the lane (at once)."""
+        key = (size, tuple(rows))
+        shift = self._shifts.get(key)
+        if shift is None:
+            groups = {key[1]}
+            if size == len(self._ones) + 1:  # a batch's page lists
+                groups.update(tuple(g) for g in self._lane.fills.values())
+            self._shifts.update(((size, g), s) for g, s in zip(groups, grow_shifts(groups, size)))
+            shift = self._shifts[key]
+        return shift
 
     def _with_window(self, depth: md.DepthMetadata, positions: np.ndarray) -> md.DepthMetadata:
         """``depth`` with the window pages of queries at ``positions`` (local layers only); the
@@ -301,32 +320,43 @@ class DecodePlanner:
 _ONE = np.int32(1)
 
 
-#: Most rows `_append_pages` grows one by one (a fixed dozen numpy calls above it).
-GROW_ROWS_ONE_BY_ONE = 6
+#: Most rows `_append_pages` grows by slice copies (memcpy speed); masks above it.
+GROW_ROWS_BY_SLICES = 48
 
 
-def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
-                  pages: Sequence[int]) -> Tuple[np.ndarray, np.ndarray]:
+def grow_shifts(groups: Sequence[Sequence[int]], size: int) -> np.ndarray:
+    """int32 [len(groups), size]: what an indptr of ``size`` entries gains when each list of
+    a group of ``rows`` grows by one (one row per group)."""
+    shifts = np.zeros((len(groups), size), dtype=np.int32)
+    counts = [len(g) for g in groups]
+    shifts[np.repeat(np.arange(len(groups)), counts),
+           np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=sum(counts)) + 1] = 1
+    return np.cumsum(shifts, axis=1, dtype=np.int32, out=shifts)
+
+
+def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int], pages: Sequence[int],
+                  shift: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Page lists ``(indptr, indices)`` with ``pages[j]`` appended to the list of ``rows[j]``
-    (ascending): a slice copy per row for a few rows (cheaper than ``np.insert``), else masks."""
-    if len(rows) > GROW_ROWS_ONE_BY_ONE:
-        rows = np.asarray(rows, dtype=np.int64)
-        at = indptr[rows + 1] + np.arange(rows.size)  # the new pages' places in the grown list
-        new_indices = np.empty(indices.size + rows.size, indices.dtype)
+    (ascending; ``shift``: their `grow_shifts`), in one new array: indptr, then indices
+    (`StepUploader` writes it in one run)."""
+    b1, k = indptr.size, len(rows)
+    block = np.empty(b1 + indices.size + k, dtype=np.int32)
+    new_indptr, new_indices = block[:b1], block[b1:]
+    np.add(indptr, shift, out=new_indptr)
+    if k > GROW_ROWS_BY_SLICES:
+        at = new_indptr[np.asarray(rows, dtype=np.int64) + 1] - _ONE  # the new pages' places
         keep = np.ones(new_indices.size, dtype=bool)
         keep[at] = False
         new_indices[keep] = indices
         new_indices[at] = pages
-        return _resized(indptr, rows, 1), new_indices
-    new_indptr, new_indices = indptr.copy(), np.empty(indices.size + len(rows), indices.dtype)
+        return new_indptr, new_indices
     done = at = 0
     for row, page in zip(rows, pages):
         cut = int(indptr[row + 1])
-        new_indices[at:at + cut - done] = indices[done:cut]
-        at += cut - done
-        new_indices[at] = page
-        at, done = at + 1, cut
-        new_indptr[row + 1:] += _ONE
+        end = at + cut - done
+        new_indices[at:end] = indices[done:cut]
+        new_indices[end] = page
+        at, done = end + 1, cut
     new_indices[at:] = indices[done:]
     return new_indptr, new_indices
 

@@ -207,7 +207,7 @@ class StepUploader:
         before, but for its token arrays, last-page lengths, window arrays and page lists (else
         None): the same views."""
         slots = self._slots
-        if slots is None or slots[2] != meta.seq_ids or len(meta.depths) != 1:
+        if slots is None or (slots[2] is not meta.seq_ids and slots[2] != meta.seq_ids) or len(meta.depths) != 1:
             return None
         buffer, depth = slots[0], meta.depths[0]
         window = depth.window
@@ -219,10 +219,15 @@ class StepUploader:
                              depth.length_info))]
         lists = [(6, depth)] + ([(9, window)] if window is not None else [])
         for i, pages in lists:  # page lists that grew (or dropped pages)
-            if not (buffer.holds(i, pages.page_indptr) and buffer.holds(i + 1, pages.page_indices)):
-                if not buffer.fits(i + 1, pages.page_indices):
+            indptr, indices = pages.page_indptr, pages.page_indices
+            if not (buffer.holds(i, indptr) and buffer.holds(i + 1, indices)):
+                if not buffer.fits(i + 1, indices):
                     return None
-                runs += [(i, pages.page_indptr, (pages.page_indptr,)), (i + 1, pages.page_indices, (pages.page_indices,))]
+                block = indptr.base  # one array, indptr then indices (`decode_plan._append_pages`)?
+                if block is not None and indices.base is block and block.size == indptr.size + indices.size:
+                    runs.append((i, block, (indptr, indices)))
+                else:
+                    runs += [(i, indptr, (indptr,)), (i + 1, indices, (indices,))]
         if window is not None:
             runs.append((11, win, (window.length_info, window.k_rope_pos_offset)))
         buffer.rewrite(runs)

@@ -51,6 +51,11 @@ class BlockPool:
         """The block ``idx``, unchecked (hot paths)."""
         return self._blocks[idx]
 
+    @property
+    def table(self) -> list[Block]:
+        """Every block by index, free ones too (read-only; hot paths index it unchecked)."""
+        return self._blocks
+
     def get(self, idx: int) -> Block:
         """The live block ``idx``; KVCacheError if there is none."""
         if not self.is_live(idx):

@@ -77,8 +77,10 @@ class PagePool:
         if n > self.num_free:
             raise CacheFullError(f"the KV cache is full: {n} page(s) needed but only "
                                  f"{self.num_free} free")
-        if n == 0:
-            return []
+        return self.take(n) if n else []
+
+    def take(self, n: int) -> list[int]:
+        """`allocate` of ``0 < n <= num_free`` pages, checked by the caller (a decode lane)."""
         if n > len(self._free):
             self._evict(n - len(self._free))
         pages = self._free[-n:]

@@ -357,20 +357,25 @@ class PagingState:
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
                                      seq_ids, fresh)
 
-    def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], list[int]]:
+    def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], collections.abc.Sequence[int]]:
         """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
         the rows whose last block took a page and those pages."""
         if lane.version != self._version:
             raise KVCacheError(f"decode lane is stale: opened at state version {lane.version}, the "
                                f"state is at version {self._version}; open a new lane")
-        full = lane.full_rows()  # last blocks needing a page
+        full = lane.fills.get(lane.steps, ())  # last blocks needing a page now
         if full and len(full) > self._pages.num_free:
             self._tree.check_free_pages(len(full), 0, f"append to {len(lane.seq_ids)} sequence(s)")  # raises
         if self._lagging is not lane:  # the lengths catch up when the state is next read (`_settle`)
             self._settle()
             self._lagging = lane
         self._version += 1
-        return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
+        if full or not lane.steps:
+            return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
+        lane.steps += 1  # `decode_lane.advance`'s common case, inline (every decode step)
+        lane.lagging += 1
+        lane.version = self._version
+        return full, ()
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the uncommitted token tree of ``seq_id`` (opaque here)."""
