@@ -45,6 +45,8 @@ class DecodePlanner:
         # [B], views of one array (None without a window), and the pages dropped from each list
         self._win: Optional[np.ndarray] = None
         self._win_drop = np.zeros(0, dtype=np.int32)
+        # until the lane's step _win_until, `_win` gains _win_step [4B] a step (`_window_events`)
+        self._win_until, self._win_step = 0, np.zeros(0, dtype=np.int32)
         # by batch size: `fresh`'s step (its constant arrays shared, read-only), and the ones and
         # last-depth rows a lane of that size needs
         self._fresh: Dict[int, Tuple[md.StepMetadata, np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
@@ -87,6 +89,7 @@ class DecodePlanner:
             window = depth.window
             self._win = np.concatenate((window.length_info.ravel(), window.k_rope_pos_offset)).astype(np.int32)
             self._win_drop = (np.diff(depth.page_indptr) - np.diff(window.page_indptr)).astype(np.int32)
+            self._win_until, self._win_step = 0, np.zeros_like(self._win)
         self._ones_like_tokens = np.ones_like(self._tokens)
         self._lane, self._shifts = lane, {}
         return lane
@@ -168,7 +171,7 @@ class DecodePlanner:
                           length_info=tokens[3 * n:])
         self._tokens, self._ones, self._win = tokens, template.append_lengths, None
         if self._span:  # local layers: the pages the new tokens' windows see
-            self._win = np.zeros(4 * n, dtype=np.int32)
+            self._win, self._win_until, self._win_step = np.zeros(4 * n, dtype=np.int32), 0, np.zeros(4 * n, np.int32)
             depth = md.evolve(depth, window=self._slide_window(depth, None, (), False))
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
@@ -223,27 +226,51 @@ class DecodePlanner:
             win[:3 * b] = window.length_info.ravel()
             win[3 * b:] = window.k_rope_pos_offset
             return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
-        skip = self._span.first_visible(positions)
-        skip -= start
-        np.maximum(skip, 0, out=skip)
-        drop = skip // ps
-        window = depth.window
-        win[:b] = last_page_len
-        np.remainder(skip, ps, out=win[b:2 * b])
-        np.add(start, skip, out=win[3 * b:])
-        dropped = np.flatnonzero(drop != self._win_drop)
-        if not (full or dropped.size) and window.k_rope_pos_offset.base is win:
+        window, steps = depth.window, self._lane.steps
+        if not copy and steps < self._win_until:  # no window's start crosses a page or starts to move
+            win += self._win_step
+            for row in full:
+                win[row] = 1  # the filled rows' new last pages
+            dropped = ()
+        else:
+            unclamped = self._span.first_visible(positions)
+            unclamped -= start
+            skip = np.maximum(unclamped, 0)
+            drop = skip // ps
+            win[:b] = last_page_len
+            np.remainder(skip, ps, out=win[b:2 * b])
+            np.add(start, skip, out=win[3 * b:])
+            dropped = np.flatnonzero(drop != self._win_drop)
+            self._win_until = steps + self._window_events(unclamped, positions)
+        if not (full or len(dropped)) and window.k_rope_pos_offset.base is win:
             return None
         page_indptr, page_indices = window.page_indptr, window.page_indices
         if full:
             page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages,
                                                       self._shift(full, page_indptr.size))
-        if dropped.size:  # positions only grow: pages only drop out of view
+        if len(dropped):  # positions only grow: pages only drop out of view
             page_indptr, page_indices = _drop_pages(page_indptr, page_indices, dropped,
                                                     drop[dropped] - self._win_drop[dropped])
             self._win_drop = drop
         return md.evolve(window, page_indptr=page_indptr, page_indices=page_indices,
                          length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
+
+    def _window_events(self, unclamped: np.ndarray, positions: np.ndarray) -> int:
+        """Steps until some window of a plain step starts to move or its start crosses a page
+        (``unclamped``: first visible key minus the list's first key, per row, this step), and
+        `_win_step`, what `_win` gains each step until then: a window's start moves by one a
+        step once it does; a chunk's start moves only at the next chunk."""
+        b, ps, step = len(self._ones), self._ps, self._win_step
+        step[:b] = 1  # last-page lengths (rows taking a page set theirs to 1)
+        if not self._span.window:
+            step[b:] = 0
+            return int(self._span.chunk - (positions % np.int32(self._span.chunk)).max())
+        if unclamped.min() >= 1:  # every window moves (sequences longer than it): the common case
+            step[b:2 * b] = step[3 * b:] = 1
+            return int(ps - self._win[b:2 * b].max())  # the offsets in the first pages, `_slide_window`'s
+        moving = unclamped >= 1
+        step[b:2 * b] = step[3 * b:] = moving
+        return int(np.where(moving, ps - unclamped % ps, 1 - unclamped).min())
 
     def plain_tokens(self, step: md.StepMetadata) -> Optional[np.ndarray]:
         """For ``step``, the last one derived, when it is plain (one depth, every last block
