@@ -1,7 +1,7 @@
 """One int32 buffer that carries a step's metadata arrays to the device in one copy. On CPU the
-host buffer is the device buffer; on CUDA it is pinned and copied on a side stream (`SideStream`,
-also the host tier's; ctypes: TVM's Python API copies synchronously), which ``wait()`` orders the
-compute stream after; other GPUs copy synchronously."""
+host buffer is the device buffer; on CUDA it is pinned and copied on the compute stream
+(`PinnedUpload`; ctypes: TVM's Python API copies synchronously); other GPUs copy synchronously.
+`SideStream` is the host tier's copy stream."""
 
 from __future__ import annotations
 
@@ -48,11 +48,10 @@ def check_status(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {status} ({lib.cudaGetErrorString(status).decode()})")
 
 
-class SideStream:
-    """Pinned host memory of ``nbytes`` and a non-blocking CUDA copy stream, ordered against the
-    compute stream of ``device`` by two events: copies queued on `stream` between `begin` and `end`
-    run after the compute stream's work so far, and before its work queued after `wait`; the host
-    does not block. ``alloc_error(status)``: the exception for a failed ``cudaMallocHost``."""
+class _Pinned:
+    """Pinned host memory of ``nbytes`` for copies to and from ``device``, freed by `close` after
+    `_release` has waited for the copies and freed what a subclass holds.
+    ``alloc_error(status)``: the exception for a failed ``cudaMallocHost``."""
 
     def __init__(self, device: tvm.runtime.Device, nbytes: int,
                  alloc_error: Optional[Callable[[int], Exception]] = None) -> None:
@@ -64,17 +63,47 @@ class SideStream:
             raise alloc_error(status)
         check_status(status, "cudaMallocHost")
         self.host_ptr: Optional[ctypes.c_void_p] = ptr
+
+    def array(self, ctype: Any, count: int, offset: int = 0) -> np.ndarray:
+        """A numpy array over ``count`` ``ctype`` items of the pinned memory from byte ``offset``."""
+        address = self.host_ptr.value + offset  # type: ignore[union-attr]
+        return np.ctypeslib.as_array((ctype * count).from_address(address))
+
+    def _release(self, lib: ctypes.CDLL) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Wait for the copies, then free the CUDA objects and the pinned memory."""
+        lib = _LIB
+        if lib is None or self.host_ptr is None:
+            return
+        self._release(lib)
+        lib.cudaFreeHost(self.host_ptr)
+        self.host_ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class SideStream(_Pinned):
+    """Pinned host memory of ``nbytes`` and a non-blocking CUDA copy stream, ordered against the
+    compute stream of ``device`` by two events: copies queued on `stream` between `begin` and `end`
+    run after the compute stream's work so far, and before its work queued after `wait`; the host
+    does not block. ``alloc_error(status)``: the exception for a failed ``cudaMallocHost``."""
+
+    def __init__(self, device: tvm.runtime.Device, nbytes: int,
+                 alloc_error: Optional[Callable[[int], Exception]] = None) -> None:
+        super().__init__(device, nbytes, alloc_error)
+        lib = self._lib
         self.stream = ctypes.c_void_p()
         check_status(lib.cudaStreamCreateWithFlags(ctypes.byref(self.stream), NON_BLOCKING), "cudaStreamCreate")
         self._computed, self._copied = ctypes.c_void_p(), ctypes.c_void_p()
         for event in (self._computed, self._copied):
             check_status(lib.cudaEventCreateWithFlags(ctypes.byref(event), _DISABLE_TIMING), "cudaEventCreate")
         self._copy_issued = self._pending_wait = False
-
-    def array(self, ctype: Any, count: int, offset: int = 0) -> np.ndarray:
-        """A numpy array over ``count`` ``ctype`` items of the pinned memory from byte ``offset``."""
-        address = self.host_ptr.value + offset  # type: ignore[union-attr]
-        return np.ctypeslib.as_array((ctype * count).from_address(address))
 
     def begin(self) -> None:
         """Make the copy stream wait for the compute stream's work so far (it may still use the
@@ -104,23 +133,57 @@ class SideStream:
         """Block until the copies queued so far are done."""
         check_status(self._lib.cudaStreamSynchronize(self.stream), "cudaStreamSynchronize")
 
-    def close(self) -> None:
-        """Wait for the copy stream, then free the events, the stream and the pinned memory."""
-        lib = _LIB
-        if lib is None or self.host_ptr is None:
-            return
+    def _release(self, lib: ctypes.CDLL) -> None:
         lib.cudaStreamSynchronize(self.stream)
         lib.cudaEventDestroy(self._copied)
         lib.cudaEventDestroy(self._computed)
         lib.cudaStreamDestroy(self.stream)
-        lib.cudaFreeHost(self.host_ptr)
-        self.host_ptr = None
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+
+class PinnedUpload(_Pinned):
+    """Pinned host memory of ``nbytes`` copied to the device on the stream current when `copy`
+    is called (the compute stream: after the work queued on it so far, before the work queued
+    after), with an event recorded after each copy: the host waits for it only before
+    overwriting the memory (`ready_for_write`), and `wait` orders another current stream after
+    the copy. Three CUDA runtime calls a step."""
+
+    def __init__(self, device: tvm.runtime.Device, nbytes: int) -> None:
+        super().__init__(device, nbytes)
+        self._copied = ctypes.c_void_p()
+        check_status(self._lib.cudaEventCreateWithFlags(ctypes.byref(self._copied), _DISABLE_TIMING),
+                     "cudaEventCreate")
+        self._stream: Optional[int] = None  # the stream of the last copy (None: the default stream)
+        self._issued = self._pending_wait = False
+
+    def ready_for_write(self) -> None:
+        """Block until the last copy has read the pinned memory (it follows the compute stream's
+        work queued before it: normally done)."""
+        if self._issued:
+            check_status(self._lib.cudaEventSynchronize(self._copied), "cudaEventSynchronize")
+
+    def copy(self, dst: ctypes.c_void_p, nbytes: int) -> None:
+        """Queue a copy of the first ``nbytes`` of the pinned memory to ``dst`` on the current
+        stream, and the event after it."""
+        stream = tvm_ffi.get_raw_stream(self._device) or None
+        lib, handle = self._lib, ctypes.c_void_p(stream)
+        check_status(lib.cudaMemcpyAsync(dst, self.host_ptr, ctypes.c_size_t(nbytes), _H2D, handle), "cudaMemcpyAsync")
+        check_status(lib.cudaEventRecord(self._copied, handle), "cudaEventRecord")
+        self._stream, self._issued, self._pending_wait = stream, True, True
+
+    def wait(self) -> None:
+        """Make the current stream wait for the last copy, unless the copy was queued on it
+        (once per copy; the host does not block)."""
+        if self._pending_wait:
+            stream = tvm_ffi.get_raw_stream(self._device) or None
+            if stream != self._stream:
+                check_status(self._lib.cudaStreamWaitEvent(ctypes.c_void_p(stream), self._copied, 0),
+                             "cudaStreamWaitEvent")
+            self._pending_wait = False
+
+    def _release(self, lib: ctypes.CDLL) -> None:
+        if self._issued:
+            lib.cudaEventSynchronize(self._copied)
+        lib.cudaEventDestroy(self._copied)
 
 
 class AuxBuffer:
@@ -130,7 +193,7 @@ class AuxBuffer:
         self._device = device
         self._on_cpu = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
         self._on_cuda = device.dlpack_device_type() == tvm.cuda().dlpack_device_type()
-        self._side: Optional[SideStream] = None
+        self._side: Optional[PinnedUpload] = None
         self._allocate(max(int(capacity), 1024))
 
     def _allocate(self, capacity: int) -> None:
@@ -142,7 +205,7 @@ class AuxBuffer:
         self._device_buffer = tvm.runtime.empty((capacity,), "int32", self._device)
         if self._on_cuda:
             self._device_ptr = ctypes.c_void_p(self._device_buffer.data_ptr())
-            self._side = SideStream(self._device, 4 * capacity)
+            self._side = PinnedUpload(self._device, 4 * capacity)
             self._host = self._side.array(ctypes.c_int32, capacity)
         else:
             self._host = (np.from_dlpack(self._device_buffer) if self._on_cpu
@@ -185,10 +248,7 @@ class AuxBuffer:
             host[offset:offset + array.size] = array if array.ndim == 1 else array.ravel()
         count = offsets[len(arrays) - 1] + arrays[-1].size if arrays else 0
         if side is not None:
-            side.begin()
-            check_status(cudart().cudaMemcpyAsync(self._device_ptr, side.host_ptr, ctypes.c_size_t(4 * count), _H2D,
-                                                  side.stream), "cudaMemcpyAsync")
-            side.end()
+            side.copy(self._device_ptr, 4 * count)
         elif not self._on_cpu and count:
             self.view((count,), 0).copyfrom(self._host[:count])
 

@@ -299,8 +299,8 @@ class PagedAttentionKVCache(StoredKVMethods):
         """Start a step that appends ``append_lengths[i]`` tokens to ``seq_ids[i]``.
 
         Reserves pages for the new tokens, plans the step's attention (block depths, decode
-        or prefill kernels) and sends its metadata to the device (asynchronously on CUDA: the
-        first attention call waits for it).
+        or prefill kernels) and sends its metadata to the device (asynchronously on CUDA, on
+        the current stream; a first attention call on another stream waits for it).
 
         With prefix caching, ``token_ids`` (one per appended token, in batch order) lets the
         pages the step fills be registered when it ends; a sequence appended without ids (or
