@@ -394,6 +394,44 @@ def test_decode_graphs_refuse_a_cpu_cache(cache_factory):
         DecodeGraphs(cache_factory(CONFIGS["fp32-gqa-normal"]), any_batch=True, max_graphs=0)
 
 
+@pytest.mark.parametrize("name", ["fp32-gqa-normal", "layer-window-inline"])
+def test_new_batch_of_many_sequences_matches_full_planning(cache_factory, name):
+    """`DecodePlanner.fresh` over more sequences than `first_step` handles in Python lists and
+    more page ids than `int32_array` converts through numpy: every step (new batches after a
+    `popn` of every sequence, and their repeats) against a full plan and float64."""
+    from relax_kvcache.paging.decode_lane import PYTHON_ROWS
+
+    config = dataclasses.replace(LOCAL.get(name) or CONFIGS[name], page_size=8, max_num_seqs=32,
+                                 max_total_seq_len=2560)
+    t = Twin(cache_factory, config, seed=13, shape_tuples=True)
+    rng = np.random.default_rng(14)
+    n = PYTHON_ROWS + 6
+    for s in range(n):
+        t.op("add", s)
+        t.step([(s, int(rng.integers(17, 41)))])
+    assert sum(t.h.ref.length(s) // 8 for s in range(n)) > 48  # page ids packed with struct
+    for _ in range(3):
+        for _ in range(int(rng.integers(2, 10))):
+            t.step([(s, 1) for s in range(n)])
+        for s in range(n):
+            t.op("popn", s, 1)
+    t.h.check_contents()
+    assert t.fresh_steps == 3 and t.in_place_steps > 3
+
+
+def test_int32_arrays_of_python_ints():
+    """`int32_array` (numpy below a few dozen values, `struct` above) against ``np.array``."""
+    from relax_kvcache.paging.decode_lane import int32_array
+
+    rng = np.random.default_rng(15)
+    for count in (0, 1, 47, 48, 300):
+        values = [int(v) for v in rng.integers(-2**31, 2**31, size=count)]
+        for given in (values, iter(values)):
+            got = int32_array(given, count)
+            assert got.dtype == np.int32 and got.flags.writeable
+            assert np.array_equal(got, np.array(values, dtype=np.int64))
+
+
 @pytest.mark.parametrize("grown", [1, 2, 3, 7, 48, 49, 60])
 def test_page_lists_grow_as_np_insert_grows_them(grown):
     """`_append_pages` (by slices for a few rows, by masks for more) against ``np.insert``;
