@@ -94,8 +94,6 @@ def _dispatcher(name: str, ours: Callable[..., Any], theirs: Callable[..., Any])
     method = getattr(ours, "method", None)
 
     def dispatch(cache: Any, *args: Any) -> Any:
-        if type(cache) is PagedAttentionKVCache and fewest <= len(args) <= most:  # the common case
-            return getattr(cache, method)(*args) if method is not None else ours(cache, *args)
         if isinstance(cache, PagedAttentionKVCache):
             if not fewest <= len(args) <= most:
                 raise ArgumentError(f"{signature} takes {fewest if fewest == most else f'{fewest} to {most}'} "

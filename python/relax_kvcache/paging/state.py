@@ -357,7 +357,7 @@ class PagingState:
         return decode_lane.open_lane(self._seqs, self._blocks, self._page_size, self._version,
                                      seq_ids, fresh)
 
-    def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], collections.abc.Sequence[int]]:
+    def advance_lane(self, lane: DecodeLane) -> tuple[collections.abc.Sequence[int], list[int]]:
         """Append one token to every sequence of ``lane`` (`reserve_append` with lengths 1);
         the rows whose last block took a page and those pages."""
         if lane.version != self._version:
@@ -370,12 +370,7 @@ class PagingState:
             self._settle()
             self._lagging = lane
         self._version += 1
-        if full or not lane.steps:
-            return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
-        lane.steps += 1  # `decode_lane.advance`'s common case, inline (every decode step)
-        lane.lagging += 1
-        lane.version = self._version
-        return full, ()
+        return full, decode_lane.advance(lane, full, self._pages, self._page_size, self._version)
 
     def set_token_tree(self, seq_id: int, tree: object) -> None:
         """Record the uncommitted token tree of ``seq_id`` (opaque here)."""
