@@ -93,6 +93,7 @@ class Driver:
         # TVM's own builtins for its cache (no Python dispatch in the way), the dispatchers for ours.
         get = (lambda n: original("vm.builtin." + n)) if native else (lambda n: tvm.get_global_func("vm.builtin." + n))
         self.add = get("kv_state_add_sequence")
+        self.remove = get("kv_state_remove_sequence")
         self.begin = get("kv_state_begin_forward")
         self.end = get("kv_state_end_forward")
         self.popn = get("kv_state_popn")
@@ -221,6 +222,44 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int, layer_window: Optional
              ffi_floor(drivers[0].cache, n, repeat)) for n in batch_sizes]
 
 
+def bench_churn(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, float, float]]:
+    """Median seconds of a continuous-batching decode step, (n, ours, native): one sequence of
+    the batch of n leaves (``remove_sequence``, timed) and one joins at the end, added and
+    prefilled with 100 tokens outside the timing, then the decode step of the new batch
+    (begin_forward + metadata sync + end_forward, timed). Sequences start with 100 + i % 16
+    tokens, so that last pages fill at different steps."""
+    rows = []
+    for n in batch_sizes:
+        times = {}
+        for drv in make_pair(1, (n + 1) * (200 + 2 * repeat) + 64, 2048, n + 1, (4, 1, 16)):
+            batch = list(range(n))
+            for s in batch:
+                drv.add(drv.cache, s)
+            for first in range(0, n, 16):
+                ids = batch[first:first + 16]
+                drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100 + s % PAGE for s in ids]))
+                drv.end(drv.cache)
+            spent = []
+            for i in range(repeat + 2):
+                joining = n + i
+                drv.add(drv.cache, joining)
+                drv.begin(drv.cache, ShapeTuple([joining]), ShapeTuple([100]))
+                drv.end(drv.cache)
+                start = time.perf_counter()
+                drv.remove(drv.cache, batch.pop(0))
+                removed = time.perf_counter() - start
+                batch.append(joining)
+                start = time.perf_counter()
+                drv.begin(drv.cache, ShapeTuple(batch), ShapeTuple([1] * n))
+                drv.query_positions(drv.cache)
+                drv.end(drv.cache)
+                if i >= 2:
+                    spent.append(removed + time.perf_counter() - start)
+            times[drv.name] = statistics.median(spent)
+        rows.append((n, times["ours"], times["native"]))
+    return rows
+
+
 def ffi_floor(cache, n: int, repeat: int) -> float:
     """Median seconds of the three calls of a host step (begin_forward with n ids and lengths,
     get_query_positions, end_forward) made to Python functions that do nothing, registered and
@@ -259,6 +298,14 @@ def print_host_tables(batch_sizes: Tuple[int, ...], repeat: int, rounds: int = 1
                   f"{repeated / native:15.2f}x {full / native:11.1f}x {floor * 1e6:10.1f} {floor / native:12.2f}x")
     print("(FFI floor: the same three calls made to Python functions that do nothing, registered and called as "
           "ours are)")
+    runs = [bench_churn(batch_sizes, repeat) for _ in range(rounds)]
+    print()
+    print("Host: continuous batching, decode batch (us): each step one sequence leaves (remove_sequence) and one "
+          "joins (added and prefilled outside the timing), then begin_forward + metadata sync + end_forward")
+    print(f"{'sequences':>10} {'ours':>8} {'native':>8} {'ours/native':>12}")
+    for cells in zip(*runs):
+        n, ours, native = (min(column) for column in zip(*cells))
+        print(f"{n:>10} {ours * 1e6:8.1f} {native * 1e6:8.1f} {ours / native:11.2f}x")
 
 
 def bench_layer_overhead(repeat: int = 3000) -> Tuple[float, ...]:
