@@ -210,7 +210,9 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # n
     kernels need. ``upper_bounds`` (e.g. ``{"n": prefill_chunk_size, "b": max_batch_size}``):
     the largest values of the entry points' symbolic dimensions, by name, so that TVM plans their
     activations once at those sizes (``tir_var_upper_bound``, as MLC-LLM does) instead of
-    allocating per shape at run time; function outputs are still allocated per call."""
+    allocating per shape at run time; function outputs are still allocated per call. On CUDA
+    the model's matmuls get dlight's schedules without tensor cores (its tensor-core rule crashes
+    in TVM 0.27; docs/troubleshooting.md) unless ``relax_pipeline`` is given."""
     target = tvm.target.Target(target)
     if upper_bounds:
         bounds = {str(k): int(v) for k, v in upper_bounds.items()}
