@@ -17,6 +17,7 @@ from tvm.runtime import ShapeTuple
 
 import relax_kvcache as rk
 from relax_kvcache.cache import step as step_module
+from relax_kvcache.decode_plan import _drop_first_pages as _DROP_FIRST_PAGES
 from support.harness import CONFIGS, Harness
 
 # (caches with support_sliding_window attend before appending: always planned in full)
@@ -418,6 +419,46 @@ def test_new_batch_of_many_sequences_matches_full_planning(cache_factory, name):
     t.h.check_contents()
     assert t.fresh_steps == 3 and t.in_place_steps > 3
 
+
+
+def test_windows_drop_first_pages_on_schedule(cache_factory, monkeypatch):
+    """Once every window of a repeated batch moves, each drops its first page every page_size
+    steps, at steps of its own (staggered lengths): those steps update the window pages in place
+    too (`_drop_first_pages`). Every step against a full plan, the contents against float64."""
+    from relax_kvcache import decode_plan
+
+    calls = []
+    monkeypatch.setattr(decode_plan, "_drop_first_pages",
+                        lambda *a: calls.append(a[2]) or _DROP_FIRST_PAGES(*a))
+    config = dataclasses.replace(LOCAL["layer-window-inline"], max_num_seqs=12, max_total_seq_len=1024)
+    t = Twin(cache_factory, config, seed=15, shape_tuples=True)
+    for s in range(10):
+        t.op("add", s)
+        t.step([(s, 20 + 3 * s)])  # windows of 13: every one moves from the first decode step
+    for _ in range(3 * config.page_size + 2):
+        t.step([(s, 1) for s in range(10)])
+    t.h.check_contents()
+    assert t.in_place_steps > 20 and len(calls) >= 20 and max(len(rows) for rows in calls) >= 2
+
+
+def test_first_pages_drop_as_list_slices_drop_them():
+    """`_drop_first_pages` against a list-by-list reference."""
+    from relax_kvcache.decode_plan import grow_shifts
+
+    rng = np.random.default_rng(4)
+    counts = rng.integers(1, 6, size=40)
+    indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    indices = rng.permutation(5_000)[:indptr[-1]].astype(np.int32)
+    rows = tuple(sorted(rng.choice(40, size=9, replace=False).tolist()))
+    before = (indptr.copy(), indices.copy())
+    new_indptr, new_indices = _DROP_FIRST_PAGES(indptr, indices, rows, grow_shifts([rows], 41)[0])
+    lists = [list(indices[indptr[i]:indptr[i + 1]]) for i in range(40)]
+    for r in rows:
+        lists[r] = lists[r][1:]
+    assert new_indptr.dtype == np.int32 and new_indptr.tolist() == np.cumsum([0] + [len(x) for x in lists]).tolist()
+    assert new_indices.dtype == np.int32 and new_indices.tolist() == [p for x in lists for p in x]
+    assert new_indptr.base is new_indices.base  # one array, as `_append_pages` makes
+    assert np.array_equal(indptr, before[0]) and np.array_equal(indices, before[1])  # inputs unchanged
 
 def test_int32_arrays_of_python_ints():
     """`int32_array` (numpy below a few dozen values, `struct` above) against ``np.array``."""

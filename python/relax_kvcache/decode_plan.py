@@ -45,8 +45,10 @@ class DecodePlanner:
         # [B], views of one array (None without a window), and the pages dropped from each list
         self._win: Optional[np.ndarray] = None
         self._win_drop = np.zeros(0, dtype=np.int32)
-        # until the lane's step _win_until, `_win` gains _win_step [4B] a step (`_window_events`)
+        # until the lane's step _win_until, `_win` gains _win_step [4B] a step (`_window_events`),
+        # and the windows of the rows _win_drops[step] lose their first page at that step
         self._win_until, self._win_step = 0, np.zeros(0, dtype=np.int32)
+        self._win_drops: Dict[int, Tuple[int, ...]] = {}
         # by batch size: `fresh`'s step (its constant arrays shared, read-only), and the ones and
         # last-depth rows a lane of that size needs
         self._fresh: Dict[int, Tuple[md.StepMetadata, np.ndarray, Tuple[Tuple[np.ndarray, bool]]]] = {}
@@ -226,12 +228,17 @@ class DecodePlanner:
             win[:3 * b] = window.length_info.ravel()
             win[3 * b:] = window.k_rope_pos_offset
             return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
-        window, steps = depth.window, self._lane.steps
-        if not copy and steps < self._win_until:  # no window's start crosses a page or starts to move
+        window, steps, periodic = depth.window, self._lane.steps, False
+        if not copy and steps < self._win_until:  # no window starts to move; starts cross pages on schedule
             win += self._win_step
             for row in full:
                 win[row] = 1  # the filled rows' new last pages
-            dropped = ()
+            dropped = periodic = self._win_drops.pop(steps, ())
+            if dropped:  # these windows' first pages drop out of view, again page_size steps later
+                self._win_drops[steps + self._page_size] = dropped
+                for row in dropped:
+                    win[b + row] = 0
+                    self._win_drop[row] += 1
         else:
             unclamped = self._span.first_visible(positions)
             unclamped -= start
@@ -241,25 +248,32 @@ class DecodePlanner:
             np.remainder(skip, ps, out=win[b:2 * b])
             np.add(start, skip, out=win[3 * b:])
             dropped = np.flatnonzero(drop != self._win_drop)
-            self._win_until = steps + self._window_events(unclamped, positions)
+            events = self._window_events(unclamped, positions)
+            periodic_drops = events is None  # at the steps where each offset in its first page reaches page_size
+            self._win_drops = _rows_by(steps + self._page_size - win[b:2 * b]) if periodic_drops else {}
+            self._win_until = _FOREVER if periodic_drops else steps + events
         if not (full or len(dropped)) and window.k_rope_pos_offset.base is win:
             return None
         page_indptr, page_indices = window.page_indptr, window.page_indices
         if full:
             page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages,
                                                       self._shift(full, page_indptr.size))
-        if len(dropped):  # positions only grow: pages only drop out of view
+        if periodic:
+            page_indptr, page_indices = _drop_first_pages(page_indptr, page_indices, periodic,
+                                                          self._shift(periodic, page_indptr.size))
+        elif len(dropped):  # positions only grow: pages only drop out of view
             page_indptr, page_indices = _drop_pages(page_indptr, page_indices, dropped,
                                                     drop[dropped] - self._win_drop[dropped])
             self._win_drop = drop
         return md.evolve(window, page_indptr=page_indptr, page_indices=page_indices,
                          length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
 
-    def _window_events(self, unclamped: np.ndarray, positions: np.ndarray) -> int:
+    def _window_events(self, unclamped: np.ndarray, positions: np.ndarray) -> Optional[int]:
         """Steps until some window of a plain step starts to move or its start crosses a page
-        (``unclamped``: first visible key minus the list's first key, per row, this step), and
-        `_win_step`, what `_win` gains each step until then: a window's start moves by one a
-        step once it does; a chunk's start moves only at the next chunk."""
+        (``unclamped``: first visible key minus the list's first key, per row, this step), or
+        None where every window moves (then each crosses a page every page_size steps, on
+        schedule); and `_win_step`, what `_win` gains each step until then: a window's start
+        moves by one a step once it does; a chunk's start moves only at the next chunk."""
         b, ps, step = len(self._ones), self._ps, self._win_step
         step[:b] = 1  # last-page lengths (rows taking a page set theirs to 1)
         if not self._span.window:
@@ -267,7 +281,7 @@ class DecodePlanner:
             return int(self._span.chunk - (positions % np.int32(self._span.chunk)).max())
         if unclamped.min() >= 1:  # every window moves (sequences longer than it): the common case
             step[b:2 * b] = step[3 * b:] = 1
-            return int(ps - self._win[b:2 * b].max())  # the offsets in the first pages, `_slide_window`'s
+            return None
         moving = unclamped >= 1
         step[b:2 * b] = step[3 * b:] = moving
         return int(np.where(moving, ps - unclamped % ps, 1 - unclamped).min())
@@ -345,6 +359,7 @@ class DecodePlanner:
 
 
 _ONE = np.int32(1)
+_FOREVER = 1 << 62  # a lane step no lane reaches
 
 
 #: Most rows `_append_pages` grows by slice copies (memcpy speed); masks above it.
@@ -386,6 +401,32 @@ def _append_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int], 
         at, done = end + 1, cut
     new_indices[at:] = indices[done:]
     return new_indptr, new_indices
+
+
+def _drop_first_pages(indptr: np.ndarray, indices: np.ndarray, rows: Sequence[int],
+                      shift: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Page lists ``(indptr, indices)`` without the first page of the lists of ``rows``
+    (ascending; ``shift``: their `grow_shifts`), in one new array as `_append_pages` makes."""
+    b1, k = indptr.size, len(rows)
+    block = np.empty(b1 + indices.size - k, dtype=np.int32)
+    new_indptr, new_indices = block[:b1], block[b1:]
+    np.subtract(indptr, shift, out=new_indptr)
+    done = at = 0
+    for row in rows:
+        cut = int(indptr[row])
+        end = at + cut - done
+        new_indices[at:end] = indices[done:cut]
+        at, done = end, cut + 1
+    new_indices[at:] = indices[done:]
+    return new_indptr, new_indices
+
+
+def _rows_by(keys: np.ndarray) -> Dict[int, Tuple[int, ...]]:
+    """The rows of ``keys`` (ascending) by their key."""
+    rows: Dict[int, list] = {}
+    for row, key in enumerate(keys.tolist()):
+        rows.setdefault(key, []).append(row)
+    return {key: tuple(group) for key, group in rows.items()}
 
 
 def _drop_pages(indptr: np.ndarray, indices: np.ndarray, rows: np.ndarray,
