@@ -193,12 +193,7 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int, layer_window: Optional
     drivers = make_pair(1, max_seqs * (160 + 2 * repeat * len(batch_sizes)) + 64, 2048, max_seqs, heads,
                         layer_window=layer_window)
     for drv in drivers:
-        for s in range(max_seqs):
-            drv.add(drv.cache, s)
-        for first in range(0, max_seqs, 16):
-            ids = list(range(first, min(first + 16, max_seqs)))
-            drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100 + (s % PAGE if staggered else 0) for s in ids]))
-            drv.end(drv.cache)
+        add_sequences(drv, max_seqs, staggered)
     results = {}
     for drv in drivers:
         for n in batch_sizes:
@@ -222,6 +217,17 @@ def bench_host(batch_sizes: Tuple[int, ...], repeat: int, layer_window: Optional
              ffi_floor(drivers[0].cache, n, repeat)) for n in batch_sizes]
 
 
+def add_sequences(drv: Driver, n: int, staggered: bool) -> None:
+    """Add sequences 0..n-1 and prefill them with 100 tokens each (``staggered``: 100 + i % 16),
+    16 a step."""
+    for s in range(n):
+        drv.add(drv.cache, s)
+    for first in range(0, n, 16):
+        ids = list(range(first, min(first + 16, n)))
+        drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100 + (s % PAGE if staggered else 0) for s in ids]))
+        drv.end(drv.cache)
+
+
 def bench_churn(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, float, float]]:
     """Median seconds of a continuous-batching decode step, (n, ours, native): one sequence of
     the batch of n leaves (``remove_sequence``, timed) and one joins at the end, added and
@@ -233,12 +239,7 @@ def bench_churn(batch_sizes: Tuple[int, ...], repeat: int) -> List[Tuple[int, fl
         times = {}
         for drv in make_pair(1, (n + 1) * (200 + 2 * repeat) + 64, 2048, n + 1, (4, 1, 16)):
             batch = list(range(n))
-            for s in batch:
-                drv.add(drv.cache, s)
-            for first in range(0, n, 16):
-                ids = batch[first:first + 16]
-                drv.begin(drv.cache, ShapeTuple(ids), ShapeTuple([100 + s % PAGE for s in ids]))
-                drv.end(drv.cache)
+            add_sequences(drv, n, staggered=True)
             spent = []
             for i in range(repeat + 2):
                 joining = n + i

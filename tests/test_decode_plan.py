@@ -420,7 +420,6 @@ def test_new_batch_of_many_sequences_matches_full_planning(cache_factory, name):
     assert t.fresh_steps == 3 and t.in_place_steps > 3
 
 
-
 def test_windows_drop_first_pages_on_schedule(cache_factory, monkeypatch):
     """Once every window of a repeated batch moves, each drops its first page every page_size
     steps, at steps of its own (staggered lengths): those steps update the window pages in place
@@ -459,6 +458,7 @@ def test_first_pages_drop_as_list_slices_drop_them():
     assert new_indices.dtype == np.int32 and new_indices.tolist() == [p for x in lists for p in x]
     assert new_indptr.base is new_indices.base  # one array, as `_append_pages` makes
     assert np.array_equal(indptr, before[0]) and np.array_equal(indices, before[1])  # inputs unchanged
+
 
 def test_int32_arrays_of_python_ints():
     """`int32_array` (numpy below a few dozen values, `struct` above) against ``np.array``."""

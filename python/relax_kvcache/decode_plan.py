@@ -89,9 +89,8 @@ class DecodePlanner:
         self._win = None
         if self._plain and depth.window is not None:
             window = depth.window
-            self._win = np.concatenate((window.length_info.ravel(), window.k_rope_pos_offset)).astype(np.int32)
+            self._start_window(np.concatenate((window.length_info.ravel(), window.k_rope_pos_offset)).astype(np.int32))
             self._win_drop = (np.diff(depth.page_indptr) - np.diff(window.page_indptr)).astype(np.int32)
-            self._win_until, self._win_step = 0, np.zeros_like(self._win)
         self._ones_like_tokens = np.ones_like(self._tokens)
         self._lane, self._shifts = lane, {}
         return lane
@@ -173,7 +172,7 @@ class DecodePlanner:
                           length_info=tokens[3 * n:])
         self._tokens, self._ones, self._win = tokens, template.append_lengths, None
         if self._span:  # local layers: the pages the new tokens' windows see
-            self._win, self._win_until, self._win_step = np.zeros(4 * n, dtype=np.int32), 0, np.zeros(4 * n, np.int32)
+            self._start_window(np.zeros(4 * n, dtype=np.int32))
             depth = md.evolve(depth, window=self._slide_window(depth, None, (), False))
         step = md.evolve(template, seq_ids=tuple(seq_ids), k_ragged_rope_pos_offset=tokens[:n],
                          q_rope_position=tokens[n:2 * n], append_position=tokens[2 * n:3 * n], depths=(depth,))
@@ -181,6 +180,10 @@ class DecodePlanner:
             lane, step, step, True, None, {})
         self._shifts = {}
         return step
+
+    def _start_window(self, win: np.ndarray) -> None:
+        """Make ``win`` a new lane's `_win`; its next step computes every row (`_slide_window`)."""
+        self._win, self._win_until, self._win_step, self._win_drops = win, 0, np.zeros_like(win), {}
 
     def _new_pages(self, tokens: np.ndarray, full: Sequence[int], new_pages: Sequence[int]) -> None:
         """Put the new tokens of the rows ``full`` at the start of ``new_pages`` in ``tokens``
@@ -228,12 +231,12 @@ class DecodePlanner:
             win[:3 * b] = window.length_info.ravel()
             win[3 * b:] = window.k_rope_pos_offset
             return md.evolve(window, length_info=win[:3 * b].reshape(3, b), k_rope_pos_offset=win[3 * b:])
-        window, steps, periodic = depth.window, self._lane.steps, False
+        window, steps, scheduled = depth.window, self._lane.steps, ()
         if not copy and steps < self._win_until:  # no window starts to move; starts cross pages on schedule
             win += self._win_step
             for row in full:
                 win[row] = 1  # the filled rows' new last pages
-            dropped = periodic = self._win_drops.pop(steps, ())
+            dropped = scheduled = self._win_drops.pop(steps, ())
             if dropped:  # these windows' first pages drop out of view, again page_size steps later
                 self._win_drops[steps + self._page_size] = dropped
                 for row in dropped:
@@ -258,9 +261,9 @@ class DecodePlanner:
         if full:
             page_indptr, page_indices = _append_pages(page_indptr, page_indices, full, new_pages,
                                                       self._shift(full, page_indptr.size))
-        if periodic:
-            page_indptr, page_indices = _drop_first_pages(page_indptr, page_indices, periodic,
-                                                          self._shift(periodic, page_indptr.size))
+        if scheduled:
+            page_indptr, page_indices = _drop_first_pages(page_indptr, page_indices, scheduled,
+                                                          self._shift(scheduled, page_indptr.size))
         elif len(dropped):  # positions only grow: pages only drop out of view
             page_indptr, page_indices = _drop_pages(page_indptr, page_indices, dropped,
                                                     drop[dropped] - self._win_drop[dropped])
