@@ -15,7 +15,8 @@ For each model and side (ours eager, ours with CUDA graphs of the decode step, n
 * **logits check**: one prefill and a few decode steps on the same tokens; max |ours - native| over
   max |native| must stay within :data:`TOLERANCE` (else exit status 1);
 * **TTFT**: prefill of a whole prompt (1 x 512 / 2048 / 8192) up to the first token's logits;
-* **decode**: contexts of 1k and 4k tokens filled by prefill in chunks, then ``steps`` decode steps
+* **decode**: contexts of 1k and 4k tokens filled by prefill in chunks (``--fill attention``: by
+  each layer's attention call on random q/k/v, the same bytes without the model's matmuls), then ``steps`` decode steps
   at batch 1 / 8 / 32 / 128 queued back to back (tokens/s); configurations whose KV does not fit
   the GPU are skipped with the reason. Beside the step time: the host time of a step with the GPU
   work excluded (steps issued one at a time after a synchronisation, not waited for):
@@ -103,7 +104,8 @@ def native_process(libs: pathlib.Path, model: str, plan: Plan) -> Callable[[int,
     results/e2e_native_race_h100.log)."""
     def native_decode(context: int, batch: int) -> dict:
         cmd = [sys.executable, __file__, "--libs", str(libs), "--models", model, "--steps", str(plan.steps),
-               "--native-decode", str(context), str(batch), *(["--sync-steps"] if plan.sync_steps else [])]
+               "--native-decode", str(context), str(batch), *(["--sync-steps"] if plan.sync_steps else []),
+               "--fill", plan.fill]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_MARK)]
         if proc.returncode or not lines:
@@ -172,7 +174,7 @@ def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], 
     for name, cfg in models.items():
         result = run_model(name, cfg, executables_for(name), device, plan, graphs,
                            native_decode=native_process(libs, name, plan) if libs else None, kv_dtype=kv_dtype)
-        result["chunk"], result["sync_steps"] = plan.chunk, plan.sync_steps
+        result["chunk"], result["sync_steps"], result["fill"] = plan.chunk, plan.sync_steps, plan.fill
         report(result)
         if "fp8" in result:
             e2e_fp8.report(result)
@@ -194,7 +196,7 @@ def run(executables_for: Callable[[str], dict], models: Dict[str, LlamaConfig], 
 def _plan(plan: Plan, args) -> Plan:
     """``plan`` with the counts given on the command line."""
     given = {"steps": args.steps, "contexts": args.contexts, "batches": args.batches, "ttft": args.ttft,
-             "sync_steps": args.sync_steps or None}
+             "sync_steps": args.sync_steps or None, "fill": args.fill}
     plan = dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
     return dataclasses.replace(plan, chunk=max([plan.chunk, *plan.ttft]))
 
@@ -224,6 +226,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-graph", action="store_true", help="skip ours with CUDA graphs")
     parser.add_argument("--sync-steps", action="store_true", help="wait for the GPU before every decode step, "
                         "on both sides (TVM's native cache faults when its steps queue up)")
+    parser.add_argument("--fill", choices=("model", "attention"), help="how decode contexts are filled: by the "
+                        "model's prefill (default) or by each layer's attention call on random q/k/v (the same KV "
+                        "bytes, without the model's matmuls)")
     parser.add_argument("--json", type=pathlib.Path, help="write every result to this file")
     parser.add_argument("--kv-dtype", choices=KV_DTYPES,
                         help="also ours over 8-bit pages of this format (--prepare: build it; else: run it "

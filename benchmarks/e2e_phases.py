@@ -10,8 +10,10 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+import tvm
 
 from relax_kvcache.models import LlamaConfig
+from relax_kvcache.tensors import view
 from e2e_report import SIDES
 from e2e_runtime import PAGE, RESERVE, SEED, TOLERANCE, Device, Plan, Runner, round_up, shape_tuple
 
@@ -120,8 +122,15 @@ def ttft_phase(runner: Runner, device: Device, cfg: LlamaConfig, plan: Plan) -> 
 
 def fill(runner: Runner, cache, device: Device, cfg: LlamaConfig, plan: Plan, seqs: Sequence[int], length: int,
          rng) -> float:
-    """Prefill ``length`` random tokens into each of ``seqs``, ``plan.chunk`` tokens per step; seconds."""
+    """Fill each of ``seqs`` with ``length`` tokens, ``plan.chunk`` tokens per step (``plan.fill``:
+    by the model's prefill of random tokens, or by each layer's attention call on random q/k/v,
+    the same for both sides); seconds."""
     pending = [[s, length] for s in seqs]
+    qkv = out = None
+    if plan.fill == "attention":
+        heads = cfg.num_heads + 2 * cfg.num_kv_heads
+        qkv = tvm.runtime.tensor(rng.standard_normal((plan.chunk, heads, cfg.head_dim)).astype(cfg.dtype), device.dev)
+        out = tvm.runtime.empty((plan.chunk, cfg.num_heads, cfg.head_dim), cfg.dtype, device.dev)
     device.sync()
     start = time.perf_counter()
     while pending:
@@ -133,8 +142,17 @@ def fill(runner: Runner, cache, device: Device, cfg: LlamaConfig, plan: Plan, se
             pending[0][1] -= n
             if not pending[0][1]:
                 pending.pop(0)
-        ids = device.tokens(rng.integers(0, cfg.vocab_size, (1, sum(n for _, n in step))))
-        runner.forward(cache, runner.prefill_fn, ids, [s for s, _ in step], [n for _, n in step])
+        seq_ids, lengths = [s for s, _ in step], [n for _, n in step]
+        if qkv is None:
+            ids = device.tokens(rng.integers(0, cfg.vocab_size, (1, sum(lengths))))
+            runner.forward(cache, runner.prefill_fn, ids, seq_ids, lengths)
+            continue
+        n = sum(lengths)  # views of the step's rows, as a model passes them
+        rows_qkv, rows_out = (view(t, (n,) + tuple(t.shape[1:]), 0, t.dtype) for t in (qkv, out))
+        runner.begin(cache, shape_tuple(seq_ids), shape_tuple(lengths))
+        for layer in range(cfg.num_layers):
+            runner.attention(cache, layer, cfg.head_dim ** -0.5, rows_qkv, rows_out)
+        runner.end(cache)
     device.sync()
     return time.perf_counter() - start
 

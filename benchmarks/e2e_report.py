@@ -79,4 +79,5 @@ def report(result: dict, log=print) -> None:
                     _num(m[k], 1e3, 8, 3) for k in ("step", "host", "begin", "call", "end"))
                     + (f"  ({m['note']})" if "note" in m else ""))
         log(f"{'fill':>12} " + ", ".join(f"{side} {sides[side]['fill']:.1f} s" for side in SIDES)
-            + f" (prefill of the contexts {context} tokens each, chunks of up to {result.get('chunk', '?')} tokens)")
+            + f" ({'attention calls on random q/k/v' if result.get('fill') == 'attention' else 'prefill'} of the "
+            f"contexts {context} tokens each, chunks of up to {result.get('chunk', '?')} tokens)")

@@ -47,6 +47,9 @@ class Plan:
     #: wait for the GPU before every decode step, on both sides (TVM's native cache races when its
     #: steps queue up: results/e2e_native_race_h100.log); step time then includes the host's part
     sync_steps: bool = False
+    #: how decode contexts are filled: "model" (prefill through the model) or "attention" (each
+    #: layer's attention call on random q/k/v: the same KV bytes without the model's matmuls)
+    fill: str = "model"
 
     @property
     def extra(self) -> int:
@@ -150,6 +153,7 @@ class Runner:
         self.add, self.remove = get("kv_state_add_sequence"), get("kv_state_remove_sequence")
         self.popn = get("kv_state_popn")
         self.begin, self.end = get("kv_state_begin_forward"), get("kv_state_end_forward")
+        self.attention = get("attention_kv_cache_attention_with_fused_qkv")
         self.prefill_fn, self.decode_fn, self.create_fn = vm["prefill"], vm["decode"], vm["create_kv_cache"]
 
     def create(self, max_batch: int, max_total: int, chunk: int):
