@@ -204,3 +204,30 @@ def test_measure_waits_for_the_gpu_before_every_timed_step_only_with_sync_steps(
     host_split = ["sync", "step"] * 3 + ["sync"]  # steps one at a time either way
     assert events == warm_up + timed + host_split
     assert result["host"] == pytest.approx(3.0)
+
+
+def test_attention_fill_gives_ours_and_native_the_same_contexts():
+    """``--fill attention``: both caches filled by their attention calls on the same random q/k/v
+    hold the same KV: the next decode step's logits agree within the benchmark's tolerance (and
+    depend on the fill: native's logits after another fill do not)."""
+    import dataclasses
+
+    import e2e_phases
+    from e2e_runtime import SEED, SMOKE_MODEL, SMOKE_PLAN, Device, Runner
+
+    device, cfg = Device(cuda=False), SMOKE_MODEL
+    plan = dataclasses.replace(SMOKE_PLAN, fill="attention")
+    weights = device.weights(cfg, SEED)
+    token = device.tokens(np.array([[7]]))
+    logits = {}
+    for side, fill_seed in (("ours", 3), ("native", 3), ("other", 4)):
+        build = "native" if side == "other" else side
+        runner = Runner(build, e2e_bench.make_vm(build, e2e_bench._smoke_executable(build), device), weights)
+        cache = runner.create(1, 256, plan.chunk)
+        runner.add(cache, 0)
+        assert e2e_phases.fill(runner, cache, device, cfg, plan, [0], 150, np.random.default_rng(fill_seed)) > 0
+        logits[side] = runner.forward(cache, runner.decode_fn, token, [0], [1]).numpy().astype(np.float64)
+    scale = np.abs(logits["native"]).max()
+    assert scale > 0.1 and not np.isnan(logits["ours"]).any()
+    assert np.abs(logits["ours"] - logits["native"]).max() <= e2e_bench.TOLERANCE * scale
+    assert np.abs(logits["other"] - logits["native"]).max() > 4 * e2e_bench.TOLERANCE * scale
