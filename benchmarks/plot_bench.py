@@ -9,10 +9,12 @@ Three PNGs, ours against TVM's native cache and the roofline measured in the sam
 * ``step_latency.png``: a whole 8-layer decode step against batch size: ours, ours replaying a
   CUDA graph, native.
 
-From an ``e2e_bench.py --json FILE`` run (``--e2e``): ``e2e_tokens_<model>.png``, decode tokens/s of
-the whole model against batch size, per context: ours eager, ours with CUDA graphs, native.
+From ``e2e_bench.py --json FILE`` runs (``--e2e``; the contexts of one model from several runs are
+merged): ``e2e_tokens_<model>.png``, decode tokens/s of the whole model against batch size, per
+context: ours eager, ours with CUDA graphs, native.
 
-Usage: ``python benchmarks/plot_bench.py RESULTS.json [--e2e] [--out docs/img]`` (needs matplotlib).
+Usage: ``python benchmarks/plot_bench.py RESULTS.json [--out docs/img]`` or
+``python benchmarks/plot_bench.py --e2e E2E.json [E2E.json ...] [--out docs/img]`` (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -81,27 +83,41 @@ def e2e_series(result: dict) -> dict:
     return out
 
 
+def merged_e2e(runs: List[List[dict]]) -> List[dict]:
+    """The models of several ``e2e_bench.py --json`` runs, one result per model with the decode
+    contexts of all its runs."""
+    models: dict = {}
+    for results in runs:
+        for result in results:
+            models.setdefault(result["model"], {**result, "decode": {}})["decode"].update(result["decode"])
+    return list(models.values())
+
+
 def plot_e2e(results: List[dict], out: pathlib.Path) -> None:
     for result in results:
         series = e2e_series(result)
         cfg = result["config"]
+        synced = ", steps synced" if result.get("sync_steps") else ""
         _plot(out / f"e2e_tokens_{result['model']}.png", series,
               title=f"Decode through the Relax VM, {result['model']} shape ({cfg['num_layers']} layers, "
-                    f"hidden {cfg['hidden_size']})\n{result['device']}", xlabel="batch size",
+                    f"hidden {cfg['hidden_size']}{synced})\n{result['device']}", xlabel="batch size",
               ylabel="tokens/s (higher is better)", logy=True)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=pathlib.Path, help="JSON written by gpu_bench.py --json")
-    parser.add_argument("--e2e", action="store_true", help="RESULTS is an e2e_bench.py --json file")
+    parser.add_argument("results", type=pathlib.Path, nargs="+", help="JSON written by gpu_bench.py --json "
+                        "(one file) or by e2e_bench.py --json (--e2e)")
+    parser.add_argument("--e2e", action="store_true", help="RESULTS are e2e_bench.py --json files")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("docs/img"))
     args = parser.parse_args(argv)
-    data = json.loads(args.results.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
     if args.e2e:
-        plot_e2e(data, args.out)
+        plot_e2e(merged_e2e([json.loads(path.read_text()) for path in args.results]), args.out)
         return
+    if len(args.results) != 1:
+        parser.error("one gpu_bench.py --json file (several only with --e2e)")
+    data = json.loads(args.results[0].read_text())
     shape = data["shape"]
     where = f"{data['device']}\n{shape['dtype']}, {shape['num_qo_heads']}/{shape['num_kv_heads']} heads, " \
             f"head_dim {shape['head_dim']}, page {shape['page_size']}"
