@@ -241,3 +241,15 @@ def test_attention_fill_gives_ours_and_native_the_same_contexts():
     assert scale > 0.1 and not np.isnan(logits["ours"]).any()
     assert np.abs(logits["ours"] - logits["native"]).max() <= e2e_bench.TOLERANCE * scale
     assert np.abs(logits["other"] - logits["native"]).max() > 4 * e2e_bench.TOLERANCE * scale
+
+
+def test_host_profile_times_each_part_of_a_step_on_both_sides(capsys):
+    """``e2e_host_profile.py --cpu-smoke``: every host-time figure of both sides, positive."""
+    import e2e_host_profile
+
+    assert e2e_host_profile.main(["--cpu-smoke", "--calls", "5"]) == 0
+    figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(figures["native"]) == {"step", "begin_end", "begin_end_new_batch", "attention_builtin"}
+    assert set(figures["ours"]) >= set(figures["native"]) | {"attention_method", "split_rotary", "transpose_append",
+                                                             "ffi_floor"}
+    assert all(v > 0 for side in figures.values() for v in side.values())
