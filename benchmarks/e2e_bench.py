@@ -16,10 +16,10 @@ For each model and side (ours eager, ours with CUDA graphs of the decode step, n
   max |native| must stay within :data:`TOLERANCE` (else exit status 1);
 * **TTFT**: prefill of a whole prompt (1 x 512 / 2048 / 8192) up to the first token's logits;
 * **decode**: contexts of 1k and 4k tokens filled by prefill in chunks (``--fill attention``: by
-  each layer's attention call on random q/k/v, the same bytes without the model's matmuls), then ``steps`` decode steps
-  at batch 1 / 8 / 32 / 128 queued back to back (tokens/s); configurations whose KV does not fit
-  the GPU are skipped with the reason. Beside the step time: the host time of a step with the GPU
-  work excluded (steps issued one at a time after a synchronisation, not waited for):
+  each layer's attention call on random q/k/v, the same bytes without the model's matmuls), then
+  ``steps`` decode steps at batch 1 / 8 / 32 / 128 queued back to back (tokens/s); configurations
+  whose KV does not fit the GPU are skipped with the reason. Beside the step time: the host time
+  of a step with the GPU work excluded (steps issued one at a time after a synchronisation, not waited for):
   ``begin_forward``, issuing the VM call, ``end_forward``.
 
 Weights: linear layers N(0, 1/fan_in), norms 1; on a GPU drawn by PyTorch on the device and handed
