@@ -261,10 +261,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run(smoke, {"tiny": SMOKE_MODEL}, Device(cuda=False), plan, False, args.json, kv_dtype=args.kv_dtype)
     if args.libs is None:
         parser.error("one of --prepare DIR (here), --libs DIR (GPU host) or --cpu-smoke")
-    os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str((args.libs / "cache").resolve()))  # nvcc's fatbins
-    from relax_kvcache import deploy
-
-    manifest = json.loads((args.libs / MANIFEST).read_text())
+    manifest = read_manifest(args.libs)
     missing = [m for m in args.models if m not in manifest["models"]]
     if missing:
         parser.error(f"{args.libs} holds no libraries for {missing}: run --prepare with --models {' '.join(missing)}")
@@ -276,11 +273,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     plan = _plan(GPU_PLAN, args)
 
     def executables_for(name: str) -> dict:
-        if manifest["models"][name]["config"] != dataclasses.asdict(MODELS[name]):
-            raise SystemExit(f"{name}: the libraries were built for another configuration; run --prepare again")
-        sides = [*SIDES, *(["ours-fp8"] if args.kv_dtype else [])]
-        return {side: deploy.load(str(args.libs / manifest["models"][name][side]), device=device.dev)
-                for side in sides}
+        return load_executables(args.libs, manifest, name, [*SIDES, *(["ours-fp8"] if args.kv_dtype else [])], device)
 
     if args.soak is not None:
         import e2e_soak
@@ -295,6 +288,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"e2e benchmark on {device.describe()}, TVM {tvm.__version__}", flush=True)
     return run(executables_for, {m: MODELS[m] for m in args.models}, device, plan, not args.no_graph, args.json,
                libs=None if args.same_process else args.libs, kv_dtype=args.kv_dtype)
+
+
+def read_manifest(libs: pathlib.Path) -> dict:
+    """The manifest of a folder built by ``--prepare``; its nvcc fatbins become the kernel cache."""
+    os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str((libs / "cache").resolve()))
+    return json.loads((libs / MANIFEST).read_text())
+
+
+def load_executables(libs: pathlib.Path, manifest: dict, name: str, sides: List[str], device: Device) -> dict:
+    """The libraries of model ``name`` for ``sides`` (of :func:`read_manifest`'s folder), loaded
+    on ``device``; SystemExit where they were built for another configuration."""
+    from relax_kvcache import deploy
+
+    if manifest["models"][name]["config"] != dataclasses.asdict(MODELS[name]):
+        raise SystemExit(f"{name}: the libraries were built for another configuration; run --prepare again")
+    return {side: deploy.load(str(libs / manifest["models"][name][side]), device=device.dev) for side in sides}
 
 
 def run_soak(executable, cfg: LlamaConfig, device: Device, plan: Plan, minutes: float, load,

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -126,13 +125,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         executables = {side: e2e_bench._smoke_executable(side) for side in ("ours", "native")}
         context = min(args.context, 100)
     elif args.libs is not None:
-        os.environ.setdefault("RELAX_KVCACHE_CACHE_DIR", str((args.libs / "cache").resolve()))
-        from relax_kvcache import deploy
-
-        manifest = json.loads((args.libs / e2e_bench.MANIFEST).read_text())
+        manifest = e2e_bench.read_manifest(args.libs)
+        if args.model not in manifest["models"]:
+            parser.error(f"{args.libs} holds no libraries for {args.model}: run e2e_bench.py --prepare with "
+                         f"--models {args.model}")
         device, cfg, plan, context = Device(cuda=True), MODELS[args.model], GPU_PLAN, args.context
-        executables = {side: deploy.load(str(args.libs / manifest["models"][args.model][side]), device=device.dev)
-                       for side in ("ours", "native")}
+        executables = e2e_bench.load_executables(args.libs, manifest, args.model, ["ours", "native"], device)
     else:
         parser.error("--libs DIR (GPU host) or --cpu-smoke")
     plan = dataclasses.replace(plan, fill="attention")

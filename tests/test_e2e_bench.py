@@ -159,7 +159,6 @@ def test_plot_series_of_an_e2e_run_are_tokens_per_second_per_side_and_context():
                       "native, 1024": ([1], [250.0])}
 
 
-
 def test_plot_merges_the_contexts_of_one_model_from_several_runs():
     import plot_bench
 
@@ -168,6 +167,7 @@ def test_plot_merges_the_contexts_of_one_model_from_several_runs():
 
     merged = plot_bench.merged_e2e([run("8b", "1024"), run("1b", "1024") + run("8b", "4096")])
     assert [(r["model"], sorted(r["decode"])) for r in merged] == [("8b", ["1024", "4096"]), ("1b", ["1024"])]
+
 
 def test_cpu_smoke_over_8_bit_pages_checks_logits_against_float16_pages_and_times_decode(tmp_path, capsys):
     """``--kv-dtype``: ours over e4m3 pages beside ours over float16 pages: logits on the same
