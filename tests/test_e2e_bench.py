@@ -100,13 +100,13 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
     """The CUDA pipeline of ``frontend.compile`` on the smoke model's build for sm_90a (no GPU needed):
     no weight transposes left (``x @ W.T`` is one matmul reading ``W``), every matmul with a dynamic
     row count chooses at run time between the GEMV kernels of each row bucket and the tiled matmul,
-    and the module generates CUDA."""
+    the tiled matmul runs on tensor cores where its shape allows, and the module generates CUDA."""
     import re
 
     import tvm
 
     import e2e_models
-    from relax_kvcache import frontend
+    from relax_kvcache import frontend, tensor_core_matmul
     from relax_kvcache.build import _pass_config
     from relax_kvcache.targets import make_target
 
@@ -127,11 +127,17 @@ def test_cuda_pipeline_reads_weights_in_place_and_dispatches_decode_matmuls_on_r
     assert len(rows) == 10, sorted(matmuls)
     for name in rows:
         limits = re.findall(r"tvm_thread_invariant\([bnk] <= T\.int64\((\d+)\)\)", matmuls[name].script())
-        assert tuple(map(int, limits)) == frontend.LOW_BATCH_BUCKETS, (name, limits)
+        assert tuple(map(int, limits)) in (frontend.LOW_BATCH_BUCKETS,
+                                           frontend.LOW_BATCH_BUCKETS[:1] + tensor_core_matmul.SMALL_ROWS), (name, limits)
     [source] = e2e_models.cuda_sources(frontend.compile(mod, target).mod)
     kernels = re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(', source)
     assert not [k for k in kernels if "transpose" in k and not k.startswith("relax_kvcache_")]
     assert {"NT_matmul_kernel", "fused_NT_matmul1_add_kernel"} <= set(kernels), kernels
+    bodies = dict(zip(kernels, re.split(r'extern "C" __global__', source)[1:]))
+    tensor_core = sorted(k for k, body in bodies.items() if "NT_matmul" in k and "mma.sync" in body)
+    # qkv (N 128, K 64), gate_up (256, 64) and the vocabulary (256, 64) take the 128 x 128 tile;
+    # o_proj and down (N 64) do not
+    assert len(tensor_core) >= 3, tensor_core
 
 
 @pytest.mark.parametrize("pages", [[], ["--kv-dtype", "float8_e4m3fn"]], ids=["model-dtype", "8-bit"])

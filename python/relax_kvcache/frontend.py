@@ -17,7 +17,7 @@ from tvm import relax as rx
 from tvm.s_tir import dlight as dl
 from tvm.relax.frontend import nn
 
-from . import launch
+from . import launch, tensor_core_matmul
 from .build import AnyKernelSetSpec, _pass_config, kernel_set_spec
 from .config import KV_DTYPE_CODES, AttnKind, KVCacheConfig, RopeMode
 from .errors import ConfigError
@@ -211,8 +211,9 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # n
     the largest values of the entry points' symbolic dimensions, by name, so that TVM plans their
     activations once at those sizes (``tir_var_upper_bound``, as MLC-LLM does) instead of
     allocating per shape at run time; function outputs are still allocated per call. On CUDA
-    the model's matmuls get dlight's schedules without tensor cores (its tensor-core rule crashes
-    in TVM 0.27; docs/troubleshooting.md) unless ``relax_pipeline`` is given."""
+    sm_80 and newer, the model's float16 / bfloat16 matmuls run on tensor cores
+    (:mod:`relax_kvcache.tensor_core_matmul`, float32 accumulation) past one row, as dlight's
+    ``LowBatchGEMV`` for one, unless ``relax_pipeline`` is given (docs/troubleshooting.md)."""
     target = tvm.target.Target(target)
     if upper_bounds:
         bounds = {str(k): int(v) for k, v in upper_bounds.items()}
@@ -226,7 +227,8 @@ def compile(mod: tvm.IRModule, target: Union[str, dict, tvm.target.Target],  # n
 
 
 #: Row counts up to which a matmul whose rows are its one dynamic extent (decode: the batch) runs as
-#: dlight's ``LowBatchGEMV`` padded to that many rows; past the last, dlight's ``Matmul``.
+#: dlight's ``LowBatchGEMV`` padded to that many rows, past the last dlight's ``Matmul``, where our
+#: tensor-core kernel does not apply (where it does, only the first: :func:`_row_dispatch`).
 LOW_BATCH_BUCKETS = (1, 4, 8)
 
 
@@ -234,14 +236,14 @@ def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     """TVM's default CUDA Relax pipeline with the model's matmuls scheduled as MLC-LLM's does:
     ``FuseTransposeMatmul`` makes ``x @ W.T`` one matmul reading ``W`` in place, matmuls with a
     dynamic row count dispatch on it (:func:`_dispatch_rows`), static vector products run as GEMV.
-    ``Matmul`` runs without tensor cores: TVM 0.27's ``MatmulTensorization`` segfaults in
-    ``Tensorize`` under apache-tvm-ffi 0.1.15."""
+    Matmuls get our tensor-core kernel where it applies (:class:`_TensorCoreMatmul`), else dlight's
+    ``Matmul`` without tensor cores (TVM 0.27's ``MatmulTensorization`` fails on these models)."""
     from tvm.relax.backend.cuda import pipeline as cuda
 
     legalize = [rx.transform.FuseTransposeMatmul(), rx.transform.LegalizeOps(),
                 rx.transform.AnnotateTIROpPattern(), rx.transform.FoldConstant(),
                 rx.transform.FuseOps(), rx.transform.FuseTIR(), _dispatch_rows,
-                dl.ApplyDefaultSchedule(_MatmulWithoutTensorCores(), dl.gpu.GEMV(),
+                dl.ApplyDefaultSchedule(_TensorCoreMatmul(), _MatmulWithoutTensorCores(), dl.gpu.GEMV(),
                                         dl.gpu.Reduction(), dl.gpu.GeneralReduction(),
                                         dl.gpu.Fallback())]
 
@@ -257,9 +259,11 @@ def _cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
 
 @tvm.transform.module_pass(opt_level=0, name="DispatchMatmulRows")
 def _dispatch_rows(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-    """Each unscheduled matmul whose one dynamic extent is its row count becomes one kernel per
-    :data:`LOW_BATCH_BUCKETS` entry (``LowBatchGEMV``: each block reads its weight rows once for the
-    bucket's rows) and a ``Matmul`` past the last, chosen at run time on the row count."""
+    """Each unscheduled matmul whose one dynamic extent is its row count becomes kernels chosen at
+    run time on the row count: where our tensor-core kernel applies, ``LowBatchGEMV`` for one row,
+    then the tensor-core tiles for up to each of ``tensor_core_matmul.SMALL_ROWS`` rows (k split)
+    and past them; elsewhere one ``LowBatchGEMV`` per :data:`LOW_BATCH_BUCKETS` entry (each block
+    reads its weight rows once for the bucket's rows), then dlight's ``Matmul``."""
     for gvar, func in list(mod.functions_items()):
         if isinstance(func, tvm.tirx.PrimFunc) and "tirx.is_scheduled" not in func.attrs:
             dispatched = _row_dispatch(func)
@@ -280,9 +284,15 @@ def _row_dispatch(func: tvm.tirx.PrimFunc) -> Optional[tvm.tirx.PrimFunc]:
     if any(f is None for f in low):
         return None
     (rows,) = dims
+    buckets = list(zip(LOW_BATCH_BUCKETS, [f.body for f in low]))
+    tensor_cores = _scheduled(func, _TensorCoreMatmul())
+    if tensor_cores is not None:  # one row: GEMV; then tiles for few rows, k split (tensor_core_matmul)
+        body = tensor_cores
+        buckets = buckets[:1] + [(limit, tensor_core_matmul.schedule(func, limit).body)
+                                 for limit in tensor_core_matmul.SMALL_ROWS]
     body = body.body
-    for limit, f in reversed(list(zip(LOW_BATCH_BUCKETS, low))):
-        body = tvm.tirx.IfThenElse(tvm.tirx.op.tvm_thread_invariant(rows <= limit), f.body, body)
+    for limit, branch in reversed(buckets):
+        body = tvm.tirx.IfThenElse(tvm.tirx.op.tvm_thread_invariant(rows <= limit), branch, body)
     body = tvm.s_tir.SBlockRealize([], True, tvm.s_tir.SBlock([], [], [], "root", body))
     return func.with_body(body).with_attrs({"tirx.is_scheduled": True, "tirx.HoistIfThenElseExprWithBlock": 1})
 
@@ -291,6 +301,19 @@ def _scheduled(func: tvm.tirx.PrimFunc, rule: dl.ScheduleRule) -> Optional[tvm.t
     """``func`` scheduled by ``rule`` (under the current target), or None where it does not apply."""
     func = dl.ApplyDefaultSchedule(rule)(tvm.IRModule({"main": func}))["main"]
     return func if "tirx.is_scheduled" in func.attrs else None
+
+
+class _TensorCoreMatmul(dl.ScheduleRule):
+    """:mod:`relax_kvcache.tensor_core_matmul` on targets with ``mma.sync`` (CUDA sm_80+), for the
+    matmuls it takes (a static row count only past :data:`LOW_BATCH_BUCKETS`' last)."""
+
+    def apply(self, func, target, tunable):  # noqa: D102
+        if not isinstance(func, tvm.tirx.PrimFunc) or not getattr(schedule_for(target), "mma", False):
+            return None
+        mm = tensor_core_matmul.match(func)
+        if mm is None or (isinstance(mm.rows, tvm.tirx.IntImm) and int(mm.rows) <= LOW_BATCH_BUCKETS[-1]):
+            return None
+        return tvm.s_tir.Schedule(tensor_core_matmul.schedule(func))
 
 
 class _MatmulWithoutTensorCores(dl.gpu.Matmul):
