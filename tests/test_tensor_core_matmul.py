@@ -43,9 +43,13 @@ def test_leaves_matmuls_it_cannot_tile(n_out, k, dtype):
     assert _tcm().match(matmul_bench.matmul_func(n_out, k, "none", dtype)) is None
 
 
-def _reversed_epilogue():
-    """A matmul whose epilogue adds a residual read in reverse along the columns."""
+def _hand_written(init: float = 0.0, reversed_residual: bool = False):
+    """A matmul (its sum starting at ``init``) whose epilogue adds a residual, read in reverse along
+    the columns with ``reversed_residual``."""
     from tvm.script import tirx as T
+
+    last = 255 if reversed_residual else 0
+    sign = -1 if reversed_residual else 1
 
     @T.prim_func(private=True, s_tir=True)
     def func(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
@@ -59,14 +63,20 @@ def _reversed_epilogue():
             with T.sblock("NT_matmul"):
                 v0, v1, v2, vk = T.axis.remap("SSSR", [i0, i1, i2, k])
                 with T.init():
-                    mm[v0, v1, v2] = T.float16(0)
+                    mm[v0, v1, v2] = T.float16(init)
                 mm[v0, v1, v2] = mm[v0, v1, v2] + x[v0, v1, vk] * w[v2, vk]
         for i0, i1, i2 in T.grid(T.int64(1), n, T.int64(256)):
             with T.sblock("T_add"):
                 v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
-                out[v0, v1, v2] = mm[v0, v1, v2] + res[v0, v1, T.int64(255) - v2]
+                out[v0, v1, v2] = mm[v0, v1, v2] + res[v0, v1, T.int64(last) + T.int64(sign) * v2]
 
     return func
+
+
+def test_leaves_sums_not_starting_at_zero():
+    tcm = _tcm()
+    assert tcm.match(_hand_written()) is not None
+    assert tcm.match(_hand_written(init=1.0)) is None
 
 
 def test_takes_a_broadcast_bias_and_leaves_reads_at_other_indices():
@@ -74,7 +84,7 @@ def test_takes_a_broadcast_bias_and_leaves_reads_at_other_indices():
     from tvm import relax as rx
 
     tcm = _tcm()
-    assert tcm.match(_reversed_epilogue()) is None
+    assert tcm.match(_hand_written(reversed_residual=True)) is None
 
     bb = rx.BlockBuilder()
     n = tvm.tirx.Var("n", "int64")

@@ -80,6 +80,8 @@ def match(func: tvm.tirx.PrimFunc) -> Optional[NTMatmul]:
     if len(dynamic) != 1 or any(not _is_one(e) for i, e in enumerate(c.shape[:-1]) if i != dynamic[0]):
         return None
     params = [p for p in func.params if isinstance(p.ty, tvm.tirx.BufferType)]
+    if not (_among(a, params) and _among(w, params)):
+        return None
     if len(blocks) == 1:
         if not _among(c, params):
             return None
@@ -113,7 +115,7 @@ def _blocks(func: tvm.tirx.PrimFunc) -> List[tvm.s_tir.SBlock]:
 def _match_matmul(block: tvm.s_tir.SBlock):
     """``(a, w, c, spatial vars)`` of a block ``c[s..., n] = c[s..., n] + a[s..., k] * w[n, k]``."""
     iters = block.iter_vars
-    if block.init is None or len(iters) < 2 or iters[-1].iter_type != tvm.tirx.IterVar.CommReduce:
+    if not _zero_init(block) or len(iters) < 2 or iters[-1].iter_type != tvm.tirx.IterVar.CommReduce:
         return None
     if any(it.iter_type != tvm.tirx.IterVar.DataPar for it in iters[:-1]):
         return None
@@ -133,6 +135,13 @@ def _match_matmul(block: tvm.s_tir.SBlock):
     return lhs.source, rhs.source, store.buffer, spatial
 
 
+def _zero_init(block: tvm.s_tir.SBlock) -> bool:
+    """Whether ``block`` starts its reduction at zero."""
+    init = block.init
+    return (isinstance(init, tvm.tirx.BufferStore) and isinstance(init.value, (tvm.tirx.IntImm, tvm.tirx.FloatImm))
+            and float(init.value.value) == 0.0)
+
+
 def _indices_are(indices, variables) -> bool:
     return len(indices) == len(variables) and all(i.same_as(v) for i, v in zip(indices, variables))
 
@@ -144,7 +153,8 @@ def _match_epilogue(block: tvm.s_tir.SBlock, c: tvm.tirx.Buffer, params):
     store = block.body
     if (block.init is not None or any(it.iter_type != tvm.tirx.IterVar.DataPar for it in block.iter_vars)
             or not isinstance(store, tvm.tirx.BufferStore) or not _among(store.buffer, params)
-            or not _indices_are(store.indices, iters) or len(iters) != len(c.shape)):
+            or not _indices_are(store.indices, iters) or len(iters) != len(c.shape)
+            or not all(_same_extent(it.dom.extent, e) for it, e in zip(block.iter_vars, c.shape))):
         return None
     if _rebuild(store.value, lambda ld: _elementwise_load(ld, iters, c, params)) is None:
         return None
@@ -157,6 +167,13 @@ def _match_epilogue(block: tvm.s_tir.SBlock, c: tvm.tirx.Buffer, params):
         return _rebuild(store.value, load)
 
     return store.buffer, fn
+
+
+def _same_extent(x, y) -> bool:
+    """Whether extents ``x`` and ``y`` are the same constant or the same variable."""
+    if isinstance(x, tvm.tirx.IntImm) and isinstance(y, tvm.tirx.IntImm):
+        return int(x) == int(y)
+    return x.same_as(y)
 
 
 def _elementwise_load(ld, iters, c: tvm.tirx.Buffer, params):
