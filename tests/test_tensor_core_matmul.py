@@ -161,3 +161,22 @@ def test_results_agree_with_float64_on_the_gpu(rows):
         assert not np.isnan(got).any(), case["case"]
         err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err <= matmul_bench.TOLERANCE, (case["case"], rows, err)
+
+
+@pytest.mark.parametrize("n_out, k", [(2048, 8192), (4096, 14336), (6144, 4096), (128256, 2048)])
+def test_split_tiles_all_take_one_workspace_size(n_out, k):
+    """Every k-split tile asks TVM's workspace pool for the same number of bytes, whatever the
+    matmul's shape (the pool frees and reallocates a page that is too small, which would leave
+    CUDA graphs captured on the old page reading freed memory), and it is large enough."""
+    tcm = _tcm()
+    func = matmul_bench.matmul_func(n_out, k, "add", "float16")
+    mm = tcm.match(func)
+    for rows in tcm.SMALL_ROWS:
+        tile = tcm.small_tile(rows, mm)
+        script = tcm.schedule(func, rows).script()
+        allocs = [line for line in script.splitlines() if "sblock_alloc_buffer" in line and "scope=" not in line]
+        if tile.splits > 1:
+            assert tile.splits * rows * n_out <= tcm.WORKSPACE_FLOATS
+            assert len(allocs) == 1 and f"({tcm.WORKSPACE_FLOATS},)" in allocs[0], allocs
+        else:
+            assert not allocs, allocs

@@ -215,15 +215,16 @@ def _rebuild(expr, load: Callable[[tvm.tirx.BufferLoad], Optional[tvm.tirx.PrimE
 @dataclasses.dataclass(frozen=True)
 class MatmulTile:
     """A block's tile: ``rows`` x ``cols`` of C over ``warps_m`` x ``warps_n`` warps, and the
-    number of parts k is split into (``splits`` > 1: each part's float32 sums go to a workspace,
-    which a second kernel adds up before the epilogue; for few rows, where the column tiles alone
-    leave most SMs idle)."""
+    number of parts k is split into (``splits`` > 1: for at most ``max_rows`` rows, where the
+    column tiles alone leave most SMs idle; each part's float32 sums go to a workspace of
+    :data:`WORKSPACE_FLOATS`, which a second kernel adds up before the epilogue)."""
 
     rows: int
     cols: int = COLS
     warps_m: int = 2
     warps_n: int = 2
     splits: int = 1
+    max_rows: int = 0
 
     @property
     def threads(self) -> int:
@@ -245,6 +246,11 @@ LARGE_TILE = MatmulTile(rows=128)
 SMALL_ROWS = (32, 128)
 #: Blocks a split tile aims at: about one wave of a large GPU (132 SMs on an H100 / H200).
 WAVE_BLOCKS = 132
+#: Floats of every split tile's workspace, whatever its shape: enough for any split
+#: :func:`small_tile` makes (splits x columns <= WAVE_BLOCKS x 128 / m tiles). One size for all, so
+#: that TVM's workspace pool, which frees and reallocates a page that is too small, keeps giving
+#: the same page: CUDA graphs captured on it stay valid.
+WORKSPACE_FLOATS = WAVE_BLOCKS * COLS * 64
 
 
 def small_tile(rows: int, mm: NTMatmul) -> MatmulTile:
@@ -256,7 +262,7 @@ def small_tile(rows: int, mm: NTMatmul) -> MatmulTile:
     splits = max(1, min(WAVE_BLOCKS // blocks, int(mm.w.shape[1]) // BK // 4))
     if splits == 1 and tile.rows > 32:  # enough column tiles: the large tile is faster
         return LARGE_TILE
-    return dataclasses.replace(tile, splits=splits)
+    return dataclasses.replace(tile, splits=splits, max_rows=rows)
 
 
 def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
@@ -265,6 +271,8 @@ def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
     a, w, out, dtype = mm.a, mm.w, mm.out, mm.a.dtype
     K, N = int(w.shape[1]), int(w.shape[0])
     BM, BN, NT, S = tile.rows, tile.cols, tile.threads, tile.splits
+    if S > 1 and S * tile.max_rows * N > WORKSPACE_FLOATS:
+        raise ValueError(f"{tile} needs {S * tile.max_rows * N} workspace floats, over {WORKSPACE_FLOATS}")
     WM, WN, WR, WC = tile.m_tiles, tile.n_tiles, BM // tile.warps_m, BN // tile.warps_n
     KT, NVEC = K // BK, BK // 8  # k slices; 16-byte pieces of a slice row
     mma, ldmatrix = mma_m16n8k16(dtype), ldmatrix_x4(dtype)
@@ -361,7 +369,7 @@ def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
 
     @T.prim_func(private=True, s_tir=True, check_well_formed=False)
     def split():
-        ws = T.sblock_alloc_buffer((S, rows, N), "float32")
+        ws = T.sblock_alloc_buffer((WORKSPACE_FLOATS,), "float32")
         for by in T.thread_binding((rows + BM - 1) // BM, thread="blockIdx.y"):
             for bx in T.thread_binding(N // BN, thread="blockIdx.x"):
                 for bz in T.thread_binding(S, thread="blockIdx.z"):
@@ -378,8 +386,8 @@ def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
                                     for e in T.unroll(4):
                                         r: T.let[T.int32] = row_of(m0, T.Cast("int32", tx), mi, e)
                                         if r < rows:
-                                            ws[T.Cast("int32", bz), r, col_of(n0, T.Cast("int32", tx), ni, e)] = \
-                                                acc[(mi * WN + ni) * 4 + e]
+                                            ws[(T.Cast("int32", bz) * rows + r) * N
+                                               + col_of(n0, T.Cast("int32", tx), ni, e)] = acc[(mi * WN + ni) * 4 + e]
         for bx in T.thread_binding((rows * N + 255) // 256, thread="blockIdx.x"):
             for tx in T.thread_binding(256, thread="threadIdx.x"):
                 with T.sblock("tensor_core_matmul_sum"):
@@ -388,9 +396,9 @@ def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
                     total = T.sblock_alloc_buffer((1,), "float32", scope="local")
                     i: T.let[T.int32] = T.Cast("int32", bx) * 256 + T.Cast("int32", tx)
                     if i < rows * N:
-                        total[0] = ws[0, i // N, i % N]
+                        total[0] = ws[i]
                         for part in T.unroll(1, S):
-                            total[0] = total[0] + ws[part, i // N, i % N]
+                            total[0] = total[0] + ws[part * rows * N + i]
                         store(total[0], i // N, i % N)
 
     return (single if S == 1 else split).body
