@@ -348,60 +348,61 @@ def kernel_body(mm: NTMatmul, tile: MatmulTile = LARGE_TILE) -> tvm.tirx.Stmt:
     def col_of(n0, tx, ni, e):
         return n0 + tx // 32 % tile.warps_n * WC + ni * 8 + tx % 4 * 2 + e % 2
 
-    @T.prim_func(private=True, s_tir=True, check_well_formed=False)
-    def single():
-        for by in T.thread_binding((rows + BM - 1) // BM, thread="blockIdx.y"):
-            for bx in T.thread_binding(N // BN, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    with T.sblock("tensor_core_matmul"):
-                        T.reads()
-                        T.writes()
-                        acc = T.sblock_alloc_buffer((WM * WN * 4,), "float32", scope="local")
-                        m0: T.let[T.int32] = T.Cast("int32", by) * BM
-                        n0: T.let[T.int32] = T.Cast("int32", bx) * BN
-                        tile_sums(acc, 0, m0, n0, T.Cast("int32", tx))
-                        for mi in T.unroll(WM):
-                            for ni in T.unroll(WN):
-                                for e in T.unroll(4):
-                                    r: T.let[T.int32] = row_of(m0, T.Cast("int32", tx), mi, e)
-                                    if r < rows:
-                                        store(acc[(mi * WN + ni) * 4 + e], r, col_of(n0, T.Cast("int32", tx), ni, e))
+    @T.macro
+    def block_tile(part, by, bx, tx, ws):
+        """This block's tile over k part ``part``: through the epilogue into ``out`` (one part), or
+        as float32 sums into the workspace ``ws`` (several; None with one)."""
+        acc = T.sblock_alloc_buffer((WM * WN * 4,), "float32", scope="local")
+        m0: T.let[T.int32] = by * BM
+        n0: T.let[T.int32] = bx * BN
+        tile_sums(acc, part, m0, n0, tx)
+        for mi in T.unroll(WM):
+            for ni in T.unroll(WN):
+                for e in T.unroll(4):
+                    r: T.let[T.int32] = row_of(m0, tx, mi, e)
+                    if r < rows:
+                        if ws is None:
+                            store(acc[(mi * WN + ni) * 4 + e], r, col_of(n0, tx, ni, e))
+                        else:
+                            ws[(part * rows + r) * N + col_of(n0, tx, ni, e)] = acc[(mi * WN + ni) * 4 + e]
 
-    @T.prim_func(private=True, s_tir=True, check_well_formed=False)
-    def split():
-        ws = T.sblock_alloc_buffer((WORKSPACE_FLOATS,), "float32")
-        for by in T.thread_binding((rows + BM - 1) // BM, thread="blockIdx.y"):
-            for bx in T.thread_binding(N // BN, thread="blockIdx.x"):
-                for bz in T.thread_binding(S, thread="blockIdx.z"):
+    if S == 1:  # only the kernel used is parsed
+        @T.prim_func(private=True, s_tir=True, check_well_formed=False)
+        def kernel():
+            for by in T.thread_binding((rows + BM - 1) // BM, thread="blockIdx.y"):
+                for bx in T.thread_binding(N // BN, thread="blockIdx.x"):
                     for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        with T.sblock("tensor_core_matmul_part"):
+                        with T.sblock("tensor_core_matmul"):
                             T.reads()
                             T.writes()
-                            acc = T.sblock_alloc_buffer((WM * WN * 4,), "float32", scope="local")
-                            m0: T.let[T.int32] = T.Cast("int32", by) * BM
-                            n0: T.let[T.int32] = T.Cast("int32", bx) * BN
-                            tile_sums(acc, T.Cast("int32", bz), m0, n0, T.Cast("int32", tx))
-                            for mi in T.unroll(WM):
-                                for ni in T.unroll(WN):
-                                    for e in T.unroll(4):
-                                        r: T.let[T.int32] = row_of(m0, T.Cast("int32", tx), mi, e)
-                                        if r < rows:
-                                            ws[(T.Cast("int32", bz) * rows + r) * N
-                                               + col_of(n0, T.Cast("int32", tx), ni, e)] = acc[(mi * WN + ni) * 4 + e]
-        for bx in T.thread_binding((rows * N + 255) // 256, thread="blockIdx.x"):
-            for tx in T.thread_binding(256, thread="threadIdx.x"):
-                with T.sblock("tensor_core_matmul_sum"):
-                    T.reads()
-                    T.writes()
-                    total = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                    i: T.let[T.int32] = T.Cast("int32", bx) * 256 + T.Cast("int32", tx)
-                    if i < rows * N:
-                        total[0] = ws[i]
-                        for part in T.unroll(1, S):
-                            total[0] = total[0] + ws[part * rows * N + i]
-                        store(total[0], i // N, i % N)
+                            block_tile(0, T.Cast("int32", by), T.Cast("int32", bx), T.Cast("int32", tx), None)
+    else:
+        @T.prim_func(private=True, s_tir=True, check_well_formed=False)
+        def kernel():
+            ws = T.sblock_alloc_buffer((WORKSPACE_FLOATS,), "float32")
+            for by in T.thread_binding((rows + BM - 1) // BM, thread="blockIdx.y"):
+                for bx in T.thread_binding(N // BN, thread="blockIdx.x"):
+                    for bz in T.thread_binding(S, thread="blockIdx.z"):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            with T.sblock("tensor_core_matmul_part"):
+                                T.reads()
+                                T.writes()
+                                block_tile(T.Cast("int32", bz), T.Cast("int32", by), T.Cast("int32", bx),
+                                           T.Cast("int32", tx), ws)
+            for bx in T.thread_binding((rows * N + 255) // 256, thread="blockIdx.x"):
+                for tx in T.thread_binding(256, thread="threadIdx.x"):
+                    with T.sblock("tensor_core_matmul_sum"):
+                        T.reads()
+                        T.writes()
+                        total = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        i: T.let[T.int32] = T.Cast("int32", bx) * 256 + T.Cast("int32", tx)
+                        if i < rows * N:
+                            total[0] = ws[i]
+                            for part in T.unroll(1, S):
+                                total[0] = total[0] + ws[part * rows * N + i]
+                            store(total[0], i // N, i % N)
 
-    return (single if S == 1 else split).body
+    return kernel.body
 
 
 def schedule(func: tvm.tirx.PrimFunc, rows: Optional[int] = None) -> Optional[tvm.tirx.PrimFunc]:
