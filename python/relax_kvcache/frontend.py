@@ -277,19 +277,20 @@ def _row_dispatch(func: tvm.tirx.PrimFunc) -> Optional[tvm.tirx.PrimFunc]:
             if isinstance(d, tvm.tirx.Var)}
     if len(dims) != 1:
         return None
-    body = _scheduled(func, _MatmulWithoutTensorCores())  # None for all but matmuls: tried first
+    # None for all but matmuls: tried first
+    tensor_cores = _scheduled(func, _TensorCoreMatmul())
+    body = tensor_cores or _scheduled(func, _MatmulWithoutTensorCores())
     if body is None:
         return None
-    low = [_scheduled(func, dl.gpu.LowBatchGEMV(rows)) for rows in LOW_BATCH_BUCKETS]
+    # with tensor cores: GEMV for one row, then tiles for few rows, k split (tensor_core_matmul)
+    gemv_rows = LOW_BATCH_BUCKETS[:1] if tensor_cores is not None else LOW_BATCH_BUCKETS
+    low = [_scheduled(func, dl.gpu.LowBatchGEMV(rows)) for rows in gemv_rows]
     if any(f is None for f in low):
         return None
     (rows,) = dims
-    buckets = list(zip(LOW_BATCH_BUCKETS, [f.body for f in low]))
-    tensor_cores = _scheduled(func, _TensorCoreMatmul())
-    if tensor_cores is not None:  # one row: GEMV; then tiles for few rows, k split (tensor_core_matmul)
-        body = tensor_cores
-        buckets = buckets[:1] + [(limit, tensor_core_matmul.schedule(func, limit).body)
-                                 for limit in tensor_core_matmul.SMALL_ROWS]
+    buckets = list(zip(gemv_rows, [f.body for f in low]))
+    if tensor_cores is not None:
+        buckets += [(limit, tensor_core_matmul.schedule(func, limit).body) for limit in tensor_core_matmul.SMALL_ROWS]
     body = body.body
     for limit, branch in reversed(buckets):
         body = tvm.tirx.IfThenElse(tvm.tirx.op.tvm_thread_invariant(rows <= limit), branch, body)
